@@ -1,0 +1,356 @@
+"""Typed job configuration: nested dataclasses, loaded from TOML and overridden with ``--section.key=value``.
+
+Every field carries a one-line docstring. Checks that involve more than one field live in
+:meth:`JobConfig.validate` (static checks) and :func:`resolve_batch` (checks that need the world size), and they
+raise :class:`ConfigError` naming the option to change and the values that were given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_type_hints
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A user error in the configuration. The message's first line names the option and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    """The reference decoder-only model (Llama-style block: RMSNorm, RoPE, SwiGLU, SDPA)."""
+
+    name: str = "tiny"
+    """Named size: tiny, small, 124m, 350m, 1b. Fields left at 0 take the named size's value."""
+    dim: int = 0
+    """Hidden size."""
+    n_layers: int = 0
+    """Number of transformer blocks."""
+    n_heads: int = 0
+    """Attention heads."""
+    n_kv_heads: int = 0
+    """Key/value heads (grouped-query attention); 0 means n_heads."""
+    ffn_dim: int = 0
+    """Hidden width of the SwiGLU MLP; 0 derives it from dim."""
+    vocab_size: int = 0
+    """Embedding rows. Byte-level corpora use tokens 0..255; larger sizes only pad the embedding."""
+    seq_len: int = 0
+    """Tokens per sample (context length)."""
+    dropout: float = 0.0
+    """Dropout probability on attention output and MLP output."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    tie_embeddings: bool = True
+    """Share the token embedding with the output projection."""
+
+
+@dataclass
+class DataConfig:
+    """Where the tokens come from."""
+
+    source: str = "stdlib"
+    """'stdlib' (the Python standard library's source, byte-level), a text file or folder, or a token file."""
+    format: str = "auto"
+    """'auto', 'text' (bytes as tokens) or 'tokens' (a flat uint16/uint32 array, memory-mapped)."""
+    token_dtype: str = "uint16"
+    """dtype of a token file: uint16 or uint32."""
+    val_fraction: float = 0.02
+    """Share of the corpus held out for validation (by file for text, by tail for token files)."""
+    max_bytes: int = 0
+    """Read at most this many bytes of a text corpus (0 = all); keeps CPU runs short."""
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation loop."""
+
+    steps: int = 200
+    """Optimizer steps to run."""
+    micro_batch: int = 8
+    """Samples per micro-batch on each data-parallel rank (B_local)."""
+    global_batch: int = 0
+    """Samples per optimizer step over all ranks (B_global); 0 means micro_batch x dp ranks x grad_accum."""
+    grad_accum: int = 0
+    """Micro-batches per optimizer step (A); 0 derives it from global_batch, or 1."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    min_lr: float = 3e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 20
+    """Linear warm-up steps."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (not applied to norms and biases)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables."""
+    seed: int = 1234
+    """Base seed. Data order depends only on it and the epoch; rank r's streams use seed + r."""
+    deterministic: bool = False
+    """Use deterministic algorithms only (slower; torch.use_deterministic_algorithms)."""
+    dtype: str = "auto"
+    """Compute dtype: auto (bf16 on GPU, fp32 on CPU), fp32 or bf16."""
+    compile: bool = False
+    """torch.compile the model blocks."""
+    eval_every: int = 50
+    """Evaluate on the validation split every N steps (0 disables)."""
+    eval_batches: int = 8
+    """Micro-batches per rank in one evaluation."""
+    log_every: int = 10
+    """Print and record metrics every N steps."""
+    fused_optimizer: bool = True
+    """Use the fused AdamW kernel where the device has one."""
+
+
+@dataclass
+class ParallelConfig:
+    """How ranks are arranged on the device mesh. Degrees of -1 are inferred from the world size."""
+
+    dp_replicate: int = -1
+    """Data-parallel replicas (DDP, or the replicate dimension of HSDP)."""
+    dp_shard: int = 1
+    """FSDP2 shard degree (1 = no sharding)."""
+    tp: int = 1
+    """Tensor-parallel degree (innermost, inside a node)."""
+    pp: int = 1
+    """Pipeline stages (outermost, across nodes)."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b or interleaved1f1b."""
+    pp_microbatches: int = 0
+    """Pipeline micro-batches per step; 0 means one per pipeline stage times two."""
+    pp_virtual_stages: int = 2
+    """Stages per rank for interleaved1f1b."""
+    sequence_parallel: bool = False
+    """Shard norms and dropout along the sequence in TP regions."""
+    activation_checkpoint: str = "none"
+    """none, selective or full."""
+    allow_tp_across_nodes: bool = False
+    """Permit tp larger than the GPUs of one node."""
+
+
+@dataclass
+class DistConfig:
+    """Process group and device."""
+
+    backend: str = "auto"
+    """auto (nccl with CUDA, else gloo), nccl or gloo."""
+    device: str = "auto"
+    """auto, cpu or cuda."""
+    init_timeout_s: float = 120.0
+    """Seconds to wait for every rank at the first contact before failing with the address tried."""
+    timeout_s: float = 600.0
+    """Collective timeout during training; a hang fails after this with the rank named."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Sharded checkpoints."""
+
+    dir: str = ""
+    """Checkpoint folder; empty means <run.dir>/checkpoints."""
+    interval_steps: int = 0
+    """Save every N steps (0 = only by time or at the end)."""
+    interval_minutes: float = 0.0
+    """Save when this many minutes have passed since the last save (0 = off)."""
+    keep_last: int = 3
+    """Keep the newest K complete checkpoints."""
+    keep_every: int = 0
+    """Also keep every checkpoint whose step is a multiple of N (0 = off)."""
+    resume: str = "auto"
+    """auto (newest valid), none, or a checkpoint path."""
+    strict: bool = False
+    """Refuse to fall back to an older checkpoint when the newest one is damaged."""
+    async_save: bool = False
+    """Stage to CPU and write in the background."""
+    final: bool = True
+    """Save on normal exit and on SIGTERM."""
+
+
+@dataclass
+class RunConfig:
+    """Where results go."""
+
+    dir: str = "runs/default"
+    """Run folder: resolved config, metrics.jsonl, rank logs, checkpoints."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files (needs the tensorboard package)."""
+    progress: str = "auto"
+    """auto (a live bar on a terminal, log lines otherwise), bar, or lines."""
+
+
+@dataclass
+class JobConfig:
+    """The whole job."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def validate(self) -> None:
+        """Static checks of fields against each other; raises ConfigError naming the option."""
+        _check_choice("train.dtype", self.train.dtype, ("auto", "fp32", "bf16"))
+        _check_choice("dist.backend", self.dist.backend, ("auto", "nccl", "gloo"))
+        _check_choice("dist.device", self.dist.device, ("auto", "cpu", "cuda"))
+        _check_choice("data.format", self.data.format, ("auto", "text", "tokens"))
+        _check_choice("data.token_dtype", self.data.token_dtype, ("uint16", "uint32"))
+        _check_choice("parallel.pp_schedule", self.parallel.pp_schedule, ("gpipe", "1f1b", "interleaved1f1b"))
+        _check_choice("parallel.activation_checkpoint", self.parallel.activation_checkpoint,
+                      ("none", "selective", "full"))
+        _check_choice("run.progress", self.run.progress, ("auto", "bar", "lines"))
+        for name in ("steps", "micro_batch"):
+            if getattr(self.train, name) < 1:
+                raise ConfigError(f"train.{name} must be >= 1, got {getattr(self.train, name)}")
+        for name in ("global_batch", "grad_accum", "eval_every", "eval_batches"):
+            if getattr(self.train, name) < 0:
+                raise ConfigError(f"train.{name} must be >= 0, got {getattr(self.train, name)}")
+        if self.train.log_every < 1:
+            raise ConfigError(f"train.log_every must be >= 1, got {self.train.log_every}")
+        if not 0.0 <= self.data.val_fraction < 1.0:
+            raise ConfigError(f"data.val_fraction must be in [0, 1), got {self.data.val_fraction}")
+        if not 0.0 <= self.model.dropout < 1.0:
+            raise ConfigError(f"model.dropout must be in [0, 1), got {self.model.dropout}")
+        if self.dist.init_timeout_s <= 0 or self.dist.timeout_s <= 0:
+            raise ConfigError("dist.init_timeout_s and dist.timeout_s must be > 0, got "
+                              f"{self.dist.init_timeout_s} and {self.dist.timeout_s}")
+        if self.checkpoint.keep_last < 1:
+            raise ConfigError(f"checkpoint.keep_last must be >= 1, got {self.checkpoint.keep_last}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_toml(self) -> str:
+        lines = []
+        for section, values in self.to_dict().items():
+            lines.append(f"[{section}]")
+            lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items())
+            lines.append("")
+        return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return json.dumps(value)
+
+
+def _check_choice(option: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{option}={value!r} is not one of {', '.join(choices)}")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
+    """Defaults, then the TOML file, then ``section.key=value`` overrides; validated."""
+    config = JobConfig()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"--config {path}: no such file")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"--config {path}: not valid TOML ({exc})") from None
+        for section, values in data.items():
+            if not isinstance(values, dict):
+                raise ConfigError(f"--config {path}: top-level key {section!r} must be a [section] table")
+            for key, value in values.items():
+                set_option(config, f"{section}.{key}", value)
+    for item in overrides or []:
+        key, sep, value = item.lstrip("-").partition("=")
+        if not sep:
+            raise ConfigError(f"override {item!r} must look like --section.key=value")
+        set_option(config, key, value)
+    config.validate()
+    return config
+
+
+def set_option(config: JobConfig, dotted: str, value: Any) -> None:
+    """Set ``section.key`` on ``config``, converting strings to the field's type."""
+    section_name, _, key = dotted.partition(".")
+    sections = {f.name: f for f in dataclasses.fields(config)}
+    if section_name not in sections or not key:
+        raise ConfigError(f"unknown config option {dotted!r}{_suggest(section_name, sections)}; "
+                          f"sections are {', '.join(sections)}")
+    section = getattr(config, section_name)
+    hints = get_type_hints(type(section))
+    if key not in hints:
+        raise ConfigError(f"unknown config option {dotted!r}{_suggest(key, hints, prefix=section_name + '.')}")
+    setattr(section, key, _convert(dotted, value, hints[key]))
+
+
+def _suggest(name: str, known: Any, prefix: str = "") -> str:
+    close = difflib.get_close_matches(name, list(known), n=1)
+    return f" (did you mean {prefix}{close[0]!r}?)" if close else ""
+
+
+def _convert(option: str, value: Any, kind: Any) -> Any:
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{option}={value!r} is not a boolean; use true or false")
+    if kind in (int, float):
+        if isinstance(value, bool):
+            raise ConfigError(f"{option}={value!r} must be a {kind.__name__}")
+        try:
+            return kind(value) if kind is float or isinstance(value, int) else int(str(value), 0)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{option}={value!r} is not a valid {kind.__name__}") from None
+    return str(value)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """The seeds' global batch: B_global = B_local x G x N x A, where G x N is the number of dp ranks."""
+
+    micro_batch: int
+    dp_size: int
+    grad_accum: int
+    global_batch: int
+    seq_len: int
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+
+def resolve_batch(train: TrainConfig, *, dp_size: int, seq_len: int) -> BatchPlan:
+    """Derive grad accumulation from global_batch (or the reverse); refuse combinations that do not divide."""
+    per_step = train.micro_batch * dp_size
+    if train.global_batch:
+        if train.global_batch % per_step:
+            raise ConfigError(
+                f"train.global_batch={train.global_batch} is not divisible by train.micro_batch={train.micro_batch} "
+                f"x {dp_size} data-parallel ranks = {per_step}; choose a global_batch that is a multiple of "
+                f"{per_step} or change train.micro_batch")
+        accum = train.global_batch // per_step
+        if train.grad_accum and train.grad_accum != accum:
+            raise ConfigError(
+                f"train.grad_accum={train.grad_accum} contradicts train.global_batch={train.global_batch} = "
+                f"{train.micro_batch} x {dp_size} ranks x {accum}; set only one of them")
+    else:
+        accum = train.grad_accum or 1
+    return BatchPlan(micro_batch=train.micro_batch, dp_size=dp_size, grad_accum=accum,
+                     global_batch=per_step * accum, seq_len=seq_len)

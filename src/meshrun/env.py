@@ -1,0 +1,194 @@
+"""The one place that reads the process layout from the environment.
+
+Every other module asks a :class:`ClusterEnv` for ranks, nodes and the master address; none of them reads
+``RANK``/``LOCAL_RANK``/``SLURM_*`` itself. Three sources are understood, tried in this order:
+
+* torchrun / ``meshrun launch`` (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``)
+* SLURM ``srun`` with one task per GPU (``SLURM_PROCID``, ``SLURM_LOCALID``, ``SLURM_NTASKS``, ...)
+* a plain single process
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Mapping
+
+DEFAULT_MASTER_PORT = 29500
+
+
+@dataclass(frozen=True)
+class ClusterEnv:
+    """Process layout of this process within the job."""
+
+    rank: int
+    """Global rank, 0..world_size-1."""
+    local_rank: int
+    """Index of this process on its node; selects the GPU."""
+    world_size: int
+    """Number of processes in the job."""
+    local_world_size: int
+    """Number of processes on this node."""
+    node_rank: int
+    """Index of this node, 0..num_nodes-1."""
+    num_nodes: int
+    """Number of nodes in the job."""
+    master_addr: str
+    """Host that serves the rendezvous store."""
+    master_port: int
+    """TCP port of the rendezvous store."""
+    source: str
+    """Where the layout came from: 'torchrun', 'slurm' or 'single'."""
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.source != "single"
+
+    @property
+    def is_rank_zero(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def restart_count(self) -> int:
+        """How often torchrun's agent restarted this worker group (0 on first start)."""
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+    def validate(self) -> None:
+        """Raise a ValueError naming the variable when the layout is inconsistent."""
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"{self.source}: rank {self.rank} is outside world size {self.world_size}; "
+                             "check RANK/WORLD_SIZE (or SLURM_PROCID/SLURM_NTASKS).")
+        if not 0 <= self.local_rank < self.local_world_size:
+            raise ValueError(f"{self.source}: local rank {self.local_rank} is outside local world size "
+                             f"{self.local_world_size}; check LOCAL_RANK/LOCAL_WORLD_SIZE.")
+        if not 0 <= self.node_rank < self.num_nodes:
+            raise ValueError(f"{self.source}: node rank {self.node_rank} is outside {self.num_nodes} nodes; "
+                             "check GROUP_RANK/--node-rank (or SLURM_NODEID/SLURM_NNODES).")
+
+    @classmethod
+    def detect(cls, environ: Mapping[str, str] | None = None) -> "ClusterEnv":
+        """Read the layout from ``environ`` (default: ``os.environ``)."""
+        environ = os.environ if environ is None else environ
+        if "RANK" in environ and "WORLD_SIZE" in environ:
+            env = _from_torchrun(environ)
+        elif "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ and environ.get("SLURM_NTASKS") != "1":
+            env = _from_slurm(environ)
+        else:
+            env = ClusterEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, num_nodes=1,
+                             master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
+                             master_port=int(environ.get("MASTER_PORT", DEFAULT_MASTER_PORT)), source="single")
+        env.validate()
+        return env
+
+    def export(self) -> dict[str, str]:
+        """The torchrun variables that ``init_process_group(init_method='env://')`` needs."""
+        return {"RANK": str(self.rank), "LOCAL_RANK": str(self.local_rank), "WORLD_SIZE": str(self.world_size),
+                "LOCAL_WORLD_SIZE": str(self.local_world_size), "GROUP_RANK": str(self.node_rank),
+                "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port)}
+
+
+def _int(environ: Mapping[str, str], name: str, default: int | None = None) -> int:
+    value = environ.get(name)
+    if value is None:
+        if default is None:
+            raise ValueError(f"environment variable {name} is not set")
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def _from_torchrun(environ: Mapping[str, str]) -> ClusterEnv:
+    world_size = _int(environ, "WORLD_SIZE")
+    local_world_size = _int(environ, "LOCAL_WORLD_SIZE", 1)
+    # torchrun sets GROUP_RANK to the agent's rank, which is the node rank for one agent per node.
+    node_rank = _int(environ, "GROUP_RANK", _int(environ, "NODE_RANK", 0))
+    num_nodes = _int(environ, "GROUP_WORLD_SIZE", max(1, world_size // max(1, local_world_size)))
+    return ClusterEnv(rank=_int(environ, "RANK"), local_rank=_int(environ, "LOCAL_RANK", 0), world_size=world_size,
+                      local_world_size=local_world_size, node_rank=node_rank, num_nodes=num_nodes,
+                      master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
+                      master_port=_int(environ, "MASTER_PORT", DEFAULT_MASTER_PORT), source="torchrun")
+
+
+def _from_slurm(environ: Mapping[str, str]) -> ClusterEnv:
+    nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+    if not nodelist:
+        raise ValueError("SLURM: SLURM_JOB_NODELIST is not set, so the master address is unknown; "
+                         "run under srun or set MASTER_ADDR.")
+    world_size = _int(environ, "SLURM_NTASKS")
+    num_nodes = _int(environ, "SLURM_NNODES", _int(environ, "SLURM_JOB_NUM_NODES", 1))
+    tasks_per_node = environ.get("SLURM_NTASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE", "")
+    local_world_size = _parse_tasks_per_node(tasks_per_node) or max(1, world_size // num_nodes)
+    master = environ.get("MASTER_ADDR") or expand_nodelist(nodelist)[0]
+    port = _int(environ, "MASTER_PORT", _slurm_default_port(environ))
+    return ClusterEnv(rank=_int(environ, "SLURM_PROCID"), local_rank=_int(environ, "SLURM_LOCALID", 0),
+                      world_size=world_size, local_world_size=local_world_size,
+                      node_rank=_int(environ, "SLURM_NODEID", 0), num_nodes=num_nodes,
+                      master_addr=master, master_port=port, source="slurm")
+
+
+def _slurm_default_port(environ: Mapping[str, str]) -> int:
+    # Derive the port from the job id so two jobs sharing a node do not collide (as Lightning does).
+    job_id = environ.get("SLURM_JOB_ID", "")
+    return 15000 + int(job_id[-4:]) if job_id[-4:].isdigit() else DEFAULT_MASTER_PORT
+
+
+def _parse_tasks_per_node(value: str) -> int | None:
+    """'4(x2),3' -> 4: the count for the first node; None when absent."""
+    match = re.match(r"\s*(\d+)", value or "")
+    return int(match.group(1)) if match else None
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expand SLURM's compressed host list.
+
+    >>> expand_nodelist("node[01-03,07],gpu5")
+    ['node01', 'node02', 'node03', 'node07', 'gpu5']
+    """
+    hosts: list[str] = []
+    for item in _split_top_level(nodelist):
+        hosts.extend(_expand_item(item))
+    if not hosts:
+        raise ValueError(f"SLURM nodelist {nodelist!r} names no host")
+    return hosts
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split on commas that are outside brackets."""
+    items, depth, current = [], 0, []
+    for char in text:
+        if char == "[":
+            depth += 1
+        elif char == "]":
+            depth -= 1
+            if depth < 0:
+                raise ValueError(f"SLURM nodelist {text!r} has an unmatched ']'")
+        if char == "," and depth == 0:
+            items.append("".join(current))
+            current = []
+        else:
+            current.append(char)
+    if depth != 0:
+        raise ValueError(f"SLURM nodelist {text!r} has an unmatched '['")
+    items.append("".join(current))
+    return [item.strip() for item in items if item.strip()]
+
+
+def _expand_item(item: str) -> list[str]:
+    """Expand one host pattern, which may hold several bracket groups: 'r[1-2]n[01-02]'."""
+    match = re.search(r"\[([^\]]*)\]", item)
+    if not match:
+        return [item]
+    head, tail = item[:match.start()], item[match.end():]
+    expanded = []
+    for part in match.group(1).split(","):
+        if "-" in part:
+            lo, hi = part.split("-", 1)
+            width = len(lo)
+            for number in range(int(lo), int(hi) + 1):
+                expanded.extend(_expand_item(f"{head}{number:0{width}d}{tail}"))
+        else:
+            expanded.extend(_expand_item(f"{head}{part}{tail}"))
+    return expanded

@@ -1,0 +1,85 @@
+"""How one optimizer step's forward and backward run under a parallel layout.
+
+The trainer only talks to an :class:`Engine`. Each layout (single process, DDP, FSDP2/HSDP, TP, PP and their
+compositions) provides one; all of them present the same contract so that the training loop reads the same for all:
+
+* ``model_parts``: the modules that hold this rank's parameters (one for most layouts; one per local stage
+  under pipeline parallelism). The optimizer and the checkpointer take their parameters/state from these.
+* ``forward_backward(batches)``: run every micro-batch of one optimizer step, accumulating gradients, with the
+  gradient reduction across data-parallel ranks happening once, on the last micro-batch. Returns the *sum* of the
+  token losses on this rank and the number of target tokens, both as tensors, so the caller can aggregate exactly
+  (sum over ranks of loss sums / sum over ranks of tokens).
+* ``eval_loss(inputs, targets)``: the same sums for one validation batch, without gradients.
+
+Gradients are scaled so that, after the data-parallel reduction, they equal the gradient of the mean token loss
+over the whole global batch: every micro-batch loss is ``sum / (tokens_per_microbatch * grad_accum)`` and the
+data-parallel reduction averages over ranks. This matches a single process that sees the same global batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Protocol, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs (B, T) int64, targets (B, T) int64)
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum of per-token cross-entropy, in fp32. logits (B, T, V), targets (B, T)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), reduction="sum")
+
+
+class Engine(Protocol):
+    model_parts: list[nn.Module]
+
+    def forward_backward(self, batches: Sequence[Batch]) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor: ...
+
+
+class LocalEngine:
+    """One model replica per rank: a single process, or DDP when ``ddp`` wraps the model.
+
+    With DDP the gradient all-reduce is skipped (``no_sync``) on every micro-batch but the last.
+    """
+
+    def __init__(self, model: nn.Module, *, ddp: nn.Module | None = None, autocast_dtype: torch.dtype | None = None):
+        self.model = model
+        self.wrapped = ddp if ddp is not None else model
+        self.model_parts = [model]
+        self.autocast_dtype = autocast_dtype
+
+    def _autocast(self, device_type: str):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type, dtype=self.autocast_dtype)
+
+    def forward_backward(self, batches: Sequence[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+        loss_sum = torch.zeros((), dtype=torch.float32, device=batches[0][0].device)
+        tokens = 0
+        for i, (inputs, targets) in enumerate(batches):
+            last = i == len(batches) - 1
+            sync = contextlib.nullcontext() if last or self.wrapped is self.model else self.wrapped.no_sync()
+            with sync:
+                with self._autocast(inputs.device.type):
+                    logits = self.wrapped(inputs)
+                summed = token_loss_sum(logits, targets)
+                (summed / (targets.numel() * len(batches))).backward()
+            loss_sum += summed.detach()
+            tokens += targets.numel()
+        return loss_sum, torch.tensor(float(tokens), device=loss_sum.device)
+
+    @torch.no_grad()
+    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with self._autocast(inputs.device.type):
+            logits = self.model(inputs)
+        return token_loss_sum(logits, targets), torch.tensor(float(targets.numel()), device=inputs.device)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
