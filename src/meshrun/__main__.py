@@ -1,0 +1,5 @@
+import sys
+
+from meshrun.cli import main
+
+sys.exit(main())

@@ -1,0 +1,49 @@
+"""``meshrun`` command line: every command's entry, and nothing beyond dispatching to it.
+
+Each command lives in its own module and exposes ``main(argv) -> int``; they are imported lazily so that
+``meshrun plan`` does not pay for importing the trainer.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "train": ("meshrun.train.cli", "train the reference model (or check a layout with --dry-run)"),
+    "launch": ("meshrun.launch.cli", "start workers like torchrun, with the network worked out for you"),
+    "plan": ("meshrun.plan", "offline: rank layout, groups, memory and traffic of a parallel layout"),
+    "ckpt": ("meshrun.ckpt.cli", "list, verify and export checkpoints"),
+    "doctor": ("meshrun.diag.doctor", "check nodes before training: reachability, code and package versions"),
+    "bench": ("meshrun.diag.bench", "measure collective bandwidth and training throughput"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: meshrun <command> [options]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "`meshrun <command> --help` describes each command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from meshrun import __version__
+
+        print(f"meshrun {__version__}")
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"meshrun: unknown command {command!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[command][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Run a function on N gloo ranks on this machine and collect what each rank returns.
+
+Used by every multi-process CPU test:
+
+    def work(rank, world_size, x):
+        ...  # torch.distributed is initialised (gloo), MASTER_ADDR/PORT, RANK, WORLD_SIZE... are set
+        return something_picklable
+
+    results = run_distributed(work, 2, x)   # [rank0_result, rank1_result]
+
+A rank that raises fails the call with that rank's traceback; a rank that hangs fails it after ``timeout``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue, init_pg: bool) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0"})
+    try:
+        if init_pg:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+        queue.put((rank, True, fn(rank, world_size, *args)))
+    except BaseException:  # noqa: BLE001 - the parent re-raises it with the rank named
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if init_pg and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0,
+                    init_pg: bool = True) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; return results by rank."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, init_pg), daemon=True)
+             for r in range(world_size)]
+    for proc in procs:
+        proc.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    import time
+
+    deadline = time.monotonic() + timeout
+    while len(results) + len(errors) < world_size:
+        if time.monotonic() > deadline:
+            break
+        if queue.empty():
+            if any(p.exitcode not in (None, 0) for p in procs) and queue.empty():
+                time.sleep(0.5)
+                if queue.empty():
+                    break
+            time.sleep(0.05)
+            continue
+        rank, ok, value = queue.get()
+        if ok:
+            results[rank] = value
+        else:
+            errors.append(f"rank {rank} failed:\n{value}")
+    for proc in procs:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    missing = [r for r in range(world_size) if r not in results]
+    if missing:
+        codes = {r: procs[r].exitcode for r in missing}
+        raise AssertionError(f"ranks {missing} returned nothing within {timeout:.0f}s (exit codes {codes})")
+    return [results[r] for r in range(world_size)]
