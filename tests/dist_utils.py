@@ -14,6 +14,7 @@ A rank that raises fails the call with that rank's traceback; a rank that hangs 
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 from datetime import timedelta
@@ -36,7 +37,9 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
     try:
         if init_pg:
             dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
-        queue.put((rank, True, fn(rank, world_size, *args)))
+        # Plain pickle bytes: torch's queue pickler would pass tensors as shared-memory handles, which die with
+        # this process before the parent reads them.
+        queue.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # noqa: BLE001 - the parent re-raises it with the rank named
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -71,7 +74,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
             continue
         rank, ok, value = queue.get()
         if ok:
-            results[rank] = value
+            results[rank] = pickle.loads(value)
         else:
             errors.append(f"rank {rank} failed:\n{value}")
     for proc in procs:
