@@ -107,8 +107,8 @@ class TrainConfig:
     """torch.compile the model blocks."""
     eval_every: int = 50
     """Evaluate on the validation split every N steps (0 disables)."""
-    eval_batches: int = 8
-    """Micro-batches per rank in one evaluation."""
+    eval_samples: int = 256
+    """Validation samples per evaluation over all ranks together (0 = the whole validation split)."""
     log_every: int = 10
     """Print and record metrics every N steps."""
     fused_optimizer: bool = True
@@ -217,7 +217,7 @@ class JobConfig:
         for name in ("steps", "micro_batch"):
             if getattr(self.train, name) < 1:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(self.train, name)}")
-        for name in ("global_batch", "grad_accum", "eval_every", "eval_batches"):
+        for name in ("global_batch", "grad_accum", "eval_every", "eval_samples"):
             if getattr(self.train, name) < 0:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self.train, name)}")
         if self.train.log_every < 1:
@@ -298,7 +298,7 @@ def set_option(config: JobConfig, dotted: str, value: Any) -> None:
 
 def _suggest(name: str, known: Any, prefix: str = "") -> str:
     close = difflib.get_close_matches(name, list(known), n=1)
-    return f" (did you mean {prefix}{close[0]!r}?)" if close else ""
+    return f" (did you mean '{prefix}{close[0]}'?)" if close else ""
 
 
 def _convert(option: str, value: Any, kind: Any) -> Any:

@@ -1,0 +1,94 @@
+"""Process group start-up and teardown: backend and device choice, timeouts, and errors that name the address.
+
+The first contact uses ``dist.init_timeout_s`` (short: a wrong MASTER_ADDR should fail in a minute, not after
+torch's 10-30 minute defaults); once every rank is in, collectives use ``dist.timeout_s`` so that a hang during
+training fails with the rank named instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from meshrun.config import ConfigError, DistConfig
+from meshrun.env import ClusterEnv
+
+
+@dataclass(frozen=True)
+class DistContext:
+    env: ClusterEnv
+    device: torch.device
+    backend: str | None
+    """None for a single process without a process group."""
+
+
+def choose_device(env: ClusterEnv, cfg: DistConfig) -> torch.device:
+    want_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if not want_cuda:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("dist.device='cuda' but CUDA is not available here; use --dist.device=cpu")
+    count = torch.cuda.device_count()
+    if env.local_rank >= count:
+        raise ConfigError(f"rank {env.rank}: local rank {env.local_rank} needs GPU {env.local_rank} but this node "
+                          f"has {count}; use --nproc-per-node {count} or fewer")
+    torch.cuda.set_device(env.local_rank)
+    return torch.device("cuda", env.local_rank)
+
+
+def choose_backend(device: torch.device, cfg: DistConfig) -> str:
+    if cfg.backend != "auto":
+        if cfg.backend == "nccl" and device.type != "cuda":
+            raise ConfigError("dist.backend='nccl' needs CUDA devices; use --dist.backend=gloo on CPU")
+        return cfg.backend
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_distributed(env: ClusterEnv, cfg: DistConfig) -> DistContext:
+    """Pick device and backend, and start the default process group when there is more than one process.
+
+    Every rank must call this (it blocks until all ``env.world_size`` ranks have joined, at most
+    ``cfg.init_timeout_s`` seconds).
+    """
+    device = choose_device(env, cfg)
+    if not env.is_distributed:
+        return DistContext(env=env, device=device, backend=None)
+    backend = choose_backend(device, cfg)
+    if dist.is_initialized():
+        return DistContext(env=env, device=device, backend=dist.get_backend())
+    os.environ.update(env.export())  # env:// reads these; under torchrun they are already identical
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    try:
+        dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size,
+                                timeout=timedelta(seconds=cfg.init_timeout_s), **kwargs)
+        # note: a collective every rank must reach; it proves all ranks can talk before any training starts
+        dist.barrier()
+    except Exception as exc:  # noqa: BLE001 - re-raised with the address, the rank and the fix
+        raise RuntimeError(
+            f"rank {env.rank}: could not join the process group via {env.master_addr}:{env.master_port} "
+            f"({backend}, world size {env.world_size}) within dist.init_timeout_s={cfg.init_timeout_s:g}s; check "
+            f"that every node can reach {env.master_addr}:{env.master_port} (`meshrun doctor`) and that all "
+            f"{env.world_size} ranks were started.\n  cause: {type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
+        ) from exc
+    _set_training_timeout(cfg.timeout_s)
+    return DistContext(env=env, device=device, backend=backend)
+
+
+def _set_training_timeout(seconds: float) -> None:
+    """Switch the default group from the init timeout to the training timeout (private API, guarded)."""
+    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if setter is None:  # pragma: no cover - older torch: the init timeout stays in force
+        return
+    try:
+        setter(timedelta(seconds=seconds), None)
+    except (RuntimeError, TypeError, ValueError):  # pragma: no cover - backends that do not support it
+        pass
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

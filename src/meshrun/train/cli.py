@@ -1,0 +1,85 @@
+"""``meshrun train``: the main job. Parses options, then hands over to the Trainer."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+
+from meshrun.config import ConfigError, load_config
+
+EPILOG = """\
+Options are set as --section.key=value (or --section.key value), on top of an optional TOML file, e.g.
+  meshrun train --model.name=tiny --train.steps=100 --train.global_batch=64
+  meshrun launch --nproc-per-node 2 train --config job.toml --train.micro_batch=4
+Sections: model, data, train, parallel, dist, checkpoint, run (see docs/config.md).
+"""
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(prog="meshrun train", description="Train the reference model.",
+                                     epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="TOML file with [section] tables")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="build the mesh and apply the layout with a fake process group, then exit")
+    parser.add_argument("--world-size", type=int, default=0, help="with --dry-run: the world size to check")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="with --dry-run: GPUs per node")
+    args, rest = parser.parse_known_args(argv)
+    return args, _join_overrides(rest)
+
+
+def _join_overrides(rest: list[str]) -> list[str]:
+    """Accept both --a.b=c and --a.b c."""
+    overrides, i = [], 0
+    while i < len(rest):
+        item = rest[i]
+        if not item.startswith("--") or "." not in item.split("=", 1)[0]:
+            raise ConfigError(f"unexpected argument {item!r}; options look like --section.key=value "
+                              "(see `meshrun train --help`)")
+        if "=" not in item and i + 1 < len(rest) and not rest[i + 1].startswith("--"):
+            item, i = f"{item}={rest[i + 1]}", i + 1
+        overrides.append(item)
+        i += 1
+    return overrides
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args, overrides = parse_args(argv)
+        job = load_config(args.config, overrides)
+    except ConfigError as exc:
+        print(f"meshrun train: error: {exc}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(job.to_toml())
+        return 0
+    if args.dry_run:
+        from meshrun.parallel.dryrun import dry_run
+
+        return dry_run(job, world_size=args.world_size, gpus_per_node=args.gpus_per_node)
+    return run(job)
+
+
+def run(job) -> int:
+    from meshrun.dist.process_group import shutdown
+    from meshrun.train.trainer import Trainer
+
+    trainer = None
+    try:
+        trainer = Trainer(job)
+        trainer.fit()
+        return 0
+    except ConfigError as exc:
+        print(f"meshrun train: error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # noqa: BLE001 - one clear line first, then the traceback
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"meshrun train: error: {first}", file=sys.stderr)
+        traceback.print_exc()
+        return 1
+    finally:
+        if trainer is not None:
+            trainer.close()
+        shutdown()

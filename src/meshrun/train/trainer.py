@@ -1,0 +1,284 @@
+"""The training loop: build each piece in its own step, then one linear ``train_step``.
+
+Order of construction (each a ``build_*`` method): process group -> run folder and logs -> data -> model and parallel
+layout (engine) -> optimizer and schedule -> checkpointer (restoring state when resuming).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from meshrun.config import BatchPlan, ConfigError, JobConfig, resolve_batch
+from meshrun.data.corpus import Corpus, load_corpus
+from meshrun.data.loader import StepBatches, eval_batches
+from meshrun.data.sampler import TokenWindows
+from meshrun.dist.process_group import DistContext, init_distributed
+from meshrun.env import ClusterEnv
+from meshrun.models.gpt import GPT, GPTConfig, flops_per_token, gpt_config
+from meshrun.parallel.engine import Engine, LocalEngine
+from meshrun.train.metrics import MetricsSink, SumMetrics, peak_flops
+
+log = logging.getLogger("meshrun")
+
+
+@dataclass
+class TrainResult:
+    step: int
+    """Optimizer steps completed."""
+    losses: list[float] = field(default_factory=list)
+    """Training loss of every log record (every step with train.log_every=1)."""
+    val_loss: float | None = None
+    """Validation loss of the last evaluation."""
+    run_dir: Path | None = None
+
+
+def model_config(job: JobConfig, corpus_vocab: int = 256) -> GPTConfig:
+    m = job.model
+    cfg = gpt_config(m.name, dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
+                     ffn_dim=m.ffn_dim, vocab_size=m.vocab_size, seq_len=m.seq_len)
+    cfg = dataclasses.replace(cfg, dropout=m.dropout, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
+                              tie_embeddings=m.tie_embeddings)
+    if cfg.dim % cfg.n_heads:
+        raise ConfigError(f"model.dim={cfg.dim} is not divisible by model.n_heads={cfg.n_heads}")
+    if cfg.n_heads % cfg.kv_heads:
+        raise ConfigError(f"model.n_heads={cfg.n_heads} is not divisible by model.n_kv_heads={cfg.kv_heads}")
+    if cfg.vocab_size < corpus_vocab:
+        raise ConfigError(f"model.vocab_size={cfg.vocab_size} is smaller than the corpus needs ({corpus_vocab}); "
+                          f"set --model.vocab_size={corpus_vocab} or more")
+    return cfg
+
+
+def _record_resolved_model(job: JobConfig, cfg: GPTConfig) -> None:
+    """Write the named size's values back into the config, so config.toml is the whole truth."""
+    for name in ("dim", "n_layers", "n_heads", "vocab_size", "seq_len"):
+        setattr(job.model, name, getattr(cfg, name))
+    job.model.n_kv_heads, job.model.ffn_dim = cfg.kv_heads, cfg.hidden_dim
+
+
+def seed_rank_streams(base_seed: int, rank: int) -> None:
+    """Per-rank streams: seed = base seed + rank (dropout and augmentation differ per rank, reproducibly)."""
+    seed = base_seed + rank
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def compute_dtype(job: JobConfig, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype, or None for plain fp32."""
+    if job.train.dtype == "bf16" or (job.train.dtype == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return None
+
+
+class Trainer:
+    """Trains the reference model (or any GPT-shaped module) under the layout the config describes."""
+
+    def __init__(self, job: JobConfig, *, env: ClusterEnv | None = None, corpus: Corpus | None = None):
+        job.validate()
+        self.job = job
+        self.env = env or ClusterEnv.detect()
+        self.corpus = corpus or load_corpus(job.data)
+        self.model_cfg = model_config(job, self.corpus.vocab_size)
+        _record_resolved_model(job, self.model_cfg)
+        self.batch: BatchPlan = resolve_batch(job.train, dp_size=self.dp_size_hint(), seq_len=self.model_cfg.seq_len)
+        self.ctx: DistContext = init_distributed(self.env, job.dist)
+        self.device = self.ctx.device
+        self.run_dir = self.build_run_dir()
+        self.engine: Engine = self.build_engine()
+        self.data, self.val = self.build_data()
+        self.optimizer = self.build_optimizer()
+        self.scheduler = self.build_scheduler()
+        self.step = 0
+        self.tokens_seen = 0
+        self.sink = MetricsSink(self.run_dir, total_steps=job.train.steps, progress=job.run.progress,
+                                tensorboard=job.run.tensorboard, enabled=self.env.is_rank_zero)
+        self.print_header()
+
+    # ---- construction -------------------------------------------------------------------------------------------
+
+    def dp_size_hint(self) -> int:
+        """Data-parallel ranks before the mesh exists: world size over the model-parallel degrees."""
+        model_parallel = max(1, self.job.parallel.tp) * max(1, self.job.parallel.pp)
+        if self.env.world_size % model_parallel:
+            raise ConfigError(f"parallel.tp={self.job.parallel.tp} x parallel.pp={self.job.parallel.pp} does not "
+                              f"divide the world size {self.env.world_size}")
+        return self.env.world_size // model_parallel
+
+    def build_run_dir(self) -> Path:
+        run_dir = Path(self.job.run.dir)
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        _setup_logging(run_dir, self.env)
+        if self.env.is_rank_zero:
+            (run_dir / "config.toml").write_text(self.job.to_toml())
+        return run_dir
+
+    def build_engine(self) -> Engine:
+        torch.manual_seed(self.job.train.seed)  # same initial weights on every rank and in a 1-process reference
+        with torch.device(self.device):
+            model = GPT(self.model_cfg)
+        model.init_weights()
+        seed_rank_streams(self.job.train.seed, self.env.rank)
+        if self.job.train.compile:
+            for block in model.layers.values():
+                block.compile()  # in place: parameter names stay as they are (no "_orig_mod.")
+        ddp = None
+        if self.env.world_size > 1:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            ddp = DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                      gradient_as_bucket_view=True)
+        engine = LocalEngine(model, ddp=ddp, autocast_dtype=compute_dtype(self.job, self.device))
+        engine.dp_rank, engine.dp_size = self.env.rank, self.env.world_size
+        return engine
+
+    def build_data(self) -> tuple[StepBatches, list]:
+        seq_len = self.model_cfg.seq_len
+        train_set = TokenWindows(self.corpus.train, seq_len, self.model_cfg.vocab_size)
+        val_set = TokenWindows(self.corpus.val, seq_len, self.model_cfg.vocab_size)
+        dp_rank, dp_size = self.engine.dp_rank, self.engine.dp_size
+        data = StepBatches(train_set, dp_rank=dp_rank, dp_size=dp_size, seed=self.job.train.seed,
+                           micro_batch=self.batch.micro_batch, grad_accum=self.batch.grad_accum, device=self.device)
+        val = []
+        if self.job.train.eval_every:
+            val = eval_batches(val_set, dp_rank=dp_rank, dp_size=dp_size, micro_batch=self.batch.micro_batch,
+                               samples=self.job.train.eval_samples, device=self.device)
+        return data, val
+
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        params = [p for part in self.engine.model_parts for p in part.parameters() if p.requires_grad]
+        decay = [p for p in params if p.ndim >= 2]  # matrices and embeddings; not norms or biases
+        no_decay = [p for p in params if p.ndim < 2]
+        t = self.job.train
+        fused = t.fused_optimizer and self.device.type == "cuda"
+        return torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
+                                  {"params": no_decay, "weight_decay": 0.0}],
+                                 lr=t.lr, betas=(t.beta1, t.beta2), fused=fused or None)
+
+    def build_scheduler(self) -> torch.optim.lr_scheduler.LambdaLR:
+        t = self.job.train
+
+        def factor(step: int) -> float:  # linear warm-up, then cosine decay to min_lr
+            if step < t.warmup_steps:
+                return (step + 1) / t.warmup_steps
+            progress = min(1.0, (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps))
+            return (t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * progress))) / t.lr
+
+        return torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
+
+    def print_header(self) -> None:
+        env, b, m = self.env, self.batch, self.model_cfg
+        params = sum(p.numel() for p in {id(p): p for part in self.engine.model_parts
+                                         for p in part.parameters()}.values())
+        per_node = env.local_world_size
+        lines = [
+            f"meshrun train | {env.source}: {env.num_nodes} node(s) x {per_node} process(es) = world size "
+            f"{env.world_size} | {self.ctx.backend or 'no process group'} on {self.device}",
+            f"model {self.job.model.name}: {params / 1e6:.2f}M parameters on this rank, {m.n_layers} layers, dim "
+            f"{m.dim}, {m.n_heads} heads, seq {m.seq_len}, vocab {m.vocab_size}",
+            f"data: {self.corpus.description}; fingerprint {self.corpus.fingerprint[:12]}",
+            f"global batch {b.global_batch} = {b.micro_batch} per rank (B_local) x {b.dp_size} data-parallel ranks "
+            f"({env.num_nodes} node(s) x {b.dp_size // max(1, env.num_nodes)} per node) x {b.grad_accum} accumulation"
+            f" (A)",
+            f"tokens per step will be: {b.tokens_per_step:,} ({b.global_batch} x {m.seq_len}); epoch = "
+            f"{self.data.sampler.steps_per_epoch:,} steps ({len(self.data.sampler.dataset) - self.data.sampler.usable}"
+            " tail samples dropped per epoch)",
+            f"config: {self.run_dir / 'config.toml'}",
+        ]
+        for section, values in self.job.to_dict().items():
+            lines.append(f"  [{section}] " + " ".join(f"{k}={v}" for k, v in values.items()))
+        self.sink.print("\n".join(lines))
+
+    # ---- the loop -------------------------------------------------------------------------------------------------
+
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """One optimizer step over grad_accum micro-batches: returns (loss_sum, tokens, grad_norm), on device."""
+        batches = self.data.next_step()
+        loss_sum, tokens = self.engine.forward_backward(batches)
+        grad_norm = self.engine.clip_grad_norm(self.job.train.grad_clip) if self.job.train.grad_clip else None
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.tokens_seen += self.batch.tokens_per_step
+        return loss_sum, tokens, grad_norm
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Validation loss over every rank's fixed batches (one all-reduce; every rank must call it)."""
+        for part in self.engine.model_parts:
+            part.eval()
+        sums = SumMetrics(("loss_sum", "tokens"), self.device)
+        for inputs, targets in self.val:
+            loss_sum, tokens = self.engine.eval_loss(inputs, targets)
+            sums.add(loss_sum=loss_sum, tokens=tokens)
+        for part in self.engine.model_parts:
+            part.train()
+        totals = sums.reduce()
+        return totals["loss_sum"] / max(totals["tokens"], 1.0)
+
+    def fit(self) -> TrainResult:
+        job, result = self.job, TrainResult(step=self.step, run_dir=self.run_dir)
+        sums = SumMetrics(("loss_sum", "tokens"), self.device)
+        interval_start, interval_steps, gnorm = time.perf_counter(), 0, None
+        while self.step < job.train.steps:
+            loss_sum, tokens, grad_norm = self.train_step()
+            sums.add(loss_sum=loss_sum, tokens=tokens)
+            interval_steps += 1
+            if self.step % job.train.log_every == 0 or self.step == job.train.steps:
+                totals = sums.reduce()
+                gnorm = float(grad_norm) if grad_norm is not None else None
+                elapsed = time.perf_counter() - interval_start
+                record = self.train_record(totals, interval_steps, elapsed, gnorm)
+                result.losses.append(record["loss"])
+                self.sink.log(record)
+                interval_start, interval_steps = time.perf_counter(), 0
+            if job.train.eval_every and (self.step % job.train.eval_every == 0 or self.step == job.train.steps):
+                result.val_loss = self.evaluate()
+                self.sink.log({"kind": "eval", "step": self.step, "loss": result.val_loss})
+                interval_start = time.perf_counter()  # evaluation time is not training throughput
+        result.step = self.step
+        return result
+
+    def train_record(self, totals: dict[str, float], steps: int, elapsed: float, gnorm: float | None) -> dict[str, Any]:
+        tokens_per_s = steps * self.batch.tokens_per_step / max(elapsed, 1e-9)
+        per_device = tokens_per_s / self.env.world_size
+        peak = peak_flops(self.device)
+        # MFU = achieved model FLOP/s per device / peak: (6N + 12 L d T) FLOPs per token (PaLM, appendix B).
+        mfu = flops_per_token(self.model_cfg) * per_device / peak if peak else None
+        return {"kind": "train", "step": self.step, "epoch": self.data.position.epoch,
+                "loss": totals["loss_sum"] / max(totals["tokens"], 1.0), "lr": self.scheduler.get_last_lr()[0],
+                "tokens_seen": self.tokens_seen, "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": per_device,
+                "mfu": mfu, "grad_norm": gnorm, "step_time_s": elapsed / max(steps, 1)}
+
+    def close(self) -> None:
+        self.sink.close()
+
+
+def _setup_logging(run_dir: Path, env: ClusterEnv) -> None:
+    """Rank 0 logs to the console; every rank logs to logs/rank_XXXXX.log with its rank in each line."""
+    logger = logging.getLogger("meshrun")
+    logger.setLevel(logging.INFO)
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+    fmt = logging.Formatter(f"%(asctime)s [rank {env.rank}] %(levelname)s %(message)s")
+    file_handler = logging.FileHandler(run_dir / "logs" / f"rank_{env.rank:05d}.log")
+    file_handler.setFormatter(fmt)
+    logger.addHandler(file_handler)
+    logger.propagate = False
+    if dist.is_initialized() and not env.is_rank_zero:
+        return
+    console = logging.StreamHandler()
+    console.setLevel(logging.WARNING)
+    console.setFormatter(fmt)
+    logger.addHandler(console)
