@@ -1,3 +1,35 @@
-"""meshrun: multi-node PyTorch training that is correct, fast and easy to diagnose."""
+"""meshrun: multi-node PyTorch training that is correct, fast and easy to diagnose.
+
+The Python API (see docs/api.md):
+  Session                     the pieces for your own script: layout, device, DDP, sharded batches, exact metrics
+  Trainer, load_config        the reference training job, from Python
+  ClusterEnv                  the process layout (torchrun, SLURM or a single process)
+  GlobalOrderSampler          a resumable, reshardable DistributedSampler
+"""
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "Session": "meshrun.session",
+    "Trainer": "meshrun.train.trainer",
+    "load_config": "meshrun.config",
+    "JobConfig": "meshrun.config",
+    "DistConfig": "meshrun.config",
+    "ConfigError": "meshrun.config",
+    "ClusterEnv": "meshrun.env",
+    "GlobalOrderSampler": "meshrun.data.sampler",
+    "DataPosition": "meshrun.data.sampler",
+    "init_distributed": "meshrun.dist.process_group",
+}
+
+
+def __getattr__(name: str):
+    """Import lazily, so `meshrun plan` and `import meshrun` do not pay for torch.distributed start-up."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'meshrun' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
+
+
+__all__ = ["__version__", *_EXPORTS]

@@ -75,7 +75,7 @@ class DataConfig:
 class TrainConfig:
     """The optimisation loop."""
 
-    steps: int = 200
+    steps: int = 300
     """Optimizer steps to run."""
     micro_batch: int = 8
     """Samples per micro-batch on each data-parallel rank (B_local)."""
@@ -105,7 +105,7 @@ class TrainConfig:
     """Compute dtype: auto (bf16 on GPU, fp32 on CPU), fp32 or bf16."""
     compile: bool = False
     """torch.compile the model blocks."""
-    eval_every: int = 50
+    eval_every: int = 100
     """Evaluate on the validation split every N steps (0 disables)."""
     eval_samples: int = 256
     """Validation samples per evaluation over all ranks together (0 = the whole validation split)."""
