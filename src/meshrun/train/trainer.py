@@ -259,7 +259,9 @@ class Trainer:
         return {"kind": "train", "step": self.step, "epoch": self.data.position.epoch,
                 "loss": totals["loss_sum"] / max(totals["tokens"], 1.0), "lr": self.scheduler.get_last_lr()[0],
                 "tokens_seen": self.tokens_seen, "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": per_device,
-                "mfu": mfu, "grad_norm": gnorm, "step_time_s": elapsed / max(steps, 1)}
+                "mfu": mfu, "grad_norm": gnorm, "step_time_s": elapsed / max(steps, 1),
+                "peak_mem_gib": torch.cuda.max_memory_allocated(self.device) / 2**30
+                if self.device.type == "cuda" else None}
 
     def close(self) -> None:
         self.sink.close()
