@@ -177,6 +177,8 @@ class CheckpointConfig:
     """Stage to CPU and write in the background."""
     final: bool = True
     """Save on normal exit and on SIGTERM."""
+    timeout_s: float = 1800.0
+    """Seconds a rank waits for the others inside a save or load before failing with the missing ranks named."""
 
 
 @dataclass
