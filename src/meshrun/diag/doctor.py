@@ -1,0 +1,322 @@
+"""``meshrun doctor``: check nodes before training.
+
+Under ``meshrun launch`` / torchrun (one worker per GPU, or ``--nproc-per-node 1``) every worker runs the checks
+together and rank 0 prints: code and package versions per node, the N x N TCP reachability matrix with every
+failing pair named, the GPUs each node sees, the NCCL/gloo variables in effect, and a small all-reduce (gloo,
+and NCCL where every rank has a GPU) checked for the right sum and timed. Exit code 1 on any problem.
+
+As a plain process it prints the local view: interfaces, the route and TCP reachability of ``--endpoint``,
+GPUs and versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from meshrun.diag import reach
+from meshrun.diag.fingerprint import (FieldDiff, Fingerprint, collect_fingerprint, compare_fingerprints,
+                                      gather_fingerprints, mismatch_message)
+from meshrun.env import ClusterEnv
+
+_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_FR_", "TORCH_DISTRIBUTED_", "CUDA_VISIBLE_DEVICES",
+                 "TORCH_CPP_LOG_LEVEL")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="meshrun doctor", description=__doc__.splitlines()[0])
+    parser.add_argument("--endpoint", metavar="HOST:PORT",
+                        help="single process: show the route to HOST and whether its TCP PORT answers "
+                             "(e.g. the master's rendezvous port)")
+    parser.add_argument("--timeout", type=float, default=3.0, metavar="S",
+                        help="seconds each TCP connection attempt may take (default 3)")
+    parser.add_argument("--wait", type=float, default=120.0, metavar="S",
+                        help="seconds to wait for all ranks at start-up and for NCCL set-up (default 120)")
+    parser.add_argument("--script", metavar="PATH", help="also compare the hash of this entry script across nodes")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    env = ClusterEnv.detect()
+    console = Console(highlight=False, soft_wrap=True)
+    if not env.is_distributed:
+        return run_local(args, console=console)
+    report = run_distributed(env, args)
+    if env.is_rank_zero:
+        render(report, console)
+    return 1 if report.problems else 0
+
+
+# ---- facts each rank contributes -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class NodeFacts:
+    rank: int
+    node_rank: int
+    local_rank: int
+    host: str
+    address: str
+    address_why: str
+    gpus: tuple[str, ...]
+    nccl: bool
+    env_vars: dict[str, str]
+
+
+def local_facts(env: ClusterEnv) -> NodeFacts:
+    address, why = reach.advertised_address(env)
+    gpus = tuple(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())) \
+        if torch.cuda.is_available() else ()
+    return NodeFacts(rank=env.rank, node_rank=env.node_rank, local_rank=env.local_rank, host=socket.gethostname(),
+                     address=address, address_why=why, gpus=gpus, nccl=dist.is_nccl_available(),
+                     env_vars=comm_env_vars())
+
+
+def comm_env_vars() -> dict[str, str]:
+    """NCCL/gloo/torch.distributed variables in effect (not rank variables: those come from ClusterEnv)."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(_ENV_PREFIXES)}
+
+
+@dataclass
+class CollectiveCheck:
+    backend: str
+    ok: bool
+    seconds: float
+    detail: str
+
+
+@dataclass
+class DoctorReport:
+    env: ClusterEnv
+    facts: list[NodeFacts]
+    fingerprints: list[Fingerprint]
+    diffs: list[FieldDiff]
+    matrix: reach.ReachMatrix
+    collectives: list[CollectiveCheck] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+# ---- the distributed run ---------------------------------------------------------------------------------------
+
+def run_distributed(env: ClusterEnv, args: argparse.Namespace) -> DoctorReport:
+    """All checks; every rank must call this and gets the same report. Starts and ends a gloo group."""
+    from meshrun.config import DistConfig
+    from meshrun.dist.process_group import init_distributed, shutdown
+
+    started_here = not dist.is_initialized()
+    init_distributed(env, DistConfig(backend="gloo", device="cpu", init_timeout_s=args.wait))
+    try:
+        facts = _gather(local_facts(env))
+        fingerprints = gather_fingerprints(env=env, script=args.script)
+        matrix = reach.check_reachability(env=env, timeout_s=args.timeout, wait_s=args.wait, tag="doctor")
+        report = DoctorReport(env=env, facts=facts, fingerprints=fingerprints,
+                              diffs=compare_fingerprints(fingerprints), matrix=matrix)
+        report.collectives.append(allreduce_check(None, torch.device("cpu"), env=env, backend="gloo"))
+        if all(len(f.gpus) > f.local_rank and f.nccl for f in facts):  # same decision on every rank
+            report.collectives.append(nccl_check(env, wait_s=args.wait))
+    finally:
+        if started_here:
+            shutdown()
+    judge(report)
+    return report
+
+
+def _gather(obj):
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)  # note: collective, every rank must reach it
+    return gathered
+
+
+def allreduce_check(group, device: torch.device, *, env: ClusterEnv, backend: str,
+                    numel: int = 1 << 20) -> CollectiveCheck:
+    """Sum (rank + 1) over all ranks and compare with n(n+1)/2; time one all-reduce after a warm-up.
+
+    Collectives every rank of ``group`` must reach: warm-up, timed all-reduce, and a gather of the outcome.
+    """
+    n = env.world_size
+    x = torch.full((numel,), float(env.rank + 1), dtype=torch.float32, device=device)  # (numel,)
+    dist.all_reduce(x.clone(), group=group)  # warm-up: connection set-up is not what we time
+    _sync(device)
+    start = time.perf_counter()
+    dist.all_reduce(x, group=group)
+    _sync(device)  # note: a CPU-GPU sync point, so the time covers the collective
+    seconds = time.perf_counter() - start
+    wrong = int((x != n * (n + 1) / 2).sum().item())
+    outcomes = [None] * n
+    dist.all_gather_object(outcomes, (env.rank, wrong, seconds))  # note: collective on the default group
+    bad = [(rank, count) for rank, count, _ in outcomes if count]
+    slowest = max(s for _, _, s in outcomes)
+    size = f"{numel * 4 / 2**20:.0f} MiB fp32"
+    if bad:
+        detail = ", ".join(f"rank {rank}: {count} wrong elements" for rank, count in bad)
+        return CollectiveCheck(backend, False, slowest, f"{size}: wrong sum ({detail}); expected {n * (n + 1) // 2}")
+    return CollectiveCheck(backend, True, slowest, f"{size}: sum correct on all {n} ranks")
+
+
+def nccl_check(env: ClusterEnv, *, wait_s: float) -> CollectiveCheck:
+    """The same all-reduce through NCCL on each rank's GPU (local rank -> cuda:<local rank>)."""
+    torch.cuda.set_device(env.local_rank)
+    try:
+        group = dist.new_group(backend="nccl", timeout=timedelta(seconds=wait_s))  # note: collective
+        return allreduce_check(group, torch.device("cuda", env.local_rank), env=env, backend="nccl")
+    except Exception as exc:  # noqa: BLE001 - reported as a problem with the cause
+        return CollectiveCheck("nccl", False, 0.0, f"NCCL all-reduce failed on rank {env.rank}: "
+                                                   f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def judge(report: DoctorReport) -> None:
+    """Fill ``problems`` (exit code 1) and ``notes`` from the gathered facts. Pure logic."""
+    if report.diffs:
+        report.problems.append(mismatch_message(report.diffs, report.fingerprints).splitlines()[0])
+    report.problems += report.matrix.failures()
+    report.problems += [f"all-reduce ({c.backend}): {c.detail}" for c in report.collectives if not c.ok]
+    nodes = _node_leaders(report.facts)
+    if len({f.host for f in nodes}) > 1:  # several nodes on one host (a test) may well talk over loopback
+        for fact in nodes:
+            if ipaddress.ip_address(fact.address).is_loopback:
+                report.problems.append(
+                    f"node {fact.node_rank} (host {fact.host}) would be reached at loopback address {fact.address} "
+                    f"({fact.address_why}); set MASTER_ADDR to a routable address or NCCL_SOCKET_IFNAME")
+    gpu_sets = {f.gpus for f in nodes}
+    if len(gpu_sets) > 1:
+        report.notes.append("nodes see different GPUs: " + "; ".join(
+            f"node {f.node_rank} ({f.host}): {len(f.gpus)} x {', '.join(sorted(set(f.gpus))) or 'none'}"
+            for f in nodes))
+    for fact in report.facts:
+        if fact.gpus and fact.local_rank >= len(fact.gpus):
+            report.problems.append(f"rank {fact.rank} (host {fact.host}) is local rank {fact.local_rank} but its "
+                                   f"node has {len(fact.gpus)} GPUs; start at most {len(fact.gpus)} per node")
+
+
+def _node_leaders(facts: list[NodeFacts]) -> list[NodeFacts]:
+    leaders: dict[int, NodeFacts] = {}
+    for fact in sorted(facts, key=lambda f: f.rank):
+        leaders.setdefault(fact.node_rank, fact)
+    return [leaders[node] for node in sorted(leaders)]
+
+
+# ---- printing --------------------------------------------------------------------------------------------------
+
+def render(report: DoctorReport, console: Console) -> None:
+    env = report.env
+    console.print(f"[bold]meshrun doctor[/]: {env.world_size} ranks on {env.num_nodes} nodes, master "
+                  f"{env.master_addr}:{env.master_port} ({env.source})")
+    console.print(_nodes_table(report))
+    console.print(_matrix_table(report.matrix))
+    if report.diffs:
+        console.print(mismatch_message(report.diffs, report.fingerprints), markup=False)
+    else:
+        fp = report.fingerprints[0]
+        console.print(f"code and packages agree on all ranks: meshrun {fp.meshrun} source {fp.meshrun_source}, "
+                      f"git {fp.git or '-'}, torch {fp.torch_build}, python {fp.python}", markup=False)
+    for check in report.collectives:
+        mark = "[green]ok[/]" if check.ok else "[red]FAILED[/]"
+        console.print(f"all-reduce {check.backend}: {mark} {escape(check.detail)}, "
+                      f"slowest rank {check.seconds * 1e3:.1f} ms")
+    _print_env_vars(report, console)
+    for note in report.notes:
+        console.print(f"[yellow]note[/]: {note}")
+    if report.problems:
+        console.print(f"[bold red]{len(report.problems)} problem(s):[/]")
+        for problem in report.problems:
+            console.print(f"  - {problem}", markup=False)
+    else:
+        console.print("[bold green]no problems found[/]")
+
+
+def _nodes_table(report: DoctorReport) -> Table:
+    table = Table(title="nodes")
+    for column in ("node", "host", "address (how chosen)", "ranks", "GPUs"):
+        table.add_column(column)
+    for leader in _node_leaders(report.facts):
+        ranks = [f.rank for f in report.facts if f.node_rank == leader.node_rank]
+        gpus = f"{len(leader.gpus)} x {leader.gpus[0]}" if leader.gpus else "none (CPU)"
+        table.add_row(str(leader.node_rank), leader.host, f"{leader.address} ({leader.address_why})",
+                      f"{min(ranks)}-{max(ranks)}" if len(ranks) > 1 else str(ranks[0]), gpus)
+    return table
+
+
+def _matrix_table(matrix: reach.ReachMatrix) -> Table:
+    table = Table(title="TCP reachability: row node connects to column node's listener")
+    table.add_column("from \\ to")
+    for ep in matrix.endpoints:
+        table.add_column(f"{ep.node} {ep.host}\n{ep.addr}:{ep.port}")
+    for src, row in zip(matrix.endpoints, matrix.rows):
+        cells = [f"[green]ok {p.ms:.1f} ms[/]" if p.ok else f"[red]{escape(p.error.split(' (')[0])}[/]" for p in row]
+        table.add_row(f"{src.node} {src.host}", *cells)
+    return table
+
+
+def _print_env_vars(report: DoctorReport, console: Console) -> None:
+    per_node = {f.node_rank: f.env_vars for f in _node_leaders(report.facts)}
+    if len({tuple(v.items()) for v in per_node.values()}) <= 1:
+        values = next(iter(per_node.values()), {})
+        shown = ", ".join(f"{k}={v}" for k, v in values.items()) or "none set"
+        console.print(f"communication variables (same on every node): {shown}", markup=False)
+        return
+    for node, values in per_node.items():
+        shown = ", ".join(f"{k}={v}" for k, v in values.items()) or "none set"
+        console.print(f"communication variables on node {node}: {shown}", markup=False)
+
+
+# ---- a single process ------------------------------------------------------------------------------------------
+
+def run_local(args: argparse.Namespace, *, console: Console) -> int:
+    """The local view. Exit code 1 when ``--endpoint`` cannot be resolved or does not answer."""
+    env = ClusterEnv.detect()
+    fp = collect_fingerprint(env=env, script=args.script)
+    console.print(f"[bold]meshrun doctor[/] (single process; run it under `meshrun launch` on every node for the "
+                  f"cross-node checks) on host {fp.host}")
+    table = Table(title="interfaces")
+    for column in ("interface", "state", "addresses"):
+        table.add_column(column)
+    for iface in reach.interfaces():
+        table.add_row(iface.name, "up" if iface.up else "down", ", ".join(iface.addrs) or "-")
+    console.print(table)
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    console.print(f"GPUs: {len(gpus)}" + (f" ({', '.join(gpus)})" if gpus else ""))
+    console.print(f"versions: meshrun {fp.meshrun} source {fp.meshrun_source}, git {fp.git or '-'}, torch "
+                  f"{fp.torch_build}, python {fp.python}, " +
+                  ", ".join(f"{k} {v}" for k, v in fp.packages.items() if v and k != "torch"), markup=False)
+    shown = ", ".join(f"{k}={v}" for k, v in comm_env_vars().items()) or "none set"
+    console.print(f"communication variables: {shown}", markup=False)
+    return check_endpoint(args.endpoint, timeout_s=args.timeout, console=console) if args.endpoint else 0
+
+
+def check_endpoint(endpoint: str, *, timeout_s: float, console: Console) -> int:
+    host, sep, port_text = endpoint.rpartition(":")
+    if not sep or not host or not port_text.isdigit():
+        console.print(f"--endpoint {endpoint!r} must look like HOST:PORT (e.g. 10.0.0.5:29500)", markup=False)
+        return 2
+    try:
+        addr = reach.resolve(host.strip("[]"))
+        route = reach.route_to(addr)
+    except OSError as exc:
+        console.print(f"[red]endpoint {escape(endpoint)}[/]: {escape(str(exc))}")
+        return 1
+    via = f" via gateway {route.via}" if route.via else ""
+    console.print(f"route to {host} ({addr}): interface {route.dev or '?'}, source address {route.src or '?'}{via}",
+                  markup=False)
+    result = reach.probe(addr, int(port_text), timeout_s=timeout_s)
+    if result.ok:
+        console.print(f"[green]{escape(host)}:{port_text} answers[/] (TCP connect in {result.ms:.1f} ms)")
+        return 0
+    console.print(f"[red]cannot reach {escape(host)} ({addr}:{port_text})[/]: {escape(result.error or '')}")
+    return 1

@@ -1,0 +1,467 @@
+"""Run-time health: stragglers, hangs, and the NCCL flight recorder.
+
+* :class:`StragglerDetector` - every log interval, one all_gather of two floats per rank; rank 0 names the ranks
+  whose step time is well above the others' and says whether data loading or compute is to blame.
+* :class:`HangWatchdog` - a daemon thread per rank. The trainer's ``beat(step, phase)`` only stores a tuple; the
+  thread publishes it to the c10d store every few seconds, and names the rank(s) that stopped making progress,
+  where they were, and where the others wait. It also dumps this process's Python stacks when this rank stalls.
+* :func:`enable_flight_recorder` - environment defaults that make NCCL keep a ring buffer of recent collectives
+  and dump it on a timeout, so that a hang leaves a trace per rank in the run folder.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable, MutableMapping
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from meshrun.env import ClusterEnv
+
+# ---- stragglers ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    host: str
+    local_rank: int
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """One slow rank: its mean step and data time over the window, against the median of the other ranks."""
+
+    who: RankInfo
+    step_s: float
+    data_s: float
+    median_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.step_s / self.median_s if self.median_s > 0 else float("inf")
+
+    @property
+    def data_share(self) -> float:
+        return self.data_s / self.step_s if self.step_s > 0 else 0.0
+
+    def describe(self) -> str:
+        cause = (f"{self.data_share:.0%} of it waiting for data" if self.data_share >= 0.5
+                 else f"compute dominates (data loading {self.data_share:.0%})")
+        return (f"rank {self.who.rank} (host {self.who.host}, local {self.who.local_rank}) is a straggler: "
+                f"step {self.step_s:.3g} s vs median {self.median_s:.3g} s ({self.ratio:.1f}x), {cause}")
+
+
+@dataclass(frozen=True)
+class StragglerReport:
+    step: int
+    stragglers: list[Straggler]
+
+    def __str__(self) -> str:
+        return "\n".join(f"step {self.step}: {s.describe()}" for s in self.stragglers)
+
+
+def find_stragglers(times: np.ndarray, ranks: list[RankInfo], *, threshold: float,
+                    min_gap_s: float) -> list[Straggler]:
+    """Ranks whose step time is at least ``threshold`` x the median of the other ranks. Pure logic.
+
+    ``times`` is (world, 2): [step_time_s, data_time_s] per rank. The median leaves the rank itself out, so
+    that with two ranks the slow one is still compared against the fast one. Slowest first.
+    """
+    step = times[:, 0]
+    if len(step) < 2:
+        return []
+    order = np.argsort(step, kind="stable")
+    sorted_step = step[order]
+    found = []
+    for position, rank in enumerate(order):
+        median = _median_without(sorted_step, position)
+        if step[rank] >= threshold * median and step[rank] - median >= min_gap_s:
+            found.append(Straggler(who=ranks[rank], step_s=float(step[rank]), data_s=float(times[rank, 1]),
+                                   median_s=float(median)))
+    return sorted(found, key=lambda s: -s.step_s)
+
+
+def _median_without(sorted_values: np.ndarray, position: int) -> float:
+    """Median of ``sorted_values`` without the element at ``position``, in O(1)."""
+    remaining = len(sorted_values) - 1
+    at = lambda k: sorted_values[k] if k < position else sorted_values[k + 1]  # noqa: E731 - index shift
+    half = remaining // 2
+    return float(at(half) if remaining % 2 else (at(half - 1) + at(half)) / 2)
+
+
+class StragglerDetector:
+    """Names slow ranks every log interval, at the cost of one all_gather of 2 floats per rank.
+
+    What to pass: in synchronous data parallelism every rank's wall-clock step takes as long as the slowest
+    rank's, because all wait at the gradient all-reduce. So ``step_time_s`` should be the time this rank spent
+    working (data wait + compute measured before the first blocking collective, or CUDA-event compute time),
+    and ``data_time_s`` the part of it spent waiting for the next batch. Averages per step over the interval.
+
+    Construction is a collective (it gathers host names); so is every :meth:`observe`. Every rank of
+    ``group`` must make the same calls in the same order.
+    """
+
+    def __init__(self, group=None, *, env: ClusterEnv, threshold: float = 1.5, window: int = 5,
+                 min_gap_s: float = 0.005, history: int = 512, device: torch.device | None = None):
+        self.group, self.env, self.threshold, self.min_gap_s = group, env, threshold, min_gap_s
+        self.window = max(1, window)
+        self.device = device or _collective_device(group)
+        self._recent: deque[np.ndarray] = deque(maxlen=self.window)
+        self._history: deque[np.ndarray] = deque(maxlen=max(history, self.window))
+        self.ranks = self._gather_ranks()
+
+    def _gather_ranks(self) -> list[RankInfo]:
+        mine = RankInfo(rank=self.env.rank, host=socket.gethostname(), local_rank=self.env.local_rank)
+        if not dist.is_initialized():
+            return [mine]
+        gathered: list[RankInfo | None] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(gathered, mine, group=self.group)  # note: collective, every rank must reach it
+        return [info for info in gathered if info is not None]
+
+    def observe(self, step: int, step_time_s: float, data_time_s: float = 0.0) -> StragglerReport | None:
+        """Record this interval; on rank 0 return a report when some rank is a straggler (else None)."""
+        mine = torch.tensor([step_time_s, data_time_s], dtype=torch.float64, device=self.device)  # (2,)
+        if dist.is_initialized():
+            parts = [torch.empty_like(mine) for _ in self.ranks]
+            dist.all_gather(parts, mine, group=self.group)  # note: collective, every rank must reach it
+            times = torch.stack(parts).cpu().numpy()  # (world, 2); note: a CPU-GPU sync point on CUDA
+        else:
+            times = mine.cpu().numpy()[None, :]
+        if not self.env.is_rank_zero:
+            return None
+        self._recent.append(times)
+        self._history.append(times)
+        mean = np.mean(np.stack(self._recent), axis=0)  # (world, 2): smooths a one-off hiccup
+        found = find_stragglers(mean, self.ranks, threshold=self.threshold, min_gap_s=self.min_gap_s)
+        return StragglerReport(step=step, stragglers=found) if found else None
+
+    def summary(self) -> list[dict[str, float | int | str]]:
+        """Per rank (rank 0 only; empty elsewhere): median and max step time over the recorded intervals."""
+        if not self._history:
+            return []
+        steps = np.stack(self._history)[:, :, 0]  # (intervals, world)
+        return [{"rank": info.rank, "host": info.host, "median_step_s": float(np.median(steps[:, i])),
+                 "max_step_s": float(np.max(steps[:, i]))} for i, info in enumerate(self.ranks)]
+
+    def summary_text(self) -> str:
+        rows = self.summary()
+        lines = [f"{'rank':>5} {'host':<20} {'median step s':>14} {'max step s':>11}"]
+        lines += [f"{r['rank']:>5} {r['host']:<20} {r['median_step_s']:>14.4f} {r['max_step_s']:>11.4f}"
+                  for r in rows]
+        return "\n".join(lines)
+
+
+def _collective_device(group) -> torch.device:
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# ---- hangs -----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """What one rank last published to the store."""
+
+    rank: int
+    host: str
+    step: int
+    phase: str
+    age_s: float
+    """Seconds since that rank's last beat, measured by that rank when it published."""
+    limit_s: float
+    """How long the current phase may go without a beat."""
+    seq: int
+    """Publication counter; it stops advancing when the process (or its watchdog thread) is gone."""
+    index: int = 0
+    """Beats since this step began: orders the phases of one step without comparing clocks."""
+    done: bool = False
+
+
+@dataclass(frozen=True)
+class RankView:
+    """The observer's view of one rank: its last heartbeat (None: never published) and how long ago it came."""
+
+    rank: int
+    beat: Heartbeat | None
+    silent_s: float
+    """Seconds since the observer last saw this rank publish (since watching started, if it never did)."""
+
+    @property
+    def age_s(self) -> float:
+        return (self.beat.age_s if self.beat else 0.0) + self.silent_s
+
+    def stalled(self, timeout_s: float) -> bool:
+        limit = self.beat.limit_s if self.beat else timeout_s
+        return self.beat is None or (not self.beat.done and (self.silent_s >= limit or self.age_s >= limit))
+
+    def where(self) -> str:
+        host = f" (host {self.beat.host})" if self.beat else ""
+        if self.beat is None:
+            return f"rank {self.rank}{host} has published no heartbeat in {self.silent_s:.0f} s (did it start?)"
+        if self.silent_s >= self.beat.limit_s:
+            return (f"rank {self.rank}{host} stopped publishing heartbeats {self.silent_s:.0f} s ago (process dead, "
+                    f"frozen or cut off from the store); last seen at step {self.beat.step} '{self.beat.phase}'")
+        return f"rank {self.rank}{host} last seen at step {self.beat.step} '{self.beat.phase}' {self.age_s:.0f} s ago"
+
+
+def diagnose_hang(views: list[RankView], *, timeout_s: float) -> str | None:
+    """None while every rank makes progress; else one line naming who is behind and where the others wait.
+
+    Pure logic. "Behind" means: silent or never seen; else fewer beats into the run than the furthest ranks,
+    compared as (step, beats since the step began), so every rank should beat the same phases in the same
+    order. Finished ranks are ignored.
+    """
+    live = [v for v in views if not (v.beat and v.beat.done)]
+    if not any(v.stalled(timeout_s) for v in live):
+        return None
+    seen = [v for v in live if v.beat is not None and v.silent_s < v.beat.limit_s]
+    behind = [v for v in live if v not in seen]
+    waiting = seen
+    progress = lambda v: (v.beat.step, v.beat.index)  # noqa: E731 - the ordering rule, named
+    if seen and len({progress(v) for v in seen}) > 1:
+        top = max(progress(v) for v in seen)
+        behind += [v for v in seen if progress(v) < top]
+        waiting = [v for v in seen if progress(v) == top]
+    if not behind:
+        first = waiting[0].beat
+        return (f"hang: all {len(waiting)} ranks stalled at step {first.step} '{first.phase}' for "
+                f"{min(v.age_s for v in waiting):.0f} s; no rank is behind, so suspect a deadlock or mismatched "
+                "collective inside the step, or a phase slower than the watchdog timeout")
+    parts = [v.where() for v in sorted(behind, key=lambda v: v.rank)[:8]]
+    if len(behind) > 8:
+        parts.append(f"and {len(behind) - 8} more ranks behind")
+    for (step, phase), group in _by_position(waiting).items():
+        parts.append(f"{_ranks_text([v.rank for v in group])} {'is' if len(group) == 1 else 'are'} waiting at "
+                     f"step {step} '{phase}'")
+    return "hang: " + "; ".join(parts)
+
+
+def _by_position(views: list[RankView]) -> dict[tuple[int, str], list[RankView]]:
+    groups: dict[tuple[int, str], list[RankView]] = {}
+    for view in sorted(views, key=lambda v: v.rank):
+        groups.setdefault((view.beat.step, view.beat.phase), []).append(view)
+    return groups
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> 'ranks 0-2,5'; [3] -> 'rank 3'."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    spans, start = [], ranks[0]
+    for prev, cur in zip(ranks, ranks[1:] + [None]):
+        if cur != prev + 1:
+            spans.append(f"{start}-{prev}" if prev > start + 1 else
+                         (f"{start},{prev}" if prev == start + 1 else f"{start}"))
+            start = cur
+    return "ranks " + ",".join(spans)
+
+
+class HangWatchdog:
+    """A daemon thread that notices when this rank, or any rank, stops making progress.
+
+    The trainer calls :meth:`beat` at points in the step (``beat(step, "forward")``, ``beat(step, "optimizer")``,
+    ...); a beat only stores a tuple. Every ``publish_every_s`` the thread writes this rank's last beat to the
+    c10d store (one small ``set``). Then:
+
+    * every rank checks itself: no beat for ``timeout_s`` -> it logs where it stopped and dumps the Python stacks
+      of all its threads (to ``stack_file``, else stderr);
+    * rank 0 (every rank with ``check_all``) reads all heartbeats and logs :func:`diagnose_hang`'s line, naming
+      the ranks that are behind and where the others wait.
+
+    Each stall is reported once (again after another ``timeout_s`` if it persists). ``on_hang`` receives the
+    message, e.g. to abort. Call :meth:`stop` before destroying the process group (its store goes with it).
+    """
+
+    def __init__(self, *, env: ClusterEnv, timeout_s: float, store=None, publish_every_s: float | None = None,
+                 check_all: bool = False, stack_file: str | Path | None = None,
+                 log: Callable[[str], None] | None = None, on_hang: Callable[[str], None] | None = None):
+        self.env, self.timeout_s = env, timeout_s
+        self.publish_every_s = publish_every_s or min(5.0, max(0.2, timeout_s / 4))
+        self.check_all, self.stack_file, self.on_hang = check_all, stack_file, on_hang
+        self.log = log or (lambda message: print(message, file=sys.stderr, flush=True))
+        self.host = socket.gethostname()
+        self.reports: list[str] = []
+        self._store = _thread_store(store, timeout_s=max(10.0, 2 * self.publish_every_s))
+        self._beat = (-1, "start", time.monotonic(), timeout_s, 0)  # (step, phase, when, limit, index)
+        self._seq = 0
+        self._seen: dict[int, tuple[int, float]] = {}  # rank -> (seq, when the observer saw it change)
+        self._reported: dict[str, float] = {}  # message kind -> when it was last logged
+        self._store_error_logged = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="meshrun-hang-watchdog", daemon=True)
+
+    def start(self) -> "HangWatchdog":
+        self._started = time.monotonic()
+        self._publish()
+        self._thread.start()
+        return self
+
+    def beat(self, step: int, phase: str, *, timeout_s: float | None = None) -> None:
+        """Record progress (cheap: no I/O). ``timeout_s`` overrides the limit until the next beat (slow phases)."""
+        last_step, _, _, _, index = self._beat
+        # one tuple assignment, atomic under the GIL: the thread never sees half a beat
+        self._beat = (step, phase, time.monotonic(), timeout_s or self.timeout_s,
+                      index + 1 if step == last_step else 0)
+
+    def stop(self) -> None:
+        """Publish 'finished' (so rank 0 does not mistake an exit for a hang) and end the thread."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2 * self.publish_every_s + 5)
+        self._publish(done=True)
+
+    def __enter__(self) -> "HangWatchdog":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.publish_every_s):
+            self._publish()
+            self._check_self()
+            if self._store is not None and (self.check_all or self.env.is_rank_zero):
+                self._check_all_ranks()
+
+    def _publish(self, *, done: bool = False) -> None:
+        if self._store is None:
+            return
+        step, phase, when, limit, index = self._beat
+        self._seq += 1
+        beat = Heartbeat(rank=self.env.rank, host=self.host, step=step, phase=phase, age_s=time.monotonic() - when,
+                         limit_s=limit, seq=self._seq, index=index, done=done)
+        try:
+            self._store.set(_heartbeat_key(self.env.rank), json.dumps(beat.__dict__))
+        except Exception as exc:  # noqa: BLE001 - the store is gone or slow; say so once and keep watching
+            self._store_failed(exc)
+
+    def _check_self(self) -> None:
+        step, phase, when, limit, _ = self._beat
+        age = time.monotonic() - when
+        if age >= limit and self._due(f"self:{when}"):
+            self._emit(f"hang: this rank (rank {self.env.rank}, host {self.host}) has made no progress for "
+                       f"{age:.0f} s; last beat at step {step} '{phase}'; Python stacks of all threads follow",
+                       dump_stacks=True)
+
+    def _check_all_ranks(self) -> None:
+        try:
+            views = self._read_views()
+        except Exception as exc:  # noqa: BLE001 - as in _publish
+            self._store_failed(exc)
+            return
+        message = diagnose_hang(views, timeout_s=self.timeout_s)
+        if message and self._due("all:" + ",".join(str(v.rank) for v in views if v.stalled(self.timeout_s))):
+            self._emit(message, dump_stacks=False)
+
+    def _read_views(self) -> list[RankView]:
+        now = time.monotonic()
+        keys = [_heartbeat_key(rank) for rank in range(self.env.world_size)]
+        present = [rank for rank, key in enumerate(keys) if rank in self._seen or self._store.check([key])]
+        multi_get = getattr(self._store, "multi_get", None)  # one round trip where torch has it
+        wanted = [keys[r] for r in present]
+        values = (multi_get(wanted) if multi_get else [self._store.get(k) for k in wanted]) if wanted else []
+        beats = {rank: Heartbeat(**json.loads(value)) for rank, value in zip(present, values)}
+        views = []
+        for rank in range(self.env.world_size):
+            beat = beats.get(rank)
+            if beat is not None and self._seen.get(rank, (None,))[0] != beat.seq:
+                self._seen[rank] = (beat.seq, now)
+            since = now - self._seen[rank][1] if beat is not None else now - self._started
+            views.append(RankView(rank=rank, beat=beat, silent_s=since))
+        return views
+
+    def _due(self, kind: str) -> bool:
+        """Report each stall once, and again only after another timeout_s."""
+        now = time.monotonic()
+        if now - self._reported.get(kind, -float("inf")) < self.timeout_s:
+            return False
+        self._reported[kind] = now
+        return True
+
+    def _emit(self, message: str, *, dump_stacks: bool) -> None:
+        self.reports.append(message)
+        self.log(message)
+        if dump_stacks:
+            _dump_stacks(self.stack_file)
+        if self.on_hang is not None:
+            self.on_hang(message)
+
+    def _store_failed(self, exc: Exception) -> None:
+        if not self._store_error_logged:
+            self._store_error_logged = True
+            self.log(f"hang watchdog on rank {self.env.rank}: cannot use the c10d store "
+                     f"({type(exc).__name__}: {exc}); heartbeats of other ranks are not checked")
+
+
+def _heartbeat_key(rank: int) -> str:
+    return f"meshrun/health/heartbeat/{rank}"
+
+
+def _thread_store(store, *, timeout_s: float):
+    """A store this thread may use while the main thread uses its own (a clone: separate connection)."""
+    if store is None and dist.is_available() and dist.is_initialized():
+        store = dist.distributed_c10d._get_default_store()
+    if store is None:
+        return None
+    clone = getattr(store, "clone", None)  # torch >= 2.6; older: share the store (its client serialises calls)
+    if clone is None:
+        return store
+    try:
+        store = clone()
+    except RuntimeError:
+        return store
+    store.set_timeout(timedelta(seconds=timeout_s))  # short: a dead master must not freeze the watchdog
+    return store
+
+
+def _dump_stacks(stack_file: str | Path | None) -> None:
+    try:
+        if stack_file is None:
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            return
+        with open(stack_file, "a") as handle:
+            faulthandler.dump_traceback(file=handle, all_threads=True)
+    except (OSError, ValueError, AttributeError):  # stderr without a file descriptor (captured): nothing to do
+        pass
+
+
+# ---- NCCL flight recorder ------------------------------------------------------------------------------------
+
+
+def enable_flight_recorder(environ: MutableMapping[str, str], *, run_dir: str | Path,
+                           buffer_size: int = 2000) -> dict[str, str]:
+    """Set flight-recorder defaults in ``environ`` unless the user set them; return what was set.
+
+    Must happen before the NCCL process group is created (the launcher sets it for workers, or the trainer
+    sets ``os.environ`` before ``init_process_group``). On a collective timeout each rank then writes its last
+    ``buffer_size`` collectives to ``<run_dir>/nccl_trace/rank_<N>``; read them with ``torchfrtrace``.
+    Both the current (TORCH_FR_*) and the older (TORCH_NCCL_*) names are set, so torch 2.8 and newer agree.
+    """
+    trace_prefix = str(Path(run_dir) / "nccl_trace" / "rank_")
+    wanted = [(("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"), str(buffer_size)),
+              (("TORCH_NCCL_DUMP_ON_TIMEOUT",), "1"),
+              (("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"), trace_prefix)]
+    applied: dict[str, str] = {}
+    for names, value in wanted:
+        if any(name in environ for name in names):
+            continue  # the user chose; leave both spellings alone
+        for name in names:
+            environ[name] = applied[name] = value
+    if any(name in applied for name in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")):
+        os.makedirs(Path(trace_prefix).parent, exist_ok=True)
+    return applied

@@ -1,0 +1,103 @@
+"""`meshrun doctor`: the local view, and the cross-node report under a 2-node gloo run."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import socket
+import warnings
+
+import pytest
+
+from dist_utils import run_distributed
+from meshrun.diag import doctor, reach
+from meshrun.diag.fingerprint import FingerprintMismatch, check_consistency
+from meshrun.env import ClusterEnv
+
+
+def test_local_doctor_finds_a_listening_endpoint(capsys):
+    listener = reach.Listener("127.0.0.1")
+    try:
+        assert doctor.main(["--endpoint", f"127.0.0.1:{listener.port}", "--timeout", "2"]) == 0
+    finally:
+        listener.close()
+    out = capsys.readouterr().out
+    assert "interfaces" in out and "route to 127.0.0.1 (127.0.0.1): interface lo" in out
+    assert f"127.0.0.1:{listener.port} answers" in out
+
+
+def test_local_doctor_fails_on_a_closed_port_and_a_bad_endpoint(capsys):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # bound, never listening: refused
+        assert doctor.main(["--endpoint", f"127.0.0.1:{port}", "--timeout", "2"]) == 1
+    assert f"cannot reach 127.0.0.1 (127.0.0.1:{port}): connection refused" in capsys.readouterr().out
+    assert doctor.main(["--endpoint", "no-port-here"]) == 2
+
+
+def _facts(node: int, host: str, address: str, gpus: tuple[str, ...] = ()) -> doctor.NodeFacts:
+    return doctor.NodeFacts(rank=node, node_rank=node, local_rank=0, host=host, address=address,
+                            address_why="route to master", gpus=gpus, nccl=True, env_vars={})
+
+
+def _report(facts: list[doctor.NodeFacts]) -> doctor.DoctorReport:
+    eps = [reach.Endpoint(node=f.node_rank, host=f.host, addr=f.address, port=1) for f in facts]
+    ok = reach.Probe(True, None, 0.1)
+    matrix = reach.ReachMatrix(endpoints=eps, rows=[[ok] * len(eps) for _ in eps])
+    env = ClusterEnv.detect({})
+    return doctor.DoctorReport(env=env, facts=facts, fingerprints=[], diffs=[], matrix=matrix)
+
+
+def test_loopback_address_is_a_problem_only_across_hosts():
+    across = _report([_facts(0, "a", "10.1.0.1"), _facts(1, "b", "127.0.0.1")])
+    doctor.judge(across)
+    assert across.problems and across.problems[0].startswith("node 1 (host b) would be reached at loopback")
+    one_host = _report([_facts(0, "a", "127.0.0.1"), _facts(1, "a", "127.0.0.1")])
+    doctor.judge(one_host)
+    assert one_host.problems == []
+
+
+def test_different_gpus_per_node_are_noted():
+    report = _report([_facts(0, "a", "10.1.0.1", ("H100",) * 8), _facts(1, "b", "10.1.0.2", ("H100",) * 4)])
+    doctor.judge(report)
+    assert report.problems == [] and "nodes see different GPUs" in report.notes[0]
+
+
+def _doctor_worker(rank: int, world_size: int, scripts: list[str]):
+    # each rank plays one node (node rank = rank), as `meshrun launch --nnodes 2 --nproc-per-node 1` would
+    os.environ.update({"GROUP_RANK": str(rank), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
+    env = ClusterEnv.detect()
+    try:
+        check_consistency(env=env, strict=True, script=scripts[rank])
+        strict_error = None
+    except FingerprintMismatch as exc:
+        strict_error = str(exc)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_consistency(env=env, strict=False, script=scripts[rank])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = doctor.main(["--script", scripts[rank], "--timeout", "2", "--wait", "60"])
+    return strict_error, [str(w.message) for w in caught], code, out.getvalue()
+
+
+@pytest.mark.slow
+def test_two_nodes_with_different_entry_scripts(tmp_path):
+    scripts = [tmp_path / "train_a.py", tmp_path / "train_b.py"]
+    scripts[0].write_text("print('version 1')\n")
+    scripts[1].write_text("print('version 2')\n")
+    results = run_distributed(_doctor_worker, 2, [str(s) for s in scripts], timeout=180)
+    host = socket.gethostname()
+    for rank, (strict_error, warned, code, _) in enumerate(results):
+        assert strict_error is not None, f"rank {rank} did not raise"
+        assert strict_error.startswith(f"code differs across nodes: node 1 (host {host}) has entry script hash ")
+        assert code == 1
+        assert bool(warned) == (rank == 0)  # non-strict: only rank 0 warns
+    report = results[0][3]
+    assert results[1][3] == ""  # only rank 0 prints
+    assert "TCP reachability" in report
+    assert len(re.findall(r"ok \d+\.\d ms", report)) == 4  # 2 x 2 matrix, every pair connects
+    assert "all-reduce gloo: ok" in report and "sum correct on all 2 ranks" in report
+    assert "1 problem(s):" in report and "code differs across nodes: node 1" in report

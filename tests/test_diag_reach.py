@@ -1,0 +1,157 @@
+"""Pairwise TCP reachability: real sockets on loopback, and (root only) two network-namespace hosts."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from dist_utils import free_port, run_distributed
+from meshrun.diag import reach
+from meshrun.env import ClusterEnv
+
+
+def test_probe_reports_ok_and_refused_with_the_reason():
+    listener = reach.Listener("127.0.0.1")
+    try:
+        assert reach.probe("127.0.0.1", listener.port, timeout_s=2).ok
+    finally:
+        listener.close()
+    closed = reach.probe("127.0.0.1", listener.port, timeout_s=2)
+    assert not closed.ok and closed.error.startswith("connection refused")
+
+
+def test_errors_are_described_in_words():
+    assert reach.describe_error(socket.timeout(), 3.0).startswith("no answer within 3 s")
+    assert reach.describe_error(OSError(113, "No route to host"), 3.0) == "no route to host"
+
+
+def test_failures_name_each_pair_with_addresses():
+    eps = [reach.Endpoint(node=n, host=h, addr=f"10.0.0.{n + 1}", port=41000 + n) for n, h in enumerate("abc")]
+    ok, refused = reach.Probe(True, None, 0.2), reach.Probe(False, "connection refused", 0.1)
+    matrix = reach.ReachMatrix(endpoints=eps, rows=[[ok, ok, ok], [ok, ok, refused], [ok, ok, ok]])
+    assert not matrix.ok
+    assert matrix.failures() == ["host b (node 1, 10.0.0.2) cannot reach host c (node 2, 10.0.0.3:41002): "
+                                 "connection refused"]
+
+
+def test_socket_ifname_picks_that_interface(monkeypatch):
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "lo")
+    env = ClusterEnv.detect({})
+    addr, why = reach.advertised_address(env)
+    assert addr == "127.0.0.1" and "NCCL_SOCKET_IFNAME=lo" in why
+
+
+def _as_node(rank: int, world_size: int) -> ClusterEnv:
+    # every rank plays one node, so the matrix is world_size x world_size
+    return ClusterEnv(rank=rank, local_rank=0, world_size=world_size, local_world_size=1, node_rank=rank,
+                      num_nodes=world_size, master_addr="127.0.0.1", master_port=0, source="torchrun")
+
+
+def _reach_worker(rank: int, world_size: int):
+    env = _as_node(rank, world_size)
+    healthy = reach.check_reachability(env=env, timeout_s=2.0, wait_s=30.0, tag="healthy")
+    # the same steps by hand, with node 2's listener closed after it was published
+    store = dist.distributed_c10d._get_default_store()
+    listener = reach.Listener(reach.advertised_address(env)[0])
+    endpoints = reach.exchange_endpoints(store, env=env, listener=listener, tag="broken", timeout_s=30.0)
+    if rank == 2:
+        listener.close()
+    dist.barrier()
+    row = reach.probe_row(endpoints, timeout_s=2.0)
+    broken = reach.gather_matrix(row, env=env, endpoints=endpoints)
+    listener.close()
+    return healthy, broken
+
+
+@pytest.mark.slow
+def test_three_nodes_on_loopback_name_the_pair_whose_listener_is_closed():
+    results = run_distributed(_reach_worker, 3, timeout=120)
+    healthy, broken = results[0]
+    assert healthy.ok and len(healthy.rows) == 3 and all(len(row) == 3 for row in healthy.rows)
+    assert all(r == results[0] for r in results[1:]) or all(r[1].failures() == broken.failures() for r in results)
+    port = broken.endpoints[2].port
+    assert broken.failures() == [
+        f"host {socket.gethostname()} (node {src}, 127.0.0.1) cannot reach host {socket.gethostname()} "
+        f"(node 2, 127.0.0.1:{port}): connection refused (nothing listens there, or a firewall rejects it)"
+        for src in range(3)]
+
+
+# ---- two hosts in network namespaces -------------------------------------------------------------------------
+
+def _netns_skip_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces"
+    if not shutil.which("ip") or not shutil.which("torchrun"):
+        return "needs iproute2 and torchrun"
+    probe_name = f"mrprobe{os.getpid()}"
+    done = subprocess.run(["ip", "netns", "add", probe_name], capture_output=True, text=True)
+    if done.returncode != 0:
+        return f"cannot create a network namespace here: {done.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe_name], capture_output=True)
+    return None
+
+
+def _sh(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+
+
+@pytest.fixture
+def two_hosts():
+    """Namespaces A (198.51.100.1) and B (198.51.100.2) joined by a veth pair; B also has a side interface
+    (203.0.113.2) that A has no route to. Removed afterwards."""
+    reason = _netns_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    a, b = f"mra{os.getpid()}", f"mrb{os.getpid()}"
+    try:
+        _sh("ip", "netns", "add", a)
+        _sh("ip", "netns", "add", b)
+        _sh("ip", "link", "add", "mrveth0", "netns", a, "type", "veth", "peer", "name", "mrveth1", "netns", b)
+        for ns, dev, addr in ((a, "mrveth0", "198.51.100.1/24"), (b, "mrveth1", "198.51.100.2/24")):
+            _sh("ip", "-n", ns, "addr", "add", addr, "dev", dev)
+            _sh("ip", "-n", ns, "link", "set", dev, "up")
+            _sh("ip", "-n", ns, "link", "set", "lo", "up")
+        # a second interface in B only (a veth pair with both ends in B: the dummy module may be missing)
+        _sh("ip", "-n", b, "link", "add", "mrside0", "type", "veth", "peer", "name", "mrside1")
+        _sh("ip", "-n", b, "addr", "add", "203.0.113.2/24", "dev", "mrside0")
+        for dev in ("mrside0", "mrside1"):
+            _sh("ip", "-n", b, "link", "set", dev, "up")
+        yield a, b
+    finally:
+        for ns in (a, b):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def _doctor_in(ns: str, node: int, port: int, extra_env: dict[str, str]) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NCCL_", "GLOO_"))} | extra_env
+    cmd = ["ip", "netns", "exec", ns, "torchrun", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node",
+           "1", "--master-addr", "198.51.100.1", "--master-port", str(port), "-m", "meshrun", "doctor",
+           "--timeout", "2", "--wait", "60"]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            cwd=Path(__file__).resolve().parents[1])
+
+
+@pytest.mark.slow
+@pytest.mark.netns
+def test_doctor_across_namespaces_names_the_node_with_the_wrong_nccl_interface(two_hosts):
+    a, b = two_hosts
+    port = free_port()
+    # node 1's NCCL_SOCKET_IFNAME names an interface node 0 cannot route to: NCCL would hang; doctor says so
+    procs = [_doctor_in(a, 0, port, {"GLOO_SOCKET_IFNAME": "mrveth0"}),
+             _doctor_in(b, 1, port, {"GLOO_SOCKET_IFNAME": "mrveth1", "NCCL_SOCKET_IFNAME": "mrside0"})]
+    outputs = [proc.communicate(timeout=180)[0] for proc in procs]
+    report = outputs[0]
+    assert procs[0].returncode != 0, report
+    assert "host" in report and "(node 1, 203.0.113.2:" in report, report
+    failing = [line for line in report.splitlines() if "cannot reach" in line]
+    assert len(failing) == 1, report  # node 1 reaches itself on its dummy address; node 0 cannot
+    assert failing[0].strip().startswith(f"- host {socket.gethostname()} (node 0, 198.51.100.1) cannot reach"), report
+    assert "network unreachable" in failing[0] or "no route to host" in failing[0], report
+    assert "NCCL_SOCKET_IFNAME=mrside0" in report, report

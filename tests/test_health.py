@@ -1,0 +1,193 @@
+"""Stragglers, hangs and the flight recorder: pure logic first, then gloo runs with a slow or silent rank."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import numpy as np
+import pytest
+import torch.distributed as dist
+
+from dist_utils import run_distributed
+from meshrun.env import ClusterEnv
+from meshrun.train import health
+from meshrun.train.health import (Heartbeat, HangWatchdog, RankInfo, RankView, StragglerDetector, diagnose_hang,
+                                  enable_flight_recorder, find_stragglers)
+
+
+def _ranks(n: int) -> list[RankInfo]:
+    return [RankInfo(rank=r, host="a" if r < 2 else "b", local_rank=r % 2) for r in range(n)]
+
+
+# ---- stragglers: pure ----------------------------------------------------------------------------------------
+
+def test_slow_rank_is_named_with_its_cause():
+    times = np.array([[0.21, 0.01], [0.20, 0.01], [0.22, 0.01], [0.42, 0.336]])
+    found = find_stragglers(times, _ranks(4), threshold=1.5, min_gap_s=0.005)
+    assert [s.who.rank for s in found] == [3]
+    assert found[0].describe() == ("rank 3 (host b, local 1) is a straggler: step 0.42 s vs median 0.21 s (2.0x), "
+                                   "80% of it waiting for data")
+    compute = find_stragglers(np.array([[0.2, 0.0], [0.2, 0.0], [0.5, 0.05]]), _ranks(3), threshold=1.5,
+                              min_gap_s=0.0)
+    assert "compute dominates (data loading 10%)" in compute[0].describe()
+
+
+def test_two_ranks_compare_against_each_other_and_noise_is_ignored():
+    assert [s.who.rank for s in find_stragglers(np.array([[0.1, 0], [0.2, 0]]), _ranks(2), threshold=1.5,
+                                                min_gap_s=0.0)] == [1]
+    flat = np.array([[0.100, 0], [0.101, 0], [0.099, 0]])
+    assert find_stragglers(flat, _ranks(3), threshold=1.5, min_gap_s=0.0) == []
+    tiny = np.array([[0.001, 0], [0.001, 0], [0.003, 0]])  # 3x, but 2 ms is below min_gap_s
+    assert find_stragglers(tiny, _ranks(3), threshold=1.5, min_gap_s=0.005) == []
+
+
+def test_leave_one_out_median_matches_numpy():
+    rng = np.random.default_rng(0)
+    for n in (2, 3, 4, 7, 10):
+        values = np.sort(rng.random(n))
+        for i in range(n):
+            assert health._median_without(values, i) == pytest.approx(float(np.median(np.delete(values, i))))
+
+
+# ---- hangs: pure ---------------------------------------------------------------------------------------------
+
+def _view(rank: int, step: int, phase: str, age: float, *, silent: float = 1.0, host: str = "a",
+          index: int = 0, done: bool = False) -> RankView:
+    beat = Heartbeat(rank=rank, host=host, step=step, phase=phase, age_s=age - silent, limit_s=60.0, seq=1,
+                     index=index, done=done)
+    return RankView(rank=rank, beat=beat, silent_s=silent)
+
+
+def test_hang_names_the_rank_behind_and_where_the_others_wait():
+    views = [_view(0, 42, "all_reduce", 90), _view(1, 41, "forward", 95, host="b"),
+             _view(2, 42, "all_reduce", 91), _view(3, 42, "all_reduce", 90)]
+    assert diagnose_hang(views, timeout_s=60) == (
+        "hang: rank 1 (host b) last seen at step 41 'forward' 95 s ago; ranks 0,2,3 are waiting at step 42 "
+        "'all_reduce'")
+
+
+def test_same_step_different_phase_and_silent_and_healthy_cases():
+    # rank 1 beat 'forward' last, later than rank 0's 'all_reduce': the beat index, not the clock, decides
+    same_step = [_view(0, 7, "all_reduce", 80, index=2), _view(1, 7, "forward", 70, index=0, host="b")]
+    assert diagnose_hang(same_step, timeout_s=60) == (
+        "hang: rank 1 (host b) last seen at step 7 'forward' 70 s ago; rank 0 is waiting at step 7 'all_reduce'")
+    silent = [_view(0, 7, "all_reduce", 70), _view(1, 7, "forward", 75, silent=75, host="b")]
+    assert diagnose_hang(silent, timeout_s=60).startswith(
+        "hang: rank 1 (host b) stopped publishing heartbeats 75 s ago")
+    assert diagnose_hang([_view(0, 7, "forward", 5), _view(1, 7, "forward", 6)], timeout_s=60) is None
+    everyone = [_view(r, 3, "all_reduce", 70) for r in range(4)]
+    assert diagnose_hang(everyone, timeout_s=60).startswith("hang: all 4 ranks stalled at step 3 'all_reduce'")
+    finished = [_view(0, 9, "done", 500, done=True), _view(1, 9, "forward", 5)]
+    assert diagnose_hang(finished, timeout_s=60) is None
+    never = [_view(0, 1, "forward", 70), RankView(rank=1, beat=None, silent_s=70)]
+    assert "rank 1 has published no heartbeat in 70 s" in diagnose_hang(never, timeout_s=60)
+
+
+def test_rank_lists_are_compact():
+    assert health._ranks_text([3]) == "rank 3"
+    assert health._ranks_text([0, 1, 2, 5, 7, 8]) == "ranks 0-2,5,7,8"
+
+
+def test_watchdog_in_one_process_names_a_silent_peer_and_dumps_its_own_stacks(tmp_path):
+    store = dist.HashStore()
+    env = ClusterEnv(rank=0, local_rank=0, world_size=2, local_world_size=2, node_rank=0, num_nodes=1,
+                     master_addr="127.0.0.1", master_port=0, source="torchrun")
+    peer = Heartbeat(rank=1, host="b", step=4, phase="forward", age_s=0.0, limit_s=0.6, seq=1)
+    store.set(health._heartbeat_key(1), json.dumps(peer.__dict__))  # then never again
+    stacks = tmp_path / "stacks.txt"
+    logged: list[str] = []
+    watchdog = HangWatchdog(env=env, timeout_s=0.6, store=store, publish_every_s=0.1, stack_file=stacks,
+                            log=logged.append).start()
+    time.sleep(0.3)  # rank 1 has been silent since start; this rank still beats
+    watchdog.beat(5, "all_reduce")
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and len(watchdog.reports) < 2:
+        time.sleep(0.05)
+    watchdog.stop()
+    assert any(r.startswith("hang: rank 1 (host b) stopped publishing heartbeats") and "step 4 'forward'" in r
+               for r in watchdog.reports), watchdog.reports
+    assert any(r.startswith("hang: this rank (rank 0") and "step 5 'all_reduce'" in r for r in watchdog.reports)
+    assert "test_watchdog_in_one_process" in stacks.read_text()  # the main thread's frame is in the dump
+    assert logged == watchdog.reports
+
+
+# ---- flight recorder -----------------------------------------------------------------------------------------
+
+def test_flight_recorder_defaults_respect_the_user(tmp_path):
+    environ = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "50"}
+    applied = enable_flight_recorder(environ, run_dir=tmp_path)
+    assert environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50" and "TORCH_FR_BUFFER_SIZE" not in environ
+    assert applied == {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                       "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "nccl_trace" / "rank_"),
+                       "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(tmp_path / "nccl_trace" / "rank_")}
+    assert (tmp_path / "nccl_trace").is_dir()
+    fresh: dict[str, str] = {}
+    enable_flight_recorder(fresh, run_dir=tmp_path, buffer_size=123)
+    assert fresh["TORCH_FR_BUFFER_SIZE"] == fresh["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "123"
+
+
+# ---- gloo runs -----------------------------------------------------------------------------------------------
+
+def _straggler_worker(rank: int, world_size: int, steps: int):
+    env = ClusterEnv.detect()
+    detector = StragglerDetector(env=env, threshold=1.5, window=2)
+    measured, reports = [], []
+    for step in range(steps):
+        start = time.perf_counter()
+        time.sleep(0.15 if rank == 2 else 0.01)  # "waiting for data": rank 2's loader is slow
+        data = time.perf_counter() - start
+        time.sleep(0.03)  # "compute"
+        measured.append([time.perf_counter() - start, data])
+        report = detector.observe(step, measured[-1][0], measured[-1][1])
+        reports.append(report)
+    return measured, reports, detector.summary()
+
+
+@pytest.mark.slow
+def test_straggler_detector_names_the_slow_rank():
+    steps = 3
+    results = run_distributed(_straggler_worker, 3, steps, timeout=120)
+    assert all(r is None for _, reports, _ in results[1:] for r in reports)  # only rank 0 reports
+    measured = np.array([m for m, _, _ in results])  # (ranks, steps, 2)
+    ranks = results[0][1][0].stragglers[0].who
+    assert (ranks.rank, ranks.host, ranks.local_rank) == (2, socket.gethostname(), 2)
+    for step, report in enumerate(results[0][1]):
+        # reference: the same rule applied in this process to the numbers each rank measured
+        expected = find_stragglers(measured[:, max(0, step - 1):step + 1].mean(axis=1), _ranks(3), threshold=1.5,
+                                   min_gap_s=0.005)
+        assert [s.who.rank for s in report.stragglers] == [s.who.rank for s in expected] == [2]
+        assert report.stragglers[0].step_s == pytest.approx(expected[0].step_s)
+        assert "waiting for data" in str(report)
+    summary = results[0][2]
+    assert [row["rank"] for row in summary] == [0, 1, 2]
+    assert summary[2]["max_step_s"] == pytest.approx(measured[2, :, 0].max())
+
+
+def _watchdog_worker(rank: int, world_size: int, stacks_dir: str):
+    env = ClusterEnv.detect()
+    watchdog = HangWatchdog(env=env, timeout_s=2.0, publish_every_s=0.25, stack_file=f"{stacks_dir}/rank{rank}.txt",
+                            log=lambda message: None).start()
+    for step in range(3):
+        watchdog.beat(step, "forward")
+        if rank == 1 and step == 2:
+            time.sleep(4.5)  # rank 1 stops beating "inside forward"; rank 0 goes on and waits in the all-reduce
+        watchdog.beat(step, "all_reduce")
+        dist.barrier()
+    # rank 0 must have named rank 1 while waiting, within timeout + a few publish periods
+    watchdog.stop()
+    return watchdog.reports
+
+
+@pytest.mark.slow
+def test_watchdog_on_rank_zero_names_the_rank_that_stopped_beating(tmp_path):
+    reports = run_distributed(_watchdog_worker, 2, str(tmp_path), timeout=120)
+    host = socket.gethostname()
+    named = [r for r in reports[0] if r.startswith("hang: rank 1")]
+    assert named, reports[0]
+    assert named[0].startswith(f"hang: rank 1 (host {host}) last seen at step 2 'forward' ")
+    assert named[0].endswith("rank 0 is waiting at step 2 'all_reduce'")
+    assert int(named[0].split("'forward' ")[1].split(" s ago")[0]) <= 4  # caught within the stall, not after
+    assert any(r.startswith("hang: this rank (rank 1") for r in reports[1])
+    assert "_watchdog_worker" in (tmp_path / "rank1.txt").read_text()
