@@ -1,0 +1,149 @@
+"""Command line of ``meshrun launch``: torchrun's own parser plus the few options meshrun adds.
+
+Every torchrun flag keeps working in both spellings (``--nproc_per_node`` and ``--nproc-per-node``) because the
+parser *is* torchrun's (:func:`torch.distributed.run.get_args_parser`); meshrun only adds its options and works out
+which flags the user typed, so that a default never overrides a decision (torch 2.8 gives ``--master-port`` a
+default of 29500, so "given" cannot be read off the value).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch.distributed.run import get_args_parser
+
+DEFAULT_RDZV_TIMEOUT_S = 120
+"""Rendezvous join timeout. torchrun's own default (600 s) is far too long to wait for a typo in an address."""
+
+TRAIN_TARGET = "train"
+"""The target word that means `meshrun train`, run as ``python -m meshrun train ...``."""
+
+USAGE = """meshrun launch [torchrun options] [meshrun options] TARGET [target args]
+
+TARGET is one of
+  train [--section.key=value ...]   meshrun's trainer (python -m meshrun train ...)
+  script.py [args]                  any torchrun-style script, unchanged
+  -m module [args]                  a module, as with python -m
+  --no-python program [args]        a program that is not Python"""
+
+
+class LaunchUsageError(ValueError):
+    """A wrong command line. The message's first line names the option and the fix."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """What every worker runs."""
+
+    kind: str
+    """'train', 'script', 'module' or 'program'."""
+    name: str
+    """The script path, module or program as the user wrote it ('train' for the trainer)."""
+    args: tuple[str, ...]
+    """Arguments after the target."""
+
+    def describe(self) -> str:
+        shown = " ".join((self.name, *self.args)) if self.kind != "train" else " ".join(("train", *self.args))
+        label = {"train": "meshrun", "script": "script", "module": "module", "program": "program"}[self.kind]
+        return f"{label} {shown}" if len(shown) <= 100 else f"{label} {shown[:97]}..."
+
+
+@dataclass
+class LaunchArgs:
+    """The parsed command line: torchrun's namespace, the flags typed explicitly, and the target."""
+
+    ns: argparse.Namespace
+    """torchrun's namespace (plus meshrun's options); the launcher edits it before handing it to torch."""
+    given: frozenset[str]
+    """Destinations of the options the user typed (e.g. 'master_port'), whatever their value."""
+    target: Target
+    """What the workers run."""
+    option_tokens: tuple[str, ...]
+    """The argv tokens before the target (used to re-launch agents for --simulate-nodes)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """torchrun's parser with meshrun's options added."""
+    parser = get_args_parser()
+    parser.prog = "meshrun launch"
+    parser.usage = USAGE
+    parser.description = ("Start workers like torchrun (same flags, same worker environment), with the network "
+                          "worked out for you. See docs/launch.md.")
+    group = parser.add_argument_group("meshrun")
+    group.add_argument("--rdzv-timeout", "--rdzv_timeout", type=int, default=DEFAULT_RDZV_TIMEOUT_S,
+                       help="Seconds to wait for the endpoint to be reachable and for all nodes to join "
+                            f"(c10d join_timeout; default {DEFAULT_RDZV_TIMEOUT_S}).")
+    group.add_argument("--simulate-nodes", "--simulate_nodes", type=int, default=0, metavar="K",
+                       help="Rehearse a K-node job on this machine: K elastic agents joined by a c10d rendezvous "
+                            "on loopback.")
+    group.add_argument("--dry-run", "--dry_run", action="store_true",
+                       help="Print what would be decided and exit without starting anything.")
+    return parser
+
+
+def parse_launch_args(argv: list[str]) -> LaunchArgs:
+    """Parse ``meshrun launch`` arguments; raise :class:`LaunchUsageError` for values torch would reject late."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    given = _given_options(argv)
+    parse_nnodes(ns.nnodes)
+    if ns.max_restarts < 0:
+        raise LaunchUsageError(f"--max-restarts {ns.max_restarts}: must be 0 or more.")
+    if ns.rdzv_timeout <= 0:
+        raise LaunchUsageError(f"--rdzv-timeout {ns.rdzv_timeout}: must be a positive number of seconds.")
+    if ns.simulate_nodes < 0 or ns.simulate_nodes == 1:
+        raise LaunchUsageError(f"--simulate-nodes {ns.simulate_nodes}: give 2 or more nodes to rehearse "
+                               "(leave it out for a single-node job).")
+    tail = 1 + len(ns.training_script_args)
+    return LaunchArgs(ns=ns, given=given, target=detect_target(ns), option_tokens=tuple(argv[:len(argv) - tail]))
+
+
+def _given_options(argv: list[str]) -> frozenset[str]:
+    """Destinations of the options present in ``argv``: parse again with every default suppressed."""
+    parser = build_parser()
+    for action in parser._actions:  # argparse has no public way to list actions
+        if action.option_strings:
+            action.default = argparse.SUPPRESS
+    ns = parser.parse_args(argv)
+    return frozenset(vars(ns)) - {"training_script", "training_script_args"}
+
+
+def parse_nnodes(value: str) -> tuple[int, int]:
+    """'2' -> (2, 2); '1:4' -> (1, 4). Raise naming --nnodes when malformed."""
+    parts = value.split(":")
+    try:
+        low, high = (int(parts[0]), int(parts[0])) if len(parts) == 1 else (int(parts[0]), int(parts[1]))
+    except (ValueError, IndexError):
+        raise LaunchUsageError(f"--nnodes {value!r}: give a number of nodes (2) or a range MIN:MAX (1:4).") from None
+    if len(parts) > 2 or not 0 < low <= high:
+        raise LaunchUsageError(f"--nnodes {value!r}: give N >= 1, or MIN:MAX with 1 <= MIN <= MAX.")
+    return low, high
+
+
+def detect_target(ns: argparse.Namespace) -> Target:
+    """Classify what the workers run. The bare word ``train`` means meshrun's trainer (write ./train for a file)."""
+    name, args = ns.training_script, tuple(ns.training_script_args)
+    if ns.module:
+        return Target(kind="module", name=name, args=args)
+    if ns.no_python:
+        return Target(kind="program", name=name, args=args)
+    if name == TRAIN_TARGET:
+        return Target(kind="train", name=name, args=args)
+    return Target(kind="script", name=name, args=args)
+
+
+def check_target(target: Target) -> None:
+    """Fail before starting agents when a script does not exist (torchrun would start N workers that all fail)."""
+    if target.kind == "script" and not Path(target.name).is_file():
+        raise LaunchUsageError(f"script {target.name!r} not found (cwd {Path.cwd()}); give a path to a Python "
+                               "file, `-m module`, or `train` for meshrun's trainer.")
+
+
+def apply_target(ns: argparse.Namespace, target: Target) -> None:
+    """Rewrite ``train ...`` into torchrun's form ``-m meshrun train ...``; other targets pass as they are."""
+    if target.kind == "train":
+        ns.module = True
+        ns.training_script = "meshrun"
+        ns.training_script_args = [TRAIN_TARGET, *target.args]

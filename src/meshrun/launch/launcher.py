@@ -1,0 +1,97 @@
+"""Run one node's elastic agent: torch's ``elastic_launch`` with the decisions of :mod:`meshrun.launch.plan`.
+
+meshrun starts no process itself here: torch's agent spawns, watches and restarts the workers, and serves the
+c10d rendezvous. What meshrun adds is before (the plan, a reachability probe with a deadline) and after (errors
+that name the endpoint, the missing nodes or the failed rank).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
+from torch.distributed.launcher.api import elastic_launch
+from torch.distributed.run import config_from_args
+
+from meshrun.launch.args import LaunchArgs, check_target
+from meshrun.launch.net import ProbeResult, probe_tcp
+from meshrun.launch.plan import LaunchPlan, apply_plan, format_plan, make_plan, parse_rdzv_conf
+
+MIN_JOIN_TIMEOUT_S = 10
+"""Join time left to a node that spent most of --rdzv-timeout waiting for the endpoint to come up."""
+
+
+class LaunchError(RuntimeError):
+    """The job could not start or complete its rendezvous. The first line names host, endpoint and the fix."""
+
+
+def launch(largs: LaunchArgs) -> int:
+    """Plan, print, probe, then run torch's elastic agent for this node. Returns the job's exit code."""
+    plan = make_plan(largs, environ=os.environ)
+    check_target(plan.target)
+    print(format_plan(plan), file=sys.stderr, flush=True)
+    if largs.ns.dry_run:
+        return 0
+    if plan.probe_first:
+        result = probe_tcp(plan.endpoint_host, plan.endpoint_port, timeout_s=plan.timeout_s)
+        if not result.ok:
+            raise LaunchError(unreachable_message(plan, result))
+        print(f"  reached     {plan.endpoint} after {result.elapsed_s:.1f}s", file=sys.stderr, flush=True)
+        if plan.backend == "c10d" and "join_timeout" not in parse_rdzv_conf(_user_conf(largs)):
+            left = max(MIN_JOIN_TIMEOUT_S, int(plan.timeout_s - result.elapsed_s))
+            plan.rdzv_conf["join_timeout"] = str(left)  # --rdzv-timeout bounds probe and join together
+    os.environ.update(plan.env_set)  # the agent copies its environment into every worker
+    apply_plan(largs.ns, plan)
+    config, entrypoint, entry_args = config_from_args(largs.ns)
+    try:
+        elastic_launch(config=config, entrypoint=entrypoint)(*entry_args)
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        print(f"meshrun launch: worker rank {rank} (local rank {failure.local_rank} on {_host(plan)}) failed with "
+              f"exit code {failure.exitcode}; its output is above. {len(exc.failures)} worker(s) failed on this "
+              "node.", file=sys.stderr, flush=True)
+        return _exit_code(failure.exitcode)
+    except RendezvousTimeoutError as exc:
+        raise LaunchError(rendezvous_timeout_message(plan)) from exc
+    except RendezvousError as exc:
+        raise LaunchError(f"rendezvous at {plan.endpoint} failed on {_host(plan)}: {exc} "
+                          f"(cause: {exc.__cause__}); check that every node uses the same --rdzv-endpoint and "
+                          "--rdzv-id.") from exc
+    return 0
+
+
+def unreachable_message(plan: LaunchPlan, result: ProbeResult) -> str:
+    fix = {"connection refused": f"nothing listens on port {plan.endpoint_port} there yet: start `meshrun launch` "
+                                 f"on {plan.endpoint_host} first (it hosts the store), or check the port",
+           "timed out": "packets get no answer: check the address, and firewalls between the hosts",
+           "no route to host": "check the address, and that both hosts share a network (`ip route`)",
+           }.get(result.error, "check the address, the port and firewalls")
+    return (f"{_host(plan)} cannot reach the rendezvous endpoint {plan.endpoint}: {result.error} "
+            f"(waited {result.elapsed_s:.0f}s, {result.attempts} attempts; --rdzv-timeout {plan.timeout_s}); "
+            f"{fix}.")
+
+
+def rendezvous_timeout_message(plan: LaunchPlan) -> str:
+    nnodes = str(plan.max_nodes) if plan.min_nodes == plan.max_nodes else f"{plan.min_nodes}:{plan.max_nodes}"
+    return (f"rendezvous at {plan.endpoint} did not gather --nnodes {nnodes} nodes within "
+            f"{plan.rdzv_conf.get('join_timeout', plan.timeout_s)}s on {_host(plan)}: start `meshrun launch` on the "
+            f"missing nodes with --nnodes {nnodes} --rdzv-endpoint {plan.endpoint}, or raise --rdzv-timeout.")
+
+
+def _host(plan: LaunchPlan) -> str:
+    return f"{socket.gethostname()} ({plan.local_addr} on {plan.iface or '?'})"
+
+
+def _user_conf(largs: LaunchArgs) -> str:
+    return largs.ns.rdzv_conf if "rdzv_conf" in largs.given else ""
+
+
+def _exit_code(code: int) -> int:
+    """A worker killed by a signal reports -N; a shell reports 128+N."""
+    if code < 0:
+        return 128 - code if -code in signal.valid_signals() else 1
+    return code or 1

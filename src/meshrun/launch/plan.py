@@ -1,0 +1,281 @@
+"""What ``meshrun launch`` decides before it hands over to torch's elastic agent, and the block that shows it.
+
+The decisions, in order: where the rendezvous is (flags, SLURM, or a standalone store on loopback), which
+backend serves it, which local address and interface reach it, whether this node hosts the c10d store, and which
+socket variables the workers need. :func:`make_plan` makes them; :func:`apply_plan` writes them into torchrun's
+namespace; :func:`format_plan` prints them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import uuid
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from meshrun.launch.args import LaunchArgs, LaunchUsageError, Target, apply_target, parse_nnodes
+from meshrun.launch.net import Route, interface_of, parse_endpoint, port_accepts, resolve, route_to
+from meshrun.launch.slurm import SlurmPlacement, detect_slurm
+
+C10D_DEFAULT_PORT = 29400
+STATIC_DEFAULT_PORT = 29500
+SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+"""Set to the interface that reaches the endpoint, for multi-host jobs only, and never over a caller's value."""
+
+
+@dataclass
+class LaunchPlan:
+    """Everything decided before the elastic agent starts."""
+
+    target: Target
+    min_nodes: int
+    max_nodes: int
+    nproc: str
+    """--nproc-per-node as given (a number, or torch's auto/gpu/cpu)."""
+    backend: str
+    """Rendezvous backend: c10d, static, or a backend torch knows by another name."""
+    endpoint_host: str
+    endpoint_port: int
+    rdzv_id: str
+    rdzv_conf: dict[str, str]
+    node_rank: int
+    """Only meaningful for the static backend; c10d assigns node ranks when nodes join."""
+    origin: str
+    """Where the layout came from: 'standalone', 'flags' or 'slurm'."""
+    store_here: bool | None
+    """This node hosts the rendezvous store; None when the backend decides."""
+    store_reason: str
+    local_addr: str | None
+    """Address this node gives the agent (torchrun's --local-addr); peers and workers connect to it."""
+    local_reason: str
+    iface: str | None
+    """Interface that owns local_addr."""
+    single_host: bool
+    """All nodes are on this host (one node, or a loopback endpoint)."""
+    timeout_s: int
+    max_restarts: int
+    env_set: dict[str, str] = field(default_factory=dict)
+    env_kept: dict[str, str] = field(default_factory=dict)
+    slurm: SlurmPlacement | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def endpoint(self) -> str:
+        return format_endpoint(self.endpoint_host, self.endpoint_port)
+
+    @property
+    def probe_first(self) -> bool:
+        """Another host serves the store: check that it is reachable before joining."""
+        return self.store_here is False
+
+
+@dataclass(frozen=True)
+class _Rendezvous:
+    backend: str
+    host: str
+    port: int
+    rdzv_id: str
+    node_rank: int
+    origin: str
+
+
+def format_endpoint(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def make_plan(largs: LaunchArgs, *, environ: Mapping[str, str]) -> LaunchPlan:
+    """Decide the rendezvous, addresses and environment. Looks at routes and local ports; starts nothing."""
+    ns, given = largs.ns, largs.given
+    min_nodes, max_nodes = parse_nnodes(ns.nnodes)
+    slurm = None
+    if not given & {"nnodes", "node_rank", "rdzv_endpoint", "master_addr", "standalone"}:
+        slurm = detect_slurm(environ)
+        if slurm is not None:
+            min_nodes = max_nodes = slurm.num_nodes
+    rdzv = _rendezvous(ns, given, max_nodes=max_nodes, slurm=slurm)
+    if rdzv.origin == "standalone":
+        route = Route(dest="127.0.0.1", source="127.0.0.1", iface=None, dest_is_local=True)
+    else:
+        route = route_to(rdzv.host)
+    plan = LaunchPlan(target=largs.target, min_nodes=min_nodes, max_nodes=max_nodes, nproc=str(ns.nproc_per_node),
+                      backend=rdzv.backend, endpoint_host=rdzv.host, endpoint_port=rdzv.port, rdzv_id=rdzv.rdzv_id,
+                      rdzv_conf=parse_rdzv_conf(ns.rdzv_conf), node_rank=rdzv.node_rank, origin=rdzv.origin,
+                      store_here=None, store_reason="", local_addr=None, local_reason="", iface=None,
+                      single_host=max_nodes == 1 or _is_loopback(route.dest), timeout_s=ns.rdzv_timeout,
+                      max_restarts=ns.max_restarts, slurm=slurm)
+    _choose_local_addr(plan, route, ns, given)
+    _choose_store_host(plan, route)
+    _choose_socket_env(plan, environ)
+    _choose_thread_env(plan, environ)
+    return plan
+
+
+def _rendezvous(ns: argparse.Namespace, given: frozenset[str], *, max_nodes: int,
+                slurm: SlurmPlacement | None) -> _Rendezvous:
+    """Backend, endpoint, id and node rank, from flags, else SLURM, else a standalone store on loopback."""
+    endpoint_given = bool(given & {"rdzv_endpoint", "master_addr", "master_port"})
+    static_asked = "rdzv_backend" in given and ns.rdzv_backend == "static"
+    if ns.standalone and max_nodes > 1:
+        raise LaunchUsageError(f"--standalone runs a single-node job, but --nnodes is {ns.nnodes}; drop "
+                               "--standalone and give --rdzv-endpoint HOST:PORT of one node.")
+    if ns.standalone or (not endpoint_given and slurm is None and not static_asked):
+        if max_nodes > 1:
+            raise LaunchUsageError(f"--nnodes {ns.nnodes} needs a rendezvous endpoint: add --rdzv-endpoint HOST:PORT "
+                                   "(an address of one node that all nodes reach), or --master-addr/--master-port.")
+        return _Rendezvous(backend="c10d", host="127.0.0.1", port=0, rdzv_id=f"meshrun-{uuid.uuid4().hex[:12]}",
+                           node_rank=0, origin="standalone")
+    if "rdzv_backend" in given:
+        backend = ns.rdzv_backend
+    elif "node_rank" in given and "rdzv_endpoint" not in given:
+        backend = "static"  # a pasted torchrun line (--node-rank with --master-addr) keeps torchrun's meaning
+    else:
+        backend = "c10d"
+    default_port = C10D_DEFAULT_PORT if backend == "c10d" else STATIC_DEFAULT_PORT
+    if "rdzv_endpoint" in given:
+        host, port = parse_endpoint(ns.rdzv_endpoint, default_port=default_port)
+    elif slurm is not None:  # (slurm is only consulted when --master-addr was not given)
+        host = slurm.endpoint_host
+        port = ns.master_port if "master_port" in given else slurm.endpoint_port
+    else:
+        host, port = ns.master_addr.strip("[]"), ns.master_port or STATIC_DEFAULT_PORT
+    rdzv_id = ns.rdzv_id
+    if "rdzv_id" not in given and slurm is not None and slurm.job_id:
+        rdzv_id = f"slurm-{slurm.job_id}"
+    node_rank = slurm.node_rank if slurm is not None and "node_rank" not in given else ns.node_rank
+    return _Rendezvous(backend=backend, host=host, port=port, rdzv_id=rdzv_id, node_rank=node_rank,
+                       origin="slurm" if slurm is not None else "flags")
+
+
+def _choose_local_addr(plan: LaunchPlan, route: Route, ns: argparse.Namespace, given: frozenset[str]) -> None:
+    if "local_addr" in given:
+        plan.local_addr, plan.local_reason = ns.local_addr, "from --local-addr"
+        plan.iface = interface_of(resolve(ns.local_addr))
+    else:
+        plan.local_addr = route.source
+        plan.local_reason = ("loopback: every node is on this host" if _is_loopback(route.source)
+                             else f"source address of the route to {route.dest}")
+        plan.iface = interface_of(route.source)
+    if plan.max_nodes > 1 and _is_loopback(route.dest) and not _is_ip(plan.endpoint_host):
+        plan.notes.append(f"endpoint host {plan.endpoint_host!r} resolves to {route.dest} here, so other hosts "
+                          "cannot be told where this node is; for several hosts give an address they reach.")
+
+
+def _choose_store_host(plan: LaunchPlan, route: Route) -> None:
+    """c10d: host the store when the endpoint is one of this host's addresses (is_host=1), else join (is_host=0)."""
+    conf, timeout = plan.rdzv_conf, str(plan.timeout_s)
+    if plan.backend == "c10d":
+        conf.setdefault("join_timeout", timeout)
+        if "is_host" in conf:
+            plan.store_here = conf["is_host"].strip().lower() in ("1", "true", "yes", "y")
+            plan.store_reason = "from --rdzv-conf is_host"
+        elif not route.dest_is_local:
+            plan.store_here, plan.store_reason = False, f"{route.dest} is another host"
+        elif plan.endpoint_port and port_accepts(route.dest, plan.endpoint_port):
+            if plan.max_nodes == 1:
+                raise LaunchUsageError(f"rendezvous port {plan.endpoint} is already in use on this host; choose "
+                                       "another --master-port/--rdzv-endpoint port, or drop it for a free one.")
+            plan.store_here = False
+            plan.store_reason = f"another launcher on this host already serves {plan.endpoint}"
+        else:
+            plan.store_here = True
+            plan.store_reason = ("standalone store on a free loopback port" if plan.origin == "standalone"
+                                 else f"{route.dest} is this host's address")
+        conf["is_host"] = "1" if plan.store_here else "0"
+    elif plan.backend == "static":
+        conf.setdefault("timeout", timeout)
+        plan.store_here = plan.node_rank == 0
+        plan.store_reason = f"static rendezvous: node rank 0 hosts it (this is node rank {plan.node_rank})"
+        if plan.store_here and not route.dest_is_local:
+            plan.notes.append(f"--node-rank 0 hosts the store, but {plan.endpoint_host} ({route.dest}) is not an "
+                              "address of this host; other nodes will look for it there.")
+    else:
+        plan.store_reason = f"decided by the {plan.backend} backend"
+
+
+def _choose_socket_env(plan: LaunchPlan, environ: Mapping[str, str]) -> None:
+    """Pin gloo and NCCL sockets to the interface that reaches the endpoint, for multi-host jobs only.
+
+    On one host the libraries' own choice is right (loopback for gloo; NVLink/P2P for NCCL, whose socket
+    interface then carries only bootstrap), and pinning could only pick a worse NIC.
+    """
+    for var in SOCKET_IFNAME_VARS:
+        if var in environ:
+            plan.env_kept[var] = environ[var]
+        elif not plan.single_host and plan.iface:
+            plan.env_set[var] = plan.iface
+    if not plan.single_host and not plan.iface:
+        plan.notes.append(f"no interface owns {plan.local_addr}; set GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME "
+                          "to the NIC that reaches the other nodes.")
+
+
+def _choose_thread_env(plan: LaunchPlan, environ: Mapping[str, str]) -> None:
+    """OMP_NUM_THREADS=1 with several workers per node, as torchrun does (said here instead of in its banner)."""
+    if "OMP_NUM_THREADS" in environ:
+        plan.env_kept["OMP_NUM_THREADS"] = environ["OMP_NUM_THREADS"]
+    elif plan.nproc.isdigit() and int(plan.nproc) > 1:
+        plan.env_set["OMP_NUM_THREADS"] = "1"
+
+
+def parse_rdzv_conf(text: str) -> dict[str, str]:
+    """'a=1,b=2' -> {'a': '1', 'b': '2'} (torchrun's --rdzv-conf syntax)."""
+    conf: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in (text or "").split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise LaunchUsageError(f"--rdzv-conf {text!r}: write key=value pairs separated by commas, e.g. "
+                                   "join_timeout=300,is_host=1.")
+        conf[key.strip()] = value.strip()
+    return conf
+
+
+def apply_plan(ns: argparse.Namespace, plan: LaunchPlan) -> None:
+    """Write the decisions into torchrun's namespace (the form torch.distributed.run.config_from_args reads)."""
+    ns.standalone = False
+    ns.nnodes = f"{plan.min_nodes}:{plan.max_nodes}"
+    ns.rdzv_backend = plan.backend
+    ns.rdzv_endpoint = plan.endpoint
+    ns.rdzv_id = plan.rdzv_id
+    ns.rdzv_conf = ",".join(f"{key}={value}" for key, value in plan.rdzv_conf.items())
+    ns.node_rank = plan.node_rank
+    ns.local_addr = plan.local_addr
+    ns.master_port = ns.master_port or STATIC_DEFAULT_PORT  # torch >= 2.9 defaults it to None
+    apply_target(ns, plan.target)
+
+
+def format_plan(plan: LaunchPlan) -> str:
+    """The short block printed at start: every decision and the reason for it."""
+    nodes = str(plan.max_nodes) if plan.min_nodes == plan.max_nodes else f"{plan.min_nodes}..{plan.max_nodes}"
+    world = f" = {plan.max_nodes * int(plan.nproc)} workers" if plan.nproc.isdigit() else ""
+    store = {True: "hosted here", False: "joined", None: "backend's choice"}[plan.store_here]
+    node = ("node rank assigned at rendezvous" if plan.backend == "c10d" else f"node rank {plan.node_rank}")
+    lines = [f"meshrun launch: {nodes} node(s) x {plan.nproc} proc(s){world}; {node}",
+             f"  target      {plan.target.describe()}",
+             f"  rendezvous  {plan.backend} at {plan.endpoint} (id {plan.rdzv_id}), timeout {plan.timeout_s}s",
+             f"  store       {store}: {plan.store_reason}",
+             f"  this node   {plan.local_addr} on {plan.iface or '?'} ({plan.local_reason})",
+             f"  restarts    up to {plan.max_restarts}"]
+    if plan.slurm is not None:
+        lines.append(f"  from SLURM  {plan.slurm.describe()}")
+    env_set = " ".join(f"{k}={v}" for k, v in plan.env_set.items()) or "nothing"
+    why = "; socket interfaces left to gloo/NCCL (single host)" if plan.single_host else ""
+    lines.append(f"  env set     {env_set}{why}")
+    if plan.env_kept:
+        lines.append(f"  env kept    {' '.join(f'{k}={v}' for k, v in plan.env_kept.items())} (yours)")
+    lines += [f"  note        {note}" for note in plan.notes]
+    return "\n".join(lines)
+
+
+def _is_loopback(ip: str) -> bool:
+    try:
+        return ipaddress.ip_address(ip).is_loopback
+    except ValueError:
+        return ip == "localhost"
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True

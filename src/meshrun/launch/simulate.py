@@ -1,0 +1,139 @@
+"""``--simulate-nodes K``: rehearse a K-node job on one machine.
+
+Each simulated node is a separate ``meshrun launch`` process, so each runs a real torch elastic agent; they meet
+in a real c10d rendezvous on loopback (agent 0 hosts the store). GROUP_RANK, cross-node groups and restarts
+behave as on K hosts. Agents' lines are prefixed ``[agent i]``; the exit code is the first failing agent's.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from typing import IO
+
+from meshrun.launch.args import LaunchArgs, LaunchUsageError, check_target, parse_nnodes
+from meshrun.launch.plan import parse_rdzv_conf
+
+GRACE_S = 5.0
+"""After one agent fails, how long the others get to finish on their own before being stopped. Survivors whose
+workers succeeded would otherwise sit in torch's exit barrier (300 s) waiting for the failed node."""
+STOP_WAIT_S = 5.0
+"""SIGTERM to SIGKILL. An agent blocked inside a store call (exit barrier, rendezvous) only sees signals when the
+call returns, and such an agent has no live workers to leave behind."""
+
+_FIXED_BY_SIMULATION = {"rdzv_endpoint": "--rdzv-endpoint", "master_addr": "--master-addr",
+                        "master_port": "--master-port", "node_rank": "--node-rank", "standalone": "--standalone",
+                        "local_addr": "--local-addr"}
+
+
+def simulate(largs: LaunchArgs) -> int:
+    """Start K agents on loopback, stream their output with a prefix, and return the first failure's code."""
+    nodes = largs.ns.simulate_nodes
+    _check_options(largs, nodes)
+    check_target(largs.target)
+    port, run_id = _free_port(), f"sim-{uuid.uuid4().hex[:8]}"
+    commands = [agent_command(largs, index=i, nodes=nodes, port=port, run_id=run_id) for i in range(nodes)]
+    print(f"meshrun launch: simulating {nodes} nodes on this host as {nodes} elastic agents, c10d rendezvous at "
+          f"127.0.0.1:{port} (agent 0 hosts the store); each agent prints its own plan below.",
+          file=sys.stderr, flush=True)
+    if largs.ns.dry_run:
+        for i, command in enumerate(commands):
+            print(f"[agent {i}] {' '.join(command)}", file=sys.stderr)
+        return 0
+    agents: list[subprocess.Popen] = []
+    pumps: list[threading.Thread] = []
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # so that `finally` stops the agents
+    try:
+        for i, command in enumerate(commands):
+            agent = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+            agents.append(agent)
+            pumps += [_pump(agent.stdout, sys.stdout, f"[agent {i}] "), _pump(agent.stderr, sys.stderr, f"[agent {i}] ")]
+        code = _wait(agents)
+    except KeyboardInterrupt:
+        code = 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        _stop(agents)
+        for pump in pumps:
+            pump.join(timeout=5)
+    return code
+
+
+def agent_command(largs: LaunchArgs, *, index: int, nodes: int, port: int, run_id: str) -> list[str]:
+    """The ``meshrun launch`` line of simulated node ``index``: the user's options plus a fixed rendezvous."""
+    conf = parse_rdzv_conf(largs.ns.rdzv_conf if "rdzv_conf" in largs.given else "")
+    conf["is_host"] = "1" if index == 0 else "0"
+    target = [largs.ns.training_script, *largs.ns.training_script_args]
+    return [sys.executable, "-u", "-m", "meshrun", "launch", *largs.option_tokens,
+            "--simulate-nodes", "0", "--nnodes", str(nodes), "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
+            "--rdzv-conf", ",".join(f"{k}={v}" for k, v in conf.items()), *target]
+
+
+def _check_options(largs: LaunchArgs, nodes: int) -> None:
+    for dest, flag in _FIXED_BY_SIMULATION.items():
+        if dest in largs.given:
+            raise LaunchUsageError(f"--simulate-nodes {nodes} sets {flag} itself (loopback rendezvous); drop {flag}.")
+    if "nnodes" in largs.given and parse_nnodes(largs.ns.nnodes) != (nodes, nodes):
+        raise LaunchUsageError(f"--simulate-nodes {nodes} with --nnodes {largs.ns.nnodes}: drop --nnodes "
+                               f"(the simulation runs exactly {nodes} nodes).")
+    if "rdzv_backend" in largs.given and largs.ns.rdzv_backend != "c10d":
+        raise LaunchUsageError(f"--simulate-nodes rehearses the c10d rendezvous; drop --rdzv-backend "
+                               f"{largs.ns.rdzv_backend}.")
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _pump(source: IO[str] | None, sink: IO[str], prefix: str) -> threading.Thread:
+    def copy() -> None:
+        assert source is not None  # Popen was given PIPE
+        for line in source:
+            sink.write(prefix + line)
+            sink.flush()
+
+    thread = threading.Thread(target=copy, daemon=True)
+    thread.start()
+    return thread
+
+
+def _wait(agents: list[subprocess.Popen]) -> int:
+    """Wait for every agent; once one fails, give the rest GRACE_S, then stop them. Returns the first failure."""
+    first_failure, deadline = 0, None
+    while None in [agent.poll() for agent in agents]:  # a list, so that every agent is polled
+        if first_failure == 0:
+            failed = [(i, agent.returncode) for i, agent in enumerate(agents) if agent.returncode not in (None, 0)]
+            if failed:
+                (index, first_failure), deadline = failed[0], time.monotonic() + GRACE_S
+                print(f"meshrun launch: agent {index} exited with code {first_failure}; the other agents get "
+                      f"{GRACE_S:.0f}s to finish, then are stopped.", file=sys.stderr, flush=True)
+        if deadline is not None and time.monotonic() > deadline:
+            break  # survivors wait in torch's exit barrier (300 s) for the failed node: stop them
+        time.sleep(0.2)
+    codes = [agent.returncode for agent in agents if agent.returncode not in (None, 0)]
+    return first_failure or (codes[0] if codes else 0)
+
+
+def _stop(agents: list[subprocess.Popen]) -> None:
+    """SIGTERM the agents still running (torch's agent forwards it to its workers), then SIGKILL stragglers."""
+    for agent in agents:
+        if agent.poll() is None:
+            agent.terminate()
+    for agent in agents:
+        try:
+            agent.wait(timeout=STOP_WAIT_S)
+        except subprocess.TimeoutExpired:
+            agent.kill()
+            agent.wait()

@@ -1,0 +1,217 @@
+"""`meshrun launch` command line and decisions (pure logic: no process starts, only local route lookups)."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from meshrun.launch.args import LaunchUsageError, apply_target, check_target, parse_launch_args, parse_nnodes
+from meshrun.launch.cli import main
+from meshrun.launch.net import EndpointError
+from meshrun.launch.plan import apply_plan, format_plan, make_plan, parse_rdzv_conf
+from meshrun.launch.simulate import agent_command
+from meshrun.launch.slurm import SlurmLayoutError, detect_slurm
+
+
+def plan_for(argv: list[str], environ: dict[str, str] | None = None):
+    return make_plan(parse_launch_args(argv), environ=environ or {})
+
+
+# --- flags -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv", [["--nproc-per-node", "4", "s.py"], ["--nproc_per_node=4", "s.py"],
+                                  ["--nproc_per_node", "4", "s.py"], ["--nproc-per-node=4", "s.py"]])
+def test_nproc_per_node_both_spellings(argv):
+    largs = parse_launch_args(argv)
+    assert largs.ns.nproc_per_node == "4" and "nproc_per_node" in largs.given
+
+
+def test_torchrun_tutorial_line_parses_in_underscore_spelling():
+    largs = parse_launch_args(["--nnodes=4", "--nproc_per_node=8", "--node_rank=1", "--master_addr=10.0.0.5",
+                               "--master_port=29500", "--max_restarts=3", "--rdzv_id=job7", "train.py", "--lr", "1"])
+    ns = largs.ns
+    assert (ns.nnodes, ns.nproc_per_node, ns.node_rank, ns.master_addr, ns.master_port) == (
+        "4", "8", 1, "10.0.0.5", 29500)
+    assert ns.max_restarts == 3 and ns.rdzv_id == "job7"
+    assert {"nnodes", "nproc_per_node", "node_rank", "master_addr", "master_port"} <= largs.given
+    assert largs.target.kind == "script" and largs.target.args == ("--lr", "1")
+
+
+def test_defaults_do_not_count_as_given():
+    # torch 2.8 defaults --master-port to 29500: only typed flags may steer decisions.
+    largs = parse_launch_args(["s.py"])
+    assert "master_port" not in largs.given and "nnodes" not in largs.given
+    assert parse_launch_args(["--master-port", "29500", "s.py"]).given >= {"master_port"}
+
+
+def test_nnodes_min_max():
+    assert parse_nnodes("2") == (2, 2)
+    assert parse_nnodes("1:4") == (1, 4)
+    for bad in ("0", "3:2", "a", "1:2:3", ""):
+        with pytest.raises(LaunchUsageError, match="--nnodes"):
+            parse_nnodes(bad)
+    plan = plan_for(["--nnodes", "1:3", "--rdzv-endpoint", "127.0.0.1:29400", "s.py"])
+    assert (plan.min_nodes, plan.max_nodes) == (1, 3)
+
+
+def test_target_kinds_and_train_rewrite():
+    train = parse_launch_args(["--nproc-per-node", "2", "train", "--train.steps=20"])
+    assert train.target.kind == "train" and train.target.args == ("--train.steps=20",)
+    apply_target(train.ns, train.target)
+    assert (train.ns.module, train.ns.training_script, train.ns.training_script_args) == (
+        True, "meshrun", ["train", "--train.steps=20"])
+    module = parse_launch_args(["-m", "pkg.main", "--x", "1"])
+    assert (module.target.kind, module.target.name, module.target.args) == ("module", "pkg.main", ("--x", "1"))
+    program = parse_launch_args(["--no-python", "hostname"])
+    assert program.target.kind == "program"
+    script = parse_launch_args(["./train", "a"])  # a local file called train needs a path
+    assert script.target.kind == "script" and script.target.name == "./train"
+
+
+def test_option_tokens_stop_at_the_target():
+    largs = parse_launch_args(["--nproc_per_node=2", "-m", "mod", "--nproc_per_node=9"])
+    assert largs.option_tokens == ("--nproc_per_node=2", "-m")
+    assert largs.ns.nproc_per_node == "2" and largs.target.args == ("--nproc_per_node=9",)
+
+
+def test_missing_script_is_reported_before_launch(tmp_path):
+    with pytest.raises(LaunchUsageError, match="nope.py.*not found"):
+        check_target(parse_launch_args([str(tmp_path / "nope.py")]).target)
+    assert main([str(tmp_path / "nope.py")]) == 2
+
+
+def test_rdzv_conf_parsing():
+    assert parse_rdzv_conf("join_timeout=5, is_host=1") == {"join_timeout": "5", "is_host": "1"}
+    with pytest.raises(LaunchUsageError, match="--rdzv-conf"):
+        parse_rdzv_conf("oops")
+
+
+def test_bad_endpoint_names_the_endpoint():
+    with pytest.raises(EndpointError, match="'127.0.0.1:http'"):
+        plan_for(["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:http", "s.py"])
+
+
+# --- decisions ---------------------------------------------------------------------------------------------------
+
+
+def test_single_node_is_standalone_on_loopback_and_sets_no_socket_env():
+    plan = plan_for(["--nproc-per-node", "2", "s.py"])
+    assert plan.origin == "standalone" and plan.backend == "c10d" and plan.endpoint == "127.0.0.1:0"
+    assert plan.store_here and plan.local_addr == "127.0.0.1" and plan.single_host
+    assert plan.env_set == {"OMP_NUM_THREADS": "1"}  # no GLOO/NCCL_SOCKET_IFNAME on one host
+    assert plan.rdzv_conf["is_host"] == "1" and plan.rdzv_conf["join_timeout"] == "120"
+    assert plan_for(["--standalone", "s.py"]).origin == "standalone"
+
+
+def test_multi_node_without_endpoint_says_what_to_add():
+    with pytest.raises(LaunchUsageError, match="--nnodes 2 needs a rendezvous endpoint.*--rdzv-endpoint"):
+        plan_for(["--nnodes", "2", "s.py"])
+    with pytest.raises(LaunchUsageError, match="--standalone"):
+        plan_for(["--standalone", "--nnodes", "2", "s.py"])
+
+
+def test_pasted_torchrun_line_keeps_static_rendezvous_and_node_rank():
+    plan = plan_for(["--nnodes=2", "--node_rank=1", "--master_addr=127.0.0.1", "--master_port=29555", "s.py"])
+    assert (plan.backend, plan.endpoint, plan.node_rank, plan.store_here) == ("static", "127.0.0.1:29555", 1, False)
+    assert plan.rdzv_conf["timeout"] == "120"
+    plan0 = plan_for(["--nnodes=2", "--node_rank=0", "--master_addr=127.0.0.1", "--master_port=29555", "s.py"])
+    assert plan0.store_here
+
+
+def test_c10d_endpoint_on_this_host_hosts_the_store_with_timeout():
+    plan = plan_for(["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29431", "--rdzv-timeout", "30", "s.py"])
+    assert plan.backend == "c10d" and plan.store_here and plan.rdzv_conf == {"join_timeout": "30", "is_host": "1"}
+    user_says = plan_for(["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29431", "--rdzv-conf", "is_host=0", "s.py"])
+    assert user_says.store_here is False and user_says.probe_first
+
+
+def test_apply_plan_fills_torchrun_namespace():
+    largs = parse_launch_args(["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29432", "train", "--a=1"])
+    plan = make_plan(largs, environ={})
+    apply_plan(largs.ns, plan)
+    ns = largs.ns
+    assert (ns.rdzv_backend, ns.rdzv_endpoint, ns.local_addr, ns.nnodes) == ("c10d", "127.0.0.1:29432",
+                                                                            "127.0.0.1", "2:2")
+    assert "is_host=1" in ns.rdzv_conf and "join_timeout=120" in ns.rdzv_conf
+    assert ns.module and ns.training_script_args == ["train", "--a=1"]
+
+
+def _own_non_loopback_ipv4() -> tuple[str, str] | None:
+    """(interface, address) from `ip -o -4 addr` (a different parser from meshrun's own)."""
+    try:
+        out = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    for line in out.splitlines():
+        fields = line.split()
+        if fields[1] != "lo" and "inet" in fields:
+            return fields[1], fields[fields.index("inet") + 1].split("/")[0]
+    return None
+
+
+def test_multi_host_endpoint_on_own_nic_pins_socket_interfaces_unless_user_set_them():
+    own = _own_non_loopback_ipv4()
+    if own is None:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    iface, addr = own
+    plan = plan_for(["--nnodes", "2", "--rdzv-endpoint", f"{addr}:29433", "s.py"])
+    assert (plan.local_addr, plan.iface, plan.store_here, plan.single_host) == (addr, iface, True, False)
+    assert plan.env_set == {"GLOO_SOCKET_IFNAME": iface, "NCCL_SOCKET_IFNAME": iface}
+    kept = plan_for(["--nnodes", "2", "--rdzv-endpoint", f"{addr}:29433", "s.py"], {"NCCL_SOCKET_IFNAME": "ib0"})
+    assert kept.env_set == {"GLOO_SOCKET_IFNAME": iface} and kept.env_kept == {"NCCL_SOCKET_IFNAME": "ib0"}
+    block = format_plan(kept)
+    assert f"GLOO_SOCKET_IFNAME={iface}" in block and "NCCL_SOCKET_IFNAME=ib0 (yours)" in block
+
+
+# --- SLURM -------------------------------------------------------------------------------------------------------
+
+SLURM_TWO_NODES = {"SLURM_JOB_NODELIST": "localhost,node02", "SLURM_NODEID": "1", "SLURM_NNODES": "2",
+                   "SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "4242"}
+
+
+def test_slurm_allocation_gives_nodes_endpoint_and_id():
+    placement = detect_slurm(SLURM_TWO_NODES)
+    assert placement is not None
+    assert (placement.num_nodes, placement.node_rank, placement.endpoint_host) == (2, 1, "localhost")
+    plan = plan_for(["--nproc-per-node", "8", "train"], SLURM_TWO_NODES)
+    assert plan.origin == "slurm" and (plan.min_nodes, plan.max_nodes) == (2, 2)
+    assert plan.endpoint_host == "localhost" and plan.endpoint_port == placement.endpoint_port
+    assert plan.rdzv_id == "slurm-4242" and "from SLURM  SLURM job 4242: node 1 of 2" in format_plan(plan)
+
+
+def test_slurm_is_ignored_when_flags_name_the_layout():
+    plan = plan_for(["--nnodes", "1", "s.py"], SLURM_TWO_NODES)
+    assert plan.origin == "standalone" and plan.slurm is None
+    assert detect_slurm({"SLURM_JOB_NODELIST": "a", "SLURM_NODEID": "0", "SLURM_NNODES": "1",
+                         "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}) is None
+
+
+def test_slurm_with_one_task_per_gpu_is_refused():
+    environ = dict(SLURM_TWO_NODES, SLURM_NTASKS="16", SLURM_PROCID="9")
+    with pytest.raises(SlurmLayoutError, match="--ntasks-per-node=1"):
+        detect_slurm(environ)
+
+
+# --- simulate-nodes ----------------------------------------------------------------------------------------------
+
+
+def test_simulated_agents_share_a_loopback_rendezvous_and_one_hosts_it():
+    largs = parse_launch_args(["--simulate-nodes", "3", "--nproc_per_node=2", "--rdzv-conf", "x=1", "s.py", "a"])
+    commands = [agent_command(largs, index=i, nodes=3, port=29434, run_id="sim-t") for i in range(3)]
+    for i, command in enumerate(commands):
+        relaunched = parse_launch_args(command[command.index("launch") + 1:])
+        assert relaunched.ns.simulate_nodes == 0 and relaunched.ns.nnodes == "3"
+        assert relaunched.ns.rdzv_endpoint == "127.0.0.1:29434" and relaunched.ns.rdzv_id == "sim-t"
+        assert parse_rdzv_conf(relaunched.ns.rdzv_conf) == {"x": "1", "is_host": "1" if i == 0 else "0"}
+        assert relaunched.ns.nproc_per_node == "2" and relaunched.target.args == ("a",)
+
+
+def test_simulate_refuses_flags_it_sets_itself(capsys):
+    assert main(["--simulate-nodes", "2", "--rdzv-endpoint", "10.0.0.1:1", "s.py"]) == 2
+    assert "drop --rdzv-endpoint" in capsys.readouterr().err
+    assert main(["--simulate-nodes", "2", "--nnodes", "3", "s.py"]) == 2
+    assert "drop --nnodes" in capsys.readouterr().err
+    assert main(["--simulate-nodes", "1", "s.py"]) == 2
+    assert "--simulate-nodes 1: give 2 or more" in capsys.readouterr().err

@@ -1,0 +1,80 @@
+"""Routes, interfaces and reachability (loopback and this machine's own addresses only)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+
+import pytest
+
+from meshrun.launch import net
+
+
+def _own_ipv4() -> dict[str, str]:
+    """{address: interface} from `ip -o -4 addr` (a different output format from the JSON meshrun parses)."""
+    try:
+        out = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return {}
+    found = {}
+    for line in out.splitlines():
+        fields = line.split()
+        if "inet" in fields:
+            found[fields[fields.index("inet") + 1].split("/")[0]] = fields[1]
+    return found
+
+
+def test_route_to_loopback():
+    route = net.route_to("127.0.0.1")
+    assert (route.dest, route.source, route.iface, route.dest_is_local) == ("127.0.0.1", "127.0.0.1", "lo", True)
+    assert net.route_to("localhost").dest == "127.0.0.1"  # IPv4 preferred, as TCPStore does
+
+
+def test_route_to_an_own_address_reports_the_nic_that_owns_it():
+    own = {addr: iface for addr, iface in _own_ipv4().items() if iface != "lo"}
+    if not own:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    for addr, iface in own.items():
+        route = net.route_to(addr)
+        # The kernel routes to an own address via lo; peers reach it through `iface`.
+        assert (route.source, route.iface, route.dest_is_local) == (addr, iface, True)
+
+
+def test_foreign_address_is_not_local():
+    assert not net.is_local_address("198.51.100.7")  # TEST-NET-2, never assigned to a host
+    assert net.is_local_address("127.0.0.1")
+
+
+def test_ioctl_fallback_agrees_with_iproute2():
+    from_ip = {addr for addrs in net.interface_addresses().values() for addr in addrs}
+    from_ioctl = net._ioctl_ipv4_addresses()
+    assert from_ioctl["lo"] == ["127.0.0.1"]
+    assert all(addr in from_ip for addrs in from_ioctl.values() for addr in addrs)
+
+
+@pytest.mark.parametrize("text,expected", [("10.0.0.5:29400", ("10.0.0.5", 29400)), ("node01", ("node01", 7)),
+                                           ("[fd00::2]:29400", ("fd00::2", 29400)), ("fd00::2", ("fd00::2", 7))])
+def test_parse_endpoint(text, expected):
+    assert net.parse_endpoint(text, default_port=7) == expected
+
+
+def test_unresolvable_host_names_the_host():
+    with pytest.raises(net.EndpointError, match="'no-such-host.invalid'"):
+        net.resolve("no-such-host.invalid")
+
+
+def test_probe_reports_refused_within_its_timeout_and_succeeds_on_a_listener():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        closed_port = sock.getsockname()[1]  # bound but not listening: connections are refused
+        start = time.monotonic()
+        result = net.probe_tcp("127.0.0.1", closed_port, timeout_s=1.5, interval_s=0.2)
+        assert not result.ok and result.error == "connection refused" and result.attempts >= 2
+        assert time.monotonic() - start < 3.0
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        result = net.probe_tcp("127.0.0.1", listener.getsockname()[1], timeout_s=5)
+        assert result.ok and result.attempts == 1
+        assert net.port_accepts("127.0.0.1", listener.getsockname()[1])
