@@ -34,7 +34,7 @@ def test_local_doctor_fails_on_a_closed_port_and_a_bad_endpoint(capsys):
         port = sock.getsockname()[1]  # bound, never listening: refused
         assert doctor.main(["--endpoint", f"127.0.0.1:{port}", "--timeout", "2"]) == 1
     assert f"cannot reach 127.0.0.1 (127.0.0.1:{port}): connection refused" in capsys.readouterr().out
-    assert doctor.main(["--endpoint", "no-port-here"]) == 2
+    assert doctor.main(["--endpoint", "127.0.0.1:notaport"]) == 2
 
 
 def _facts(node: int, host: str, address: str, gpus: tuple[str, ...] = ()) -> doctor.NodeFacts:

@@ -28,7 +28,8 @@ from rich.table import Table
 from meshrun.diag import reach
 from meshrun.diag.fingerprint import (FieldDiff, Fingerprint, collect_fingerprint, compare_fingerprints,
                                       gather_fingerprints, mismatch_message)
-from meshrun.env import ClusterEnv
+from meshrun.env import DEFAULT_MASTER_PORT, ClusterEnv
+from meshrun.launch import net
 
 _ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_FR_", "TORCH_DISTRIBUTED_", "CUDA_VISIBLE_DEVICES",
                  "TORCH_CPP_LOG_LEVEL")
@@ -37,8 +38,8 @@ _ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_FR_", "TORCH_DISTRIBUTE
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshrun doctor", description=__doc__.splitlines()[0])
     parser.add_argument("--endpoint", metavar="HOST:PORT",
-                        help="single process: show the route to HOST and whether its TCP PORT answers "
-                             "(e.g. the master's rendezvous port)")
+                        help="single process: show the route to HOST and whether its TCP PORT (default "
+                             f"{DEFAULT_MASTER_PORT}) answers, e.g. the master's rendezvous port")
     parser.add_argument("--timeout", type=float, default=3.0, metavar="S",
                         help="seconds each TCP connection attempt may take (default 3)")
     parser.add_argument("--wait", type=float, default=120.0, metavar="S",
@@ -285,10 +286,10 @@ def run_local(args: argparse.Namespace, *, console: Console) -> int:
     console.print(f"[bold]meshrun doctor[/] (single process; run it under `meshrun launch` on every node for the "
                   f"cross-node checks) on host {fp.host}")
     table = Table(title="interfaces")
-    for column in ("interface", "state", "addresses"):
+    for column in ("interface", "addresses"):
         table.add_column(column)
-    for iface in reach.interfaces():
-        table.add_row(iface.name, "up" if iface.up else "down", ", ".join(iface.addrs) or "-")
+    for name, addrs in net.interface_addresses().items():
+        table.add_row(name, ", ".join(addrs) or "-")
     console.print(table)
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
     console.print(f"GPUs: {len(gpus)}" + (f" ({', '.join(gpus)})" if gpus else ""))
@@ -301,22 +302,23 @@ def run_local(args: argparse.Namespace, *, console: Console) -> int:
 
 
 def check_endpoint(endpoint: str, *, timeout_s: float, console: Console) -> int:
-    host, sep, port_text = endpoint.rpartition(":")
-    if not sep or not host or not port_text.isdigit():
-        console.print(f"--endpoint {endpoint!r} must look like HOST:PORT (e.g. 10.0.0.5:29500)", markup=False)
+    """Route and TCP reachability of HOST:PORT from here. 0: it answers; 1: it does not; 2: malformed."""
+    try:
+        host, port = net.parse_endpoint(endpoint, default_port=DEFAULT_MASTER_PORT)
+    except net.EndpointError as exc:
+        console.print(f"--endpoint: {exc}", markup=False)
         return 2
     try:
-        addr = reach.resolve(host.strip("[]"))
-        route = reach.route_to(addr)
-    except OSError as exc:
-        console.print(f"[red]endpoint {escape(endpoint)}[/]: {escape(str(exc))}")
+        route = net.route_to(host)
+    except net.EndpointError as exc:
+        console.print(f"[red]--endpoint {escape(endpoint)}[/]: {escape(str(exc))}")
         return 1
-    via = f" via gateway {route.via}" if route.via else ""
-    console.print(f"route to {host} ({addr}): interface {route.dev or '?'}, source address {route.src or '?'}{via}",
-                  markup=False)
-    result = reach.probe(addr, int(port_text), timeout_s=timeout_s)
+    console.print(f"route to {host} ({route.dest}): interface {route.iface or '?'}, source address {route.source}"
+                  + (" (an address of this host)" if route.dest_is_local else ""), markup=False)
+    result = reach.probe(route.dest, port, timeout_s=timeout_s)
     if result.ok:
-        console.print(f"[green]{escape(host)}:{port_text} answers[/] (TCP connect in {result.ms:.1f} ms)")
+        console.print(f"[green]{escape(host)}:{port} answers[/] (TCP connect in {result.ms:.1f} ms)")
         return 0
-    console.print(f"[red]cannot reach {escape(host)} ({addr}:{port_text})[/]: {escape(result.error or '')}")
+    where = f"[{route.dest}]:{port}" if ":" in route.dest else f"{route.dest}:{port}"
+    console.print(f"[red]cannot reach {escape(host)} ({escape(where)})[/]: {escape(result.error or '')}")
     return 1

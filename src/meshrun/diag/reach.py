@@ -10,11 +10,9 @@ Also the local view for a single process: interfaces, the route to an endpoint, 
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import socket
-import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +22,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from meshrun.env import ClusterEnv
+from meshrun.launch import net
 
 _IFNAME_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
 
@@ -51,51 +50,7 @@ class Probe:
     ms: float
 
 
-@dataclass(frozen=True)
-class Interface:
-    name: str
-    addrs: tuple[str, ...]
-    up: bool
-
-
-@dataclass(frozen=True)
-class Route:
-    dev: str | None
-    src: str | None
-    via: str | None
-
-
-# ---- local facts -------------------------------------------------------------------------------------------
-
-def interfaces() -> list[Interface]:
-    """Network interfaces and their addresses, from ``ip -j addr``; names only when iproute2 is missing."""
-    data = _ip_json("addr")
-    if data is None:
-        return [Interface(name=name, addrs=(), up=True) for _, name in socket.if_nameindex()]
-    return [Interface(name=item.get("ifname", "?"),
-                      addrs=tuple(a["local"] for a in item.get("addr_info", []) if "local" in a),
-                      up="UP" in item.get("flags", []) or item.get("operstate") == "UP")
-            for item in data]
-
-
-def route_to(host: str) -> Route:
-    """The interface and source address the kernel would use to reach ``host``."""
-    addr = resolve(host)
-    data = _ip_json("route", "get", addr)
-    if data:
-        return Route(dev=data[0].get("dev"), src=data[0].get("prefsrc"), via=data[0].get("gateway"))
-    return Route(dev=None, src=_udp_source(addr), via=None)
-
-
-def resolve(host: str) -> str:
-    """IPv4 address of ``host`` (IPv6 when it has none); raises OSError naming the host."""
-    try:
-        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        raise OSError(f"cannot resolve host {host!r}: {exc.strerror}") from None
-    infos.sort(key=lambda info: info[0] != socket.AF_INET)
-    return infos[0][4][0]
-
+# ---- local facts (routes and interfaces come from meshrun.launch.net) ---------------------------------------
 
 def advertised_address(env: ClusterEnv) -> tuple[str, str]:
     """(address, why) of the address this node's collectives would use.
@@ -106,36 +61,15 @@ def advertised_address(env: ClusterEnv) -> tuple[str, str]:
     for var in _IFNAME_VARS:
         wanted = os.environ.get(var, "").lstrip("=")
         if wanted and not wanted.startswith("^"):
-            names = wanted.split(",")
-            for iface in interfaces():
-                if any(iface.name.startswith(name) for name in names) and iface.addrs:
-                    return iface.addrs[0], f"{var}={wanted} -> {iface.name}"
+            prefixes = wanted.split(",")
+            for name, addrs in net.interface_addresses().items():
+                if any(name.startswith(prefix) for prefix in prefixes) and addrs:
+                    return addrs[0], f"{var}={wanted} -> {name}"
     try:
-        route = route_to(env.master_addr)
-        if route.src:
-            return route.src, f"route to master {env.master_addr}" + (f" via {route.dev}" if route.dev else "")
-    except OSError:
-        pass
-    return resolve(socket.gethostname()), "hostname lookup"
-
-
-def _ip_json(*args: str) -> list[dict] | None:
-    try:
-        done = subprocess.run(["ip", "-j", *args], capture_output=True, text=True, timeout=5)
-        return json.loads(done.stdout) if done.returncode == 0 and done.stdout.strip() else None
-    except (OSError, subprocess.TimeoutExpired, ValueError):
-        return None
-
-
-def _udp_source(addr: str) -> str | None:
-    # connect() on a datagram socket only picks the route; no packet is sent.
-    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as sock:
-        try:
-            sock.connect((addr, 9))
-            return sock.getsockname()[0]
-        except OSError:
-            return None
+        route = net.route_to(env.master_addr)
+        return route.source, f"route to master {env.master_addr}" + (f" via {route.iface}" if route.iface else "")
+    except net.EndpointError:
+        return net.resolve(socket.gethostname()), "hostname lookup"
 
 
 # ---- listening and probing ---------------------------------------------------------------------------------
@@ -180,14 +114,11 @@ def probe(addr: str, port: int, *, timeout_s: float) -> Probe:
 
 
 def describe_error(exc: OSError, timeout_s: float) -> str:
-    if isinstance(exc, ConnectionRefusedError):
-        return "connection refused (nothing listens there, or a firewall rejects it)"
-    if isinstance(exc, (socket.timeout, TimeoutError)):
-        return f"no answer within {timeout_s:g} s (a firewall drops the packets, or the route is wrong)"
-    if isinstance(exc, socket.gaierror):
-        return f"cannot resolve the address ({exc.strerror})"
-    reasons = {errno.EHOSTUNREACH: "no route to host", errno.ENETUNREACH: "network unreachable"}
-    return reasons.get(exc.errno or 0, exc.strerror or str(exc))
+    """The kernel's reason in words (meshrun.launch.net's), with what it usually means."""
+    words = net.describe_socket_error(exc)
+    hints = {"connection refused": "connection refused (nothing listens there, or a firewall rejects it)",
+             "timed out": f"no answer within {timeout_s:g} s (a firewall drops the packets, or the route is wrong)"}
+    return hints.get(words, words)
 
 
 def probe_row(endpoints: list[Endpoint], *, timeout_s: float) -> list[Probe]:
