@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 
 import pytest
@@ -10,7 +11,7 @@ from meshrun.launch.args import LaunchUsageError, apply_target, check_target, pa
 from meshrun.launch.cli import main
 from meshrun.launch.net import EndpointError
 from meshrun.launch.plan import apply_plan, format_plan, make_plan, parse_rdzv_conf
-from meshrun.launch.simulate import agent_command
+from meshrun.launch.simulate import agent_command, split_gpus
 from meshrun.launch.slurm import SlurmLayoutError, detect_slurm
 
 
@@ -154,7 +155,8 @@ def _own_non_loopback_ipv4() -> tuple[str, str] | None:
 def test_multi_host_endpoint_on_own_nic_pins_socket_interfaces_unless_user_set_them():
     own = _own_non_loopback_ipv4()
     if own is None:
-        pytest.skip("this machine has no non-loopback IPv4 address")
+        pytest.skip("iproute2 (`ip`) is not installed" if shutil.which("ip") is None
+                    else "this machine has no non-loopback IPv4 address")
     iface, addr = own
     plan = plan_for(["--nnodes", "2", "--rdzv-endpoint", f"{addr}:29433", "s.py"])
     assert (plan.local_addr, plan.iface, plan.store_here, plan.single_host) == (addr, iface, True, False)
@@ -215,3 +217,11 @@ def test_simulate_refuses_flags_it_sets_itself(capsys):
     assert "drop --nnodes" in capsys.readouterr().err
     assert main(["--simulate-nodes", "1", "s.py"]) == 2
     assert "--simulate-nodes 1: give 2 or more" in capsys.readouterr().err
+
+
+def test_simulated_nodes_get_disjoint_gpus_when_there_are_enough():
+    assert split_gpus(nodes=2, nproc="2", visible=["0", "1", "2", "3"]) == ["0,1", "2,3"]
+    assert split_gpus(nodes=2, nproc="1", visible=["4", "6", "7"]) == ["4", "6"]  # the caller's own selection
+    assert split_gpus(nodes=2, nproc="2", visible=["0", "1"]) is None  # too few: leave the devices alone
+    assert split_gpus(nodes=2, nproc="1", visible=[]) is None
+    assert split_gpus(nodes=2, nproc="gpu", visible=["0", "1"]) is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import socket
 import subprocess
 import time
@@ -34,7 +35,8 @@ def test_route_to_loopback():
 def test_route_to_an_own_address_reports_the_nic_that_owns_it():
     own = {addr: iface for addr, iface in _own_ipv4().items() if iface != "lo"}
     if not own:
-        pytest.skip("this machine has no non-loopback IPv4 address")
+        pytest.skip("iproute2 (`ip`) is not installed" if shutil.which("ip") is None
+                    else "this machine has no non-loopback IPv4 address")
     for addr, iface in own.items():
         route = net.route_to(addr)
         # The kernel routes to an own address via lo; peers reach it through `iface`.

@@ -2,11 +2,13 @@
 
 Each simulated node is a separate ``meshrun launch`` process, so each runs a real torch elastic agent; they meet
 in a real c10d rendezvous on loopback (agent 0 hosts the store). GROUP_RANK, cross-node groups and restarts
-behave as on K hosts. Agents' lines are prefixed ``[agent i]``; the exit code is the first failing agent's.
+behave as on K hosts. Agents' lines are prefixed ``[agent i]``; the exit code is the first failing agent's. On a
+GPU machine each agent gets its own GPUs (CUDA_VISIBLE_DEVICES), as separate hosts would.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -15,6 +17,8 @@ import threading
 import time
 import uuid
 from typing import IO
+
+import torch
 
 from meshrun.launch.args import LaunchArgs, LaunchUsageError, check_target, parse_nnodes
 from meshrun.launch.plan import parse_rdzv_conf
@@ -38,19 +42,53 @@ def simulate(largs: LaunchArgs) -> int:
     check_target(largs.target)
     port, run_id = _free_port(), f"sim-{uuid.uuid4().hex[:8]}"
     commands = [agent_command(largs, index=i, nodes=nodes, port=port, run_id=run_id) for i in range(nodes)]
+    visible = _visible_gpus()
+    slices = split_gpus(nodes=nodes, nproc=str(largs.ns.nproc_per_node), visible=visible)
     print(f"meshrun launch: simulating {nodes} nodes on this host as {nodes} elastic agents, c10d rendezvous at "
           f"127.0.0.1:{port} (agent 0 hosts the store); each agent prints its own plan below.",
           file=sys.stderr, flush=True)
+    if slices:
+        print("  GPUs        " + "; ".join(f"agent {i}: CUDA_VISIBLE_DEVICES={s}" for i, s in enumerate(slices)),
+              file=sys.stderr, flush=True)
+    elif visible:
+        print(f"  note        {len(visible)} GPU(s) for {nodes} x {largs.ns.nproc_per_node} workers: the simulated "
+              "nodes share GPUs, which NCCL refuses (two ranks on one GPU); use fewer workers or gloo.",
+              file=sys.stderr, flush=True)
     if largs.ns.dry_run:
         for i, command in enumerate(commands):
             print(f"[agent {i}] {' '.join(command)}", file=sys.stderr)
         return 0
+    envs = [dict(os.environ, CUDA_VISIBLE_DEVICES=s) for s in slices] if slices else [None] * nodes
+    return _run_agents(commands, envs)
+
+
+def split_gpus(*, nodes: int, nproc: str, visible: list[str]) -> list[str] | None:
+    """Give each simulated node its own GPUs, as separate hosts would have: ['0,1', '2,3'] for 2 x 2 on 4 GPUs.
+
+    None when there are no GPUs, when --nproc-per-node is not a number, or when there are too few to split.
+    """
+    if not visible or not nproc.isdigit() or nodes * int(nproc) > len(visible):
+        return None
+    per_node = int(nproc)
+    return [",".join(visible[i * per_node:(i + 1) * per_node]) for i in range(nodes)]
+
+
+def _visible_gpus() -> list[str]:
+    count = torch.cuda.device_count()  # creates no CUDA context; the agents are fresh processes anyway
+    if count == 0:
+        return []
+    listed = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return listed[:count] if listed else [str(i) for i in range(count)]
+
+
+def _run_agents(commands: list[list[str]], envs: list[dict[str, str] | None]) -> int:
     agents: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # so that `finally` stops the agents
     try:
-        for i, command in enumerate(commands):
-            agent = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+        for i, (command, env) in enumerate(zip(commands, envs)):
+            agent = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
+                                     env=env)
             agents.append(agent)
             pumps += [_pump(agent.stdout, sys.stdout, f"[agent {i}] "), _pump(agent.stderr, sys.stderr, f"[agent {i}] ")]
         code = _wait(agents)
