@@ -10,6 +10,8 @@ import socket
 import warnings
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from dist_utils import run_distributed
 from meshrun.diag import doctor, reach
@@ -101,3 +103,20 @@ def test_two_nodes_with_different_entry_scripts(tmp_path):
     assert len(re.findall(r"ok \d+\.\d ms", report)) == 4  # 2 x 2 matrix, every pair connects
     assert "all-reduce gloo: ok" in report and "sum correct on all 2 ranks" in report
     assert "1 problem(s):" in report and "code differs across nodes: node 1" in report
+
+
+def test_allreduce_check_reports_a_correct_sum_and_a_failing_backend():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        env = ClusterEnv.detect({})
+        good = doctor.allreduce_check("gloo", lambda: (None, torch.device("cpu")), env=env)
+        assert good.ok and good.detail == "4 MiB fp32: sum correct on all 1 ranks" and good.seconds > 0
+
+        def broken():
+            raise RuntimeError("NCCL error: unhandled system error\nmore detail")
+
+        bad = doctor.allreduce_check("nccl", broken, env=env)
+        assert not bad.ok
+        assert bad.detail == "4 MiB fp32: failed on 1 rank(s): rank 0: RuntimeError: NCCL error: unhandled system error"
+    finally:
+        dist.destroy_process_group()

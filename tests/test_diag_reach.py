@@ -75,7 +75,7 @@ def test_three_nodes_on_loopback_name_the_pair_whose_listener_is_closed():
     results = run_distributed(_reach_worker, 3, timeout=120)
     healthy, broken = results[0]
     assert healthy.ok and len(healthy.rows) == 3 and all(len(row) == 3 for row in healthy.rows)
-    assert all(r == results[0] for r in results[1:]) or all(r[1].failures() == broken.failures() for r in results)
+    assert all(r == results[0] for r in results[1:])  # every rank holds the same gathered matrices
     port = broken.endpoints[2].port
     assert broken.failures() == [
         f"host {socket.gethostname()} (node {src}, 127.0.0.1) cannot reach host {socket.gethostname()} "

@@ -128,31 +128,55 @@ def test_flight_recorder_defaults_respect_the_user(tmp_path):
     assert fresh["TORCH_FR_BUFFER_SIZE"] == fresh["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "123"
 
 
-# ---- gloo runs -----------------------------------------------------------------------------------------------
+# ---- one 3-rank gloo run: rank 2 is slow, then rank 1 stops beating -------------------------------------------
 
-def _straggler_worker(rank: int, world_size: int, steps: int):
-    env = ClusterEnv.detect()
+STEPS = 3
+
+
+def _straggler_phase(rank: int, env: ClusterEnv):
     detector = StragglerDetector(env=env, threshold=1.5, window=2)
     measured, reports = [], []
-    for step in range(steps):
+    for step in range(STEPS):
         start = time.perf_counter()
         time.sleep(0.15 if rank == 2 else 0.01)  # "waiting for data": rank 2's loader is slow
         data = time.perf_counter() - start
         time.sleep(0.03)  # "compute"
         measured.append([time.perf_counter() - start, data])
-        report = detector.observe(step, measured[-1][0], measured[-1][1])
-        reports.append(report)
+        reports.append(detector.observe(step, measured[-1][0], measured[-1][1]))
     return measured, reports, detector.summary()
 
 
+def _watchdog_phase(rank: int, env: ClusterEnv, stacks_dir: str) -> list[str]:
+    watchdog = HangWatchdog(env=env, timeout_s=2.0, publish_every_s=0.25, stack_file=f"{stacks_dir}/rank{rank}.txt",
+                            log=lambda message: None).start()
+    for step in range(3):
+        watchdog.beat(step, "forward")
+        if rank == 1 and step == 2:
+            time.sleep(4.5)  # rank 1 stops beating "inside forward"; the others wait in the all-reduce
+        watchdog.beat(step, "all_reduce")
+        dist.barrier()
+    watchdog.stop()
+    return watchdog.reports
+
+
+def _health_worker(rank: int, world_size: int, stacks_dir: str):
+    env = ClusterEnv.detect()
+    return _straggler_phase(rank, env), _watchdog_phase(rank, env, stacks_dir)
+
+
+@pytest.fixture(scope="module")
+def health_run(tmp_path_factory):
+    stacks = tmp_path_factory.mktemp("stacks")
+    return run_distributed(_health_worker, 3, str(stacks), timeout=120), stacks
+
+
 @pytest.mark.slow
-def test_straggler_detector_names_the_slow_rank():
-    steps = 3
-    results = run_distributed(_straggler_worker, 3, steps, timeout=120)
+def test_straggler_detector_names_the_slow_rank(health_run):
+    results = [straggler for straggler, _ in health_run[0]]
     assert all(r is None for _, reports, _ in results[1:] for r in reports)  # only rank 0 reports
     measured = np.array([m for m, _, _ in results])  # (ranks, steps, 2)
-    ranks = results[0][1][0].stragglers[0].who
-    assert (ranks.rank, ranks.host, ranks.local_rank) == (2, socket.gethostname(), 2)
+    who = results[0][1][0].stragglers[0].who
+    assert (who.rank, who.host, who.local_rank) == (2, socket.gethostname(), 2)
     for step, report in enumerate(results[0][1]):
         # reference: the same rule applied in this process to the numbers each rank measured
         expected = find_stragglers(measured[:, max(0, step - 1):step + 1].mean(axis=1), _ranks(3), threshold=1.5,
@@ -165,29 +189,14 @@ def test_straggler_detector_names_the_slow_rank():
     assert summary[2]["max_step_s"] == pytest.approx(measured[2, :, 0].max())
 
 
-def _watchdog_worker(rank: int, world_size: int, stacks_dir: str):
-    env = ClusterEnv.detect()
-    watchdog = HangWatchdog(env=env, timeout_s=2.0, publish_every_s=0.25, stack_file=f"{stacks_dir}/rank{rank}.txt",
-                            log=lambda message: None).start()
-    for step in range(3):
-        watchdog.beat(step, "forward")
-        if rank == 1 and step == 2:
-            time.sleep(4.5)  # rank 1 stops beating "inside forward"; rank 0 goes on and waits in the all-reduce
-        watchdog.beat(step, "all_reduce")
-        dist.barrier()
-    # rank 0 must have named rank 1 while waiting, within timeout + a few publish periods
-    watchdog.stop()
-    return watchdog.reports
-
-
 @pytest.mark.slow
-def test_watchdog_on_rank_zero_names_the_rank_that_stopped_beating(tmp_path):
-    reports = run_distributed(_watchdog_worker, 2, str(tmp_path), timeout=120)
+def test_watchdog_on_rank_zero_names_the_rank_that_stopped_beating(health_run):
+    reports = [watchdog for _, watchdog in health_run[0]]
     host = socket.gethostname()
     named = [r for r in reports[0] if r.startswith("hang: rank 1")]
     assert named, reports[0]
     assert named[0].startswith(f"hang: rank 1 (host {host}) last seen at step 2 'forward' ")
-    assert named[0].endswith("rank 0 is waiting at step 2 'all_reduce'")
+    assert named[0].endswith("ranks 0,2 are waiting at step 2 'all_reduce'")
     assert int(named[0].split("'forward' ")[1].split(" s ago")[0]) <= 4  # caught within the stall, not after
     assert any(r.startswith("hang: this rank (rank 1") for r in reports[1])
-    assert "_watchdog_worker" in (tmp_path / "rank1.txt").read_text()
+    assert "_watchdog_phase" in (health_run[1] / "rank1.txt").read_text()  # rank 1's own stack dump

@@ -18,6 +18,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -124,9 +125,9 @@ def run_distributed(env: ClusterEnv, args: argparse.Namespace) -> DoctorReport:
         matrix = reach.check_reachability(env=env, timeout_s=args.timeout, wait_s=args.wait, tag="doctor")
         report = DoctorReport(env=env, facts=facts, fingerprints=fingerprints,
                               diffs=compare_fingerprints(fingerprints), matrix=matrix)
-        report.collectives.append(allreduce_check(None, torch.device("cpu"), env=env, backend="gloo"))
+        report.collectives.append(allreduce_check("gloo", _gloo_group, env=env))
         if all(len(f.gpus) > f.local_rank and f.nccl for f in facts):  # same decision on every rank
-            report.collectives.append(nccl_check(env, wait_s=args.wait))
+            report.collectives.append(allreduce_check("nccl", _nccl_group(env, args.wait), env=env))
     finally:
         if started_here:
             shutdown()
@@ -140,41 +141,60 @@ def _gather(obj):
     return gathered
 
 
-def allreduce_check(group, device: torch.device, *, env: ClusterEnv, backend: str,
-                    numel: int = 1 << 20) -> CollectiveCheck:
-    """Sum (rank + 1) over all ranks and compare with n(n+1)/2; time one all-reduce after a warm-up.
+_CHECK_NUMEL = 1 << 20  # 4 MiB of fp32: big enough to cross the eager/rendezvous protocol switch, quick everywhere
 
-    Collectives every rank of ``group`` must reach: warm-up, timed all-reduce, and a gather of the outcome.
+
+def allreduce_check(backend: str, group_and_device: Callable[[], tuple[object, torch.device]], *,
+                    env: ClusterEnv) -> CollectiveCheck:
+    """Sum (rank + 1) over all ranks, compare with n(n+1)/2, time it; the outcome of every rank on every rank.
+
+    ``group_and_device`` makes the group to test (a collective itself). A failure on some ranks is caught
+    there and still reaches the final gather on the default (gloo) group, so no rank is left waiting.
     """
     n = env.world_size
-    x = torch.full((numel,), float(env.rank + 1), dtype=torch.float32, device=device)  # (numel,)
+    try:
+        wrong, seconds = _sum_ranks(*group_and_device(), env=env)
+        error = None
+    except Exception as exc:  # noqa: BLE001 - reported as a problem with the cause
+        wrong, seconds, error = 0, 0.0, f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+    outcomes: list = [None] * n
+    dist.all_gather_object(outcomes, (env.rank, wrong, seconds, error))  # note: collective, default group
+    slowest = max(s for _, _, s, _ in outcomes)
+    size = f"{_CHECK_NUMEL * 4 / 2**20:.0f} MiB fp32"
+    failed = [f"rank {rank}: {err}" for rank, _, _, err in outcomes if err]
+    if failed:
+        return CollectiveCheck(backend, False, slowest, f"{size}: failed on {len(failed)} rank(s): "
+                                                        + "; ".join(failed[:4]))
+    bad = [f"rank {rank}: {count} wrong elements" for rank, count, _, _ in outcomes if count]
+    if bad:
+        return CollectiveCheck(backend, False, slowest,
+                               f"{size}: wrong sum ({', '.join(bad)}); expected {n * (n + 1) // 2}")
+    return CollectiveCheck(backend, True, slowest, f"{size}: sum correct on all {n} ranks")
+
+
+def _sum_ranks(group, device: torch.device, *, env: ClusterEnv) -> tuple[int, float]:
+    """(wrong elements, seconds) of one timed all-reduce after a warm-up. Collectives every rank must reach."""
+    n = env.world_size
+    x = torch.full((_CHECK_NUMEL,), float(env.rank + 1), dtype=torch.float32, device=device)  # (numel,)
     dist.all_reduce(x.clone(), group=group)  # warm-up: connection set-up is not what we time
     _sync(device)
     start = time.perf_counter()
     dist.all_reduce(x, group=group)
     _sync(device)  # note: a CPU-GPU sync point, so the time covers the collective
     seconds = time.perf_counter() - start
-    wrong = int((x != n * (n + 1) / 2).sum().item())
-    outcomes = [None] * n
-    dist.all_gather_object(outcomes, (env.rank, wrong, seconds))  # note: collective on the default group
-    bad = [(rank, count) for rank, count, _ in outcomes if count]
-    slowest = max(s for _, _, s in outcomes)
-    size = f"{numel * 4 / 2**20:.0f} MiB fp32"
-    if bad:
-        detail = ", ".join(f"rank {rank}: {count} wrong elements" for rank, count in bad)
-        return CollectiveCheck(backend, False, slowest, f"{size}: wrong sum ({detail}); expected {n * (n + 1) // 2}")
-    return CollectiveCheck(backend, True, slowest, f"{size}: sum correct on all {n} ranks")
+    return int((x != n * (n + 1) / 2).sum().item()), seconds
 
 
-def nccl_check(env: ClusterEnv, *, wait_s: float) -> CollectiveCheck:
-    """The same all-reduce through NCCL on each rank's GPU (local rank -> cuda:<local rank>)."""
-    torch.cuda.set_device(env.local_rank)
-    try:
+def _gloo_group() -> tuple[object, torch.device]:
+    return None, torch.device("cpu")
+
+
+def _nccl_group(env: ClusterEnv, wait_s: float) -> Callable[[], tuple[object, torch.device]]:
+    def make() -> tuple[object, torch.device]:
+        torch.cuda.set_device(env.local_rank)
         group = dist.new_group(backend="nccl", timeout=timedelta(seconds=wait_s))  # note: collective
-        return allreduce_check(group, torch.device("cuda", env.local_rank), env=env, backend="nccl")
-    except Exception as exc:  # noqa: BLE001 - reported as a problem with the cause
-        return CollectiveCheck("nccl", False, 0.0, f"NCCL all-reduce failed on rank {env.rank}: "
-                                                   f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
+        return group, torch.device("cuda", env.local_rank)
+    return make
 
 
 def _sync(device: torch.device) -> None:
