@@ -35,6 +35,8 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 class Engine(Protocol):
     model_parts: list[nn.Module]
+    dp_rank: int
+    dp_size: int
 
     def forward_backward(self, batches: Sequence[Batch]) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -49,11 +51,14 @@ class LocalEngine:
     With DDP the gradient all-reduce is skipped (``no_sync``) on every micro-batch but the last.
     """
 
-    def __init__(self, model: nn.Module, *, ddp: nn.Module | None = None, autocast_dtype: torch.dtype | None = None):
+    def __init__(self, model: nn.Module, *, ddp: nn.Module | None = None, autocast_dtype: torch.dtype | None = None,
+                 dp_rank: int = 0, dp_size: int = 1):
         self.model = model
         self.wrapped = ddp if ddp is not None else model
         self.model_parts = [model]
         self.autocast_dtype = autocast_dtype
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        """Which data shard this rank reads, out of how many (the sampler's rank and world size)."""
 
     def _autocast(self, device_type: str):
         if self.autocast_dtype is None:

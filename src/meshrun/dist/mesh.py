@@ -1,0 +1,307 @@
+"""ParallelDims: the parallel degrees of a job, their validation, and the one DeviceMesh built from them.
+
+The mesh has four named dimensions, outermost first::
+
+    ("pp", "dp_replicate", "dp_shard", "tp")
+
+so that a global rank is ``((pp * dp_replicate + r) * dp_shard + s) * tp + t``. TP is innermost: with
+``tp`` dividing the GPUs of a node, every TP group lies inside one node (NVLink). PP is outermost: its groups cross
+nodes, where point-to-point traffic is cheapest. ``dp_replicate x dp_shard`` is also flattened into "dp" (the
+data-parallel rank the sampler uses). Every dimension exists even when its degree is 1, so names and coordinates
+are the same for every layout; :meth:`ParallelDims.get_optional_mesh` returns None for a degree of 1.
+
+Everything except :meth:`ParallelDims.build_mesh` is pure arithmetic (no process group), so the planner uses the
+same coordinates and groups as the real job.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from meshrun.config import ConfigError, ParallelConfig
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from meshrun.models.gpt import GPTConfig
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+"""Mesh dimension names, outermost first."""
+FLAT_DIMS = {"dp": ("dp_replicate", "dp_shard")}
+"""Flattened dimensions and the mesh dimensions they join."""
+SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
+
+
+class RankCoords(NamedTuple):
+    """A rank's coordinates on the mesh."""
+
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+
+
+@dataclass(eq=False)
+class ParallelDims:
+    """Degrees of each parallel dimension (all resolved: no -1) and the pipeline settings that go with them.
+
+    Build it with :meth:`from_config`, which infers -1 and validates; the constructor only checks the product.
+    """
+
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int
+    world_size: int
+    cp: int = 1
+    """Context parallelism: reserved; must be 1 for now."""
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int = 1
+    """Pipeline micro-batches per optimizer step (resolved; 1 without PP)."""
+    pp_virtual_stages: int = 1
+    """Stages per pipeline rank (>1 only with interleaved1f1b)."""
+    gpus_per_node: int = 0
+    """GPUs (processes) per node; 0 when unknown (then TP-across-nodes is not checked)."""
+    allow_tp_across_nodes: bool = False
+    _meshes: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        product = self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
+        if product != self.world_size:
+            raise ConfigError(
+                f"parallel.dp_replicate x dp_shard x tp x pp = {self.dp_replicate} x {self.dp_shard} x {self.tp} x "
+                f"{self.pp} = {product} does not equal the world size {self.world_size}; change a degree or set "
+                "one of them to -1 to infer it")
+
+    # ---- construction from the job config ---------------------------------------------------------------------
+
+    @classmethod
+    def from_config(cls, parallel: ParallelConfig, *, world_size: int, gpus_per_node: int = 0,
+                    model: GPTConfig | None = None) -> ParallelDims:
+        """Resolve -1 degrees against ``world_size`` and validate everything that can be checked without a model
+        (and, when ``model`` is given, against the model's shapes). Raises ConfigError naming the option."""
+        degrees = resolve_degrees({"dp_replicate": parallel.dp_replicate, "dp_shard": parallel.dp_shard,
+                                   "tp": parallel.tp, "pp": parallel.pp}, world_size=world_size)
+        if parallel.pp_schedule not in SCHEDULES:
+            raise ConfigError(f"parallel.pp_schedule={parallel.pp_schedule!r} is not one of {', '.join(SCHEDULES)}")
+        interleaved = parallel.pp_schedule == "interleaved1f1b"
+        virtual = parallel.pp_virtual_stages if interleaved and degrees["pp"] > 1 else 1
+        if virtual < 1:
+            raise ConfigError(f"parallel.pp_virtual_stages must be >= 1, got {parallel.pp_virtual_stages}")
+        microbatches = 1
+        if degrees["pp"] > 1:
+            microbatches = parallel.pp_microbatches or 2 * degrees["pp"]
+        dims = cls(**degrees, world_size=world_size, pp_schedule=parallel.pp_schedule,
+                   pp_microbatches=microbatches, pp_virtual_stages=virtual, gpus_per_node=gpus_per_node,
+                   allow_tp_across_nodes=parallel.allow_tp_across_nodes)
+        dims.validate()
+        if model is not None:
+            dims.validate_model(model)
+        return dims
+
+    def validate(self) -> None:
+        """Checks of the degrees against each other and the node size."""
+        if self.cp != 1:
+            raise ConfigError(f"context parallelism cp={self.cp} is not implemented yet; use cp=1")
+        if self.pp > 1:
+            self._validate_schedule()
+        if self.gpus_per_node and self.tp > 1 and not self.allow_tp_across_nodes:
+            if self.tp > self.gpus_per_node:
+                raise ConfigError(
+                    f"parallel.tp={self.tp} is larger than the {self.gpus_per_node} GPUs of one node, so tensor-"
+                    "parallel all-reduces (several per layer) would cross the network; lower parallel.tp (use "
+                    "parallel.pp or dp across nodes) or set --parallel.allow_tp_across_nodes=true")
+            if self.gpus_per_node % self.tp:
+                raise ConfigError(
+                    f"parallel.tp={self.tp} does not divide the {self.gpus_per_node} GPUs per node, so some tensor-"
+                    "parallel groups would straddle two nodes; choose a tp that divides it or set "
+                    "--parallel.allow_tp_across_nodes=true")
+
+    def _validate_schedule(self) -> None:
+        m, p = self.pp_microbatches, self.pp
+        if m < p:
+            raise ConfigError(
+                f"parallel.pp_microbatches={m} is fewer than the {p} pipeline stages (parallel.pp={p}); the "
+                f"{self.pp_schedule} schedule never fills the pipeline. Use --parallel.pp_microbatches={2 * p} or more")
+        if self.pp_schedule == "interleaved1f1b" and m % p:
+            raise ConfigError(
+                f"parallel.pp_microbatches={m} must be a multiple of parallel.pp={p} for interleaved1f1b; "
+                f"use {p * math.ceil(m / p)}")
+
+    def validate_model(self, model: GPTConfig) -> None:
+        """TP must divide heads and widths; PP needs at least one layer per stage."""
+        checks = [("model.n_heads", model.n_heads), ("model.n_kv_heads (key/value heads)", model.kv_heads),
+                  ("model.ffn_dim (MLP width)", model.hidden_dim), ("model.vocab_size", model.vocab_size)]
+        for option, value in checks:
+            if value % self.tp:
+                raise ConfigError(
+                    f"parallel.tp={self.tp} does not divide {option}={value}; each tensor-parallel rank must hold "
+                    f"a whole share. Choose a tp that divides {value}")
+        stages = self.pp * self.pp_virtual_stages
+        if stages > model.n_layers:
+            what = f"parallel.pp={self.pp}" + (f" x parallel.pp_virtual_stages={self.pp_virtual_stages}"
+                                               if self.pp_virtual_stages > 1 else "")
+            raise ConfigError(f"{what} = {stages} pipeline stages but the model has only model.n_layers="
+                              f"{model.n_layers}; every stage needs at least one layer. Lower parallel.pp")
+
+    def validate_pipeline_batch(self, samples_per_step: int) -> None:
+        """With PP, a dp rank's samples per step (micro_batch x grad_accum) must split into the micro-batches."""
+        if self.pp > 1 and samples_per_step % self.pp_microbatches:
+            raise ConfigError(
+                f"parallel.pp_microbatches={self.pp_microbatches} does not divide the {samples_per_step} samples each "
+                "data-parallel rank processes per step (train.micro_batch x grad_accum); change "
+                "parallel.pp_microbatches or train.micro_batch")
+
+    # ---- pure arithmetic: sizes, coordinates, groups ------------------------------------------------------------
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: model replicas that see different data."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages in total (pp x virtual stages per rank)."""
+        return self.pp * self.pp_virtual_stages
+
+    def degree(self, name: str) -> int:
+        if name in FLAT_DIMS:
+            return math.prod(self.degree(d) for d in FLAT_DIMS[name])
+        if name not in MESH_DIMS:
+            raise ValueError(f"unknown mesh dimension {name!r}; known: {', '.join(MESH_DIMS + tuple(FLAT_DIMS))}")
+        return getattr(self, name)
+
+    def enabled(self, name: str) -> bool:
+        return self.degree(name) > 1
+
+    def coords(self, rank: int) -> RankCoords:
+        """Mesh coordinates of a global rank (row-major over MESH_DIMS)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside world size {self.world_size}")
+        rank, t = divmod(rank, self.tp)
+        rank, s = divmod(rank, self.dp_shard)
+        p, r = divmod(rank, self.dp_replicate)
+        return RankCoords(pp=p, dp_replicate=r, dp_shard=s, tp=t)
+
+    def rank_of(self, coords: RankCoords) -> int:
+        return ((coords.pp * self.dp_replicate + coords.dp_replicate) * self.dp_shard + coords.dp_shard) * self.tp \
+            + coords.tp
+
+    def dp_rank(self, rank: int) -> int:
+        """Index of the data shard a global rank reads (tp and pp peers read the same one)."""
+        c = self.coords(rank)
+        return c.dp_replicate * self.dp_shard + c.dp_shard
+
+    def group(self, name: str, rank: int) -> list[int]:
+        """Global ranks in ``rank``'s group along ``name`` (a mesh dimension or "dp"), in mesh order."""
+        varying = FLAT_DIMS.get(name, (name,))
+        self.degree(name)  # validates the name
+        base = self.coords(rank)._asdict()
+        ranks = []
+        for index in range(self.degree(name)):
+            coords = dict(base)
+            for dim in reversed(varying):  # the last listed dimension varies fastest
+                index, coords[dim] = divmod(index, self.degree(dim))
+            ranks.append(self.rank_of(RankCoords(**coords)))
+        return ranks
+
+    def groups(self, name: str) -> list[list[int]]:
+        """All groups along ``name``, each listed once, ordered by their smallest rank."""
+        seen: dict[int, list[int]] = {}
+        for rank in range(self.world_size):
+            members = self.group(name, rank)
+            seen.setdefault(members[0], members)
+        return [seen[k] for k in sorted(seen)]
+
+    def describe(self) -> str:
+        parts = [f"{name} {self.degree(name)}" for name in MESH_DIMS]
+        text = " x ".join(parts) + f" = {self.world_size} ranks"
+        if self.pp > 1:
+            text += f"; pipeline {self.pp_schedule}, {self.pp_microbatches} micro-batches"
+            if self.pp_virtual_stages > 1:
+                text += f", {self.pp_virtual_stages} stages per rank"
+        return text
+
+    # ---- the DeviceMesh ---------------------------------------------------------------------------------------
+
+    def build_mesh(self, device_type: str) -> DeviceMesh | None:
+        """Create the DeviceMesh and its named sub-meshes; None for a single process without a process group.
+
+        Collective: every rank must call this (it creates one process group per mesh dimension and per flattened
+        dimension). This is the only place in meshrun that creates a DeviceMesh.
+        """
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if self.world_size == 1 and not dist.is_initialized():
+            return None
+        if dist.get_world_size() != self.world_size:
+            raise ConfigError(f"the process group has {dist.get_world_size()} ranks but the layout was resolved "
+                              f"for world size {self.world_size}")
+        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIMS)
+        self._meshes = {"world": mesh}
+        for name in MESH_DIMS:
+            self._meshes[name] = mesh[name]
+        for flat, joined in FLAT_DIMS.items():
+            self._meshes[joined] = mesh[joined]
+            self._meshes[flat] = mesh[joined]._flatten(flat)  # kept here: slicing flat dims from the root is deprecated
+        return mesh
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The whole 4-D mesh (after :meth:`build_mesh`)."""
+        return self.get_mesh("world")
+
+    def get_mesh(self, name: str | tuple[str, ...]) -> DeviceMesh:
+        """The (sub-)mesh called ``name``: a dimension, "dp", "world" or a tuple such as ("dp_replicate", "dp_shard").
+
+        Raises when the mesh is not built, the name is unknown, or the dimension has degree 1 (not enabled).
+        """
+        mesh = self.get_optional_mesh(name)
+        if mesh is None:
+            names = name if isinstance(name, tuple) else (name,)
+            sizes = ", ".join(f"{n}={self.degree(n)}" for n in names)
+            raise ValueError(f"mesh dimension {name!r} is not enabled ({sizes}); use get_optional_mesh to allow that")
+        return mesh
+
+    def get_optional_mesh(self, name: str | tuple[str, ...]) -> DeviceMesh | None:
+        """Like :meth:`get_mesh`, but None when the dimension(s) have degree 1."""
+        if not self._meshes:
+            raise RuntimeError("ParallelDims.build_mesh(device_type) must run before the mesh is used")
+        key = name[0] if isinstance(name, tuple) and len(name) == 1 else name
+        if key == "world":
+            return self._meshes[key]
+        names = key if isinstance(key, tuple) else (key,)
+        if key not in self._meshes:
+            if not isinstance(key, tuple) or not set(key) <= set(MESH_DIMS):
+                raise ValueError(f"unknown mesh {name!r}; known: world, {', '.join(MESH_DIMS + tuple(FLAT_DIMS))} "
+                                 "or a tuple of mesh dimensions in mesh order")
+            self._meshes[key] = self._meshes["world"][key]
+        return self._meshes[key] if math.prod(self.degree(n) for n in names) > 1 else None
+
+
+def resolve_degrees(degrees: dict[str, int], *, world_size: int) -> dict[str, int]:
+    """Replace at most one -1 degree with world_size over the others; refuse 0, other negatives, two -1s."""
+    if world_size < 1:
+        raise ConfigError(f"world size must be >= 1, got {world_size}")
+    for name, value in degrees.items():
+        if value == 0 or value < -1:
+            raise ConfigError(f"parallel.{name}={value} is not a degree; use a positive number or -1 to infer it")
+    unknown = [name for name, value in degrees.items() if value == -1]
+    if len(unknown) > 1:
+        raise ConfigError(f"{' and '.join('parallel.' + n for n in unknown)} are all -1; at most one degree can be "
+                          "inferred from the world size. Set the others explicitly")
+    if unknown:
+        known = math.prod(v for v in degrees.values() if v != -1)
+        if world_size % known:
+            listed = " x ".join(f"{n}={v}" for n, v in degrees.items() if v != -1)
+            raise ConfigError(f"parallel.{unknown[0]}=-1 cannot be inferred: world size {world_size} is not "
+                              f"divisible by {listed} = {known}")
+        degrees = {**degrees, unknown[0]: world_size // known}
+    return degrees

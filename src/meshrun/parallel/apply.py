@@ -1,0 +1,154 @@
+"""Build the engine for a layout: the reference model, parallelised from outside in one fixed order.
+
+For every model part (the whole model, or each pipeline stage this rank runs):
+
+1. build on the meta device (no memory), and with PP cut out this rank's stage(s);
+2. tensor parallelism (column/row plans, optional sequence parallelism)      -- parallel/tp.py
+3. activation checkpointing (none / selective / full)                      -- parallel/activation_checkpoint.py
+4. torch.compile of each block (in place: names keep no "_orig_mod.")
+5. data parallelism: FSDP2 ``fully_shard`` over dp_shard, HSDP over (dp_replicate, dp_shard) when both > 1,
+   or, with TP/PP and only dp_replicate > 1, HSDP with a shard degree of 1 (pure replication); plain DDP only
+   for a pure data-parallel layout                                          -- parallel/data_parallel.py
+6. materialise: ``to_empty`` on the device, then ``init_weights`` -- each rank allocates and initialises only its
+   own shards, so a model larger than one device never exists whole on one rank.
+
+Then the engine: LocalEngine (one process, or DDP), ShardedEngine (FSDP/HSDP/TP) or PipelineEngine (PP, with any
+of the above inside each stage). ``engine.model_parts`` are the modules themselves (never a DDP wrapper), with
+the original parameter names, so torch.distributed.checkpoint can reshard a checkpoint across layouts.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from meshrun.config import JobConfig, resolve_batch
+from meshrun.dist.mesh import ParallelDims
+from meshrun.models.gpt import GPT, GPTConfig
+from meshrun.parallel.activation_checkpoint import apply_activation_checkpointing
+from meshrun.parallel.data_parallel import apply_ddp, apply_fsdp
+from meshrun.parallel.engine import Engine, LocalEngine
+from meshrun.parallel.pipeline import PipelineEngine, effective_model_config, split_stage, stage_ids
+from meshrun.parallel.sharded import ShardedEngine
+from meshrun.parallel.tp import apply_tp
+
+log = logging.getLogger("meshrun")
+
+
+def build_engine(*, job: JobConfig, model_cfg: GPTConfig, dims: ParallelDims, mesh, device: torch.device,
+                 compute_dtype: torch.dtype | None) -> Engine:
+    """The engine for ``dims`` on this rank. Collective: every rank must call it (it may create process groups
+    and, for DDP, broadcasts parameters). ``mesh`` is ``dims.build_mesh(...)`` (None for a single process);
+    ``compute_dtype`` is None or torch.float32 for fp32, torch.bfloat16 for bf16 compute.
+
+    Initial weights: ``job.train.seed`` seeds ``init_weights``. Without sharding every rank holds the same
+    weights as a single process with that seed; sharded layouts draw each shard from its own stream (so they start
+    from different, equally distributed weights than a single process: start from a checkpoint to compare).
+    """
+    cfg = effective_model_config(model_cfg, pp=dims.pp)
+    if cfg is not model_cfg:
+        log.warning("parallel.pp=%d: untying the embeddings (tok_embeddings on the first stage, output on the last); "
+                    "set --model.tie_embeddings=false to make this explicit", dims.pp)
+    dims.validate_model(cfg)
+    batch = resolve_batch(job.train, dp_size=dims.dp_size, seq_len=cfg.seq_len)
+    dims.validate_pipeline_batch(batch.micro_batch * batch.grad_accum)
+    if dims.world_size > 1 and mesh is None:
+        raise ValueError(f"build_engine: world size {dims.world_size} needs the mesh from dims.build_mesh()")
+    rank = mesh.get_rank() if mesh is not None else 0
+    fp32 = compute_dtype is None or compute_dtype == torch.float32
+    if dims.pp == 1 and dims.tp == 1 and dims.dp_shard == 1:
+        return _local_engine(job, cfg, dims, device, rank=rank, autocast_dtype=None if fp32 else compute_dtype)
+    ids = stage_ids(dims.coords(rank).pp, pp=dims.pp, virtual_stages=dims.pp_virtual_stages) if dims.pp > 1 else [0]
+    parts = build_parts(cfg, dims, ids, job=job, compute_dtype=compute_dtype)
+    materialize(parts, device=device, seed=job.train.seed, dims=dims, rank=rank)
+    sharded_dp = uses_fsdp(dims)
+    autocast = None if fp32 or sharded_dp else compute_dtype  # FSDP casts itself (MixedPrecisionPolicy)
+    coords = dims.coords(rank)
+    if dims.pp > 1:
+        return PipelineEngine(parts, ids, n_stages=dims.stages, schedule=dims.pp_schedule,
+                              microbatches=dims.pp_microbatches, device=device, pp_group=dims.get_mesh("pp").get_group(),
+                              dp_rank=dims.dp_rank(rank), dp_size=dims.dp_size, tp_rank=coords.tp,
+                              autocast_dtype=autocast)
+    return ShardedEngine(parts[0], dp_rank=dims.dp_rank(rank), dp_size=dims.dp_size, reports_loss=coords.tp == 0,
+                         fsdp=sharded_dp, loss_parallel=use_loss_parallel(dims), autocast_dtype=autocast)
+
+
+def uses_fsdp(dims: ParallelDims) -> bool:
+    """FSDP2 handles data parallelism whenever parameters are sharded or are DTensors/pipeline stages anyway."""
+    return dims.dp_shard > 1 or (dims.dp_replicate > 1 and (dims.tp > 1 or dims.pp > 1))
+
+
+def use_loss_parallel(dims: ParallelDims) -> bool:
+    """Vocabulary-sharded cross-entropy with TP; not across pipeline stages (stage outputs are plain tensors)."""
+    return dims.tp > 1 and dims.pp == 1
+
+
+def build_parts(cfg: GPTConfig, dims: ParallelDims, ids: list[int], *, job: JobConfig,
+                compute_dtype: torch.dtype | None) -> list[nn.Module]:
+    """Steps 1-5 of the fixed order, on the meta device: this rank's model parts, parallelised, not materialised."""
+    with torch.device("meta"):
+        whole = GPT(cfg)
+    parts = [split_stage(whole, i, dims.stages) for i in ids] if dims.pp > 1 else [whole]
+    for part in parts:
+        parallelize(part, dims, job=job, compute_dtype=compute_dtype)
+    return parts
+
+
+def parallelize(part: nn.Module, dims: ParallelDims, *, job: JobConfig, compute_dtype: torch.dtype | None) -> None:
+    """TP -> activation checkpointing -> compile -> FSDP/HSDP, in place (DDP is applied after materialising)."""
+    if dims.tp > 1:
+        apply_tp(part, dims.get_mesh("tp"), sequence_parallel=job.parallel.sequence_parallel,
+                 loss_parallel=use_loss_parallel(dims))
+    apply_activation_checkpointing(part, job.parallel.activation_checkpoint)
+    if job.train.compile:
+        for block in part.layers.values():
+            block.compile()  # in place: parameter names stay as they are (no "_orig_mod.")
+    if uses_fsdp(dims):
+        dp_mesh = dims.get_mesh("dp_shard") if dims.dp_replicate == 1 else dims.get_mesh(("dp_replicate", "dp_shard"))
+        apply_fsdp(part, dp_mesh, compute_dtype=compute_dtype, reshard_after_forward=dims.pp == 1)
+
+
+def materialize(parts: list[nn.Module], *, device: torch.device, seed: int, dims: ParallelDims, rank: int) -> None:
+    """Allocate this rank's shards on ``device`` and initialise them (GPT.init_weights works on DTensor shards)."""
+    seed_for_init(seed, dims=dims, rank=rank, device=device)
+    for part in parts:
+        part.to_empty(device=device)
+        part.init_weights(buffer_device=device)
+
+
+def seed_for_init(seed: int, *, dims: ParallelDims, rank: int, device: torch.device) -> None:
+    """Seed so that pipeline stages draw different weights, while ranks that must agree (dp replicas) draw the
+    same. On accelerators DTensor's RNG tracker gives each shard its own part of one stream (same seed for a
+    stage's ranks); on CPU it is not available, so every distinct shard (pp, dp_shard, tp) gets its own seed."""
+    c = dims.coords(rank)
+    if device.type == "cpu":
+        torch.manual_seed(seed + (c.pp * dims.dp_shard + c.dp_shard) * dims.tp + c.tp)
+        return
+    torch.manual_seed(seed + c.pp)
+    if dims.tp > 1 or dims.dp_shard > 1 or dims.dp_replicate > 1:
+        try:  # a tracker without the rank-0 broadcast, which would erase the per-stage seeds
+            from torch.distributed.tensor._random import manual_seed
+        except ImportError:  # pragma: no cover - older layout of the module
+            return
+        manual_seed(seed + c.pp, dims.mesh)
+
+
+def _local_engine(job: JobConfig, cfg: GPTConfig, dims: ParallelDims, device: torch.device, *, rank: int,
+                  autocast_dtype: torch.dtype | None) -> LocalEngine:
+    """One process, or DDP over dp_replicate: every rank holds the whole model, initialised like 1 process."""
+    with torch.device("meta"):
+        model = GPT(cfg)
+    apply_activation_checkpointing(model, job.parallel.activation_checkpoint)
+    if job.train.compile:
+        for block in model.layers.values():
+            block.compile()
+    model.to_empty(device=device)
+    if cfg.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight  # to_empty may have replaced the shared parameter
+    torch.manual_seed(job.train.seed)
+    model.init_weights(buffer_device=device)
+    ddp = apply_ddp(model, dims.get_mesh("dp_replicate"), device) if dims.dp_replicate > 1 else None
+    return LocalEngine(model, ddp=ddp, autocast_dtype=autocast_dtype, dp_rank=dims.dp_rank(rank),
+                       dp_size=dims.dp_size)

@@ -1,0 +1,47 @@
+"""Data parallelism: FSDP2 (``fully_shard``) over the dp mesh, HSDP over (replicate, shard), or classic DDP.
+
+FSDP2 wraps each block, then the root (embedding, final norm and output head stay in the root's group, which keeps
+tied embeddings in one group). Parameter names do not change: FSDP2 swaps parameters for DTensors in place.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+
+def mixed_precision(compute_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
+    """bf16 (or fp16) parameters for compute, gradients reduced in fp32; plain fp32 when compute_dtype is None."""
+    if compute_dtype is None or compute_dtype == torch.float32:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+
+
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, compute_dtype: torch.dtype | None,
+               reshard_after_forward: bool) -> None:
+    """Shard ``model`` over ``dp_mesh``: 1-D mesh = FSDP, 2-D (replicate, shard) mesh = HSDP.
+
+    ``reshard_after_forward=False`` keeps gathered parameters until backward (used with pipeline parallelism,
+    where each stage runs many micro-batches per step and re-gathering each time would multiply the traffic).
+    """
+    mp_policy = mixed_precision(compute_dtype)
+    blocks = list(model.layers.values())
+    for i, block in enumerate(blocks):
+        # the last block's parameters are needed again first thing in backward: keep them gathered
+        reshard = reshard_after_forward and i < len(blocks) - 1
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+
+
+def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device) -> nn.Module:
+    """Wrap in DistributedDataParallel over ``dp_mesh``'s group; returns the wrapper (the model keeps its names).
+
+    Collective: every rank of the dp group must call this (DDP broadcasts rank 0's parameters).
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, process_group=dp_mesh.get_group(),
+                                   device_ids=[device.index] if device.type == "cuda" else None,
+                                   gradient_as_bucket_view=True)

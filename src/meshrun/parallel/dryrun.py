@@ -1,0 +1,189 @@
+"""Dry run: build the mesh and apply a layout for any world size on one machine, without GPUs or other ranks.
+
+torch's fake process group (backend "fake", from torch.testing._internal.distributed.fake_pg) accepts every
+collective and returns at once, so one process can pretend to be rank r of a 512-rank job: the DeviceMesh, the TP
+plan, FSDP2 sharding and the pipeline split all run exactly as in the real job, on the meta device (no memory).
+What comes out is each simulated rank's parameter shards: shapes, placements and bytes.
+
+``meshrun train --dry-run --world-size N`` calls :func:`dry_run`; ``meshrun plan ... --dry-run`` calls
+:func:`simulate_rank` for the ranks it shows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from meshrun.config import ConfigError, JobConfig
+from meshrun.dist.mesh import ParallelDims, RankCoords
+from meshrun.models.gpt import GPTConfig, gpt_config
+from meshrun.parallel.pipeline import effective_model_config, layer_ranges, stage_ids
+
+
+@dataclass(frozen=True)
+class ParamShard:
+    name: str
+    """Parameter name with the layer index replaced by '*' when the row stands for several layers."""
+    layers: int
+    """How many layers' parameters the row stands for (1 for parameters outside the blocks)."""
+    global_shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    placements: str
+    local_bytes: int
+    """Bytes of this rank's shards of all the parameters the row stands for (fp32)."""
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    rank: int
+    coords: RankCoords
+    stages: list[int]
+    layers: list[int]
+    engine: str
+    params: list[ParamShard]
+
+    @property
+    def local_params(self) -> int:
+        return sum(p.local_bytes for p in self.params) // 4
+
+    @property
+    def local_bytes(self) -> int:
+        return sum(p.local_bytes for p in self.params)
+
+
+def job_model_config(job: JobConfig) -> GPTConfig:
+    """The GPT config that ``job.model`` describes (named size plus non-zero overrides)."""
+    m = job.model
+    cfg = gpt_config(m.name, dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
+                     ffn_dim=m.ffn_dim, vocab_size=m.vocab_size, seq_len=m.seq_len)
+    return dataclasses.replace(cfg, dropout=m.dropout, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
+                               tie_embeddings=m.tie_embeddings)
+
+
+def simulate_rank(job: JobConfig, model_cfg: GPTConfig, dims: ParallelDims, rank: int) -> RankLayout:
+    """Pretend to be ``rank``: fake process group, real mesh, real parallelisation on the meta device."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from meshrun.parallel.apply import build_parts, uses_fsdp
+
+    if dist.is_initialized():
+        raise RuntimeError("simulate_rank needs a process without a process group (it starts a fake one)")
+    job = dataclasses.replace(job, train=dataclasses.replace(job.train, compile=False))  # nothing runs: no compile
+    cfg = effective_model_config(model_cfg, pp=dims.pp)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dims.world_size)
+    try:
+        dims.build_mesh("cpu")
+        coords = dims.coords(rank)
+        ids = stage_ids(coords.pp, pp=dims.pp, virtual_stages=dims.pp_virtual_stages) if dims.pp > 1 else [0]
+        parts = build_parts(cfg, dims, ids, job=job, compute_dtype=None)
+        params = _shards(parts)
+    finally:
+        dist.destroy_process_group()
+    ranges = layer_ranges(cfg.n_layers, dims.stages)
+    layers = [i for s in ids for i in ranges[s]]
+    return RankLayout(rank=rank, coords=coords, stages=ids, layers=layers, engine=engine_name(dims, uses_fsdp(dims)),
+                      params=params)
+
+
+def engine_name(dims: ParallelDims, fsdp: bool) -> str:
+    parts = []
+    if dims.pp > 1:
+        parts.append(f"PP {dims.pp_schedule}")
+    if dims.tp > 1:
+        parts.append("TP")
+    if fsdp:
+        parts.append("HSDP" if dims.dp_replicate > 1 and dims.dp_shard > 1 else
+                     "FSDP" if dims.dp_shard > 1 else "FSDP-replicate")
+    elif dims.dp_replicate > 1:
+        parts.append("DDP")
+    return " + ".join(parts) or "single process"
+
+
+def _shards(parts) -> list[ParamShard]:
+    """One row per distinct parameter name, layers folded into '*'."""
+    from torch.distributed.tensor import DTensor
+
+    rows: dict[str, dict] = {}
+    for part in parts:
+        for name, param in part.named_parameters():
+            key = re.sub(r"^layers\.\d+\.", "layers.*.", name)
+            local = param.to_local() if isinstance(param, DTensor) else param
+            placements = _placements(param) if isinstance(param, DTensor) else "whole"
+            row = rows.setdefault(key, {"layers": 0, "global": tuple(param.shape), "local": tuple(local.shape),
+                                        "placements": placements, "bytes": 0})
+            row["layers"] += 1
+            row["bytes"] += local.numel() * 4
+    return [ParamShard(name=k, layers=v["layers"], global_shape=v["global"], local_shape=v["local"],
+                       placements=v["placements"], local_bytes=v["bytes"]) for k, v in rows.items()]
+
+
+def _placements(param) -> str:
+    """'dp_shard: Shard(dim=0), tp: Shard(dim=0)': placements named by their mesh dimension."""
+    names = param.device_mesh.mesh_dim_names or tuple(str(i) for i in range(param.device_mesh.ndim))
+    return ", ".join(f"{n}: {p}" for n, p in zip(names, param.placements))
+
+
+def default_ranks(dims: ParallelDims) -> list[int]:
+    """Rank 0 and the last rank (first and last pipeline stage, first and last TP shard)."""
+    return sorted({0, dims.world_size - 1})
+
+
+def dry_run(job: JobConfig, *, world_size: int, gpus_per_node: int = 8, ranks: list[int] | None = None) -> int:
+    """``meshrun train --dry-run``: check ``job``'s layout for ``world_size`` ranks and print each simulated rank's
+    parameter shards. Returns the exit code (2 for a configuration error, printed with the option to change)."""
+    from rich.console import Console
+
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    try:
+        model_cfg = job_model_config(job)
+        if world_size <= 0:
+            raise ConfigError("--world-size N is needed with --dry-run (the number of ranks to simulate)")
+        dims = ParallelDims.from_config(job.parallel, world_size=world_size, gpus_per_node=gpus_per_node,
+                                        model=model_cfg)
+        layouts = [simulate_rank(job, model_cfg, dims, r) for r in (ranks or default_ranks(dims))]
+    except (ConfigError, ValueError) as exc:
+        print(f"meshrun: error: {exc}", file=sys.stderr)
+        return 2
+    console.print(f"dry run: {dims.describe()} ({gpus_per_node} GPUs per node); fake process group, meta device")
+    for layout in layouts:
+        print_rank_layout(console, layout, dims, gpus_per_node=gpus_per_node)
+    return 0
+
+
+def print_rank_layout(console, layout: RankLayout, dims: ParallelDims, *, gpus_per_node: int) -> None:
+    from rich.table import Table
+
+    c = layout.coords
+    node, local = divmod(layout.rank, gpus_per_node) if gpus_per_node else (0, layout.rank)
+    layers = f"layers {format_ranges(layout.layers)}" if layout.layers else "no layers"
+    title = (f"rank {layout.rank} (node {node}, local {local}): pp {c.pp}, dp_replicate {c.dp_replicate}, "
+             f"dp_shard {c.dp_shard}, tp {c.tp} | {layout.engine} | stage(s) {layout.stages}, {layers} | "
+             f"{layout.local_params / 1e6:,.2f}M params = {layout.local_bytes / 2**20:,.1f} MiB fp32 on this rank")
+    table = Table(title=title, title_justify="left")
+    for column in ("parameter", "x layers", "global shape", "local shard", "placements", "local MiB"):
+        table.add_column(column, justify="right" if column in ("x layers", "local MiB") else "left")
+    for p in layout.params:
+        table.add_row(p.name, str(p.layers), _shape(p.global_shape), _shape(p.local_shape), p.placements,
+                      f"{p.local_bytes / 2**20:,.2f}")
+    console.print(table)
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return " x ".join(f"{d:,}" for d in shape)
+
+
+def format_ranges(values: list[int]) -> str:
+    """[0, 1, 2, 5, 6] -> '0-2, 5-6'."""
+    out, start = [], None
+    for i, v in enumerate(values):
+        if start is None:
+            start = v
+        if i == len(values) - 1 or values[i + 1] != v + 1:
+            out.append(f"{start}-{v}" if v != start else str(v))
+            start = None
+    return ", ".join(out)

@@ -1,0 +1,177 @@
+"""Pipeline parallelism with ``torch.distributed.pipelining``: stage splitting, schedules and the PipelineEngine.
+
+Splitting: the model's layers are cut into ``pp x virtual`` contiguous stages by layer count (earlier stages take
+one extra layer when it does not divide). Each stage is a copy of the full (meta-device) GPT with the layers it
+does not own deleted; ``layers`` is a ModuleDict keyed by the global layer index, so a stage's parameter names are
+the same as in the whole model ("layers.7.attention.wq.weight") and checkpoints line up across layouts. The first
+stage keeps ``tok_embeddings``, the last keeps ``norm`` and ``output``; elsewhere they are None. Tied embeddings
+cannot be shared between two stages, so pipeline layouts untie them (see :func:`effective_model_config`).
+
+Stages per rank: GPipe and 1F1B give each pp rank one stage; Interleaved1F1B gives rank r the stages
+r, r + pp, r + 2 pp, ... (``parallel.pp_virtual_stages`` of them).
+
+Batches: ``forward_backward`` concatenates this dp rank's grad-accumulation micro-batches into one batch of
+``micro_batch x grad_accum`` samples, and the schedule splits it into ``parallel.pp_microbatches`` pipeline
+micro-batches. Each pipeline micro-batch's loss is its token-loss sum divided by the tokens of the whole step, so
+the accumulated gradient is that of the mean loss over this rank's samples (and, after the dp reduction, over
+the global batch), exactly as without pipelining.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from dataclasses import replace
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshrun.models.gpt import GPTConfig
+from meshrun.parallel.engine import Batch, token_loss_sum
+from meshrun.parallel.grad_norm import clip_grad_norm
+
+
+def bubble_fraction(stages: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """Idle share of a pipeline step: (p - 1) / m, or (p - 1) / (v m) with v interleaved stages per rank.
+
+    (Megatron-LM, Narayanan et al. 2021, section 2.2.) 4 stages, 32 micro-batches: 3 / 32 = 9.4 %.
+    """
+    return (stages - 1) / (virtual_stages * microbatches)
+
+
+def effective_model_config(cfg: GPTConfig, *, pp: int) -> GPTConfig:
+    """The model config a layout actually trains: with pp > 1, embeddings are untied (the first stage holds the
+    embedding, the last the output head, and tying them across stages would need an extra all-reduce)."""
+    return replace(cfg, tie_embeddings=False) if pp > 1 and cfg.tie_embeddings else cfg
+
+
+def layer_ranges(n_layers: int, n_stages: int) -> list[range]:
+    """Contiguous layer indices of each stage; sizes differ by at most one, extra layers on the earlier stages."""
+    base, extra = divmod(n_layers, n_stages)
+    ranges, start = [], 0
+    for stage in range(n_stages):
+        size = base + (1 if stage < extra else 0)
+        ranges.append(range(start, start + size))
+        start += size
+    return ranges
+
+
+def stage_ids(pp_rank: int, *, pp: int, virtual_stages: int) -> list[int]:
+    """Stages run by pipeline rank ``pp_rank`` (looped placement for interleaved schedules)."""
+    return [pp_rank + v * pp for v in range(virtual_stages)]
+
+
+def split_stage(model: nn.Module, stage: int, n_stages: int) -> nn.Module:
+    """A copy of ``model`` (best on the meta device) holding only ``stage``'s layers, with the original names."""
+    part = copy.deepcopy(model)
+    owned = {str(i) for i in layer_ranges(len(model.layers), n_stages)[stage]}
+    for name in list(part.layers.keys()):
+        if name not in owned:
+            del part.layers[name]
+    if stage != 0:
+        part.tok_embeddings = None
+    if stage != n_stages - 1:
+        part.norm = None
+        part.output = None
+    return part
+
+
+def build_schedule(stages: list, *, schedule: str, microbatches: int, loss_fn, forward_only: bool = False):
+    """The torch.distributed.pipelining schedule object for ``stages`` (this rank's stages)."""
+    from torch.distributed import pipelining as pl
+
+    if forward_only:  # evaluation: any micro-batch count, no backward
+        cls = pl.ScheduleGPipe if len(stages) == 1 else pl.ScheduleLoopedBFS
+    else:
+        cls = {"gpipe": pl.ScheduleGPipe, "1f1b": pl.Schedule1F1B,
+               "interleaved1f1b": pl.ScheduleInterleaved1F1B}[schedule]
+    single = cls in (pl.ScheduleGPipe, pl.Schedule1F1B)
+    # loss_fn returns sum / tokens-of-the-step, so the schedule must not divide gradients by the micro-batch count
+    return cls(stages[0] if single else stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+class PipelineEngine:
+    """Runs one optimizer step as one pipeline schedule step; see the module docstring for the batch handling."""
+
+    def __init__(self, parts: list[nn.Module], ids: list[int], *, n_stages: int, schedule: str, microbatches: int,
+                 device: torch.device, pp_group: dist.ProcessGroup, dp_rank: int, dp_size: int, tp_rank: int,
+                 autocast_dtype: torch.dtype | None):
+        from torch.distributed.pipelining import PipelineStage
+
+        self.model_parts = parts
+        self.stage_ids = ids
+        self.n_stages = n_stages
+        self.schedule_name = schedule
+        self.microbatches = microbatches
+        self.device = device
+        self.pp_group = pp_group
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.is_first = 0 in ids
+        self.is_last = n_stages - 1 in ids
+        self.reports_loss = self.is_last and tp_rank == 0
+        """True on the one rank per data-parallel replica that returns non-zero loss sums."""
+        self.autocast_dtype = autocast_dtype
+        stages = [PipelineStage(part, i, n_stages, device, group=pp_group) for part, i in zip(parts, ids)]
+        self.schedule = build_schedule(stages, schedule=schedule, microbatches=microbatches, loss_fn=self._loss_fn)
+        self._eval_schedules: dict[int, object] = {}
+        self._scale = 1
+
+    def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # A pipeline micro-batch's token-loss sum over the tokens of the whole step. (Not recorded here: torch may
+        # also call this for shape inference on the first step; the schedule's `losses` list is the true record.)
+        return token_loss_sum(logits, targets) / self._scale
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def forward_backward(self, batches: Sequence[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Collective: every rank of the pipeline group must call this with the same number of samples."""
+        inputs = torch.cat([b[0] for b in batches])  # (A*B, T)
+        targets = torch.cat([b[1] for b in batches])
+        self._scale = targets.numel()
+        args = (inputs,) if self.is_first else ()
+        losses: list[torch.Tensor] = []
+        with self._autocast():
+            self.schedule.step(*args, target=targets, losses=losses)
+        return self._reported(losses, targets.numel())
+
+    @torch.no_grad()
+    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward only, through a separate schedule (and stages) sized for the evaluation batch."""
+        schedule = self._eval_schedule(inputs.shape[0])
+        self._scale = targets.numel()
+        args = (inputs,) if self.is_first else ()
+        losses: list[torch.Tensor] = []
+        with self._autocast():
+            schedule.eval(*args, target=targets, losses=losses)
+        return self._reported(losses, targets.numel())
+
+    def _eval_schedule(self, batch: int):
+        # Stages fix their receive buffers' shapes at the first step, so evaluation gets its own stages.
+        if batch not in self._eval_schedules:
+            from torch.distributed.pipelining import PipelineStage
+
+            stages = [PipelineStage(part, i, self.n_stages, self.device, group=self.pp_group)
+                      for part, i in zip(self.model_parts, self.stage_ids)]
+            self._eval_schedules[batch] = build_schedule(stages, schedule=self.schedule_name, forward_only=True,
+                                                         microbatches=math.gcd(batch, self.microbatches),
+                                                         loss_fn=self._loss_fn)
+        return self._eval_schedules[batch]
+
+    def _reported(self, losses: list[torch.Tensor], tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss sum, tokens) on the reporting rank, zeros elsewhere. ``losses`` holds the last stage's
+        per-micro-batch values of ``_loss_fn`` (sum / tokens of the step)."""
+        if not self.reports_loss:
+            zero = torch.zeros((), dtype=torch.float32, device=self.device)
+            return zero, zero.clone()
+        loss_sum = torch.stack([value.detach().float() for value in losses]).sum() * self._scale
+        return loss_sum, torch.tensor(float(tokens), device=self.device)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        params = [p for part in self.model_parts for p in part.parameters()]
+        return clip_grad_norm(params, max_norm, pp_group=self.pp_group)

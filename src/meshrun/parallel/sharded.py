@@ -1,0 +1,87 @@
+"""The engine for layouts without pipeline parallelism whose parameters are DTensors: FSDP2, HSDP, TP and their
+combinations (FSDP x TP, HSDP x TP, replicate x TP).
+
+Same contract as :class:`meshrun.parallel.engine.LocalEngine`. Differences:
+
+* gradient reduction over dp happens once per optimizer step: FSDP's ``set_requires_gradient_sync(False)`` on
+  every micro-batch but the last (gradients accumulate unsharded and are reduce-scattered once);
+* with TP every rank of a TP group computes the same loss, so only TP rank 0 returns the sums (others return
+  zeros) and a world-wide SUM of (loss_sum, tokens) counts each sample once;
+* with ``loss_parallel`` the cross-entropy runs on vocabulary-sharded logits inside
+  ``torch.distributed.tensor.parallel.loss_parallel()`` (forward and backward).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Sequence
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from meshrun.parallel.engine import Batch, token_loss_sum
+from meshrun.parallel.grad_norm import clip_grad_norm
+
+
+class ShardedEngine:
+    def __init__(self, model: nn.Module, *, dp_rank: int, dp_size: int, reports_loss: bool, fsdp: bool,
+                 loss_parallel: bool, autocast_dtype: torch.dtype | None):
+        self.model = model
+        self.model_parts = [model]
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.reports_loss = reports_loss
+        """True on the one rank per data-parallel replica that returns non-zero loss sums."""
+        self.fsdp = fsdp
+        self.loss_parallel = loss_parallel
+        self.autocast_dtype = autocast_dtype
+
+    def _autocast(self, device_type: str):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type, dtype=self.autocast_dtype)
+
+    def _loss_context(self):
+        if not self.loss_parallel:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+
+    def forward_backward(self, batches: Sequence[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+        device = batches[0][0].device
+        loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        tokens = 0
+        for i, (inputs, targets) in enumerate(batches):
+            if self.fsdp:  # reduce-scatter gradients only after the last micro-batch
+                self.model.set_requires_gradient_sync(i == len(batches) - 1)
+            with self._autocast(device.type):
+                logits = self.model(inputs)  # (B, T, V), or a vocabulary-sharded DTensor with loss_parallel
+            with self._loss_context():
+                summed = token_loss_sum(logits, targets)
+                (summed / (targets.numel() * len(batches))).backward()
+            loss_sum += _local(summed.detach())
+            tokens += targets.numel()
+        return self._reported(loss_sum, tokens)
+
+    @torch.no_grad()
+    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with self._autocast(inputs.device.type):
+            logits = self.model(inputs)
+        with self._loss_context():
+            summed = _local(token_loss_sum(logits, targets))
+        return self._reported(summed, targets.numel())
+
+    def _reported(self, loss_sum: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.reports_loss:
+            loss_sum = torch.zeros_like(loss_sum)
+            tokens = 0
+        return loss_sum, torch.tensor(float(tokens), device=loss_sum.device)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        return clip_grad_norm(self.model.parameters(), max_norm)
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor scalar (the loss under loss_parallel) as a plain tensor."""
+    return value.full_tensor() if isinstance(value, DTensor) else value

@@ -1,0 +1,130 @@
+"""ParallelDims: degree inference, validation messages, rank coordinates and groups; the DeviceMesh it builds
+(checked on a fake process group, so a 64-rank mesh needs no other process)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch.distributed as dist
+
+from meshrun.config import ConfigError, ParallelConfig
+from meshrun.dist.mesh import MESH_DIMS, ParallelDims
+from meshrun.models.gpt import SIZES
+
+
+def dims_for(world: int, gpus_per_node: int = 8, model=None, **parallel) -> ParallelDims:
+    return ParallelDims.from_config(ParallelConfig(**parallel), world_size=world, gpus_per_node=gpus_per_node,
+                                    model=model)
+
+
+def test_minus_one_is_inferred_from_the_world_size():
+    dims = dims_for(64, dp_replicate=-1, tp=4, pp=2)
+    assert (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp) == (2, 8, 1, 4)
+    assert dims.dp_size == 8
+    assert dims_for(16, dp_replicate=2, dp_shard=-1).dp_shard == 8
+
+
+@pytest.mark.parametrize("parallel, world, message", [
+    ({"dp_replicate": 3, "tp": 2}, 8, "3 x 1 x 2 x 1 = 6 does not equal the world size 8"),
+    ({"dp_replicate": -1, "tp": 3}, 8, "parallel.dp_replicate=-1 cannot be inferred: world size 8"),
+    ({"dp_replicate": -1, "dp_shard": -1}, 8, "parallel.dp_replicate and parallel.dp_shard are all -1"),
+    ({"dp_replicate": 0}, 8, "parallel.dp_replicate=0 is not a degree"),
+    ({"dp_replicate": 1, "tp": 16}, 16, "parallel.tp=16 is larger than the 8 GPUs of one node"),
+    ({"dp_replicate": 2, "pp": 4, "pp_microbatches": 2}, 8,
+     "parallel.pp_microbatches=2 is fewer than the 4 pipeline stages"),
+    ({"dp_replicate": 1, "pp": 2, "pp_microbatches": 3, "pp_schedule": "interleaved1f1b"}, 2,
+     "must be a multiple of parallel.pp=2"),
+])
+def test_bad_layouts_name_the_option_and_numbers(parallel, world, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        dims_for(world, **parallel)
+
+
+def test_tp_across_nodes_only_when_allowed():
+    dims = dims_for(16, dp_replicate=1, tp=16, allow_tp_across_nodes=True)
+    assert dims.tp == 16
+    with pytest.raises(ConfigError, match="does not divide the 8 GPUs per node"):
+        dims_for(12, dp_replicate=-1, tp=6, gpus_per_node=8)
+
+
+@pytest.mark.parametrize("model_change, parallel, message", [
+    ({"n_heads": 12, "dim": 768}, {"tp": 8}, "parallel.tp=8 does not divide model.n_heads=12"),
+    ({"n_kv_heads": 2}, {"tp": 4}, "does not divide model.n_kv_heads (key/value heads)=2"),
+    ({"ffn_dim": 102}, {"tp": 4}, "does not divide model.ffn_dim (MLP width)=102"),
+    ({}, {"pp": 4}, "parallel.pp=4 = 4 pipeline stages but the model has only model.n_layers=2"),
+    ({}, {"pp": 2, "pp_schedule": "interleaved1f1b", "pp_virtual_stages": 2},
+     "parallel.pp=2 x parallel.pp_virtual_stages=2 = 4 pipeline stages but the model has only model.n_layers=2"),
+])
+def test_model_checks_name_the_option(model_change, parallel, message):
+    model = replace(SIZES["tiny"], **model_change)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        dims_for(8, model=model, dp_replicate=-1, **parallel)
+
+
+def test_pipeline_batch_must_split_into_microbatches():
+    dims = dims_for(2, dp_replicate=1, pp=2, pp_microbatches=4)
+    dims.validate_pipeline_batch(8)
+    with pytest.raises(ConfigError, match="parallel.pp_microbatches=4 does not divide the 6 samples"):
+        dims.validate_pipeline_batch(6)
+    assert dims_for(2, dp_replicate=1, pp=2).pp_microbatches == 4  # default: 2 per stage
+
+
+def test_seeds_64_gpu_dp8_tp4_pp2_groups():
+    """The seeds' 64-GPU example: DP 8 x TP 4 x PP 2 on 8 nodes of 8 GPUs."""
+    dims = dims_for(64, dp_replicate=8, tp=4, pp=2)
+    assert dims.coords(0) == (0, 0, 0, 0)
+    assert dims.coords(37) == (1, 1, 0, 1)  # 37 = 32 (pp 1) + 4 (dp 1) + 1 (tp 1)
+    assert dims.group("tp", 37) == [36, 37, 38, 39]  # inside one node
+    assert dims.group("dp", 37) == [33, 37, 41, 45, 49, 53, 57, 61]
+    assert dims.group("pp", 37) == [5, 37]
+    assert dims.dp_rank(37) == 1
+    for name, size, count in (("tp", 4, 16), ("dp", 8, 8), ("pp", 2, 32)):
+        groups = dims.groups(name)
+        assert len(groups) == count and all(len(g) == size for g in groups)
+        assert sorted(r for g in groups for r in g) == list(range(64)), f"{name} groups must partition the ranks"
+    assert all(len({r // 8 for r in g}) == 1 for g in dims.groups("tp")), "TP groups must stay inside a node"
+
+
+def test_hsdp_dp_rank_flattens_replicate_and_shard():
+    dims = dims_for(8, dp_replicate=2, dp_shard=2, tp=2)
+    assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert dims.group("dp", 0) == [0, 2, 4, 6]
+    assert dims.group("dp_shard", 0) == [0, 2] and dims.group("dp_replicate", 0) == [0, 4]
+
+
+def test_mesh_on_a_fake_process_group_matches_the_arithmetic():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dims = dims_for(64, dp_replicate=4, dp_shard=2, tp=4, pp=2)
+    rank = 45
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=64)
+    try:
+        mesh = dims.build_mesh("cpu")
+        assert mesh.mesh_dim_names == MESH_DIMS and tuple(mesh.shape) == (2, 4, 2, 4)
+        for name in ("tp", "dp", "pp", "dp_shard", "dp_replicate"):
+            assert dims.get_mesh(name).mesh.flatten().tolist() == dims.group(name, rank), name
+        hsdp = dims.get_mesh(("dp_replicate", "dp_shard"))
+        assert hsdp.mesh.flatten().tolist() == dims.group("dp", rank)
+        assert dims.get_mesh("world") is mesh
+    finally:
+        dist.destroy_process_group()
+
+
+def test_get_mesh_raises_and_get_optional_mesh_returns_none_for_degree_one():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dims = dims_for(4, dp_replicate=4)
+    with pytest.raises(RuntimeError, match="build_mesh"):
+        dims.get_mesh("tp")
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+    try:
+        dims.build_mesh("cpu")
+        assert dims.get_optional_mesh("tp") is None and dims.get_optional_mesh("pp") is None
+        with pytest.raises(ValueError, match=r"mesh dimension 'tp' is not enabled \(tp=1\)"):
+            dims.get_mesh("tp")
+        with pytest.raises(ValueError, match="unknown mesh 'cp'"):
+            dims.get_mesh("cp")
+        assert dims.get_mesh("dp").size() == 4
+    finally:
+        dist.destroy_process_group()

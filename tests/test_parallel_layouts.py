@@ -1,0 +1,346 @@
+"""Every parallel layout trains exactly like a single process (CPU, gloo, fp32), and checkpoints move between layouts.
+
+Each layout runs the tiny model (4 layers, seq 32) for 10 AdamW steps (lr 3e-3, gradient clipping at 0.5, so
+clipping is active and a wrong global norm changes the trajectory) on a global batch of 8 random sequences, from
+the single-process reference's initial weights. Compared with the reference:
+
+* loss per step: atol 1e-5 (losses are ~5.5; layouts differ from the reference only in the order of floating-
+  point sums, seen up to 1.5e-6);
+* gradient norm per step: rtol 1e-4 (seen up to 7e-6);
+* every final parameter: atol 1e-4 (seen up to 3.2e-5, in one element of 16384 whose gradient is near zero,
+  where AdamW's m / sqrt(v) amplifies rounding; one AdamW step moves parameters by up to 3e-3, and the weights
+  move by more than 1e-2 in total, so a missing gradient sync, a wrong shard or a wrong scale is far outside);
+* the validation loss after training (eval_loss): atol 1e-5.
+
+Layouts are grouped into one spawn per world size (2 and 4 ranks) to keep the suite fast; each layout is still
+its own test. Pipeline layouts use untied embeddings (pipelines untie them), the others tied ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+from dist_utils import run_distributed
+from meshrun.config import JobConfig, load_config
+from meshrun.dist.mesh import ParallelDims
+from meshrun.models.gpt import GPT, SIZES, GPTConfig
+from meshrun.parallel.apply import build_engine
+from meshrun.parallel.engine import LocalEngine
+from meshrun.parallel.pipeline import effective_model_config, layer_ranges, split_stage, stage_ids
+
+STEPS = 10
+GLOBAL_BATCH = 8
+SEQ = 32
+MAX_NORM = 0.5
+LOSS_ATOL, NORM_RTOL, PARAM_ATOL = 1e-5, 1e-4, 1e-4
+
+
+# ---- the shared harness (runs in the test process and in every spawned rank) ---------------------------------------
+
+def model_config(*, tied: bool) -> GPTConfig:
+    return replace(SIZES["tiny"], n_layers=4, seq_len=SEQ, tie_embeddings=tied)
+
+
+def job_for(*, grad_accum: int, micro_batch: int, parallel: dict) -> JobConfig:
+    overrides = [f"--train.grad_accum={grad_accum}", f"--train.micro_batch={micro_batch}", "--train.seed=7",
+                 "--dist.device=cpu"] + [f"--parallel.{k}={v}" for k, v in parallel.items()]
+    return load_config(None, overrides)
+
+
+def step_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of one step, (GLOBAL_BATCH, SEQ) inputs and targets, identical on every rank."""
+    tokens = torch.randint(0, 256, (GLOBAL_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1000 + step))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def rank_share(step: int, dp_rank: int, dp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inputs, targets = step_batch(step)
+    per_rank = GLOBAL_BATCH // dp_size
+    mine = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+    return inputs[mine], targets[mine]
+
+
+def global_mean(loss_sum: torch.Tensor, tokens: torch.Tensor) -> float:
+    sums = torch.stack([loss_sum.detach().float(), tokens.float()])
+    if dist.is_initialized():
+        dist.all_reduce(sums)  # exact only if one rank per replica reports its sums (the engine contract)
+    return float(sums[0] / sums[1])
+
+
+def train(engine, *, grad_accum: int) -> dict:
+    params = [p for part in engine.model_parts for p in part.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    losses, norms = [], []
+    for step in range(STEPS):
+        inputs, targets = rank_share(step, engine.dp_rank, engine.dp_size)
+        batches = list(zip(inputs.chunk(grad_accum), targets.chunk(grad_accum)))
+        loss_sum, tokens = engine.forward_backward(batches)
+        norms.append(float(engine.clip_grad_norm(MAX_NORM)))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(global_mean(loss_sum, tokens))
+    val = global_mean(*engine.eval_loss(*rank_share(STEPS, engine.dp_rank, engine.dp_size)))
+    return {"losses": losses, "norms": norms, "val": val}
+
+
+def reference_run(tied: bool) -> dict:
+    torch.manual_seed(0)
+    model = GPT(model_config(tied=tied))
+    model.init_weights()
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    result = train(LocalEngine(model), grad_accum=1)
+    return result | {"initial": initial, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def full_state(engine) -> dict[str, torch.Tensor]:
+    """All parameters of this rank's model parts, gathered whole (collective over the mesh)."""
+    state = {}
+    for part in engine.model_parts:
+        state.update(get_model_state_dict(part, options=StateDictOptions(full_state_dict=True)))
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
+def build(cfg: GPTConfig, parallel: dict, *, grad_accum: int):
+    world = dist.get_world_size()
+    probe = ParallelDims.from_config(job_for(grad_accum=1, micro_batch=1, parallel=parallel).parallel,
+                                     world_size=world)
+    job = job_for(grad_accum=grad_accum, micro_batch=GLOBAL_BATCH // probe.dp_size // grad_accum, parallel=parallel)
+    dims = ParallelDims.from_config(job.parallel, world_size=world, model=cfg)
+    mesh = dims.build_mesh("cpu")
+    engine = build_engine(job=job, model_cfg=cfg, dims=dims, mesh=mesh, device=torch.device("cpu"),
+                          compute_dtype=None)
+    return dims, engine
+
+
+def load_full(engine, state: dict[str, torch.Tensor]) -> None:
+    for part in engine.model_parts:
+        # a fresh dict each time: set_model_state_dict replaces the values of the dict it is given
+        set_model_state_dict(part, dict(state), options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+@dataclass(frozen=True)
+class Layout:
+    tied: bool
+    grad_accum: int
+    parallel: dict = field(default_factory=dict)
+
+
+def run_layout(layout: Layout, initial: dict) -> dict:
+    cfg = model_config(tied=layout.tied)
+    dims, engine = build(cfg, layout.parallel, grad_accum=layout.grad_accum)
+    own_init = full_state(engine)  # the layout's own meta-device initialisation, before the reference is loaded
+    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+                for part in engine.model_parts for p in part.parameters())
+    load_full(engine, initial)
+    result = train(engine, grad_accum=layout.grad_accum)
+    final = full_state(engine)  # collective: every rank gathers
+    coords = dims.coords(dist.get_rank())
+    reporter = coords.tp == 0 and coords.dp_shard == 0  # one rank per (stage, replica) returns weights
+    return result | {"dp": (engine.dp_rank, engine.dp_size), "coords": coords, "local_params": local,
+                     "state": final if reporter else None,
+                     "own_init": own_init if reporter else None, "parts": len(engine.model_parts)}
+
+
+def _layouts_worker(rank: int, world_size: int, layouts: dict[str, Layout], initials: dict[bool, dict]) -> dict:
+    out = {}
+    for name, layout in layouts.items():
+        out[name] = run_layout(layout, initials[layout.tied])
+    return out
+
+
+# ---- the layouts -------------------------------------------------------------------------------------------------------
+
+TWO_RANKS = {
+    "ddp2": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 2}),
+    "fsdp2": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 1, "dp_shard": 2}),
+    "tp2": Layout(tied=True, grad_accum=1, parallel={"dp_replicate": 1, "tp": 2}),
+    "tp2_sequence_parallel": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 1, "tp": 2,
+                                                                        "sequence_parallel": "true"}),
+    "pp2_gpipe": Layout(tied=False, grad_accum=1, parallel={"dp_replicate": 1, "pp": 2, "pp_schedule": "gpipe",
+                                                            "pp_microbatches": 4}),
+    "pp2_1f1b": Layout(tied=False, grad_accum=2, parallel={"dp_replicate": 1, "pp": 2, "pp_microbatches": 4}),
+    "pp2_interleaved": Layout(tied=False, grad_accum=1, parallel={"dp_replicate": 1, "pp": 2, "pp_microbatches": 4,
+                                                                  "pp_schedule": "interleaved1f1b"}),
+}
+FOUR_RANKS = {
+    "fsdp2_tp2": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 1, "dp_shard": 2, "tp": 2,
+                                                           "sequence_parallel": "true"}),
+    "pp2_dp2": Layout(tied=False, grad_accum=2, parallel={"dp_replicate": 2, "pp": 2, "pp_microbatches": 2}),
+    "tp2_pp2": Layout(tied=False, grad_accum=1, parallel={"dp_replicate": 1, "tp": 2, "pp": 2, "pp_microbatches": 4,
+                                                          "activation_checkpoint": "full"}),
+    "hsdp2x2": Layout(tied=True, grad_accum=1, parallel={"dp_replicate": 2, "dp_shard": 2,
+                                                         "activation_checkpoint": "selective"}),
+}
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[bool, dict]:
+    return {tied: reference_run(tied) for tied in (True, False)}
+
+
+@pytest.fixture(scope="module")
+def two_rank_results(references):
+    return _spawn(TWO_RANKS, 2, references)
+
+
+@pytest.fixture(scope="module")
+def four_rank_results(references):
+    return _spawn(FOUR_RANKS, 4, references)
+
+
+def _spawn(layouts: dict[str, Layout], world: int, references) -> dict[str, list[dict]]:
+    initials = {tied: ref["initial"] for tied, ref in references.items()}
+    per_rank = run_distributed(_layouts_worker, world, layouts, initials, timeout=420)
+    return {name: [per_rank[r][name] for r in range(world)] for name in layouts}
+
+
+def assert_matches_reference(name: str, ranks: list[dict], reference: dict) -> None:
+    for r, result in enumerate(ranks):
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]), rtol=0,
+                                   atol=LOSS_ATOL, msg=lambda m: f"{name} rank {r}: losses differ: {m}")
+        torch.testing.assert_close(torch.tensor(result["norms"]), torch.tensor(reference["norms"]), rtol=NORM_RTOL,
+                                   atol=0, msg=lambda m: f"{name} rank {r}: gradient norms differ: {m}")
+        assert result["val"] == pytest.approx(reference["val"], abs=LOSS_ATOL), name
+    gathered: dict[str, torch.Tensor] = {}
+    for result in ranks:
+        if result["state"] is not None and result["coords"].dp_replicate == 0:
+            gathered.update(result["state"])
+    assert set(gathered) == set(reference["state"]), f"{name}: parameter names differ from the model's"
+    for key, expected in reference["state"].items():
+        torch.testing.assert_close(gathered[key], expected, rtol=0, atol=PARAM_ATOL,
+                                   msg=lambda m: f"{name}: parameter {key} differs: {m}")
+
+
+def test_reference_learns_and_moves_weights(references):
+    for ref in references.values():
+        moved = max((ref["state"][k] - ref["initial"][k]).abs().max().item() for k in ref["state"])
+        assert moved > 100 * PARAM_ATOL, "the comparison would be meaningless if the weights barely moved"
+        assert ref["norms"][0] > MAX_NORM, "clipping must be active for the norm to matter"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(TWO_RANKS))
+def test_two_rank_layout_equals_single_process(name, two_rank_results, references):
+    assert_matches_reference(name, two_rank_results[name], references[TWO_RANKS[name].tied])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(FOUR_RANKS))
+def test_four_rank_layout_equals_single_process(name, four_rank_results, references):
+    assert_matches_reference(name, four_rank_results[name], references[FOUR_RANKS[name].tied])
+
+
+@pytest.mark.slow
+def test_data_parallel_ranks_reported_to_the_sampler(two_rank_results, four_rank_results):
+    assert [r["dp"] for r in two_rank_results["ddp2"]] == [(0, 2), (1, 2)]
+    assert [r["dp"] for r in two_rank_results["tp2"]] == [(0, 1), (0, 1)]  # TP peers read the same data
+    assert [r["dp"] for r in four_rank_results["pp2_dp2"]] == [(0, 2), (1, 2), (0, 2), (1, 2)]
+    assert [r["dp"] for r in four_rank_results["hsdp2x2"]] == [(0, 4), (1, 4), (2, 4), (3, 4)]
+    assert [r["parts"] for r in two_rank_results["pp2_interleaved"]] == [2, 2]  # two virtual stages per rank
+
+
+@pytest.mark.slow
+def test_sharded_layouts_initialise_distinct_shards_and_identical_replicas(two_rank_results, four_rank_results):
+    """Meta-device init: each rank allocates only its shards, draws distinct values per shard, and dp replicas
+    (which must agree) draw the same values."""
+    total = GPT(model_config(tied=True)).num_params()
+    for name in ("fsdp2", "tp2"):
+        ranks = two_rank_results[name]
+        assert all(r["local_params"] < 0.6 * total for r in ranks), f"{name}: a rank holds the whole model"
+        wq = ranks[0]["own_init"]["layers.0.attention.wq.weight"]  # (64, 64); shards split the rows
+        assert not torch.equal(wq[:32], wq[32:]), f"{name}: both shards drew the same values"
+        assert 0.015 < wq.std().item() < 0.025, f"{name}: init_weights' std 0.02 was not applied"
+    hsdp = four_rank_results["hsdp2x2"]
+    replicas = [r["own_init"] for r in hsdp if r["own_init"] is not None]
+    assert len(replicas) == 2
+    for key, value in replicas[0].items():
+        assert torch.equal(value, replicas[1][key]), f"HSDP replicas start from different {key}"
+
+
+# ---- checkpoints across layouts ----------------------------------------------------------------------------------------
+
+def _save_and_reshard_worker(rank: int, world_size: int, first: str, second: str) -> dict:
+    """FSDP 4 -> save -> load as TP 2 x DP 2 and PP 2 x DP 2 -> TP 2 x DP 2 saves again."""
+    import torch.distributed.checkpoint as dcp
+
+    tied = model_config(tied=True)
+    _, fsdp = build(tied, {"dp_replicate": 1, "dp_shard": 4}, grad_accum=1)
+    expected = full_state(fsdp)
+    dcp.save(get_model_state_dict(fsdp.model_parts[0]), checkpoint_id=first)
+    loaded = {}
+    for name, cfg, parallel in (("tp2_dp2", tied, {"dp_replicate": 2, "tp": 2}),
+                                ("pp2_dp2", effective_model_config(tied, pp=2), {"dp_replicate": 2, "pp": 2})):
+        _, engine = build(cfg, parallel, grad_accum=1)
+        for part in engine.model_parts:
+            state = get_model_state_dict(part)
+            dcp.load(state, checkpoint_id=first)  # reads only this rank's shards, whatever layout saved them
+            set_model_state_dict(part, state)
+        loaded[name] = full_state(engine)
+        if name == "tp2_dp2":
+            dcp.save(get_model_state_dict(engine.model_parts[0]), checkpoint_id=second)
+    return {"expected": expected, "loaded": loaded}
+
+
+def _load_as_ddp_worker(rank: int, world_size: int, second: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    _, engine = build(model_config(tied=True), {"dp_replicate": 2}, grad_accum=1)
+    state = get_model_state_dict(engine.model_parts[0])
+    dcp.load(state, checkpoint_id=second)
+    set_model_state_dict(engine.model_parts[0], state)
+    return {"loaded": full_state(engine), "engine": type(engine).__name__}
+
+
+@pytest.mark.slow
+def test_checkpoint_moves_fsdp4_to_tp2xdp2_to_pp2xdp2_and_ddp2(tmp_path):
+    first, second = str(tmp_path / "fsdp4"), str(tmp_path / "tp2xdp2")
+    results = run_distributed(_save_and_reshard_worker, 4, first, second, timeout=300)
+    expected = results[0]["expected"]
+    assert "output.weight" in expected and "layers.3.feed_forward.w2.weight" in expected
+    for r, result in enumerate(results):
+        for name, state in result["loaded"].items():
+            for key, value in state.items():
+                assert torch.equal(value, expected[key]), f"rank {r} {name}: {key} changed on the way"
+        pp_keys = set(result["loaded"]["pp2_dp2"])
+        stage = 0 if r < 2 else 1  # ranks 0, 1 hold pipeline stage 0; ranks 2, 3 stage 1
+        owned = {f"layers.{i}." for i in layer_ranges(4, 2)[stage]}
+        assert all(k.split(".")[0] != "layers" or any(k.startswith(o) for o in owned) for k in pp_keys), pp_keys
+        assert ("tok_embeddings.weight" in pp_keys) == (stage == 0) and ("output.weight" in pp_keys) == (stage == 1)
+    ddp = run_distributed(_load_as_ddp_worker, 2, second, timeout=300)
+    for result in ddp:
+        assert result["engine"] == "LocalEngine"
+        assert set(result["loaded"]) == set(expected)
+        for key, value in result["loaded"].items():
+            assert torch.equal(value, expected[key]), f"DDP 2: {key} changed on the way"
+
+
+# ---- pure logic: stage splitting -------------------------------------------------------------------------------------
+
+def test_layer_ranges_split_by_count_with_extras_first():
+    assert layer_ranges(8, 4) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    assert [len(r) for r in layer_ranges(10, 4)] == [3, 3, 2, 2]
+    assert stage_ids(1, pp=4, virtual_stages=2) == [1, 5]
+
+
+def test_split_stage_keeps_original_names_and_owners():
+    with torch.device("meta"):
+        whole = GPT(replace(model_config(tied=False), n_layers=6))
+    first, middle, last = (split_stage(whole, s, 3) for s in range(3))
+    assert list(middle.layers.keys()) == ["2", "3"]
+    assert "layers.2.attention.wq.weight" in dict(middle.named_parameters())
+    assert first.tok_embeddings is not None and first.output is None and first.norm is None
+    assert middle.tok_embeddings is None and middle.output is None
+    assert last.output is not None and last.norm is not None and last.tok_embeddings is None
+    names = set().union(*(dict(p.named_parameters()).keys() for p in (first, middle, last)))
+    assert names == set(dict(whole.named_parameters()).keys())
+
+
+def test_pipelines_untie_embeddings_only_when_split():
+    tied = model_config(tied=True)
+    assert effective_model_config(tied, pp=1) is tied
+    assert effective_model_config(tied, pp=2).tie_embeddings is False

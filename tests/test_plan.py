@@ -1,0 +1,126 @@
+"""meshrun plan: the seeds' numbers, clear errors for bad layouts, and the dry run on a fake 512-rank mesh."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from meshrun import plan as planner
+from meshrun.config import load_config
+from meshrun.models.gpt import GPT
+from meshrun.parallel.dryrun import dry_run
+from meshrun.parallel.pipeline import bubble_fraction
+
+
+def make_plan(*argv: str) -> planner.Plan:
+    args = planner.parse_args(list(argv))
+    return planner.build_plan(planner.job_from_args(args), nodes=args.nodes, gpus_per_node=args.gpus_per_node)
+
+
+def run_json(capsys, *argv: str) -> dict:
+    assert planner.main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_seeds_global_batch_4_nodes_of_8():
+    plan = make_plan("--nodes", "4", "--gpus-per-node", "8", "--micro-batch", "8", "--grad-accum", "2")
+    assert plan.world_size == 32 and plan.dims.dp_size == 32
+    assert plan.batch.global_batch == 512
+    assert planner.batch_formula(plan) == "B_global = B_local 8 x G 8 x N 4 x A 2 = 512"
+    assert make_plan("--nodes", "4", "--micro-batch", "8", "--global-batch", "512").batch.grad_accum == 2
+
+
+def test_seeds_64_gpu_dp8_tp4_pp2_groups(capsys):
+    out = run_json(capsys, "--nodes", "8", "--gpus-per-node", "8", "--dp-replicate", "8", "--tp", "4", "--pp", "2")
+    assert out["world_size"] == 64 and len(out["ranks"]) == 64
+    rank = out["ranks"][37]
+    assert (rank["node"], rank["local_rank"], rank["pp"], rank["dp"], rank["tp"]) == (4, 5, 1, 1, 1)
+    assert rank["groups"] == {"tp": [36, 37, 38, 39], "dp": [33, 37, 41, 45, 49, 53, 57, 61], "pp": [5, 37]}
+    assert len(out["groups"]["tp"]) == 16 and len(out["groups"]["dp"]) == 8 and len(out["groups"]["pp"]) == 32
+    comm = {row["dim"]: row for row in out["communication"]}
+    assert not comm["tp"]["crosses_nodes"] and comm["dp_replicate"]["crosses_nodes"] and comm["pp"]["crosses_nodes"]
+    assert planner.main(["--nodes", "8", "--dp-replicate", "8", "--tp", "4", "--pp", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "0,4,..,28" in text and "36-39" in text and "5,37" in text  # readable group members
+
+
+def test_seeds_bubble_4_stages_32_microbatches(capsys):
+    assert bubble_fraction(4, 32) == pytest.approx(0.09375)
+    assert bubble_fraction(4, 32, virtual_stages=2) == pytest.approx(3 / 64)
+    assert planner.main(["--nodes", "4", "--model", "1b", "--pp", "4", "--tp", "8", "--pp-microbatches", "32",
+                         "--micro-batch", "32"]) == 0
+    assert "bubble (4 - 1) / 32 = 9.4%" in capsys.readouterr().out
+
+
+def test_seeds_tp8_shards_of_a_12288_hidden_96_head_model(capsys):
+    out = run_json(capsys, "--nodes", "1", "--hidden", "12288", "--heads", "96", "--ffn", "49152", "--layers", "8",
+                   "--tp", "8", "--micro-batch", "1")
+    shards = out["tp_shards"]
+    assert (shards["heads_per_gpu"], shards["mlp_width"], shards["mlp_width_per_gpu"]) == (12, 49152, 6144)
+
+
+def test_parameter_counts_match_the_model():
+    for argv in (["--model", "124m"], ["--model", "1b", "--pp", "2", "--untied"], ["--model", "small", "--tp", "4"]):
+        plan = make_plan("--nodes", "1", *argv)
+        with torch.device("meta"):
+            model = GPT(plan.model)
+        assert sum(row["params_total"] for row in plan.memory) == model.num_params(), argv
+
+
+def test_sharding_divides_per_gpu_memory():
+    ddp = make_plan("--nodes", "1", "--model", "1b")
+    fsdp = make_plan("--nodes", "1", "--model", "1b", "--dp-shard", "8", "--dp-replicate", "1")
+    ratio = ddp.memory[0]["bytes"]["optimizer"] / fsdp.memory[0]["bytes"]["optimizer"]
+    assert ratio == pytest.approx(8, rel=1e-3)
+    full = make_plan("--nodes", "1", "--model", "1b", "--activation-checkpoint", "full")
+    assert full.memory[0]["bytes"]["activations"] < ddp.memory[0]["bytes"]["activations"] / 4
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--nodes", "2", "--dp-replicate", "3"], "= 3 does not equal the world size 16"),
+    (["--model", "124m", "--tp", "8"], "parallel.tp=8 does not divide model.n_heads=12"),
+    (["--model", "tiny", "--pp", "4", "--dp-replicate", "2"], "4 pipeline stages but the model has only model.n_"),
+    (["--model", "1b", "--pp", "4", "--pp-microbatches", "2"], "parallel.pp_microbatches=2 is fewer than the 4"),
+    (["--nodes", "2", "--tp", "16"], "parallel.tp=16 is larger than the 8 GPUs of one node"),
+    (["--micro-batch", "8", "--global-batch", "100"], "train.global_batch=100 is not divisible"),
+])
+def test_bad_layouts_fail_with_the_option_named(capsys, argv, message):
+    assert planner.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_tp_across_nodes_is_allowed_with_a_warning():
+    plan = make_plan("--nodes", "2", "--tp", "16", "--allow-tp-across-nodes", "--model", "1b")
+    assert any(w.startswith("TP groups span 2 nodes") for w in plan.warnings)
+    fsdp = make_plan("--nodes", "4", "--dp-shard", "32", "--dp-replicate", "1", "--model", "1b")
+    assert any("--dp-shard 8 --dp-replicate -1" in w for w in fsdp.warnings)
+
+
+def test_big_worlds_truncate_the_rank_table(capsys):
+    assert planner.main(["--nodes", "64", "--model", "1b", "--tp", "8", "--pp", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "ranks (24 of 512 shown; --ranks all for every rank)" in text
+    assert planner.main(["--nodes", "64", "--model", "1b", "--tp", "8", "--pp", "2", "--ranks", "all"]) == 0
+    assert "│  511 │" in capsys.readouterr().out
+
+
+def test_dry_run_on_a_fake_512_rank_mesh(capsys):
+    argv = ["--nodes", "64", "--model", "1b", "--tp", "8", "--pp", "2", "--dp-shard", "4", "--dp-replicate", "-1",
+            "--sequence-parallel", "--dry-run"]
+    assert planner.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "rank 511 (node 63, local 7): pp 1, dp_replicate 7, dp_shard 3, tp 7 | PP 1f1b + TP + HSDP" in text
+    assert "layers 9-17" in text  # 18 layers over 2 stages
+    w1 = next(line for line in text.splitlines() if "feed_forward.w1.weight" in line)
+    assert "5,632 x 2,048" in w1 and "176 x 2,048" in w1  # 5632 rows / tp 8 = 704, / dp_shard 4 = 176
+
+
+def test_train_dry_run_entry_point(capsys):
+    job = load_config(None, ["--model.name=small", "--parallel.tp=4", "--parallel.dp_shard=2",
+                             "--parallel.dp_replicate=-1"])
+    assert dry_run(job, world_size=64, gpus_per_node=8) == 0
+    assert "TP + HSDP" in capsys.readouterr().out
+    assert dry_run(job, world_size=6, gpus_per_node=8) == 2
+    assert "world size 6 is not divisible" in capsys.readouterr().err
