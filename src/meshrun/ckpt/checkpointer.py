@@ -1,0 +1,402 @@
+"""Save and resume sharded checkpoints: when to save, how a save becomes durable and visible, which one to resume.
+
+A save, on every rank (the checkpointer's methods are collectives over its ranks; call them at the same steps):
+
+1. wait for the previous save (at most one in flight); check that every rank arrived and agrees on the step
+   and on the state that DCP stores once for all (counters, scheduler, metrics);
+2. DCP writes every rank's shard into ``.step_N.tmp-<id>/`` (fsync'd; rank 0 adds DCP's ``.metadata``), from the
+   training thread (sync) or, after staging to CPU, from a background thread (``checkpoint.async_save``);
+3. each rank hashes the files it wrote; rank 0 gathers the sizes and SHA-256s, writes ``manifest.json`` and then
+   ``COMPLETE`` (both fsync'd), fsyncs the directory, renames it to ``step_N/`` and fsyncs the folder; then it
+   applies retention. The outcome is broadcast, so a failure raises on every rank.
+
+So a directory under its final name is complete, and a job killed at any point leaves the previous checkpoint
+as the newest complete one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import secrets
+import shutil
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.stateful import Stateful
+
+from meshrun.ckpt import loading
+from meshrun.ckpt.collectives import Coordinator, check_shared_folder
+from meshrun.ckpt.errors import CheckpointError
+from meshrun.ckpt.layout import (COMPLETE, MANIFEST, complete_steps, scan, step_dir_name, steps_to_keep,
+                                 tmp_dir_name, trash_dir_name)
+from meshrun.ckpt.manifest import build_manifest, code_version, describe_files, fsync_dir, write_durable
+from meshrun.ckpt.preemption import PreemptionFlag
+from meshrun.ckpt.state import is_blob_key, walk
+from meshrun.config import CheckpointConfig
+from meshrun.env import ClusterEnv
+
+log = logging.getLogger("meshrun.ckpt")
+_SHARD_RE = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+
+@dataclass
+class _SaveJob:
+    step: int
+    tmp: Path
+    meta: dict[str, Any]
+    final: bool
+    kinds: dict[str, str]
+    started: float
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class Checkpointer:
+    """Sharded checkpoints of one training job in ``folder``.
+
+    Construct it on every rank of the default process group (it creates two gloo groups, a collective).
+    ``layout`` (the parallel degrees) and ``config_fingerprint`` go into each manifest; ``preemption`` (from
+    :func:`install_sigterm_handler`) makes ``should_save`` stop the job on SIGTERM.
+    """
+
+    def __init__(self, cfg: CheckpointConfig, *, folder: Path | str, env: ClusterEnv, layout: dict[str, Any],
+                 config_fingerprint: str, process_group: Any = None, preemption: PreemptionFlag | None = None,
+                 verify_checksums: bool = True):
+        self.cfg = cfg
+        self.folder = Path(folder)
+        self.env = env
+        self.layout = dict(layout)
+        self.config_fingerprint = config_fingerprint
+        self.preemption = preemption
+        self.verify_checksums = verify_checksums
+        self.coord = Coordinator(process_group=process_group, timeout_s=cfg.timeout_s)
+        self.code = code_version() if self.coord.rank == 0 else {}
+        self.stop_requested = False
+        """Set (on every rank alike) by should_save once any rank got SIGTERM: save, then leave the loop."""
+        self.notes: list[str] = []
+        """What the last load reported: skipped or damaged checkpoints, world-size and config changes."""
+        self.last_timings: dict[str, float] = {}
+        """Seconds of the last finished save on this rank: stall, write, hash, total."""
+        self._started = time.time()
+        self._last_save_time = time.monotonic()
+        self._last_step: int | None = None
+        self._folder_checked = False
+        self._pending: Future | None = None
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="meshrun-ckpt") if cfg.async_save else None
+        self._writer: _StagingWriter | None = None
+
+    # ------------------------------------------------------------------ when
+    def should_save(self, step: int) -> bool:
+        """Whether to save after ``step``: every interval_steps, when interval_minutes have passed (rank 0's clock
+        decides), and on SIGTERM when checkpoint.final is on (then ``stop_requested`` is set too).
+
+        Collective (one small gloo all-reduce) when interval_minutes > 0 or a preemption flag is watched; call it
+        at every step on every rank.
+        """
+        by_steps = self.cfg.interval_steps > 0 and step % self.cfg.interval_steps == 0
+        by_time = False
+        if self.cfg.interval_minutes > 0 or self.preemption is not None:
+            due = (self.coord.rank == 0 and self.cfg.interval_minutes > 0
+                   and time.monotonic() - self._last_save_time >= self.cfg.interval_minutes * 60)
+            signalled = self.preemption is not None and self.preemption.is_set()
+            due_all, signalled_all = self.coord.all_max([int(due), int(signalled)])
+            by_time = bool(due_all)
+            if signalled_all and not self.stop_requested:
+                self.stop_requested = True
+                if self.coord.rank == 0:
+                    log.warning("SIGTERM received (preemption): %s at step %d and stopping",
+                                "saving a final checkpoint" if self.cfg.final else "not saving (checkpoint.final "
+                                "is off)", step)
+        return by_steps or by_time or (self.stop_requested and self.cfg.final)
+
+    # ------------------------------------------------------------------ save
+    def save(self, step: int, state: dict[str, Any], *, meta: dict[str, Any] | None = None,
+             final: bool = False) -> None:
+        """Save ``state`` (Stateful helpers or dicts of tensors) as step ``step``. Collective.
+
+        Sync (default, and always when ``final``): returns once the checkpoint is published. Async: returns after
+        staging to CPU; writing, hashing and publishing go on in the background, and the next save, ``wait()`` or
+        ``close()`` waits for them (raising their error, if any). A second save of the same step is skipped.
+        ``meta`` (JSON-able) goes into the manifest; its ``epoch`` and ``tokens_seen`` are shown by ``ckpt ls``.
+        """
+        self.wait()
+        if step == self._last_step:
+            log.info("step %d is already saved; not saving it again", step)
+            return
+        started = time.perf_counter()
+        meta = dict(meta or {})
+        json.dumps(meta)  # a TypeError here names the offending value before any rank writes a byte
+        self._ensure_folder_checked()
+        tree, kinds = _materialize(state)
+        self._check_agreement(step, state, tree)
+        token = self.coord.broadcast(secrets.token_hex(4) if self.coord.rank == 0 else None)
+        job = _SaveJob(step=step, tmp=self.folder / tmp_dir_name(step, token), meta=meta, final=final, kinds=kinds,
+                       started=started)
+        self._last_save_time, self._last_step = time.monotonic(), step
+        if self.cfg.async_save and not final:
+            upload = dcp.async_save(tree, checkpoint_id=str(job.tmp), storage_writer=self._staging_writer(),
+                                    process_group=self.coord.io)
+            job.timings["stall_s"] = time.perf_counter() - started
+            self._pending = self._executor.submit(self._finish, job, upload)
+        else:
+            dcp.save(tree, storage_writer=dcp.FileSystemWriter(str(job.tmp), sync_files=True),
+                     process_group=self.coord.io)
+            self._finish(job, None)
+
+    def wait(self) -> None:
+        """Block until the in-flight async save is published; raise its error. No collective of its own."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        """Wait for the in-flight save and release the background thread and the staging buffers."""
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+            self._writer = None
+
+    def _ensure_folder_checked(self) -> None:
+        if not self._folder_checked:
+            check_shared_folder(self.coord, self.folder)  # collective
+            self._folder_checked = True
+
+    def _check_agreement(self, step: int, state: dict[str, Any], tree: dict[str, Any]) -> None:
+        """Collective. Every rank is saving the same step with equal replicated state (DCP stores one copy)."""
+        self.coord.barrier(f"save of step {step}")
+        digest = hashlib.sha256()
+        for name, obj in state.items():
+            if getattr(obj, "replicated", False):
+                for key, leaf in walk(tree[name], name + "."):
+                    digest.update(key.encode() + leaf.detach().cpu().numpy().tobytes())
+        views = self.coord.all_gather((step, digest.hexdigest()))
+        odd = [r for r, view in enumerate(views) if view != views[0]]
+        if odd:
+            raise CheckpointError(
+                f"save of step {step}: rank(s) {odd} disagree with rank 0 on the step or on state that must be equal "
+                f"on every rank (counters, scheduler, metrics): {views[0]} vs {[views[r] for r in odd]}; the trainer "
+                "must update these identically on all ranks")
+
+    def _staging_writer(self) -> _StagingWriter:
+        if self._writer is None:
+            # Pinned staging buffers kept between saves where CUDA can pin them; CPU-only builds cannot.
+            self._writer = _StagingWriter(str(self.folder), sync_files=True,
+                                          cache_staged_state_dict=torch.cuda.is_available())
+        return self._writer
+
+    def _finish(self, job: _SaveJob, upload: Future | None) -> None:
+        """Hash, gather, publish. Runs on the training thread (sync) or the background thread (async).
+
+        Collective on the io group: every rank reaches the gather and the broadcast, whatever failed before.
+        """
+        contribution: dict[str, Any]
+        try:
+            if upload is not None:
+                upload.result()
+            job.timings["write_s"] = time.perf_counter() - job.started
+            contribution = {"files": self._hash_own_files(job.tmp)}
+            job.timings["hash_s"] = time.perf_counter() - job.started - job.timings["write_s"]
+        except Exception as exc:  # noqa: BLE001 - reported on every rank below
+            contribution = {"error": f"{type(exc).__name__}: {exc}"}
+        contributions = self.coord.gather(contribution, group="io")
+        outcome = self._publish(job, contributions) if self.coord.rank == 0 else None
+        outcome = self.coord.broadcast(outcome, group="io")
+        if outcome is not None:
+            raise CheckpointError(outcome)
+        job.timings["total_s"] = time.perf_counter() - job.started
+        self.last_timings = dict(job.timings)
+
+    def _hash_own_files(self, tmp: Path) -> dict[str, dict[str, Any]]:
+        """Sizes and SHA-256 of the shard files this rank wrote (DCP names them __<rank>_<n>.distcp), plus, on
+        rank 0, every other file (.metadata)."""
+        def owner(name: str) -> int:
+            match = _SHARD_RE.match(name)
+            return int(match.group(1)) if match and int(match.group(1)) < self.coord.size else 0
+
+        names = sorted(p.name for p in tmp.iterdir() if owner(p.name) == self.coord.rank)
+        return describe_files(tmp, names)
+
+    def _publish(self, job: _SaveJob, contributions: list[dict[str, Any]]) -> str | None:
+        """Rank 0: manifest, COMPLETE, rename, retention. Returns None, or the error every rank will raise."""
+        errors = [f"rank {r}: {c['error']}" for r, c in enumerate(contributions) if "error" in c]
+        if errors:
+            shutil.rmtree(job.tmp, ignore_errors=True)
+            return f"save of step {job.step} to {job.tmp} failed; " + "; ".join(errors)
+        try:
+            files: dict[str, dict[str, Any]] = {}
+            for contribution in contributions:
+                files.update(contribution["files"])
+            unhashed = sorted(p.name for p in job.tmp.iterdir() if p.name not in files)
+            files.update(describe_files(job.tmp, unhashed))  # files no rank claimed (a DCP naming change)
+            job.timings["total_s"] = time.perf_counter() - job.started
+            manifest = build_manifest(
+                step=job.step, files=files, world_size=self.coord.size, layout=self.layout,
+                config_fingerprint=self.config_fingerprint, code=self.code, meta=job.meta, state_kinds=job.kinds,
+                final=job.final, async_save=self.cfg.async_save and not job.final, timings=job.timings)
+            payload = json.dumps(manifest, indent=1).encode()
+            write_durable(job.tmp / MANIFEST, payload)
+            # COMPLETE last, binding the manifest's digest: a damaged manifest is then told from a damaged shard.
+            write_durable(job.tmp / COMPLETE, f"manifest-sha256 {hashlib.sha256(payload).hexdigest()}\n".encode())
+            fsync_dir(job.tmp)
+            final_dir = self._rename_into_place(job)
+            log.info("saved step %d to %s (%.1f MB, %.2fs)", job.step, final_dir,
+                     sum(f["size"] for f in files.values()) / 1e6, time.perf_counter() - job.started)
+            self._apply_retention(protect=(job.step,))
+        except Exception as exc:  # noqa: BLE001 - returned so that every rank raises it
+            return f"save of step {job.step}: publishing {job.tmp} failed: {type(exc).__name__}: {exc}"
+        return None
+
+    def _rename_into_place(self, job: _SaveJob) -> Path:
+        final_dir = self.folder / step_dir_name(job.step)
+        if final_dir.exists():  # same step from an earlier run (e.g. resume=none): replaced, not merged
+            aside = self.folder / trash_dir_name(job.step, secrets.token_hex(4))
+            final_dir.rename(aside)
+            log.warning("replacing %s, left by an earlier run", final_dir)
+            job.tmp.rename(final_dir)
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            job.tmp.rename(final_dir)
+        fsync_dir(self.folder)
+        return final_dir
+
+    def _apply_retention(self, *, protect: tuple[int, ...]) -> None:
+        """Rank 0: delete complete checkpoints outside keep_last/keep_every (never the newest), and leftovers
+        (.tmp/.del directories) of jobs that ended before this one started."""
+        entries = scan(self.folder)
+        keep = steps_to_keep(complete_steps(entries), keep_last=self.cfg.keep_last, keep_every=self.cfg.keep_every,
+                             protect=protect)
+        for entry in entries:
+            stale = entry.kind in ("tmp", "trash") and _mtime(entry.path) < self._started
+            if (entry.kind == "complete" and entry.step not in keep) or stale:
+                aside = entry.path
+                if entry.kind == "complete":  # out of sight first, so no reader finds it half-deleted
+                    aside = self.folder / trash_dir_name(entry.step, secrets.token_hex(4))
+                    entry.path.rename(aside)
+                shutil.rmtree(aside, ignore_errors=True)
+                log.info("retention: deleted %s", entry.path)
+        fsync_dir(self.folder)
+
+    # ------------------------------------------------------------------ load
+    def load(self, state: dict[str, Any], resume: str | None = None) -> dict[str, Any] | None:
+        """Resume into ``state`` (the dict given to save). Collective.
+
+        ``resume`` (default: checkpoint.resume): "none" starts fresh; "auto" loads the newest checkpoint that has
+        COMPLETE and checks out (sizes of each candidate, SHA-256 of the chosen one split over ranks), skipping and
+        reporting the others, or refusing when checkpoint.strict; a path loads exactly that or raises. Returns the
+        manifest loaded, or None when starting fresh. What was skipped or changed is in ``notes`` (and logged).
+        """
+        resume = self.cfg.resume if resume is None else resume
+        self.wait()
+        self.notes = []
+        if resume == "none":
+            self._note_existing()
+            return None
+        explicit = None if resume == "auto" else Path(resume)
+        if explicit is None:
+            self._ensure_folder_checked()
+        chosen = loading.choose(self.coord, self.folder, explicit=explicit, strict=self.cfg.strict,
+                                verify_checksums=self.verify_checksums, notes=self.notes)
+        if chosen is None:
+            self._report("no complete checkpoint in %s; starting fresh" % self.folder)
+            return None
+        path, manifest = chosen
+        loading.load_into(self.coord, state, path)
+        self._report_changes(path, manifest, state)
+        self._last_step, self._last_save_time = manifest["step"], time.monotonic()
+        return manifest
+
+    def _report(self, message: str) -> None:
+        self.notes.append(message)
+        if self.coord.rank == 0:
+            log.warning(message)
+
+    def _note_existing(self) -> None:
+        if self.coord.rank == 0:
+            steps = complete_steps(scan(self.folder))
+            if steps:
+                self._report(f"checkpoint.resume=none, but {self.folder} holds checkpoints up to step {steps[-1]}; "
+                             "a later resume=auto may pick them up: use a fresh checkpoint.dir for a new run")
+
+    def _report_changes(self, path: Path, manifest: dict[str, Any], state: dict[str, Any]) -> None:
+        if self.coord.rank == 0:
+            log.info("resumed from %s (step %s)", path, manifest["step"])
+        if manifest["world_size"] != self.coord.size:
+            saved, now = manifest["world_size"], self.coord.size
+            extra = (f"ranks {saved}..{now - 1} had no saved RNG stream and reseeded deterministically" if now > saved
+                     else f"the RNG streams of ranks {now}..{saved - 1} were not loaded")
+            self._report(f"{path} was saved by {saved} ranks and is loaded by {now} (resharded); {extra}")
+        if manifest.get("config_fingerprint") != self.config_fingerprint:
+            self._report(f"{path} was saved with config fingerprint {manifest.get('config_fingerprint')}, this run "
+                         f"has {self.config_fingerprint}: the configuration changed since")
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:  # already gone
+        return float("inf")
+
+
+def _materialize(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Call state_dict() on the Stateful entries; refuse anything but nested dicts of tensors."""
+    tree: dict[str, Any] = {}
+    kinds: dict[str, str] = {}
+    for name, obj in state.items():
+        tree[name] = obj.state_dict() if isinstance(obj, Stateful) else obj
+        kinds[name] = type(obj).__name__
+        for key, leaf in walk({name: tree[name]}):
+            if not isinstance(leaf, torch.Tensor):
+                raise TypeError(f"checkpoint state entry {key!r} is a {type(leaf).__name__}; only tensors are saved "
+                                "(use the helpers of meshrun.ckpt.state, which store other values as JSON blobs)")
+    return tree, kinds
+
+
+class _StagingWriter(dcp.FileSystemWriter):
+    """FileSystemWriter whose async staging copies everything but the JSON blobs.
+
+    Blobs are fresh CPU tensors already, and keeping them out lets the pinned staging cache, whose layout is fixed
+    by its first use, survive blobs that change length from save to save.
+    """
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        bulk, blobs = _split_blobs(state_dict)
+        try:
+            staged = super().stage(bulk)
+        except (RuntimeError, KeyError, ValueError):
+            if getattr(self, "state_dict_cache", None) is None:
+                raise
+            self.state_dict_cache = None  # the state's layout changed since the cache was built
+            staged = super().stage(bulk)
+        return _merge(staged, blobs)
+
+
+def _split_blobs(tree: dict[str, Any], prefix: str = "") -> tuple[dict[str, Any], dict[str, Any]]:
+    bulk: dict[str, Any] = {}
+    blobs: dict[str, Any] = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict):
+            bulk[key], blobs[key] = _split_blobs(value, dotted + ".")
+        elif is_blob_key(dotted):
+            blobs[key] = value
+        else:
+            bulk[key] = value
+    return bulk, blobs
+
+
+def _merge(staged: dict[str, Any], blobs: dict[str, Any]) -> dict[str, Any]:
+    """A new nested dict: staged entries plus blobs (the staging cache itself is not modified)."""
+    out = dict(staged)
+    for key, value in blobs.items():
+        out[key] = _merge(out.get(key, {}), value) if isinstance(value, dict) else value
+    return out

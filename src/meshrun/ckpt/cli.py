@@ -1,0 +1,80 @@
+"""``meshrun ckpt``: list, verify and export checkpoints. Parsing and printing only; the work is in inspect.py.
+
+    meshrun ckpt ls [DIR]                          table of the checkpoints in DIR (or DIR/checkpoints)
+    meshrun ckpt verify PATH [--no-checksums]      exit 1, naming each bad file, if PATH is not intact
+    meshrun ckpt export PATH --to model.safetensors   consolidated model weights for inference
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from meshrun.ckpt import inspect
+from meshrun.ckpt.errors import CheckpointError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="meshrun ckpt", description="List, verify and export checkpoints.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{ls,verify,export}")
+    ls = sub.add_parser("ls", help="list the checkpoints of a folder, complete or not")
+    ls.add_argument("dir", nargs="?", help=f"checkpoint folder or run folder (default: {inspect.DEFAULT_FOLDER})")
+    ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    verify = sub.add_parser("verify", help="check marker, manifest, sizes and SHA-256 of every file")
+    verify.add_argument("path", help="a checkpoint directory (step_NNNNNNN)")
+    verify.add_argument("--no-checksums", action="store_true", help="check sizes only (fast)")
+    export = sub.add_parser("export", help="write the model weights (no optimizer) as one safetensors file")
+    export.add_argument("path", help="a checkpoint directory (step_NNNNNNN)")
+    export.add_argument("--to", required=True, type=Path, help="output file, e.g. model.safetensors")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return {"ls": _ls, "verify": _verify, "export": _export}[args.command](args)
+    except CheckpointError as exc:
+        print(f"meshrun ckpt {args.command}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _ls(args: argparse.Namespace) -> int:
+    folder = inspect.resolve_folder(args.dir)
+    if not folder.is_dir():
+        print(f"meshrun ckpt ls: {folder} does not exist; give the checkpoint folder (checkpoint.dir) or the "
+              "run folder (run.dir)", file=sys.stderr)
+        return 2
+    rows = inspect.list_checkpoints(folder)
+    if args.json:
+        print(json.dumps([{**row.__dict__, "path": str(row.path)} for row in rows], indent=1))
+    elif not rows:
+        print(f"no checkpoints in {folder}")
+    else:
+        Console(width=max(Console().width, 140)).print(inspect.render_table(rows, folder))
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    path = Path(args.path)
+    manifest, problems = inspect.verify(path, checksums=not args.no_checksums)
+    for problem in problems:
+        print(f"FAILED {problem}")
+    if problems:
+        print(f"{path}: {len(problems)} problem(s); do not resume from this checkpoint", file=sys.stderr)
+        return 1
+    checked = "sizes" if args.no_checksums else "sizes and sha256"
+    total = sum(info["size"] for info in manifest["files"].values())
+    print(f"OK {path}: step {manifest['step']}, {len(manifest['files'])} files, {inspect.human_bytes(total)}, "
+          f"{checked} match the manifest")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    summary = inspect.export_model(Path(args.path), args.to)
+    print(f"wrote {args.to}: {summary['tensors']} tensors, {inspect.human_bytes(summary['bytes'])}, "
+          f"{'/'.join(summary['dtypes'])}, from step {summary['step']}")
+    return 0

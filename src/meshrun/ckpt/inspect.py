@@ -1,0 +1,156 @@
+"""What ``meshrun ckpt`` shows and does: list a folder, verify a checkpoint, export consolidated weights.
+
+Single process, no process group. Export reads tensors only (DCP's ``torch.load(weights_only=True)``) and writes
+safetensors, so neither side unpickles anything but DCP's own ``.metadata`` (whose checksum is verified first).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from rich.table import Table
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from meshrun.ckpt.errors import CheckpointError
+from meshrun.ckpt.layout import scan
+from meshrun.ckpt.manifest import check_checksums, check_structure, read_manifest
+
+DEFAULT_FOLDER = Path("runs/default/checkpoints")
+"""Where checkpoints go with the default config (run.dir=runs/default, checkpoint.dir empty)."""
+
+_STATUS = {"complete": "complete", "incomplete": "INCOMPLETE (no COMPLETE marker)",
+           "tmp": "unfinished (being written, or abandoned)", "trash": "being deleted", "symlink": "symlink (ignored)"}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of ``ckpt ls``."""
+
+    step: int
+    status: str
+    size: int
+    path: Path
+    world_size: int | None = None
+    layout: dict[str, Any] | None = None
+    epoch: int | None = None
+    tokens_seen: int | None = None
+    created: float | None = None
+
+
+def resolve_folder(arg: str | None) -> Path:
+    """The folder to list: the argument (a checkpoint folder, or a run folder holding checkpoints/)."""
+    folder = Path(arg) if arg else DEFAULT_FOLDER
+    return folder / "checkpoints" if (folder / "checkpoints").is_dir() else folder
+
+
+def list_checkpoints(folder: Path) -> list[Row]:
+    rows = []
+    for entry in scan(folder):
+        size = _dir_size(entry.path) if entry.kind != "symlink" else 0
+        row = Row(step=entry.step, status=_STATUS[entry.kind], size=size, path=entry.path,
+                  created=entry.path.lstat().st_mtime)
+        if entry.kind == "complete":
+            try:
+                manifest = read_manifest(entry.path)
+            except CheckpointError as exc:
+                row = Row(step=entry.step, status=f"DAMAGED: {exc}", size=size, path=entry.path, created=row.created)
+            else:
+                row = Row(step=entry.step, status="complete", size=size, path=entry.path,
+                          world_size=manifest["world_size"], layout=manifest.get("layout"),
+                          epoch=manifest.get("epoch"), tokens_seen=manifest.get("tokens_seen"),
+                          created=manifest["created_unix"])
+        rows.append(row)
+    return rows
+
+
+def _dir_size(path: Path) -> int:
+    total = 0
+    for child in path.iterdir():
+        try:
+            total += child.lstat().st_size
+        except OSError:  # deleted while we look
+            pass
+    return total
+
+
+def render_table(rows: list[Row], folder: Path, *, now: float | None = None) -> Table:
+    now = time.time() if now is None else now
+    table = Table(title=f"checkpoints in {folder}", title_justify="left")
+    for column, justify in (("step", "right"), ("status", "left"), ("size", "right"), ("ranks", "right"),
+                            ("layout", "left"), ("epoch", "right"), ("tokens", "right"), ("age", "right"),
+                            ("directory", "left")):
+        table.add_column(column, justify=justify)
+    for row in rows:
+        style = None if row.status == "complete" else "yellow"
+        layout = " ".join(f"{k}={v}" for k, v in (row.layout or {}).items()) or "-"
+        table.add_row(str(row.step), row.status, human_bytes(row.size), _or_dash(row.world_size), layout,
+                      _or_dash(row.epoch), _or_dash(row.tokens_seen), human_age(now - row.created) if row.created
+                      else "-", row.path.name, style=style)
+    return table
+
+
+def _or_dash(value: Any) -> str:
+    return "-" if value is None else f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def human_bytes(size: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if size < 1000 or unit == "TB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    raise AssertionError("unreachable")
+
+
+def human_age(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} d"
+
+
+def verify(path: Path, *, checksums: bool = True) -> tuple[dict[str, Any] | None, list[str]]:
+    """(manifest, problems): marker, manifest, names, sizes and, unless disabled, every file's SHA-256."""
+    if not path.is_dir():
+        return None, [f"{path}: no such checkpoint directory"]
+    manifest, problems = check_structure(path)
+    if manifest is not None and checksums:
+        present = [name for name in manifest["files"] if (path / name).is_file()]
+        problems += check_checksums(path, manifest, present, threads=os.cpu_count() or 4)
+    return manifest, problems
+
+
+def export_model(path: Path, out: Path) -> dict[str, Any]:
+    """Write the model weights of checkpoint ``path`` (no optimizer state) to ``out`` as safetensors, keyed by
+    the model's own parameter names, in the dtype stored. The checkpoint is verified first."""
+    from safetensors.torch import save_file
+
+    manifest, problems = verify(path)
+    if problems:
+        raise CheckpointError(f"{path}: will not export a damaged checkpoint: {'; '.join(problems[:3])}")
+    owners = [name for name, kind in manifest.get("state", {}).items() if kind == "ModelOptimState"]
+    if len(owners) != 1:
+        raise CheckpointError(f"{path}: the manifest names {len(owners)} ModelOptimState entries; export needs one")
+    prefix = f"{owners[0]}.model."
+    reader = dcp.FileSystemReader(str(path))
+    targets = {key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+               for key, entry in reader.read_metadata().state_dict_metadata.items()
+               if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)}
+    if not targets:
+        raise CheckpointError(f"{path}: holds no model tensors under {prefix!r}")
+    dcp.load(targets, storage_reader=reader, no_dist=True)
+    weights = {key[len(prefix):]: tensor for key, tensor in targets.items()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.name + ".partial")
+    save_file(weights, str(partial), metadata={"format": "pt", "step": str(manifest["step"]), "source": str(path)})
+    os.replace(partial, out)
+    return {"step": manifest["step"], "tensors": len(weights), "bytes": out.stat().st_size,
+            "dtypes": sorted({str(t.dtype).removeprefix("torch.") for t in weights.values()})}

@@ -1,0 +1,168 @@
+"""Resume: choose the checkpoint to load, verify it without redundant work, and load it without unpickling.
+
+Choosing (collective on the checkpointer's ctl group):
+
+* rank 0 alone walks the candidates, newest first, and runs the cheap checks (COMPLETE, manifest, file names,
+  sizes, no stray or linked files); directories without COMPLETE are reported and skipped;
+* the candidate is broadcast; every rank hashes its share of the files (balanced by size), and the findings are
+  all-gathered, so each byte is hashed once, not once per rank;
+* on a mismatch, the file is named and the previous complete checkpoint is tried, unless checkpoint.strict or
+  an explicit path was asked for, which raise.
+
+Loading reads DCP's own ``.metadata`` (checked against the manifest first) to size the JSON blobs, drops the
+optional entries the checkpoint lacks (RNG streams of ranks that did not exist), and refuses entries stored as
+pickled objects: DCP then only reads tensors, with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.stateful import Stateful
+
+from meshrun.ckpt.collectives import Coordinator
+from meshrun.ckpt.errors import CheckpointError
+from meshrun.ckpt.layout import scan
+from meshrun.ckpt.manifest import check_checksums, check_structure, share_of_files
+from meshrun.ckpt.state import is_blob_key
+
+log = logging.getLogger("meshrun.ckpt")
+
+
+def choose(coord: Coordinator, folder: Path, *, explicit: Path | None, strict: bool, verify_checksums: bool,
+           notes: list[str]) -> tuple[Path, dict[str, Any]] | None:
+    """Collective. The checkpoint to load and its manifest, or None (auto, and nothing valid: start fresh)."""
+    refusal = _refusal_hint(explicit, strict) if explicit is not None or strict else None
+    candidates: list[Path] = []
+    pick: dict[str, Any] | None = None
+    if coord.rank == 0:
+        try:
+            candidates = _candidates(folder, explicit, notes)
+        except CheckpointError as exc:  # raised on every rank below, not on rank 0 alone
+            pick = {"error": str(exc)}
+    position = 0
+    while True:
+        if coord.rank == 0 and pick is None:
+            pick, position = _next_sound(candidates, position, refusal=refusal, notes=notes)
+        pick, notes[:] = coord.broadcast((pick, notes))
+        if pick is None:
+            return None
+        if "error" in pick:
+            raise CheckpointError(pick["error"])
+        path, manifest = Path(pick["path"]), pick["manifest"]
+        problems = _verify_shares(coord, path, manifest) if verify_checksums else []
+        if not problems:
+            return path, manifest
+        message = f"checkpoint {path} is damaged: {'; '.join(problems)}"
+        if refusal is not None:
+            raise CheckpointError(message + refusal)
+        notes.append(message + "; falling back to the previous complete checkpoint")
+        if coord.rank == 0:
+            log.warning(notes[-1])
+        pick = None
+
+
+def _candidates(folder: Path, explicit: Path | None, notes: list[str]) -> list[Path]:
+    """Rank 0: the paths to try, newest first; the directories passed over are noted."""
+    if explicit is not None:
+        if not explicit.is_dir():
+            raise CheckpointError(f"checkpoint.resume={explicit}: no such checkpoint directory; give a step_* "
+                                  "directory, 'auto' or 'none'")
+        return [explicit]
+    entries = scan(folder)
+    reasons = {"incomplete": "has no COMPLETE marker", "tmp": "is an unfinished save",
+               "symlink": "is a symlink (not followed)"}
+    for entry in entries:
+        if entry.kind in reasons:
+            notes.append(f"skipped {entry.path}: it {reasons[entry.kind]}")
+            log.warning(notes[-1])
+    return [e.path for e in reversed(entries) if e.kind == "complete"]
+
+
+def _next_sound(candidates: list[Path], position: int, *, refusal: str | None,
+                notes: list[str]) -> tuple[dict[str, Any] | None, int]:
+    """Rank 0: the first candidate from ``position`` that passes the cheap checks, as a broadcastable dict."""
+    for index in range(position, len(candidates)):
+        path = candidates[index]
+        try:
+            manifest, problems = check_structure(path)
+        except OSError as exc:
+            manifest, problems = None, [f"{path}: cannot be read: {exc}"]
+        if not problems:
+            return {"path": str(path), "manifest": manifest}, index + 1
+        message = f"checkpoint {path} is damaged: {'; '.join(problems[:3])}"
+        if refusal is not None:
+            return {"error": message + refusal}, index + 1
+        notes.append(message + "; falling back to the previous complete checkpoint")
+        log.warning(notes[-1])
+    return None, len(candidates)
+
+
+def _refusal_hint(explicit: Path | None, strict: bool) -> str:
+    if explicit is not None:
+        return f" (checkpoint.resume={explicit} names this checkpoint; choose another one or resume=auto)"
+    return " (checkpoint.strict=true refuses to fall back; set it to false to resume from the previous one)"
+
+
+def _verify_shares(coord: Coordinator, path: Path, manifest: dict[str, Any]) -> list[str]:
+    """Collective. Each rank hashes its share of the files; every rank gets all the findings."""
+    mine = share_of_files(manifest, coord.rank, coord.size)
+    found = coord.all_gather(check_checksums(path, manifest, mine))
+    return [problem for problems in found for problem in problems]
+
+
+def load_into(coord: Coordinator, state: dict[str, Any], path: Path) -> None:
+    """Collective. Load the checkpoint at ``path`` into ``state`` (Stateful helpers or dicts of tensors)."""
+    seen = coord.all_gather((path / ".metadata").is_file())
+    blind = [r for r, ok in enumerate(seen) if not ok]
+    if blind:
+        raise CheckpointError(f"{path}: rank(s) {blind} cannot read this checkpoint's .metadata; it must be on "
+                              "storage every rank mounts at the same path")
+    reader = dcp.FileSystemReader(str(path))
+    saved = reader.read_metadata().state_dict_metadata
+    optional = {name for name, obj in state.items() if getattr(obj, "missing_ok", False)}
+    tree = {name: obj.state_dict() if isinstance(obj, Stateful) else obj for name, obj in state.items()}
+    missing: list[str] = []
+    targets = {name: _prepare(sub, name + ".", saved, path=path, optional=name in optional, missing=missing)
+               if isinstance(sub, dict) else sub for name, sub in tree.items()}
+    if missing:
+        raise CheckpointError(f"{path}: has no entry for {len(missing)} key(s) this run needs, e.g. {missing[:4]}; "
+                              "it was saved from a different model, optimizer or state dict")
+    dcp.load(targets, storage_reader=reader, process_group=coord.io)
+    for name, obj in state.items():
+        if isinstance(obj, Stateful):
+            obj.load_state_dict(targets[name])
+
+
+def _prepare(node: dict[str, Any], prefix: str, saved: dict[str, Any], *, path: Path, optional: bool,
+             missing: list[str]) -> dict[str, Any]:
+    """The load targets under ``node``: blobs sized from the checkpoint, absent optional entries dropped."""
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict):
+            sub = _prepare(value, dotted + ".", saved, path=path, optional=optional, missing=missing)
+            if sub or not value:  # a branch emptied by dropped optional entries is absent, as in the checkpoint
+                out[key] = sub
+            continue
+        entry = saved.get(dotted)
+        if entry is None:
+            if not optional:
+                missing.append(dotted)
+            continue
+        if isinstance(entry, BytesStorageMetadata) or not isinstance(entry, TensorStorageMetadata):
+            raise CheckpointError(f"{path}: entry {dotted!r} is stored as a pickled object; meshrun never writes "
+                                  "those and refuses to unpickle one (the checkpoint is foreign or crafted)")
+        if is_blob_key(dotted):
+            out[key] = torch.empty(tuple(entry.size), dtype=torch.uint8)
+            continue
+        if tuple(entry.size) != tuple(value.shape):
+            raise CheckpointError(f"{path}: {dotted} has shape {tuple(entry.size)} in the checkpoint but "
+                                  f"{tuple(value.shape)} in this run; the model configuration differs")
+        out[key] = value
+    return out

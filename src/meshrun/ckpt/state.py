@@ -1,0 +1,304 @@
+"""What a checkpoint saves: Stateful pieces that the trainer composes into one dict.
+
+    state = {
+        "model_optim": ModelOptimState(engine.model_parts, optimizers),
+        "scheduler": SchedulerState(schedulers),
+        "trainer": CountersState(),
+        "rng": RNGState(env, seed=cfg.train.seed),
+        "metrics": MetricsState(accumulators),
+    }
+
+Everything is stored as tensors, so that loading never unpickles:
+
+* model and optimizer tensors as ``torch.distributed.checkpoint.state_dict`` gives them (plain tensors under DDP,
+  DTensors under FSDP2/TP), keyed by the original parameter names (FQNs), so that any layout can load them;
+* counters as int64 scalars;
+* everything else (optimizer hyperparameters, scheduler state, RNG states, metric accumulators) as JSON text in
+  a 1-D uint8 tensor stored under a key named ``json`` (a "JSON blob"). The checkpointer sizes each blob from
+  the checkpoint's metadata before loading, so a blob may change length from one save to the next.
+
+Entries that every rank holds under the same key are written once (DCP keeps one copy of replicated plain
+tensors), so they must be equal on all ranks: the checkpointer checks this for the ``replicated`` helpers.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import logging
+import random
+from dataclasses import dataclass
+from typing import Any, ClassVar, Iterator, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from meshrun.env import ClusterEnv
+
+log = logging.getLogger("meshrun.ckpt")
+
+BLOB_KEY = "json"
+# Flattened optimizer state ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr") is keyed by parameter name, so it
+# reshards across layouts and merges across pipeline stages by plain dict union.
+_OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def json_blob(obj: Any, *, what: str) -> torch.Tensor:
+    """obj as compact, key-sorted JSON in a (N,) uint8 tensor."""
+    try:
+        text = json.dumps(obj, sort_keys=True, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"{what}: cannot be stored in a checkpoint as JSON ({exc}); checkpoints hold tensors and "
+                        "JSON values only") from None
+    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8)
+
+
+def from_json_blob(blob: torch.Tensor) -> Any:
+    return json.loads(blob.detach().cpu().numpy().tobytes().decode("utf-8"))
+
+
+def walk(tree: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted key, leaf) pairs, keys joined with '.' exactly as DCP flattens nested dicts."""
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict):
+            yield from walk(value, dotted + ".")
+        else:
+            yield dotted, value
+
+
+def is_blob_key(dotted: str) -> bool:
+    return dotted.rsplit(".", 1)[-1] == BLOB_KEY
+
+
+class ModelOptimState(Stateful):
+    """Model and optimizer state of this rank's model parts (one part for most layouts, one per local pipeline
+    stage), through torch.distributed.checkpoint.state_dict: DDP is unwrapped (one copy, not one per rank), FSDP2
+    and TP parameters stay sharded DTensors, and keys are the original FQNs.
+
+    ``optimizers`` holds one optimizer per part (as torchtitan builds them for pipeline stages), or is empty to
+    save the model alone.
+    """
+
+    def __init__(self, parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer] = ()):
+        self.parts = list(parts)
+        self.optimizers = list(optimizers)
+        if not self.parts:
+            raise ValueError("ModelOptimState: no model parts given")
+        if self.optimizers and len(self.optimizers) != len(self.parts):
+            raise ValueError(f"ModelOptimState: got {len(self.parts)} model parts and {len(self.optimizers)} "
+                             "optimizers; build one optimizer per model part (each over that part's parameters)")
+
+    def state_dict(self) -> dict[str, Any]:
+        model: dict[str, Any] = {}
+        for part in self.parts:
+            _merge_unique(model, get_model_state_dict(part), what="model")
+        for key, value in model.items():
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"model state entry {key!r} is a {type(value).__name__}, not a tensor; meshrun "
+                                "checkpoints store tensors only (move it to a buffer or drop get_extra_state)")
+        if not self.optimizers:
+            return {"model": model}
+        optim: dict[str, torch.Tensor] = {}
+        extra: dict[str, dict[str, Any]] = {}
+        for part, optimizer in zip(self.parts, self.optimizers):
+            for key, value in get_optimizer_state_dict(part, optimizer, options=_OPTIM_OPTIONS).items():
+                if isinstance(value, torch.Tensor):
+                    optim[key] = value
+                else:
+                    section, fqn, name = _split_optim_key(key)
+                    extra.setdefault(fqn, {})[f"{section}.{name}"] = value
+        blobs = {fqn: {BLOB_KEY: json_blob(values, what=f"optimizer settings of {fqn}")}
+                 for fqn, values in extra.items()}
+        return {"model": model, "optim": optim, "optim_extra": blobs}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        model = state_dict["model"]
+        for part in self.parts:
+            keys = get_model_state_dict(part).keys()
+            set_model_state_dict(part, {key: model[key] for key in keys})
+        extras = {fqn: from_json_blob(entry[BLOB_KEY]) for fqn, entry in state_dict.get("optim_extra", {}).items()}
+        for part, optimizer in zip(self.parts, self.optimizers):
+            loaded = {}
+            for key, current in get_optimizer_state_dict(part, optimizer, options=_OPTIM_OPTIONS).items():
+                if isinstance(current, torch.Tensor):
+                    loaded[key] = state_dict["optim"][key]
+                else:
+                    section, fqn, name = _split_optim_key(key)
+                    loaded[key] = _like(current, extras[fqn][f"{section}.{name}"])
+            set_optimizer_state_dict(part, optimizer, loaded, options=_OPTIM_OPTIONS)
+
+
+def _merge_unique(into: dict[str, Any], new: dict[str, Any], *, what: str) -> None:
+    clash = into.keys() & new.keys()
+    if clash:
+        raise ValueError(f"ModelOptimState: {what} key(s) {sorted(clash)[:3]} appear in two model parts; each "
+                         "parameter must belong to exactly one part")
+    into.update(new)
+
+
+def _split_optim_key(key: str) -> tuple[str, str, str]:
+    """'param_groups.layers.0.wq.weight.lr' -> ('param_groups', 'layers.0.wq.weight', 'lr')."""
+    section, rest = key.split(".", 1)
+    fqn, name = rest.rsplit(".", 1)
+    return section, fqn, name
+
+
+def _like(current: Any, loaded: Any) -> Any:
+    """JSON turns tuples into lists; give the value back the type the optimizer uses (betas is a tuple)."""
+    return tuple(loaded) if isinstance(current, tuple) and isinstance(loaded, list) else loaded
+
+
+class SchedulerState(Stateful):
+    """LR scheduler(s): their state_dicts as one JSON blob (same on every rank)."""
+
+    replicated: ClassVar[bool] = True
+
+    def __init__(self, schedulers: Any | Sequence[Any]):
+        self.schedulers = list(schedulers) if isinstance(schedulers, (list, tuple)) else [schedulers]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {BLOB_KEY: json_blob([s.state_dict() for s in self.schedulers], what="LR scheduler state")}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = from_json_blob(state_dict[BLOB_KEY])
+        if len(saved) != len(self.schedulers):
+            raise ValueError(f"the checkpoint holds {len(saved)} LR scheduler state(s), this run has "
+                             f"{len(self.schedulers)}; build one scheduler per optimizer as when it was saved")
+        for scheduler, state in zip(self.schedulers, saved):
+            scheduler.load_state_dict(state)
+
+
+@dataclass
+class CountersState(Stateful):
+    """Where training stands, as plain ints (int64 scalars in the checkpoint).
+
+    The data position is (epoch, samples_in_epoch): samples consumed from this epoch's global order, summed over
+    data-parallel ranks, so it does not depend on the world size and a resharded resume continues the same order.
+    """
+
+    replicated: ClassVar[bool] = True
+    step: int = 0
+    epoch: int = 0
+    tokens_seen: int = 0
+    samples_in_epoch: int = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {f.name: torch.tensor(getattr(self, f.name), dtype=torch.int64) for f in dataclasses.fields(self)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, int(state_dict[f.name].item()))
+
+
+class MetricsState(Stateful):
+    """Metric accumulators (name -> float), same on every rank; loading updates the given dict in place."""
+
+    replicated: ClassVar[bool] = True
+
+    def __init__(self, values: dict[str, float] | None = None):
+        self.values = values if values is not None else {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {BLOB_KEY: json_blob({k: float(v) for k, v in self.values.items()}, what="metric accumulators")}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.values.clear()
+        self.values.update({k: float(v) for k, v in from_json_blob(state_dict[BLOB_KEY]).items()})
+
+
+class GradScalerState(Stateful):
+    """torch.amp.GradScaler state (scale and growth tracker) as a JSON blob."""
+
+    replicated: ClassVar[bool] = True
+
+    def __init__(self, scaler: Any):
+        self.scaler = scaler
+
+    def state_dict(self) -> dict[str, Any]:
+        return {BLOB_KEY: json_blob(self.scaler.state_dict(), what="grad scaler state")}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = from_json_blob(state_dict[BLOB_KEY])
+        if saved:
+            self.scaler.load_state_dict(saved)
+
+
+class RNGState(Stateful):
+    """Every rank's random streams (Python, NumPy's global generator, torch CPU, CUDA of the current device),
+    under per-rank keys ``rank_<r>``.
+
+    On resume at another world size a rank with no saved stream (rank >= the saved world size) reseeds from
+    (seed, rank) deterministically, logs it and sets ``reseeded``; streams of ranks that no longer exist are not
+    loaded.
+    """
+
+    missing_ok: ClassVar[bool] = True
+
+    def __init__(self, env: ClusterEnv, *, seed: int = 0):
+        self.rank = env.rank
+        self.seed = seed
+        self.reseeded = False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {f"rank_{self.rank}": {BLOB_KEY: json_blob(capture_rng(), what="RNG state")}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        entry = state_dict.get(f"rank_{self.rank}")
+        if entry is None:
+            reseed_rng(self.seed, self.rank)
+            self.reseeded = True
+            log.warning("rank %d: the checkpoint holds no RNG state for this rank (saved with fewer ranks); "
+                        "reseeded deterministically from seed=%d and the rank", self.rank, self.seed)
+            return
+        restore_rng(from_json_blob(entry[BLOB_KEY]))
+        self.reseeded = False
+
+
+def _b64(tensor: torch.Tensor) -> str:
+    return base64.b64encode(tensor.cpu().numpy().tobytes()).decode("ascii")
+
+
+def _unb64(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
+def capture_rng() -> dict[str, Any]:
+    """This process's RNG states as JSON-able values."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": [version, list(internal), gauss],
+             "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+             "torch": _b64(torch.get_rng_state())}
+    # Only an initialised CUDA context: touching CUDA here would create one on every rank of a CPU job.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = _b64(torch.cuda.get_rng_state())
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(_unb64(state["torch"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(_unb64(state["cuda"]))
+
+
+def reseed_rng(seed: int, rank: int) -> None:
+    """Seed every stream from (seed, rank) and a fixed tag, so the stream differs from the run's first one."""
+    words = np.random.SeedSequence([seed, rank, 0x5EED]).generate_state(4, dtype=np.uint32)
+    random.seed(int(words[0]))
+    np.random.seed(int(words[1]))
+    torch.manual_seed((int(words[2]) << 32) | int(words[3]))

@@ -1,0 +1,76 @@
+"""`meshrun ckpt ls / verify / export`, run in-process through the dispatcher."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_ckpt_support import Job, checkpointer
+
+from meshrun.cli import main
+from meshrun.ckpt.layout import COMPLETE, step_dir_name
+from meshrun.env import ClusterEnv
+from meshrun.models.gpt import GPT, gpt_config
+
+ENV = ClusterEnv.detect({})
+
+
+@pytest.fixture
+def folder(tmp_path):
+    job = Job(ENV)
+    ckpt = checkpointer(tmp_path / "run" / "checkpoints", ENV)
+    job.train(1, data_seed=1)
+    ckpt.save(1, job.state, meta={"epoch": 0, "tokens_seen": 1234})
+    job.train(1, data_seed=2)
+    ckpt.save(2, job.state, meta={"epoch": 0, "tokens_seen": 5678})
+    shutil.copytree(tmp_path / "run" / "checkpoints" / step_dir_name(2), tmp_path / "run" / "checkpoints" /
+                    ".step_0000003.tmp-0bad")
+    return tmp_path / "run" / "checkpoints", job
+
+
+def test_ls_shows_complete_and_unfinished(folder, capsys):
+    path, _ = folder
+    assert main(["ckpt", "ls", str(path.parent)]) == 0  # a run folder works too
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if "step_000000" in line]
+    assert len(lines) == 3
+    assert "complete" in lines[0] and "dp_replicate=1" in lines[0] and "1,234" in lines[0]
+    assert "complete" in lines[1] and "5,678" in lines[1]
+    assert "unfinished" in lines[2] and ".step_0000003.tmp-0bad" in lines[2]
+    assert main(["ckpt", "ls", str(path / "nowhere")]) == 2
+
+
+def test_verify_passes_then_names_the_damaged_file(folder, capsys):
+    path, _ = folder
+    assert main(["ckpt", "verify", str(path / step_dir_name(2))]) == 0
+    assert "OK" in capsys.readouterr().out
+    shard = path / step_dir_name(2) / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[300] ^= 1
+    shard.write_bytes(bytes(data))
+    assert main(["ckpt", "verify", "--no-checksums", str(path / step_dir_name(2))]) == 0, "same size"
+    assert main(["ckpt", "verify", str(path / step_dir_name(2))]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED" in out and "__0_0.distcp: sha256" in out
+    (path / step_dir_name(1) / COMPLETE).unlink()
+    assert main(["ckpt", "verify", str(path / step_dir_name(1))]) == 1
+    assert "COMPLETE: missing" in capsys.readouterr().out
+
+
+def test_export_loads_into_a_fresh_model(folder, tmp_path, capsys):
+    path, job = folder
+    out = tmp_path / "export" / "model.safetensors"
+    assert main(["ckpt", "export", str(path / step_dir_name(2)), "--to", str(out)]) == 0
+    assert "from step 2" in capsys.readouterr().out
+    weights = load_file(str(out))
+    assert not any(key.startswith(("optim", "model_optim")) for key in weights), "model weights only"
+    fresh = GPT(gpt_config("tiny"))
+    fresh.load_state_dict(weights)
+    for key, value in job.model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[key], value), key
+    shard = path / step_dir_name(2) / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-1])
+    assert main(["ckpt", "export", str(path / step_dir_name(2)), "--to", str(out)]) == 1
+    assert "will not export a damaged checkpoint" in capsys.readouterr().err
