@@ -5,7 +5,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = {"ModelConfig": "model", "DataConfig": "data", "TrainConfig": "train", "ParallelConfig": "parallel",
-            "DistConfig": "dist", "CheckpointConfig": "checkpoint", "RunConfig": "run"}
+            "DistConfig": "dist", "CheckpointConfig": "checkpoint", "HealthConfig": "health", "RunConfig": "run"}
 
 
 def main() -> None:

@@ -182,6 +182,18 @@ class CheckpointConfig:
 
 
 @dataclass
+class HealthConfig:
+    """Checks that make failures and slow ranks loud."""
+
+    check_versions: bool = True
+    """Compare code and package versions of every node at start and refuse to train when they differ."""
+    straggler_threshold: float = 1.5
+    """Name a rank whose working time per step exceeds the others' median by this ratio (0 disables)."""
+    hang_timeout_s: float = 300.0
+    """Report a rank that made no progress for this long, naming it and where the others wait (0 disables)."""
+
+
+@dataclass
 class RunConfig:
     """Where results go."""
 
@@ -203,6 +215,7 @@ class JobConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def validate(self) -> None:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +29,8 @@ from meshrun.dist.process_group import DistContext, init_distributed
 from meshrun.env import ClusterEnv
 from meshrun.models.gpt import GPT, GPTConfig, flops_per_token, gpt_config
 from meshrun.parallel.engine import Engine, LocalEngine
+from meshrun.diag.fingerprint import check_consistency
+from meshrun.train.health import HangWatchdog, StragglerDetector, enable_flight_recorder
 from meshrun.train.metrics import MetricsSink, SumMetrics, peak_flops
 
 log = logging.getLogger("meshrun")
@@ -92,9 +96,14 @@ class Trainer:
         self.model_cfg = model_config(job, self.corpus.vocab_size)
         _record_resolved_model(job, self.model_cfg)
         self.batch: BatchPlan = resolve_batch(job.train, dp_size=self.dp_size_hint(), seq_len=self.model_cfg.seq_len)
+        self.run_dir = Path(job.run.dir)
+        if self.env.is_distributed and torch.cuda.is_available():
+            enable_flight_recorder(os.environ, run_dir=self.run_dir)  # NCCL reads these at group creation
         self.ctx: DistContext = init_distributed(self.env, job.dist)
         self.device = self.ctx.device
-        self.run_dir = self.build_run_dir()
+        self.build_run_dir()
+        if self.env.is_distributed and job.health.check_versions:
+            check_consistency(env=self.env, strict=True, script=sys.argv[0])  # collective: every rank
         self.engine: Engine = self.build_engine()
         self.data, self.val = self.build_data()
         self.optimizer = self.build_optimizer()
@@ -103,6 +112,10 @@ class Trainer:
         self.tokens_seen = 0
         self.sink = MetricsSink(self.run_dir, total_steps=job.train.steps, progress=job.run.progress,
                                 tensorboard=job.run.tensorboard, enabled=self.env.is_rank_zero)
+        self.timer = WorkTimer(self.engine.model_parts, self.device)
+        self.watchdog: HangWatchdog | None = None
+        self.stragglers = (StragglerDetector(env=self.env, threshold=job.health.straggler_threshold)
+                           if self.env.is_distributed and job.health.straggler_threshold else None)
         self.print_header()
 
     # ---- construction -------------------------------------------------------------------------------------------
@@ -115,13 +128,11 @@ class Trainer:
                               f"divide the world size {self.env.world_size}")
         return self.env.world_size // model_parallel
 
-    def build_run_dir(self) -> Path:
-        run_dir = Path(self.job.run.dir)
-        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        _setup_logging(run_dir, self.env)
+    def build_run_dir(self) -> None:
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        _setup_logging(self.run_dir, self.env)
         if self.env.is_rank_zero:
-            (run_dir / "config.toml").write_text(self.job.to_toml())
-        return run_dir
+            (self.run_dir / "config.toml").write_text(self.job.to_toml())
 
     def build_engine(self) -> Engine:
         torch.manual_seed(self.job.train.seed)  # same initial weights on every rank and in a 1-process reference
@@ -203,8 +214,12 @@ class Trainer:
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """One optimizer step over grad_accum micro-batches: returns (loss_sum, tokens, grad_norm), on device."""
+        start = time.perf_counter()
         batches = self.data.next_step()
+        self.timer.add_data(time.perf_counter() - start)
+        self.beat("forward_backward")
         loss_sum, tokens = self.engine.forward_backward(batches)
+        self.beat("optimizer")
         grad_norm = self.engine.clip_grad_norm(self.job.train.grad_clip) if self.job.train.grad_clip else None
         self.optimizer.step()
         self.scheduler.step()
@@ -227,7 +242,23 @@ class Trainer:
         totals = sums.reduce()
         return totals["loss_sum"] / max(totals["tokens"], 1.0)
 
+    def beat(self, phase: str) -> None:
+        if self.watchdog is not None:
+            self.watchdog.beat(self.step, phase)
+
     def fit(self) -> TrainResult:
+        """Train to ``train.steps``; the hang watchdog runs for the duration of the loop."""
+        if self.env.is_distributed and self.job.health.hang_timeout_s:
+            self.watchdog = HangWatchdog(env=self.env, timeout_s=self.job.health.hang_timeout_s,
+                                         stack_file=self.run_dir / "logs" / f"stacks_rank_{self.env.rank:05d}.txt",
+                                         log=log.error).start()
+        try:
+            return self._loop()
+        finally:
+            if self.watchdog is not None:
+                self.watchdog.stop()  # before the process group (and its store) goes away
+
+    def _loop(self) -> TrainResult:
         job, result = self.job, TrainResult(step=self.step, run_dir=self.run_dir)
         sums = SumMetrics(("loss_sum", "tokens"), self.device)
         interval_start, interval_steps, gnorm = time.perf_counter(), 0, None
@@ -242,13 +273,26 @@ class Trainer:
                 record = self.train_record(totals, interval_steps, elapsed, gnorm)
                 result.losses.append(record["loss"])
                 self.sink.log(record)
+                self.check_stragglers(interval_steps)
                 interval_start, interval_steps = time.perf_counter(), 0
             if job.train.eval_every and (self.step % job.train.eval_every == 0 or self.step == job.train.steps):
+                self.beat("evaluate")
                 result.val_loss = self.evaluate()
                 self.sink.log({"kind": "eval", "step": self.step, "loss": result.val_loss})
                 interval_start = time.perf_counter()  # evaluation time is not training throughput
         result.step = self.step
         return result
+
+    def check_stragglers(self, steps: int) -> None:
+        """Every rank's own working time (data + forward, before any blocking collective) compared across ranks."""
+        work_s, data_s = self.timer.take(steps)
+        if self.stragglers is None:
+            return
+        self.beat("straggler_check")
+        report = self.stragglers.observe(self.step, work_s, data_s)  # collective: every rank
+        if report is not None:
+            self.sink.print(f"warning: {report}")
+            log.warning("%s", report)
 
     def train_record(self, totals: dict[str, float], steps: int, elapsed: float, gnorm: float | None) -> dict[str, Any]:
         tokens_per_s = steps * self.batch.tokens_per_step / max(elapsed, 1e-9)
@@ -265,6 +309,50 @@ class Trainer:
 
     def close(self) -> None:
         self.sink.close()
+
+
+class WorkTimer:
+    """Time this rank spends on its own work: waiting for data, and running forward passes.
+
+    In synchronous data parallelism the wall-clock step is the same on every rank (all wait at the gradient
+    all-reduce), so stragglers show only in the time before the first blocking collective. Forward passes are timed
+    with CUDA events on GPU (no sync until ``take``) and with the host clock on CPU.
+    """
+
+    def __init__(self, parts: list[torch.nn.Module], device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.data_s, self.host_forward_s, self.events = 0.0, 0.0, []
+        self._start: Any = None
+        for part in parts:
+            part.register_forward_pre_hook(self._before)
+            part.register_forward_hook(self._after)
+
+    def _now(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _before(self, *_):
+        self._start = self._now()
+
+    def _after(self, *_):
+        end = self._now()
+        if self.cuda:
+            self.events.append((self._start, end))
+        else:
+            self.host_forward_s += end - self._start
+
+    def add_data(self, seconds: float) -> None:
+        self.data_s += seconds
+
+    def take(self, steps: int) -> tuple[float, float]:
+        """(work, data) seconds per step since the last call; syncs with the GPU."""
+        forward = self.host_forward_s + sum(a.elapsed_time(b) for a, b in self.events) / 1000.0
+        work, data = (self.data_s + forward) / max(steps, 1), self.data_s / max(steps, 1)
+        self.data_s, self.host_forward_s, self.events = 0.0, 0.0, []
+        return work, data
 
 
 def _setup_logging(run_dir: Path, env: ClusterEnv) -> None:
