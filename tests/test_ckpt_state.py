@@ -132,6 +132,25 @@ def test_pipeline_parts_reshard_to_one_part_and_back(tmp_path):
         assert_same(dict(restored.state_dict()), dict(original.state_dict()))
 
 
-def test_one_optimizer_per_part_is_required():
-    with pytest.raises(ValueError, match="2 model parts and 1 optimizers"):
-        ModelOptimState([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)], [torch.optim.SGD([torch.zeros(1)], lr=1)])
+def test_one_optimizer_over_several_parts(tmp_path):
+    """The trainer's shape: one optimizer over all local stages; FQNs stay the model's own."""
+    whole = _untied()
+    parts = _stages(whole)
+    optimizer = torch.optim.AdamW([p for part in parts for p in part.parameters()], lr=1e-2)
+    _step(parts, [optimizer])
+    state = ModelOptimState(parts, [optimizer])
+    keys = set(state.state_dict()["model"])
+    assert keys == set(whole.state_dict()), "original names, e.g. layers.1.* from the second stage"
+    checkpointer(tmp_path, ENV).save(1, {"model_optim": state})
+    merged = ModelOptimState([whole], [torch.optim.AdamW(whole.parameters(), lr=1e-2)])
+    checkpointer(tmp_path, ENV).load({"model_optim": merged})
+    _step(parts, [optimizer])
+    _step([whole], merged.optimizers)
+    assert_same(dict(whole.state_dict()), {**parts[0].state_dict(), **parts[1].state_dict()})
+
+
+def test_optimizer_count_must_match_parts():
+    linears = [torch.nn.Linear(2, 2) for _ in range(3)]
+    with pytest.raises(ValueError, match="3 model parts and 2 optimizers"):
+        ModelOptimState(linears, [torch.optim.SGD(linears[0].parameters(), lr=1),
+                                  torch.optim.SGD(linears[1].parameters(), lr=1)])

@@ -43,6 +43,11 @@ from meshrun.ckpt.state import is_blob_key, walk
 from meshrun.config import CheckpointConfig
 from meshrun.env import ClusterEnv
 
+try:  # DCP's own staging helpers (private, present since torch 2.4); without them staging allocates each time
+    from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+except ImportError:  # pragma: no cover - a future torch that moved them
+    _copy_state_dict = _create_cpu_state_dict = None
+
 log = logging.getLogger("meshrun.ckpt")
 _SHARD_RE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
@@ -362,22 +367,33 @@ def _materialize(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]
 
 
 class _StagingWriter(dcp.FileSystemWriter):
-    """FileSystemWriter whose async staging copies everything but the JSON blobs.
+    """FileSystemWriter whose async staging (the copy the training stalls for) keeps its buffers between saves.
 
-    Blobs are fresh CPU tensors already, and keeping them out lets the pinned staging cache, whose layout is fixed
-    by its first use, survive blobs that change length from save to save.
+    JSON blobs are left out of the copy: they are fresh CPU tensors already, and keeping them out lets a staging
+    cache, whose layout is fixed by its first use, survive blobs that change length from save to save. With CUDA,
+    DCP's own cache of pinned buffers is used (``cache_staged_state_dict``); CPU-only builds cannot pin, so the
+    buffers are cached here instead, which turns each stall from page-faulting fresh memory into a plain copy.
     """
+
+    _cpu_cache: dict[str, Any] | None = None
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         bulk, blobs = _split_blobs(state_dict)
         try:
-            staged = super().stage(bulk)
-        except (RuntimeError, KeyError, ValueError):
-            if getattr(self, "state_dict_cache", None) is None:
+            staged = self._stage_bulk(bulk)
+        except (RuntimeError, KeyError, ValueError, TypeError):
+            if self._cpu_cache is None and getattr(self, "state_dict_cache", None) is None:
                 raise
-            self.state_dict_cache = None  # the state's layout changed since the cache was built
-            staged = super().stage(bulk)
+            self._cpu_cache = self.state_dict_cache = None  # the state's layout changed since the cache was built
+            staged = self._stage_bulk(bulk)
         return _merge(staged, blobs)
+
+    def _stage_bulk(self, bulk: dict[str, Any]) -> dict[str, Any]:
+        if self.cache_staged_state_dict or _copy_state_dict is None:
+            return super().stage(bulk)
+        if self._cpu_cache is None:
+            self._cpu_cache = _create_cpu_state_dict(bulk)
+        return _copy_state_dict(bulk, self._cpu_cache)
 
 
 def _split_blobs(tree: dict[str, Any], prefix: str = "") -> tuple[dict[str, Any], dict[str, Any]]:

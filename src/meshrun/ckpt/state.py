@@ -86,8 +86,7 @@ class ModelOptimState(Stateful):
     stage), through torch.distributed.checkpoint.state_dict: DDP is unwrapped (one copy, not one per rank), FSDP2
     and TP parameters stay sharded DTensors, and keys are the original FQNs.
 
-    ``optimizers`` holds one optimizer per part (as torchtitan builds them for pipeline stages), or is empty to
-    save the model alone.
+    ``optimizers``: one per part (as torchtitan builds them), one over all parts, or none (model only).
     """
 
     def __init__(self, parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer] = ()):
@@ -95,14 +94,18 @@ class ModelOptimState(Stateful):
         self.optimizers = list(optimizers)
         if not self.parts:
             raise ValueError("ModelOptimState: no model parts given")
-        if self.optimizers and len(self.optimizers) != len(self.parts):
+        if len(self.optimizers) == 1 and len(self.parts) > 1:
+            self.modules = [union_of_parts(self.parts)]  # DCP maps an optimizer's parameters through one module
+        elif not self.optimizers or len(self.optimizers) == len(self.parts):
+            self.modules = self.parts
+        else:
             raise ValueError(f"ModelOptimState: got {len(self.parts)} model parts and {len(self.optimizers)} "
-                             "optimizers; build one optimizer per model part (each over that part's parameters)")
+                             "optimizers; build one optimizer per model part, or one over all of them")
 
     def state_dict(self) -> dict[str, Any]:
         model: dict[str, Any] = {}
-        for part in self.parts:
-            _merge_unique(model, get_model_state_dict(part), what="model")
+        for module in self.modules:
+            _merge_unique(model, get_model_state_dict(module), what="model")
         for key, value in model.items():
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"model state entry {key!r} is a {type(value).__name__}, not a tensor; meshrun "
@@ -111,8 +114,8 @@ class ModelOptimState(Stateful):
             return {"model": model}
         optim: dict[str, torch.Tensor] = {}
         extra: dict[str, dict[str, Any]] = {}
-        for part, optimizer in zip(self.parts, self.optimizers):
-            for key, value in get_optimizer_state_dict(part, optimizer, options=_OPTIM_OPTIONS).items():
+        for module, optimizer in zip(self.modules, self.optimizers):
+            for key, value in get_optimizer_state_dict(module, optimizer, options=_OPTIM_OPTIONS).items():
                 if isinstance(value, torch.Tensor):
                     optim[key] = value
                 else:
@@ -124,19 +127,48 @@ class ModelOptimState(Stateful):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         model = state_dict["model"]
-        for part in self.parts:
-            keys = get_model_state_dict(part).keys()
-            set_model_state_dict(part, {key: model[key] for key in keys})
+        for module in self.modules:
+            keys = get_model_state_dict(module).keys()
+            set_model_state_dict(module, {key: model[key] for key in keys})
         extras = {fqn: from_json_blob(entry[BLOB_KEY]) for fqn, entry in state_dict.get("optim_extra", {}).items()}
-        for part, optimizer in zip(self.parts, self.optimizers):
+        for module, optimizer in zip(self.modules, self.optimizers):
             loaded = {}
-            for key, current in get_optimizer_state_dict(part, optimizer, options=_OPTIM_OPTIONS).items():
+            for key, current in get_optimizer_state_dict(module, optimizer, options=_OPTIM_OPTIONS).items():
                 if isinstance(current, torch.Tensor):
                     loaded[key] = state_dict["optim"][key]
                 else:
                     section, fqn, name = _split_optim_key(key)
                     loaded[key] = _like(current, extras[fqn][f"{section}.{name}"])
-            set_optimizer_state_dict(part, optimizer, loaded, options=_OPTIM_OPTIONS)
+            set_optimizer_state_dict(module, optimizer, loaded, options=_OPTIM_OPTIONS)
+
+
+def union_of_parts(parts: Sequence[nn.Module]) -> nn.Module:
+    """One module holding the parts' own submodules and parameters (no copies) under their own names.
+
+    Pipeline stages cut from one model share container names (both hold ``layers``), so containers present in
+    several parts are merged level by level: ``layers.0`` of stage 0 and ``layers.2`` of stage 1 keep their FQNs.
+    """
+    if len(parts) == 1:
+        return parts[0]
+    root = nn.Module()
+    for part in parts:
+        for name, tensor in list(part._parameters.items()) + list(part._buffers.items()):
+            if tensor is None or name in part._non_persistent_buffers_set:  # never saved; may repeat (rope)
+                continue
+            if hasattr(root, name):
+                raise ValueError(f"ModelOptimState: {name!r} is held by two model parts; each parameter must "
+                                 "belong to exactly one part")
+            if name in part._parameters:
+                root.register_parameter(name, tensor)
+            else:
+                root.register_buffer(name, tensor)
+    children: dict[str, list[nn.Module]] = {}
+    for part in parts:
+        for name, child in part.named_children():
+            children.setdefault(name, []).append(child)
+    for name, group in children.items():
+        root.add_module(name, group[0] if len(group) == 1 else union_of_parts(group))
+    return root
 
 
 def _merge_unique(into: dict[str, Any], new: dict[str, Any], *, what: str) -> None:

@@ -1,0 +1,220 @@
+"""Checkpoint save and load speed against the raw write bandwidth of the same disk, measured in the same run.
+
+For one model (GPT + AdamW state; DDP across the ranks, so each rank writes about 1/N of the state):
+
+* raw: every rank writes and fsyncs a file as large as its shard, at the same time (the disk's ceiling);
+* sync save: ``Checkpointer.save`` end to end (DCP write + fsync, SHA-256 of the shards, manifest, rename);
+* async save: the training stall (``save`` returning after staging to CPU) and the time until it is published;
+* load: ``Checkpointer.load`` with resume=auto, with and without the SHA-256 verification.
+
+Reads come from the page cache (the file was just written; dropping caches would need root and disturb other
+users), so load numbers are an upper bound for a cold start. Prints a table and one JSON line (``--json`` also
+writes it to a file).
+
+    python3 benchmarks/ckpt_bench.py --model small --nproc 2             # CPU, gloo, 2 ranks
+    torchrun --nproc-per-node 8 benchmarks/ckpt_bench.py --model 1b --device cuda
+    python3 benchmarks/ckpt_bench.py --model 1b --device cuda --nproc 1  # one GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from meshrun.ckpt.checkpointer import Checkpointer
+from meshrun.ckpt.state import CountersState, ModelOptimState, RNGState
+from meshrun.config import CheckpointConfig
+from meshrun.env import ClusterEnv
+from meshrun.models.gpt import GPT, gpt_config
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="small", help="named size: tiny, small, 124m, 350m, 1b")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not started by torchrun")
+    parser.add_argument("--repeat", type=int, default=3, help="timed repetitions of each measurement")
+    parser.add_argument("--dir", default="", help="folder on the disk to measure (default: a temp dir in runs/)")
+    parser.add_argument("--json", default="", help="also write the JSON result to this file")
+    return parser.parse_args(argv)
+
+
+def build_state(args: argparse.Namespace, env: ClusterEnv, device: torch.device) -> tuple[dict, int]:
+    """GPT + AdamW with its state (one step on zero gradients): a DDP replica, the same on every rank (seeded)."""
+    torch.manual_seed(0)
+    model = GPT(gpt_config(args.model)).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)
+    optimizer.step()
+    state = {"model_optim": ModelOptimState([model], [optimizer]), "trainer": CountersState(), "rng": RNGState(env)}
+    params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    return state, params
+
+
+def raw_write(folder: Path, size: int, rank: int) -> float:
+    """Seconds to write and fsync ``size`` bytes (incompressible) on this rank."""
+    block = np.random.default_rng(rank).bytes(min(size, 64 << 20))
+    path = folder / f"raw-{rank}.bin"
+    start = time.perf_counter()
+    with open(path, "wb") as handle:
+        left = size
+        while left > 0:
+            left -= handle.write(block[:left])
+        handle.flush()
+        os.fsync(handle.fileno())
+    elapsed = time.perf_counter() - start
+    path.unlink()
+    return elapsed
+
+
+def timed(fn, *, sync: bool = True) -> float:
+    """Wall seconds of ``fn`` as the slowest rank saw it (barrier before; max over ranks after)."""
+    if sync and dist.is_initialized():
+        dist.barrier()
+    start = time.perf_counter()
+    fn()
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed)
+
+
+def measure(args: argparse.Namespace, env: ClusterEnv, folder: Path) -> dict:
+    device = torch.device("cuda", env.local_rank) if args.device == "cuda" else torch.device("cpu")
+    state, params = build_state(args, env, device)
+
+    def checkpointer(name: str, *, verify: bool = True, **overrides) -> Checkpointer:
+        # keep_last=1: at most two checkpoints per folder on disk at a time (1b: 13 GB each)
+        return Checkpointer(CheckpointConfig(keep_last=1, **overrides), folder=folder / name, env=env,
+                            layout={"dp_replicate": env.world_size}, config_fingerprint="bench",
+                            verify_checksums=verify)
+
+    steps = range(1, args.repeat + 1)
+    sync_ckpt, async_ckpt = checkpointer("sync"), checkpointer("async", async_save=True)
+    first_sync = timed(lambda: sync_ckpt.save(0, state))  # also checks the folder is shared; not steady state
+    sync_s = [timed(lambda s=s: sync_ckpt.save(s, state)) for s in steps]
+    manifest = json.loads((folder / "sync" / f"step_{args.repeat:07d}" / "manifest.json").read_text())
+    total = sum(info["size"] for info in manifest["files"].values())
+    mine = sum(info["size"] for name, info in manifest["files"].items() if name.startswith(f"__{env.rank}_"))
+    raw_s = [timed(lambda: raw_write(folder, mine, env.rank)) for _ in steps]
+    first_stall = timed(lambda: async_ckpt.save(0, state))  # allocates the staging buffers
+    async_ckpt.wait()
+    stall_s, async_total_s = [], []
+    for step in steps:
+        stall_s.append(timed(lambda s=step: async_ckpt.save(s, state)))
+        async_total_s.append(stall_s[-1] + timed(async_ckpt.wait, sync=False))
+    async_ckpt.close()
+    if env.rank == 0:
+        shutil.rmtree(folder / "async", ignore_errors=True)
+    load_s = [timed(lambda: sync_ckpt.load(state, resume="auto")) for _ in steps]
+    fast = checkpointer("sync", verify=False)
+    load_nohash_s = [timed(lambda: fast.load(state, resume="auto")) for _ in steps]
+    med = statistics.median
+    result = {"model": args.model, "params": params, "device": args.device, "ranks": env.world_size,
+              "checkpoint_bytes": total, "rank0_shard_bytes": mine, "torch": torch.__version__,
+              "first_sync_save_s": first_sync, "first_async_stall_s": first_stall,
+              "save_breakdown_rank0_s": manifest["timings"]}
+    for key, times in (("raw_write", raw_s), ("sync_save", sync_s), ("async_stall", stall_s),
+                       ("async_total", async_total_s), ("load", load_s), ("load_nohash", load_nohash_s)):
+        result[f"{key}_s"] = med(times)
+        result[f"{key}_GBps"] = total / med(times) / 1e9
+    return result
+
+
+def report(result: dict, json_path: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"checkpoint speed: {result['model']} ({result['params'] / 1e6:.1f}M params), "
+                        f"{result['ranks']} rank(s) on {result['device']}, {result['checkpoint_bytes'] / 1e6:.1f} MB")
+    for column in ("what", "seconds", "GB/s", "vs raw write"):
+        table.add_column(column, justify="left" if column == "what" else "right")
+    raw = result["raw_write_s"]
+    for label, key in (("raw write + fsync (same bytes)", "raw_write_s"), ("sync save", "sync_save_s"),
+                       ("async save: training stall", "async_stall_s"), ("async save: until published",
+                                                                         "async_total_s"),
+                       ("load (auto, sha256 verified)", "load_s"), ("load (no checksums)", "load_nohash_s")):
+        seconds = result[key]
+        table.add_row(label, f"{seconds:.3f}", f"{result['checkpoint_bytes'] / seconds / 1e9:.2f}",
+                      f"{seconds / raw:.2f}x time")
+    Console().print(table)
+    print(json.dumps(result))
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=1))
+
+
+def run(args: argparse.Namespace) -> dict | None:
+    """One rank's run (the process group is up, or this is the only rank)."""
+    env = ClusterEnv.detect()
+    base = Path(args.dir) if args.dir else Path("runs")
+    base.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=base)) if env.rank == 0 else None
+    if dist.is_initialized():
+        box = [str(folder)]
+        dist.broadcast_object_list(box, src=0)
+        folder = Path(box[0])
+    try:
+        result = measure(args, env, folder)
+    finally:
+        if dist.is_initialized():
+            dist.barrier()
+        if env.rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)
+    return result if env.rank == 0 else None
+
+
+def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)})
+    _main_rank(args)
+
+
+def _main_rank(args: argparse.Namespace) -> None:
+    env = ClusterEnv.detect()
+    # Ranks sharing a CPU: one intra-op pool each of its share, as torchrun sets OMP_NUM_THREADS (oversubscribed
+    # pools turn every tensor copy into a scheduler wait).
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
+    if env.world_size > 1:
+        if args.device == "cuda":
+            torch.cuda.set_device(env.local_rank)
+        backend = "cpu:gloo,cuda:nccl" if args.device == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=600))
+    try:
+        result = run(args)
+        if result is not None:
+            report(result, args.json)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if "RANK" in os.environ or args.nproc <= 1:
+        _main_rank(args)
+        return 0
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.start_processes(_spawned, args=(args.nproc, port, args), nprocs=args.nproc, start_method="spawn")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
