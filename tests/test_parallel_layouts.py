@@ -1,6 +1,6 @@
 """Every parallel layout trains exactly like a single process (CPU, gloo, fp32), and checkpoints move between layouts.
 
-Each layout runs the tiny model (4 layers, seq 32) for 10 AdamW steps (lr 3e-3, gradient clipping at 0.5, so
+Each layout runs the tiny model (2 layers, 4 for the interleaved pipeline; seq 32) for 10 AdamW steps (lr 3e-3, gradient clipping at 0.5, so
 clipping is active and a wrong global norm changes the trajectory) on a global batch of 8 random sequences, from
 the single-process reference's initial weights. Compared with the reference:
 
@@ -13,7 +13,9 @@ the single-process reference's initial weights. Compared with the reference:
 * the validation loss after training (eval_loss): atol 1e-5.
 
 Layouts are grouped into one spawn per world size (2 and 4 ranks) to keep the suite fast; each layout is still
-its own test. Pipeline layouts use untied embeddings (pipelines untie them), the others tied ones.
+its own test. Pipeline layouts use untied embeddings (pipelines untie them), the others tied ones. The same two
+spawns then move one checkpoint FSDP 4 -> TP 2 x DP 2 -> PP 2 x DP 2 and -> DDP 2 with plain DCP, and check that
+every parameter arrives bit for bit.
 """
 
 from __future__ import annotations
@@ -42,13 +44,14 @@ LOSS_ATOL, NORM_RTOL, PARAM_ATOL = 1e-5, 1e-4, 1e-4
 
 # ---- the shared harness (runs in the test process and in every spawned rank) ---------------------------------------
 
-def model_config(*, tied: bool) -> GPTConfig:
-    return replace(SIZES["tiny"], n_layers=4, seq_len=SEQ, tie_embeddings=tied)
+def model_config(*, tied: bool, n_layers: int = 2) -> GPTConfig:
+    return replace(SIZES["tiny"], n_layers=n_layers, seq_len=SEQ, tie_embeddings=tied)
 
 
-def job_for(*, grad_accum: int, micro_batch: int, parallel: dict) -> JobConfig:
-    overrides = [f"--train.grad_accum={grad_accum}", f"--train.micro_batch={micro_batch}", "--train.seed=7",
-                 "--dist.device=cpu"] + [f"--parallel.{k}={v}" for k, v in parallel.items()]
+def job_for(*, grad_accum: int, micro_batch: int, parallel: dict, train: dict | None = None) -> JobConfig:
+    overrides = [f"--train.grad_accum={grad_accum}", f"--train.micro_batch={micro_batch}", "--train.seed=7"]
+    overrides += [f"--parallel.{k}={v}" for k, v in parallel.items()]
+    overrides += [f"--train.{k}={v}" for k, v in (train or {}).items()]
     return load_config(None, overrides)
 
 
@@ -72,29 +75,31 @@ def global_mean(loss_sum: torch.Tensor, tokens: torch.Tensor) -> float:
     return float(sums[0] / sums[1])
 
 
-def train(engine, *, grad_accum: int) -> dict:
+def train(engine, *, grad_accum: int, device: torch.device = torch.device("cpu")) -> dict:
     params = [p for part in engine.model_parts for p in part.parameters()]
-    optimizer = torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    # foreach=True as on GPU: the multi-tensor kernels refuse a mix of DTensor and plain parameters
+    optimizer = torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
     losses, norms = [], []
     for step in range(STEPS):
-        inputs, targets = rank_share(step, engine.dp_rank, engine.dp_size)
+        inputs, targets = (t.to(device) for t in rank_share(step, engine.dp_rank, engine.dp_size))
         batches = list(zip(inputs.chunk(grad_accum), targets.chunk(grad_accum)))
         loss_sum, tokens = engine.forward_backward(batches)
         norms.append(float(engine.clip_grad_norm(MAX_NORM)))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(global_mean(loss_sum, tokens))
-    val = global_mean(*engine.eval_loss(*rank_share(STEPS, engine.dp_rank, engine.dp_size)))
+    val = global_mean(*engine.eval_loss(*(t.to(device) for t in rank_share(STEPS, engine.dp_rank, engine.dp_size))))
     return {"losses": losses, "norms": norms, "val": val}
 
 
-def reference_run(tied: bool) -> dict:
+def reference_run(tied: bool, n_layers: int = 2, device: torch.device = torch.device("cpu")) -> dict:
     torch.manual_seed(0)
-    model = GPT(model_config(tied=tied))
+    model = GPT(model_config(tied=tied, n_layers=n_layers))
     model.init_weights()
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    result = train(LocalEngine(model), grad_accum=1)
-    return result | {"initial": initial, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    model.to(device)
+    result = train(LocalEngine(model), grad_accum=1, device=device)
+    return result | {"initial": initial, "state": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
 
 
 def full_state(engine) -> dict[str, torch.Tensor]:
@@ -102,18 +107,19 @@ def full_state(engine) -> dict[str, torch.Tensor]:
     state = {}
     for part in engine.model_parts:
         state.update(get_model_state_dict(part, options=StateDictOptions(full_state_dict=True)))
-    return {k: v.detach().clone() for k, v in state.items()}
+    return {k: v.detach().cpu().clone() for k, v in state.items()}
 
 
-def build(cfg: GPTConfig, parallel: dict, *, grad_accum: int):
+def build(cfg: GPTConfig, parallel: dict, *, grad_accum: int, train: dict | None = None,
+          device: torch.device = torch.device("cpu"), compute_dtype: torch.dtype | None = None):
     world = dist.get_world_size()
     probe = ParallelDims.from_config(job_for(grad_accum=1, micro_batch=1, parallel=parallel).parallel,
                                      world_size=world)
-    job = job_for(grad_accum=grad_accum, micro_batch=GLOBAL_BATCH // probe.dp_size // grad_accum, parallel=parallel)
+    job = job_for(grad_accum=grad_accum, micro_batch=GLOBAL_BATCH // probe.dp_size // grad_accum, parallel=parallel,
+                  train=train)
     dims = ParallelDims.from_config(job.parallel, world_size=world, model=cfg)
-    mesh = dims.build_mesh("cpu")
-    engine = build_engine(job=job, model_cfg=cfg, dims=dims, mesh=mesh, device=torch.device("cpu"),
-                          compute_dtype=None)
+    mesh = dims.build_mesh(device.type)
+    engine = build_engine(job=job, model_cfg=cfg, dims=dims, mesh=mesh, device=device, compute_dtype=compute_dtype)
     return dims, engine
 
 
@@ -128,16 +134,25 @@ class Layout:
     tied: bool
     grad_accum: int
     parallel: dict = field(default_factory=dict)
+    train: dict = field(default_factory=dict)
+    n_layers: int = 2
+
+    @property
+    def model(self) -> tuple[bool, int]:
+        """Which reference run this layout is compared with."""
+        return self.tied, self.n_layers
 
 
-def run_layout(layout: Layout, initial: dict) -> dict:
-    cfg = model_config(tied=layout.tied)
-    dims, engine = build(cfg, layout.parallel, grad_accum=layout.grad_accum)
+def run_layout(layout: Layout, initial: dict, *, device: torch.device = torch.device("cpu"),
+               compute_dtype: torch.dtype | None = None) -> dict:
+    cfg = model_config(tied=layout.tied, n_layers=layout.n_layers)
+    dims, engine = build(cfg, layout.parallel, grad_accum=layout.grad_accum, train=layout.train, device=device,
+                         compute_dtype=compute_dtype)
     own_init = full_state(engine)  # the layout's own meta-device initialisation, before the reference is loaded
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
                 for part in engine.model_parts for p in part.parameters())
     load_full(engine, initial)
-    result = train(engine, grad_accum=layout.grad_accum)
+    result = train(engine, grad_accum=layout.grad_accum, device=device)
     final = full_state(engine)  # collective: every rank gathers
     coords = dims.coords(dist.get_rank())
     reporter = coords.tp == 0 and coords.dp_shard == 0  # one rank per (stage, replica) returns weights
@@ -146,11 +161,14 @@ def run_layout(layout: Layout, initial: dict) -> dict:
                      "own_init": own_init if reporter else None, "parts": len(engine.model_parts)}
 
 
-def _layouts_worker(rank: int, world_size: int, layouts: dict[str, Layout], initials: dict[bool, dict]) -> dict:
-    out = {}
-    for name, layout in layouts.items():
-        out[name] = run_layout(layout, initials[layout.tied])
-    return out
+def _four_rank_worker(rank: int, world_size: int, layouts: dict[str, Layout], initials: dict, ckpt: str) -> dict:
+    out = {name: run_layout(layout, initials[layout.model]) for name, layout in layouts.items()}
+    return {"layouts": out, "checkpoint": save_and_reshard(f"{ckpt}/fsdp4", f"{ckpt}/tp2xdp2")}
+
+
+def _two_rank_worker(rank: int, world_size: int, layouts: dict[str, Layout], initials: dict, ckpt: str) -> dict:
+    out = {name: run_layout(layout, initials[layout.model]) for name, layout in layouts.items()}
+    return {"layouts": out, "checkpoint": load_as_ddp(f"{ckpt}/tp2xdp2")}
 
 
 # ---- the layouts -------------------------------------------------------------------------------------------------------
@@ -164,8 +182,8 @@ TWO_RANKS = {
     "pp2_gpipe": Layout(tied=False, grad_accum=1, parallel={"dp_replicate": 1, "pp": 2, "pp_schedule": "gpipe",
                                                             "pp_microbatches": 4}),
     "pp2_1f1b": Layout(tied=False, grad_accum=2, parallel={"dp_replicate": 1, "pp": 2, "pp_microbatches": 4}),
-    "pp2_interleaved": Layout(tied=False, grad_accum=1, parallel={"dp_replicate": 1, "pp": 2, "pp_microbatches": 4,
-                                                                  "pp_schedule": "interleaved1f1b"}),
+    "pp2_interleaved": Layout(tied=False, grad_accum=1, n_layers=4, parallel={
+        "dp_replicate": 1, "pp": 2, "pp_microbatches": 4, "pp_schedule": "interleaved1f1b"}),
 }
 FOUR_RANKS = {
     "fsdp2_tp2": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 1, "dp_shard": 2, "tp": 2,
@@ -179,24 +197,33 @@ FOUR_RANKS = {
 
 
 @pytest.fixture(scope="module")
-def references() -> dict[bool, dict]:
-    return {tied: reference_run(tied) for tied in (True, False)}
+def references() -> dict[tuple[bool, int], dict]:
+    models = {layout.model for layout in (*TWO_RANKS.values(), *FOUR_RANKS.values())}
+    return {model: reference_run(*model) for model in sorted(models)}
 
 
 @pytest.fixture(scope="module")
-def two_rank_results(references):
-    return _spawn(TWO_RANKS, 2, references)
+def checkpoint_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("layout_checkpoints"))
 
 
 @pytest.fixture(scope="module")
-def four_rank_results(references):
-    return _spawn(FOUR_RANKS, 4, references)
+def four_rank_results(references, checkpoint_dir):
+    """One 4-rank spawn: the 4-rank layouts, then FSDP 4 -> save -> TP 2 x DP 2 / PP 2 x DP 2 (-> save)."""
+    return _spawn(_four_rank_worker, FOUR_RANKS, 4, references, checkpoint_dir)
 
 
-def _spawn(layouts: dict[str, Layout], world: int, references) -> dict[str, list[dict]]:
-    initials = {tied: ref["initial"] for tied, ref in references.items()}
-    per_rank = run_distributed(_layouts_worker, world, layouts, initials, timeout=420)
-    return {name: [per_rank[r][name] for r in range(world)] for name in layouts}
+@pytest.fixture(scope="module")
+def two_rank_results(references, checkpoint_dir, four_rank_results):
+    """One 2-rank spawn: the 2-rank layouts, then DDP 2 loads the TP 2 x DP 2 checkpoint (so it runs second)."""
+    return _spawn(_two_rank_worker, TWO_RANKS, 2, references, checkpoint_dir)
+
+
+def _spawn(worker, layouts: dict[str, Layout], world: int, references, ckpt: str) -> dict:
+    initials = {model: ref["initial"] for model, ref in references.items()}
+    per_rank = run_distributed(worker, world, layouts, initials, ckpt, timeout=420)
+    results = {name: [per_rank[r]["layouts"][name] for r in range(world)] for name in layouts}
+    return results | {"checkpoint": [per_rank[r]["checkpoint"] for r in range(world)]}
 
 
 def assert_matches_reference(name: str, ranks: list[dict], reference: dict) -> None:
@@ -226,13 +253,13 @@ def test_reference_learns_and_moves_weights(references):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(TWO_RANKS))
 def test_two_rank_layout_equals_single_process(name, two_rank_results, references):
-    assert_matches_reference(name, two_rank_results[name], references[TWO_RANKS[name].tied])
+    assert_matches_reference(name, two_rank_results[name], references[TWO_RANKS[name].model])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(FOUR_RANKS))
 def test_four_rank_layout_equals_single_process(name, four_rank_results, references):
-    assert_matches_reference(name, four_rank_results[name], references[FOUR_RANKS[name].tied])
+    assert_matches_reference(name, four_rank_results[name], references[FOUR_RANKS[name].model])
 
 
 @pytest.mark.slow
@@ -263,12 +290,14 @@ def test_sharded_layouts_initialise_distinct_shards_and_identical_replicas(two_r
 
 
 # ---- checkpoints across layouts ----------------------------------------------------------------------------------------
+# Run inside the layout spawns (they already pay for starting the ranks): plain torch.distributed.checkpoint with
+# get_model_state_dict / set_model_state_dict over engine.model_parts, as the checkpointer does.
 
-def _save_and_reshard_worker(rank: int, world_size: int, first: str, second: str) -> dict:
-    """FSDP 4 -> save -> load as TP 2 x DP 2 and PP 2 x DP 2 -> TP 2 x DP 2 saves again."""
+def save_and_reshard(first: str, second: str) -> dict:
+    """4 ranks: FSDP 4 saves; TP 2 x DP 2 and PP 2 x DP 2 load it; TP 2 x DP 2 saves again."""
     import torch.distributed.checkpoint as dcp
 
-    tied = model_config(tied=True)
+    tied = model_config(tied=True, n_layers=4)
     _, fsdp = build(tied, {"dp_replicate": 1, "dp_shard": 4}, grad_accum=1)
     expected = full_state(fsdp)
     dcp.save(get_model_state_dict(fsdp.model_parts[0]), checkpoint_id=first)
@@ -286,10 +315,11 @@ def _save_and_reshard_worker(rank: int, world_size: int, first: str, second: str
     return {"expected": expected, "loaded": loaded}
 
 
-def _load_as_ddp_worker(rank: int, world_size: int, second: str) -> dict:
+def load_as_ddp(second: str) -> dict:
+    """2 ranks: DDP 2 loads what TP 2 x DP 2 saved."""
     import torch.distributed.checkpoint as dcp
 
-    _, engine = build(model_config(tied=True), {"dp_replicate": 2}, grad_accum=1)
+    _, engine = build(model_config(tied=True, n_layers=4), {"dp_replicate": 2}, grad_accum=1)
     state = get_model_state_dict(engine.model_parts[0])
     dcp.load(state, checkpoint_id=second)
     set_model_state_dict(engine.model_parts[0], state)
@@ -297,12 +327,12 @@ def _load_as_ddp_worker(rank: int, world_size: int, second: str) -> dict:
 
 
 @pytest.mark.slow
-def test_checkpoint_moves_fsdp4_to_tp2xdp2_to_pp2xdp2_and_ddp2(tmp_path):
-    first, second = str(tmp_path / "fsdp4"), str(tmp_path / "tp2xdp2")
-    results = run_distributed(_save_and_reshard_worker, 4, first, second, timeout=300)
-    expected = results[0]["expected"]
+def test_checkpoint_moves_fsdp4_to_tp2xdp2_to_pp2xdp2_and_ddp2(four_rank_results, two_rank_results):
+    saved = four_rank_results["checkpoint"]
+    expected = saved[0]["expected"]
     assert "output.weight" in expected and "layers.3.feed_forward.w2.weight" in expected
-    for r, result in enumerate(results):
+    assert not torch.equal(expected["layers.0.attention.wq.weight"], expected["layers.1.attention.wq.weight"])
+    for r, result in enumerate(saved):
         for name, state in result["loaded"].items():
             for key, value in state.items():
                 assert torch.equal(value, expected[key]), f"rank {r} {name}: {key} changed on the way"
@@ -311,8 +341,7 @@ def test_checkpoint_moves_fsdp4_to_tp2xdp2_to_pp2xdp2_and_ddp2(tmp_path):
         owned = {f"layers.{i}." for i in layer_ranges(4, 2)[stage]}
         assert all(k.split(".")[0] != "layers" or any(k.startswith(o) for o in owned) for k in pp_keys), pp_keys
         assert ("tok_embeddings.weight" in pp_keys) == (stage == 0) and ("output.weight" in pp_keys) == (stage == 1)
-    ddp = run_distributed(_load_as_ddp_worker, 2, second, timeout=300)
-    for result in ddp:
+    for result in two_rank_results["checkpoint"]:
         assert result["engine"] == "LocalEngine"
         assert set(result["loaded"]) == set(expected)
         for key, value in result["loaded"].items():

@@ -30,7 +30,8 @@ from meshrun.models.gpt import GPT, GPTConfig
 from meshrun.parallel.activation_checkpoint import apply_activation_checkpointing
 from meshrun.parallel.data_parallel import apply_ddp, apply_fsdp
 from meshrun.parallel.engine import Engine, LocalEngine
-from meshrun.parallel.pipeline import PipelineEngine, effective_model_config, split_stage, stage_ids
+from meshrun.parallel.pipeline import (PipelineEngine, bubble_fraction, effective_model_config, split_stage,
+                                      stage_ids)
 from meshrun.parallel.sharded import ShardedEngine
 from meshrun.parallel.tp import apply_tp
 
@@ -57,6 +58,7 @@ def build_engine(*, job: JobConfig, model_cfg: GPTConfig, dims: ParallelDims, me
     if dims.world_size > 1 and mesh is None:
         raise ValueError(f"build_engine: world size {dims.world_size} needs the mesh from dims.build_mesh()")
     rank = mesh.get_rank() if mesh is not None else 0
+    log.info("layout: %s", describe_layout(dims))
     fp32 = compute_dtype is None or compute_dtype == torch.float32
     if dims.pp == 1 and dims.tp == 1 and dims.dp_shard == 1:
         return _local_engine(job, cfg, dims, device, rank=rank, autocast_dtype=None if fp32 else compute_dtype)
@@ -68,11 +70,34 @@ def build_engine(*, job: JobConfig, model_cfg: GPTConfig, dims: ParallelDims, me
     coords = dims.coords(rank)
     if dims.pp > 1:
         return PipelineEngine(parts, ids, n_stages=dims.stages, schedule=dims.pp_schedule,
-                              microbatches=dims.pp_microbatches, device=device, pp_group=dims.get_mesh("pp").get_group(),
-                              dp_rank=dims.dp_rank(rank), dp_size=dims.dp_size, tp_rank=coords.tp,
-                              autocast_dtype=autocast)
+                              microbatches=dims.pp_microbatches, device=device,
+                              pp_group=dims.get_mesh("pp").get_group(), dp_rank=dims.dp_rank(rank),
+                              dp_size=dims.dp_size, tp_rank=coords.tp, autocast_dtype=autocast)
     return ShardedEngine(parts[0], dp_rank=dims.dp_rank(rank), dp_size=dims.dp_size, reports_loss=coords.tp == 0,
                          fsdp=sharded_dp, loss_parallel=use_loss_parallel(dims), autocast_dtype=autocast)
+
+
+def describe_layout(dims: ParallelDims) -> str:
+    """One line for the start-up header: the degrees, what applies them, and the pipeline bubble."""
+    text = f"{dims.describe()} | {layout_name(dims)}"
+    if dims.pp > 1:
+        v, m, p = dims.pp_virtual_stages, dims.pp_microbatches, dims.pp
+        formula = f"({p} - 1) / ({v} x {m})" if v > 1 else f"({p} - 1) / {m}"
+        text += f" | pipeline bubble {formula} = {bubble_fraction(p, m, v):.1%}"
+    return text
+
+
+def layout_name(dims: ParallelDims) -> str:
+    """'PP 1f1b + TP + HSDP', 'DDP', 'single process', ..."""
+    parts = [f"PP {dims.pp_schedule}"] if dims.pp > 1 else []
+    if dims.tp > 1:
+        parts.append("TP")
+    if uses_fsdp(dims):
+        parts.append("HSDP" if dims.dp_replicate > 1 and dims.dp_shard > 1 else
+                     "FSDP" if dims.dp_shard > 1 else "FSDP-replicate")
+    elif dims.dp_replicate > 1:
+        parts.append("DDP")
+    return " + ".join(parts) or "single process"
 
 
 def uses_fsdp(dims: ParallelDims) -> bool:

@@ -16,7 +16,6 @@ import re
 import sys
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 
 from meshrun.config import ConfigError, JobConfig
@@ -69,7 +68,7 @@ def simulate_rank(job: JobConfig, model_cfg: GPTConfig, dims: ParallelDims, rank
     """Pretend to be ``rank``: fake process group, real mesh, real parallelisation on the meta device."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from meshrun.parallel.apply import build_parts, uses_fsdp
+    from meshrun.parallel.apply import build_parts, layout_name
 
     if dist.is_initialized():
         raise RuntimeError("simulate_rank needs a process without a process group (it starts a fake one)")
@@ -86,22 +85,7 @@ def simulate_rank(job: JobConfig, model_cfg: GPTConfig, dims: ParallelDims, rank
         dist.destroy_process_group()
     ranges = layer_ranges(cfg.n_layers, dims.stages)
     layers = [i for s in ids for i in ranges[s]]
-    return RankLayout(rank=rank, coords=coords, stages=ids, layers=layers, engine=engine_name(dims, uses_fsdp(dims)),
-                      params=params)
-
-
-def engine_name(dims: ParallelDims, fsdp: bool) -> str:
-    parts = []
-    if dims.pp > 1:
-        parts.append(f"PP {dims.pp_schedule}")
-    if dims.tp > 1:
-        parts.append("TP")
-    if fsdp:
-        parts.append("HSDP" if dims.dp_replicate > 1 and dims.dp_shard > 1 else
-                     "FSDP" if dims.dp_shard > 1 else "FSDP-replicate")
-    elif dims.dp_replicate > 1:
-        parts.append("DDP")
-    return " + ".join(parts) or "single process"
+    return RankLayout(rank=rank, coords=coords, stages=ids, layers=layers, engine=layout_name(dims), params=params)
 
 
 def _shards(parts) -> list[ParamShard]:
@@ -138,6 +122,8 @@ def dry_run(job: JobConfig, *, world_size: int, gpus_per_node: int = 8, ranks: l
     parameter shards. Returns the exit code (2 for a configuration error, printed with the option to change)."""
     from rich.console import Console
 
+    from meshrun.parallel.apply import describe_layout
+
     console = Console(width=None if sys.stdout.isatty() else 160)
     try:
         model_cfg = job_model_config(job)
@@ -149,7 +135,8 @@ def dry_run(job: JobConfig, *, world_size: int, gpus_per_node: int = 8, ranks: l
     except (ConfigError, ValueError) as exc:
         print(f"meshrun: error: {exc}", file=sys.stderr)
         return 2
-    console.print(f"dry run: {dims.describe()} ({gpus_per_node} GPUs per node); fake process group, meta device")
+    console.print(f"dry run: {describe_layout(dims)} ({gpus_per_node} GPUs per node); fake process group, meta "
+                  "device")
     for layout in layouts:
         print_rank_layout(console, layout, dims, gpus_per_node=gpus_per_node)
     return 0

@@ -10,6 +10,14 @@ compositions) provides one; all of them present the same contract so that the tr
   token losses on this rank and the number of target tokens, both as tensors, so the caller can aggregate exactly
   (sum over ranks of loss sums / sum over ranks of tokens).
 * ``eval_loss(inputs, targets)``: the same sums for one validation batch, without gradients.
+* ``clip_grad_norm(max_norm)``: the global gradient norm (over every shard, mesh and pipeline stage; the same value
+  on every rank), clipping to it.
+* ``dp_rank`` / ``dp_size``: which data shard this rank reads; tensor- and pipeline-parallel peers read the same.
+
+Loss sums are non-zero on exactly one rank per data-parallel replica (with TP/PP: TP rank 0 of the last pipeline
+stage; every other rank returns zeros), so a world-wide SUM all-reduce of (loss_sum, tokens) is exact.
+The engines for sharded, tensor- and pipeline-parallel layouts live beside this module and are built by
+:func:`meshrun.parallel.apply.build_engine`.
 
 Gradients are scaled so that, after the data-parallel reduction, they equal the gradient of the mean token loss
 over the whole global batch: every micro-batch loss is ``sum / (tokens_per_microbatch * grad_accum)`` and the

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import math
 from dataclasses import replace
 from typing import Sequence
@@ -90,7 +91,9 @@ def build_schedule(stages: list, *, schedule: str, microbatches: int, loss_fn, f
                "interleaved1f1b": pl.ScheduleInterleaved1F1B}[schedule]
     single = cls in (pl.ScheduleGPipe, pl.Schedule1F1B)
     # loss_fn returns sum / tokens-of-the-step, so the schedule must not divide gradients by the micro-batch count
-    return cls(stages[0] if single else stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+    # (torch versions before the scale_grads argument never divided them)
+    extra = {"scale_grads": False} if "scale_grads" in inspect.signature(cls.__init__).parameters else {}
+    return cls(stages[0] if single else stages, n_microbatches=microbatches, loss_fn=loss_fn, **extra)
 
 
 class PipelineEngine:

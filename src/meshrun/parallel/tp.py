@@ -20,9 +20,10 @@ and dropout run on 1/tp of the tokens and the all-reduces become all-gather + re
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
@@ -43,6 +44,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, 
         parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, _block_plan(sequence_parallel))
+        if not sequence_parallel:
+            replicate_params(block.attention_norm, tp_mesh)
+            replicate_params(block.ffn_norm, tp_mesh)
+    if model.norm is not None and not sequence_parallel:
+        replicate_params(model.norm, tp_mesh)
     tied = getattr(model.cfg, "tie_embeddings", False)
     if tied and model.tok_embeddings is not None and model.output is not None:
         # Both plans placed their copy as Shard(0) over the vocabulary; share the embedding's parameter again.
@@ -71,3 +77,20 @@ def _block_plan(sequence_parallel: bool) -> dict[str, object]:
         "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
     })
     return plan
+
+
+def replicate_params(module: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Make ``module``'s parameters Replicate DTensors while its inputs and outputs stay plain tensors.
+
+    Used for the norms when sequence parallelism is off: every parameter of a TP model is then a DTensor, which
+    the optimizers' foreach and fused kernels need (they refuse a mix of DTensors and plain tensors), and the
+    gradient-norm computation sees one kind of tensor per mesh.
+    """
+    def to_dtensor(_module, inputs, mesh):
+        return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                     if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+
+    def to_local(_module, outputs, _mesh):
+        return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+    distribute_module(module, tp_mesh, input_fn=to_dtensor, output_fn=to_local)

@@ -1,0 +1,93 @@
+"""The layouts on 2 GPUs with NCCL: fp32 parity with a 1-GPU reference, and bf16 mixed precision with compile and
+activation checkpointing (run on the GPU machine: ``pytest -m gpu tests/test_parallel_gpu.py``).
+
+Tolerances: fp32 as in test_parallel_layouts.py but 10x looser (different GPU kernels are chosen for the
+different local shapes of TP shards, so sums are ordered differently). bf16: losses within 0.05 of the fp32
+reference over 10 steps (bf16 rounding of activations; a broken layout is off by > 0.3 after a few steps).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_utils import run_distributed
+from test_parallel_layouts import (LOSS_ATOL, NORM_RTOL, PARAM_ATOL, Layout, reference_run, run_layout)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow,
+              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
+
+FP32 = {
+    "fsdp2": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 1, "dp_shard": 2}),
+    "tp2": Layout(tied=True, grad_accum=1, parallel={"dp_replicate": 1, "tp": 2, "sequence_parallel": "true"}),
+    "pp2_1f1b": Layout(tied=False, grad_accum=2, parallel={"dp_replicate": 1, "pp": 2, "pp_microbatches": 4}),
+    "ddp2": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 2}),
+}
+BF16 = {
+    "fsdp2_compile_selective": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 1, "dp_shard": 2,
+                                                                         "activation_checkpoint": "selective"},
+                                      train={"compile": "true"}),
+    "tp2_full_ac": Layout(tied=True, grad_accum=1, parallel={"dp_replicate": 1, "tp": 2,
+                                                             "activation_checkpoint": "full"}),
+    "pp2_gpipe": Layout(tied=False, grad_accum=1, parallel={"dp_replicate": 1, "pp": 2, "pp_schedule": "gpipe",
+                                                            "pp_microbatches": 4}),
+}
+
+
+def _nccl_worker(rank: int, world_size: int, layouts: dict, initials: dict, dtype_name: str) -> dict:
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=device,
+                            timeout=timedelta(seconds=120))
+    try:
+        dtype = None if dtype_name == "fp32" else torch.bfloat16
+        return {name: run_layout(layout, initials[layout.model], device=device, compute_dtype=dtype)
+                for name, layout in layouts.items()}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {(tied, 2): reference_run(tied, 2, torch.device("cuda", 0)) for tied in (True, False)}
+
+
+def _spawn(layouts, references, dtype_name):
+    initials = {model: ref["initial"] for model, ref in references.items()}
+    per_rank = run_distributed(_nccl_worker, 2, layouts, initials, dtype_name, init_pg=False, timeout=900)
+    return {name: [per_rank[r][name] for r in range(2)] for name in layouts}
+
+
+def test_fp32_layouts_on_two_gpus_equal_one_gpu(references):
+    results = _spawn(FP32, references, "fp32")
+    for name, ranks in results.items():
+        ref = references[FP32[name].model]
+        for result in ranks:
+            torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref["losses"]), rtol=0,
+                                       atol=10 * LOSS_ATOL, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(torch.tensor(result["norms"]), torch.tensor(ref["norms"]),
+                                       rtol=10 * NORM_RTOL, atol=0, msg=lambda m: f"{name}: {m}")
+        state = {}
+        for result in ranks:
+            if result["state"] is not None and result["coords"].dp_replicate == 0:
+                state.update(result["state"])
+        for key, expected in ref["state"].items():
+            torch.testing.assert_close(state[key], expected, rtol=0, atol=10 * PARAM_ATOL,
+                                       msg=lambda m: f"{name} {key}: {m}")
+    for name in ("fsdp2", "tp2"):  # DTensor's CUDA RNG tracker: each shard draws its own values
+        wq = results[name][0]["own_init"]["layers.0.attention.wq.weight"]
+        assert not torch.equal(wq[:32], wq[32:]) and 0.015 < wq.std().item() < 0.025, name
+
+
+def test_bf16_layouts_with_compile_and_checkpointing_track_fp32(references):
+    results = _spawn(BF16, references, "bf16")
+    for name, ranks in results.items():
+        ref = references[BF16[name].model]
+        losses = torch.tensor(ranks[0]["losses"])
+        assert torch.isfinite(losses).all(), name
+        torch.testing.assert_close(losses, torch.tensor(ref["losses"]), rtol=0, atol=0.05,
+                                   msg=lambda m: f"{name}: {m}")
