@@ -59,7 +59,7 @@ def test_nnodes_min_max():
 
 def test_target_kinds_and_train_rewrite():
     train = parse_launch_args(["--nproc-per-node", "2", "train", "--train.steps=20"])
-    assert train.target.kind == "train" and train.target.args == ("--train.steps=20",)
+    assert train.target.kind == "meshrun" and train.target.args == ("--train.steps=20",)
     apply_target(train.ns, train.target)
     assert (train.ns.module, train.ns.training_script, train.ns.training_script_args) == (
         True, "meshrun", ["train", "--train.steps=20"])
@@ -69,6 +69,10 @@ def test_target_kinds_and_train_rewrite():
     assert program.target.kind == "program"
     script = parse_launch_args(["./train", "a"])  # a local file called train needs a path
     assert script.target.kind == "script" and script.target.name == "./train"
+    bench = parse_launch_args(["bench", "allreduce"])
+    apply_target(bench.ns, bench.target)
+    assert (bench.ns.module, bench.ns.training_script, bench.ns.training_script_args) == (
+        True, "meshrun", ["bench", "allreduce"])
 
 
 def test_option_tokens_stop_at_the_target():
@@ -126,6 +130,15 @@ def test_c10d_endpoint_on_this_host_hosts_the_store_with_timeout():
     assert plan.backend == "c10d" and plan.store_here and plan.rdzv_conf == {"join_timeout": "30", "is_host": "1"}
     user_says = plan_for(["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29431", "--rdzv-conf", "is_host=0", "s.py"])
     assert user_says.store_here is False and user_says.probe_first
+
+
+def test_restartable_jobs_get_a_fresh_worker_store_per_attempt():
+    var = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+    assert var not in plan_for(["--nproc-per-node", "1", "s.py"]).env_set
+    assert plan_for(["--max-restarts", "2", "s.py"]).env_set[var] == "1"
+    assert plan_for(["--nnodes", "1:3", "--rdzv-endpoint", "127.0.0.1:29435", "s.py"]).env_set[var] == "1"
+    kept = plan_for(["--max-restarts", "2", "s.py"], {var: "0"})
+    assert var not in kept.env_set and kept.env_kept[var] == "0"
 
 
 def test_apply_plan_fills_torchrun_namespace():

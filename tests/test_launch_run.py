@@ -79,6 +79,37 @@ def test_simulated_nodes_get_distinct_group_ranks_and_failures_reach_the_exit_co
     assert "[agent 0] meshrun launch: 2 node(s)" in proc.stderr and "[agent 1]" in proc.stderr
 
 
+RESTART_SCRIPT = '''
+import json, os, sys
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+restart, group_rank = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["GROUP_RANK"])
+if restart == 0 and group_rank == 1:
+    sys.exit(3)  # node 1 fails the first attempt; node 0 is left in the all_reduce until its agent restarts it
+value = torch.ones(1)
+dist.all_reduce(value)
+with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.json"), "w") as f:
+    json.dump({"group_rank": group_rank, "restart": restart, "sum": value.item()}, f)
+dist.destroy_process_group()
+'''
+
+
+def test_simulated_nodes_restart_the_job_together(tmp_path):
+    script, out = tmp_path / "restart_script.py", tmp_path / "out"
+    script.write_text(RESTART_SCRIPT)
+    out.mkdir()
+    proc, _ = launch(["--simulate-nodes", "2", "--max-restarts", "1", "--rdzv-timeout", "60", str(script), str(out)],
+                     cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    got = results(out)
+    assert [(r["group_rank"], r["sum"]) for r in got] == [(0, 2.0), (1, 2.0)]
+    # Node 1 failed once, so its workers run attempt 1. Node 0 restarts either because its worker failed
+    # (count 1) or because its agent saw node 1 waiting first (a membership restart, which torch does not count).
+    assert got[1]["restart"] == 1 and got[0]["restart"] in (0, 1)
+
+
 def test_unreachable_endpoint_fails_within_the_timeout_naming_it(tmp_path, script):
     with socket.socket() as sock:  # bound, never listening: connections to it are refused
         sock.bind(("127.0.0.1", 0))

@@ -17,13 +17,15 @@ from torch.distributed.run import get_args_parser
 DEFAULT_RDZV_TIMEOUT_S = 120
 """Rendezvous join timeout. torchrun's own default (600 s) is far too long to wait for a typo in an address."""
 
-TRAIN_TARGET = "train"
-"""The target word that means `meshrun train`, run as ``python -m meshrun train ...``."""
+WORKER_COMMANDS = ("train", "bench", "doctor")
+"""meshrun commands that run on every worker: the bare word runs ``python -m meshrun <command> ...``. (Listed here
+rather than read from meshrun.cli, which sits above the launcher.)"""
 
 USAGE = """meshrun launch [torchrun options] [meshrun options] TARGET [target args]
 
 TARGET is one of
   train [--section.key=value ...]   meshrun's trainer (python -m meshrun train ...)
+  bench ... | doctor ...            the other meshrun commands that run on every worker
   script.py [args]                  any torchrun-style script, unchanged
   -m module [args]                  a module, as with python -m
   --no-python program [args]        a program that is not Python"""
@@ -38,15 +40,15 @@ class Target:
     """What every worker runs."""
 
     kind: str
-    """'train', 'script', 'module' or 'program'."""
+    """'meshrun' (a meshrun command), 'script', 'module' or 'program'."""
     name: str
-    """The script path, module or program as the user wrote it ('train' for the trainer)."""
+    """The script path, module, program or meshrun command as the user wrote it."""
     args: tuple[str, ...]
     """Arguments after the target."""
 
     def describe(self) -> str:
-        shown = " ".join((self.name, *self.args)) if self.kind != "train" else " ".join(("train", *self.args))
-        label = {"train": "meshrun", "script": "script", "module": "module", "program": "program"}[self.kind]
+        shown = " ".join((self.name, *self.args))
+        label = self.kind
         return f"{label} {shown}" if len(shown) <= 100 else f"{label} {shown[:97]}..."
 
 
@@ -129,8 +131,8 @@ def detect_target(ns: argparse.Namespace) -> Target:
         return Target(kind="module", name=name, args=args)
     if ns.no_python:
         return Target(kind="program", name=name, args=args)
-    if name == TRAIN_TARGET:
-        return Target(kind="train", name=name, args=args)
+    if name in WORKER_COMMANDS:
+        return Target(kind="meshrun", name=name, args=args)
     return Target(kind="script", name=name, args=args)
 
 
@@ -138,12 +140,12 @@ def check_target(target: Target) -> None:
     """Fail before starting agents when a script does not exist (torchrun would start N workers that all fail)."""
     if target.kind == "script" and not Path(target.name).is_file():
         raise LaunchUsageError(f"script {target.name!r} not found (cwd {Path.cwd()}); give a path to a Python "
-                               "file, `-m module`, or `train` for meshrun's trainer.")
+                               f"file, `-m module`, or a meshrun command ({', '.join(WORKER_COMMANDS)}).")
 
 
 def apply_target(ns: argparse.Namespace, target: Target) -> None:
     """Rewrite ``train ...`` into torchrun's form ``-m meshrun train ...``; other targets pass as they are."""
-    if target.kind == "train":
+    if target.kind == "meshrun":
         ns.module = True
         ns.training_script = "meshrun"
-        ns.training_script_args = [TRAIN_TARGET, *target.args]
+        ns.training_script_args = [target.name, *target.args]

@@ -104,10 +104,14 @@ def make_plan(largs: LaunchArgs, *, environ: Mapping[str, str]) -> LaunchPlan:
                       store_here=None, store_reason="", local_addr=None, local_reason="", iface=None,
                       single_host=max_nodes == 1 or _is_loopback(route.dest), timeout_s=ns.rdzv_timeout,
                       max_restarts=ns.max_restarts, slurm=slurm)
+    if plan.backend == "c10d" and "node_rank" in given:
+        plan.notes.append(f"--node-rank {ns.node_rank} is ignored: c10d numbers nodes as they join "
+                          "(add --rdzv-backend static to fix node ranks, without elastic membership).")
     _choose_local_addr(plan, route, ns, given)
     _choose_store_host(plan, route)
     _choose_socket_env(plan, environ)
     _choose_thread_env(plan, environ)
+    _choose_store_sharing(plan, environ)
     return plan
 
 
@@ -217,6 +221,21 @@ def _choose_thread_env(plan: LaunchPlan, environ: Mapping[str, str]) -> None:
         plan.env_set["OMP_NUM_THREADS"] = "1"
 
 
+def _choose_store_sharing(plan: LaunchPlan, environ: Mapping[str, str]) -> None:
+    """Give every worker attempt a fresh store when the worker group can be restarted.
+
+    Since torch 2.5 the c10d agent shares its TCPStore with the workers and keeps it across restarts, so restarted
+    workers can read the previous attempt's keys (gloo/NCCL addresses) and fail to connect (pytorch#135712; seen
+    here with gloo on torch 2.13). Opting out makes rank 0 of each attempt host a new store, as before torch 2.5.
+    """
+    var = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+    restarts_possible = plan.max_restarts > 0 or plan.min_nodes < plan.max_nodes
+    if var in environ:
+        plan.env_kept[var] = environ[var]
+    elif plan.backend == "c10d" and restarts_possible:
+        plan.env_set[var] = "1"
+
+
 def parse_rdzv_conf(text: str) -> dict[str, str]:
     """'a=1,b=2' -> {'a': '1', 'b': '2'} (torchrun's --rdzv-conf syntax)."""
     conf: dict[str, str] = {}
@@ -237,7 +256,7 @@ def apply_plan(ns: argparse.Namespace, plan: LaunchPlan) -> None:
     ns.rdzv_endpoint = plan.endpoint
     ns.rdzv_id = plan.rdzv_id
     ns.rdzv_conf = ",".join(f"{key}={value}" for key, value in plan.rdzv_conf.items())
-    ns.node_rank = plan.node_rank
+    ns.node_rank = plan.node_rank if plan.backend == "static" else 0  # c10d assigns it (and torch warns otherwise)
     ns.local_addr = plan.local_addr
     ns.master_port = ns.master_port or STATIC_DEFAULT_PORT  # torch >= 2.9 defaults it to None
     apply_target(ns, plan.target)
