@@ -7,6 +7,8 @@ layout (engine) -> optimizer and schedule -> checkpointer (restoring state when 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 import math
 import os
@@ -24,12 +26,17 @@ import torch.distributed as dist
 from meshrun.config import BatchPlan, ConfigError, JobConfig, resolve_batch
 from meshrun.data.corpus import Corpus, load_corpus
 from meshrun.data.loader import StepBatches, eval_batches
-from meshrun.data.sampler import TokenWindows
+from meshrun.data.sampler import DataPosition, TokenWindows
 from meshrun.dist.process_group import DistContext, init_distributed
 from meshrun.env import ClusterEnv
 from meshrun.models.gpt import GPT, GPTConfig, flops_per_token, gpt_config
-from meshrun.parallel.engine import Engine, LocalEngine
+from meshrun.parallel.apply import build_engine, describe_layout
+from meshrun.parallel.engine import Engine
+from meshrun.ckpt.checkpointer import Checkpointer
+from meshrun.ckpt.preemption import install_sigterm_handler
+from meshrun.ckpt.state import CountersState, ModelOptimState, RNGState, SchedulerState
 from meshrun.diag.fingerprint import check_consistency
+from meshrun.dist.mesh import ParallelDims
 from meshrun.train.health import HangWatchdog, StragglerDetector, enable_flight_recorder
 from meshrun.train.metrics import MetricsSink, SumMetrics, peak_flops
 
@@ -95,7 +102,10 @@ class Trainer:
         self.corpus = corpus or load_corpus(job.data)
         self.model_cfg = model_config(job, self.corpus.vocab_size)
         _record_resolved_model(job, self.model_cfg)
-        self.batch: BatchPlan = resolve_batch(job.train, dp_size=self.dp_size_hint(), seq_len=self.model_cfg.seq_len)
+        self.dims = ParallelDims.from_config(job.parallel, world_size=self.env.world_size,
+                                             gpus_per_node=self.env.local_world_size, model=self.model_cfg)
+        self.batch: BatchPlan = resolve_batch(job.train, dp_size=self.dims.dp_size, seq_len=self.model_cfg.seq_len)
+        self.dims.validate_pipeline_batch(self.batch.micro_batch * self.batch.grad_accum)
         self.run_dir = Path(job.run.dir)
         if self.env.is_distributed and torch.cuda.is_available():
             enable_flight_recorder(os.environ, run_dir=self.run_dir)  # NCCL reads these at group creation
@@ -104,12 +114,17 @@ class Trainer:
         self.build_run_dir()
         if self.env.is_distributed and job.health.check_versions:
             check_consistency(env=self.env, strict=True, script=sys.argv[0])  # collective: every rank
-        self.engine: Engine = self.build_engine()
+        self.mesh = self.dims.build_mesh(self.device.type)  # collective: every rank
+        self.engine: Engine = build_engine(job=job, model_cfg=self.model_cfg, dims=self.dims, mesh=self.mesh,
+                                           device=self.device, compute_dtype=compute_dtype(job, self.device))
+        seed_rank_streams(job.train.seed, self.env.rank)
         self.data, self.val = self.build_data()
         self.optimizer = self.build_optimizer()
         self.scheduler = self.build_scheduler()
         self.step = 0
         self.tokens_seen = 0
+        self.ckpt, self.app_state = self.build_checkpointer()
+        self.resume_notes = self.resume()
         self.sink = MetricsSink(self.run_dir, total_steps=job.train.steps, progress=job.run.progress,
                                 tensorboard=job.run.tensorboard, enabled=self.env.is_rank_zero)
         self.timer = WorkTimer(self.engine.model_parts, self.device)
@@ -120,38 +135,11 @@ class Trainer:
 
     # ---- construction -------------------------------------------------------------------------------------------
 
-    def dp_size_hint(self) -> int:
-        """Data-parallel ranks before the mesh exists: world size over the model-parallel degrees."""
-        model_parallel = max(1, self.job.parallel.tp) * max(1, self.job.parallel.pp)
-        if self.env.world_size % model_parallel:
-            raise ConfigError(f"parallel.tp={self.job.parallel.tp} x parallel.pp={self.job.parallel.pp} does not "
-                              f"divide the world size {self.env.world_size}")
-        return self.env.world_size // model_parallel
-
     def build_run_dir(self) -> None:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         _setup_logging(self.run_dir, self.env)
         if self.env.is_rank_zero:
             (self.run_dir / "config.toml").write_text(self.job.to_toml())
-
-    def build_engine(self) -> Engine:
-        torch.manual_seed(self.job.train.seed)  # same initial weights on every rank and in a 1-process reference
-        with torch.device(self.device):
-            model = GPT(self.model_cfg)
-        model.init_weights()
-        seed_rank_streams(self.job.train.seed, self.env.rank)
-        if self.job.train.compile:
-            for block in model.layers.values():
-                block.compile()  # in place: parameter names stay as they are (no "_orig_mod.")
-        ddp = None
-        if self.env.world_size > 1:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            ddp = DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                      gradient_as_bucket_view=True)
-        engine = LocalEngine(model, ddp=ddp, autocast_dtype=compute_dtype(self.job, self.device))
-        engine.dp_rank, engine.dp_size = self.env.rank, self.env.world_size
-        return engine
 
     def build_data(self) -> tuple[StepBatches, list]:
         seq_len = self.model_cfg.seq_len
@@ -187,6 +175,70 @@ class Trainer:
 
         return torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
 
+    def build_checkpointer(self) -> tuple[Checkpointer, dict[str, Any]]:
+        """The checkpointer and the state it saves: model+optimizer (sharded, via DCP), schedule, counters and
+        data position, every rank's RNG streams. Collective: every rank (it creates gloo groups)."""
+        cfg = self.job.checkpoint
+        folder = Path(cfg.dir) if cfg.dir else self.run_dir / "checkpoints"
+        preemption = install_sigterm_handler() if cfg.final else None
+        layout = {"world_size": self.env.world_size, "nodes": self.env.num_nodes, "dp_replicate": self.dims.dp_replicate,
+                  "dp_shard": self.dims.dp_shard, "tp": self.dims.tp, "pp": self.dims.pp,
+                  "global_batch": self.batch.global_batch, "micro_batch": self.batch.micro_batch,
+                  "grad_accum": self.batch.grad_accum}
+        ckpt = Checkpointer(cfg, folder=folder, env=self.env, layout=layout, config_fingerprint=self.fingerprint(),
+                            preemption=preemption)
+        state = {"model_optim": ModelOptimState(self.engine.model_parts, [self.optimizer]),
+                 "scheduler": SchedulerState(self.scheduler), "trainer": CountersState(),
+                 "rng": RNGState(self.env, seed=self.job.train.seed)}
+        return ckpt, state
+
+    def fingerprint(self) -> str:
+        """What must match for a resume to continue the same run: model, data and optimisation settings."""
+        config = self.job.to_dict()
+        optimisation = ("lr", "min_lr", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip", "seed", "dtype")
+        relevant = {"model": config["model"], "data": config["data"], "data_fingerprint": self.corpus.fingerprint,
+                    "train": {k: config["train"][k] for k in optimisation}}
+        return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
+
+    def resume(self) -> list[str]:
+        """Load the checkpoint that checkpoint.resume names (newest valid by default); collective."""
+        manifest = self.ckpt.load(self.app_state)
+        if manifest is None:
+            return self.ckpt.notes
+        counters: CountersState = self.app_state["trainer"]
+        self.step, self.tokens_seen = counters.step, counters.tokens_seen
+        saved_batch = manifest.get("layout", {}).get("global_batch", self.batch.global_batch)
+        if saved_batch != self.batch.global_batch:
+            self.keep_global_batch(saved_batch)
+        self.data.seek(DataPosition(counters.epoch, counters.samples_in_epoch))
+        return self.ckpt.notes
+
+    def keep_global_batch(self, saved: int) -> None:
+        """The world size changed: keep the checkpoint's global batch by re-deriving accumulation, or refuse."""
+        if self.job.train.global_batch and self.job.train.global_batch != saved:
+            raise ConfigError(f"train.global_batch={self.job.train.global_batch} differs from the checkpoint's "
+                              f"{saved}; the data position cannot continue exactly. Set --train.global_batch={saved}"
+                              " or start a new run with --checkpoint.resume=none")
+        before = self.batch
+        self.job.train.global_batch, self.job.train.grad_accum = saved, 0
+        self.batch = resolve_batch(self.job.train, dp_size=self.dims.dp_size, seq_len=self.model_cfg.seq_len)
+        self.data, self.val = self.build_data()
+        self.ckpt.layout.update(global_batch=self.batch.global_batch, grad_accum=self.batch.grad_accum)
+        message = (f"keeping the checkpoint's global batch {saved}: {before.dp_size} -> {self.batch.dp_size} "
+                   f"data-parallel ranks, accumulation {before.grad_accum} -> {self.batch.grad_accum}")
+        self.ckpt.notes.append(message)
+        log.warning(message)
+
+    def save_checkpoint(self, *, final: bool = False) -> None:
+        """Collective: every rank, at the same step."""
+        counters: CountersState = self.app_state["trainer"]
+        counters.step, counters.tokens_seen = self.step, self.tokens_seen
+        counters.epoch, counters.samples_in_epoch = self.data.position.epoch, self.data.position.consumed
+        self.beat("checkpoint", timeout_s=max(1800.0, self.job.health.hang_timeout_s))
+        self.ckpt.save(self.step, self.app_state, final=final,
+                       meta={"epoch": counters.epoch, "tokens_seen": self.tokens_seen,
+                             "samples_in_epoch": counters.samples_in_epoch})
+
     def print_header(self) -> None:
         env, b, m = self.env, self.batch, self.model_cfg
         params = sum(p.numel() for p in {id(p): p for part in self.engine.model_parts
@@ -206,6 +258,10 @@ class Trainer:
             " tail samples dropped per epoch)",
             f"config: {self.run_dir / 'config.toml'}",
         ]
+        lines.insert(1, f"layout: {describe_layout(self.dims)}")
+        if self.step:
+            lines.append(f"resumed at step {self.step} (epoch {self.data.position.epoch}, "
+                         f"{self.data.position.consumed:,} samples into it) from {self.ckpt.folder}")
         for section, values in self.job.to_dict().items():
             lines.append(f"  [{section}] " + " ".join(f"{k}={v}" for k, v in values.items()))
         self.sink.print("\n".join(lines))
@@ -242,9 +298,9 @@ class Trainer:
         totals = sums.reduce()
         return totals["loss_sum"] / max(totals["tokens"], 1.0)
 
-    def beat(self, phase: str) -> None:
+    def beat(self, phase: str, timeout_s: float | None = None) -> None:
         if self.watchdog is not None:
-            self.watchdog.beat(self.step, phase)
+            self.watchdog.beat(self.step, phase, timeout_s=timeout_s)
 
     def fit(self) -> TrainResult:
         """Train to ``train.steps``; the hang watchdog runs for the duration of the loop."""
@@ -280,8 +336,25 @@ class Trainer:
                 result.val_loss = self.evaluate()
                 self.sink.log({"kind": "eval", "step": self.step, "loss": result.val_loss})
                 interval_start = time.perf_counter()  # evaluation time is not training throughput
+            if self.checkpoint_due():
+                self.save_checkpoint()
+                interval_start = time.perf_counter()
+                if self.ckpt.stop_requested:
+                    self.sink.print(f"stopping at step {self.step} after SIGTERM (checkpoint saved)")
+                    break
+        if job.checkpoint.final and not self.ckpt.stop_requested:
+            self.save_checkpoint(final=True)
+        self.ckpt.wait()
         result.step = self.step
         return result
+
+    def checkpoint_due(self) -> bool:
+        """Asked at log and checkpoint-interval steps only: with a time interval or SIGTERM watch the question is a
+        small collective, not worth paying every step."""
+        every = self.job.checkpoint.interval_steps
+        if self.step % self.job.train.log_every and not (every and self.step % every == 0):
+            return False
+        return self.ckpt.should_save(self.step)
 
     def check_stragglers(self, steps: int) -> None:
         """Every rank's own working time (data + forward, before any blocking collective) compared across ranks."""
@@ -292,7 +365,7 @@ class Trainer:
         report = self.stragglers.observe(self.step, work_s, data_s)  # collective: every rank
         if report is not None:
             self.sink.print(f"warning: {report}")
-            log.warning("%s", report)
+            log.info("%s", report)
 
     def train_record(self, totals: dict[str, float], steps: int, elapsed: float, gnorm: float | None) -> dict[str, Any]:
         tokens_per_s = steps * self.batch.tokens_per_step / max(elapsed, 1e-9)
@@ -308,6 +381,7 @@ class Trainer:
                 if self.device.type == "cuda" else None}
 
     def close(self) -> None:
+        self.ckpt.close()
         self.sink.close()
 
 
