@@ -1,7 +1,7 @@
 """``meshrun launch``: parse, then run one node's agent or a simulated multi-node rehearsal.
 
 Exit codes: 0 success; 2 a wrong command line; 1 the rendezvous could not be reached or completed; otherwise the
-first failed worker's exit code (128+N for a worker killed by signal N).
+first failed worker's exit code (128+N for a worker killed by signal N, or for the launcher stopped by signal N).
 """
 
 from __future__ import annotations

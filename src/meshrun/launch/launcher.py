@@ -12,6 +12,7 @@ import signal
 import socket
 import sys
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
 from torch.distributed.launcher.api import elastic_launch
@@ -55,6 +56,10 @@ def launch(largs: LaunchArgs) -> int:
               f"exit code {failure.exitcode}; its output is above. {len(exc.failures)} worker(s) failed on this "
               "node.", file=sys.stderr, flush=True)
         return _exit_code(failure.exitcode)
+    except SignalException as exc:  # SIGTERM/SIGINT (scancel, Ctrl-C): torch's agent has stopped the workers
+        print(f"meshrun launch: stopped by {signal.Signals(exc.sigval).name} on {_host(plan)}; workers were "
+              "stopped.", file=sys.stderr, flush=True)
+        return 128 + int(exc.sigval)
     except RendezvousTimeoutError as exc:
         raise LaunchError(rendezvous_timeout_message(plan)) from exc
     except RendezvousError as exc:
