@@ -25,8 +25,11 @@ class StepBatches:
         self.micro_batch, self.grad_accum, self.device = micro_batch, grad_accum, device
         self.sampler = GlobalOrderSampler(dataset, num_replicas=dp_size, rank=dp_rank, seed=seed,
                                           global_batch=self.global_batch)
+        # Its own generator: creating a DataLoader iterator draws a seed, and from the global RNG that draw would
+        # shift every later dropout mask after a resume (the iterator is created at a different step).
         self.loader = DataLoader(dataset, batch_size=micro_batch, sampler=self.sampler, num_workers=num_workers,
-                                 pin_memory=device.type == "cuda", drop_last=False)
+                                 pin_memory=device.type == "cuda", drop_last=False,
+                                 generator=torch.Generator().manual_seed(seed))
         self.position = DataPosition()
         self._iterator: Iterator[Batch] | None = None
 
