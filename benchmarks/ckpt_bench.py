@@ -135,23 +135,31 @@ def measure(args: argparse.Namespace, env: ClusterEnv, folder: Path) -> dict:
     return result
 
 
-def report(result: dict, json_path: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
+ROWS = (("raw write + fsync (same bytes)", "raw_write_s"), ("sync save", "sync_save_s"),
+        ("async save: training stall", "async_stall_s"), ("async save: until published", "async_total_s"),
+        ("load (auto, sha256 verified)", "load_s"), ("load (no checksums)", "load_nohash_s"))
 
-    table = Table(title=f"checkpoint speed: {result['model']} ({result['params'] / 1e6:.1f}M params), "
-                        f"{result['ranks']} rank(s) on {result['device']}, {result['checkpoint_bytes'] / 1e6:.1f} MB")
-    for column in ("what", "seconds", "GB/s", "vs raw write"):
-        table.add_column(column, justify="left" if column == "what" else "right")
-    raw = result["raw_write_s"]
-    for label, key in (("raw write + fsync (same bytes)", "raw_write_s"), ("sync save", "sync_save_s"),
-                       ("async save: training stall", "async_stall_s"), ("async save: until published",
-                                                                         "async_total_s"),
-                       ("load (auto, sha256 verified)", "load_s"), ("load (no checksums)", "load_nohash_s")):
-        seconds = result[key]
-        table.add_row(label, f"{seconds:.3f}", f"{result['checkpoint_bytes'] / seconds / 1e9:.2f}",
-                      f"{seconds / raw:.2f}x time")
-    Console().print(table)
+
+def report(result: dict, json_path: str) -> None:
+    title = (f"checkpoint speed: {result['model']} ({result['params'] / 1e6:.1f}M params), {result['ranks']} rank(s) "
+             f"on {result['device']}, {result['checkpoint_bytes'] / 1e6:.1f} MB")
+    rows = [(label, f"{result[key]:.3f}", f"{result['checkpoint_bytes'] / result[key] / 1e9:.2f}",
+             f"{result[key] / result['raw_write_s']:.2f}x") for label, key in ROWS]
+    header = ("what", "seconds", "GB/s", "time vs raw write")
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:  # plain text where rich is not installed
+        print(title)
+        for row in (header, *rows):
+            print(f"{row[0]:<32}{row[1]:>10}{row[2]:>8}{row[3]:>20}")
+    else:
+        table = Table(title=title)
+        for column in header:
+            table.add_column(column, justify="left" if column == "what" else "right")
+        for row in rows:
+            table.add_row(*row)
+        Console(width=100).print(table)
     print(json.dumps(result))
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=1))

@@ -35,7 +35,7 @@ log = logging.getLogger("meshrun.ckpt")
 
 
 def choose(coord: Coordinator, folder: Path, *, explicit: Path | None, strict: bool, verify_checksums: bool,
-           notes: list[str]) -> tuple[Path, dict[str, Any]] | None:
+           threads: int, notes: list[str]) -> tuple[Path, dict[str, Any]] | None:
     """Collective. The checkpoint to load and its manifest, or None (auto, and nothing valid: start fresh)."""
     refusal = _refusal_hint(explicit, strict) if explicit is not None or strict else None
     candidates: list[Path] = []
@@ -55,7 +55,7 @@ def choose(coord: Coordinator, folder: Path, *, explicit: Path | None, strict: b
         if "error" in pick:
             raise CheckpointError(pick["error"])
         path, manifest = Path(pick["path"]), pick["manifest"]
-        problems = _verify_shares(coord, path, manifest) if verify_checksums else []
+        problems = _verify_shares(coord, path, manifest, threads) if verify_checksums else []
         if not problems:
             return path, manifest
         message = f"checkpoint {path} is damaged: {'; '.join(problems)}"
@@ -109,10 +109,10 @@ def _refusal_hint(explicit: Path | None, strict: bool) -> str:
     return " (checkpoint.strict=true refuses to fall back; set it to false to resume from the previous one)"
 
 
-def _verify_shares(coord: Coordinator, path: Path, manifest: dict[str, Any]) -> list[str]:
+def _verify_shares(coord: Coordinator, path: Path, manifest: dict[str, Any], threads: int) -> list[str]:
     """Collective. Each rank hashes its share of the files; every rank gets all the findings."""
     mine = share_of_files(manifest, coord.rank, coord.size)
-    found = coord.all_gather(check_checksums(path, manifest, mine))
+    found = coord.all_gather(check_checksums(path, manifest, mine, threads=threads))
     return [problem for problems in found for problem in problems]
 
 
