@@ -14,7 +14,6 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
@@ -114,6 +113,6 @@ def test_closed_endpoint_port_fails_fast_naming_the_endpoint(two_hosts, tmp_path
     elapsed = time.monotonic() - start
     assert code == 1, err
     last = err.strip().splitlines()[-1]
-    assert last.startswith(f"meshrun launch: ") and f"({host1.addr} on {host1.iface}) cannot reach" in last
+    assert last.startswith("meshrun launch: ") and f"({host1.addr} on {host1.iface}) cannot reach" in last
     assert f"rendezvous endpoint {host0.addr}:29411: connection refused" in last
     assert elapsed < 4 + 20  # the probe's timeout plus interpreter start-up

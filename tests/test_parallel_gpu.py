@@ -8,7 +8,6 @@ reference over 10 steps (bf16 rounding of activations; a broken layout is off by
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 
 import pytest

@@ -136,9 +136,9 @@ def build_plan(job: JobConfig, *, nodes: int, gpus_per_node: int, gpu_mem_gib: f
     """Resolve and validate the layout and compute memory, traffic and warnings. Raises ConfigError."""
     if nodes < 1 or gpus_per_node < 1:
         raise ConfigError(f"--nodes {nodes} and --gpus-per-node {gpus_per_node} must both be >= 1")
-    from meshrun.parallel.dryrun import job_model_config
+    from meshrun.models.build import model_config
 
-    model = job_model_config(job)
+    model = model_config(job)
     if model.dim % model.n_heads:
         raise ConfigError(f"model.dim={model.dim} (--hidden) is not divisible by model.n_heads={model.n_heads}")
     world = nodes * gpus_per_node
@@ -393,7 +393,6 @@ def compact(ranks: list[int]) -> str:
 
 
 def print_plan(plan: Plan, *, ranks: str, console) -> None:
-    from rich.table import Table
 
     d, m = plan.dims, plan.model
     console.print(f"[bold]world size {plan.world_size}[/] = {plan.nodes} node(s) x {plan.gpus_per_node} GPUs; "

@@ -44,4 +44,7 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device) -> nn
 
     return DistributedDataParallel(model, process_group=dp_mesh.get_group(),
                                    device_ids=[device.index] if device.type == "cuda" else None,
-                                   gradient_as_bucket_view=True)
+                                   gradient_as_bucket_view=True,
+                                   # the model's only buffer (the RoPE table) is computed identically everywhere:
+                                   # broadcasting it before every forward would be a wasted collective per step
+                                   broadcast_buffers=False)

@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from meshrun.config import ConfigError, JobConfig
 from meshrun.dist.mesh import ParallelDims, RankCoords
-from meshrun.models.gpt import GPTConfig, gpt_config
+from meshrun.models.build import model_config
+from meshrun.models.gpt import GPTConfig
 from meshrun.parallel.pipeline import effective_model_config, layer_ranges, stage_ids
 
 
@@ -53,15 +54,6 @@ class RankLayout:
     @property
     def local_bytes(self) -> int:
         return sum(p.local_bytes for p in self.params)
-
-
-def job_model_config(job: JobConfig) -> GPTConfig:
-    """The GPT config that ``job.model`` describes (named size plus non-zero overrides)."""
-    m = job.model
-    cfg = gpt_config(m.name, dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
-                     ffn_dim=m.ffn_dim, vocab_size=m.vocab_size, seq_len=m.seq_len)
-    return dataclasses.replace(cfg, dropout=m.dropout, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
-                               tie_embeddings=m.tie_embeddings)
 
 
 def simulate_rank(job: JobConfig, model_cfg: GPTConfig, dims: ParallelDims, rank: int) -> RankLayout:
@@ -126,7 +118,7 @@ def dry_run(job: JobConfig, *, world_size: int, gpus_per_node: int = 8, ranks: l
 
     console = Console(width=None if sys.stdout.isatty() else 160)
     try:
-        model_cfg = job_model_config(job)
+        model_cfg = model_config(job)
         if world_size <= 0:
             raise ConfigError("--world-size N is needed with --dry-run (the number of ranks to simulate)")
         dims = ParallelDims.from_config(job.parallel, world_size=world_size, gpus_per_node=gpus_per_node,

@@ -6,7 +6,6 @@ layout (engine) -> optimizer and schedule -> checkpointer (restoring state when 
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -29,7 +28,8 @@ from meshrun.data.loader import StepBatches, eval_batches
 from meshrun.data.sampler import DataPosition, TokenWindows
 from meshrun.dist.process_group import DistContext, init_distributed
 from meshrun.env import ClusterEnv
-from meshrun.models.gpt import GPT, GPTConfig, flops_per_token, gpt_config
+from meshrun.models.build import model_config, record_resolved
+from meshrun.models.gpt import flops_per_token
 from meshrun.parallel.apply import build_engine, describe_layout
 from meshrun.parallel.engine import Engine
 from meshrun.ckpt.checkpointer import Checkpointer
@@ -52,29 +52,6 @@ class TrainResult:
     val_loss: float | None = None
     """Validation loss of the last evaluation."""
     run_dir: Path | None = None
-
-
-def model_config(job: JobConfig, corpus_vocab: int = 256) -> GPTConfig:
-    m = job.model
-    cfg = gpt_config(m.name, dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
-                     ffn_dim=m.ffn_dim, vocab_size=m.vocab_size, seq_len=m.seq_len)
-    cfg = dataclasses.replace(cfg, dropout=m.dropout, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
-                              tie_embeddings=m.tie_embeddings)
-    if cfg.dim % cfg.n_heads:
-        raise ConfigError(f"model.dim={cfg.dim} is not divisible by model.n_heads={cfg.n_heads}")
-    if cfg.n_heads % cfg.kv_heads:
-        raise ConfigError(f"model.n_heads={cfg.n_heads} is not divisible by model.n_kv_heads={cfg.kv_heads}")
-    if cfg.vocab_size < corpus_vocab:
-        raise ConfigError(f"model.vocab_size={cfg.vocab_size} is smaller than the corpus needs ({corpus_vocab}); "
-                          f"set --model.vocab_size={corpus_vocab} or more")
-    return cfg
-
-
-def _record_resolved_model(job: JobConfig, cfg: GPTConfig) -> None:
-    """Write the named size's values back into the config, so config.toml is the whole truth."""
-    for name in ("dim", "n_layers", "n_heads", "vocab_size", "seq_len"):
-        setattr(job.model, name, getattr(cfg, name))
-    job.model.n_kv_heads, job.model.ffn_dim = cfg.kv_heads, cfg.hidden_dim
 
 
 def seed_rank_streams(base_seed: int, rank: int) -> None:
@@ -101,7 +78,7 @@ class Trainer:
         self.env = env or ClusterEnv.detect()
         self.corpus = corpus or load_corpus(job.data)
         self.model_cfg = model_config(job, self.corpus.vocab_size)
-        _record_resolved_model(job, self.model_cfg)
+        record_resolved(job, self.model_cfg)
         self.dims = ParallelDims.from_config(job.parallel, world_size=self.env.world_size,
                                              gpus_per_node=self.env.local_world_size, model=self.model_cfg)
         self.batch: BatchPlan = resolve_batch(job.train, dp_size=self.dims.dp_size, seq_len=self.model_cfg.seq_len)
