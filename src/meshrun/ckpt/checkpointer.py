@@ -148,7 +148,7 @@ class Checkpointer:
         token = self.coord.broadcast(secrets.token_hex(4) if self.coord.rank == 0 else None)
         job = _SaveJob(step=step, tmp=self.folder / tmp_dir_name(step, token), meta=meta, final=final, kinds=kinds,
                        started=started)
-        self._last_save_time, self._last_step = time.monotonic(), step
+        self._last_save_time = time.monotonic()
         if self.cfg.async_save and not final:
             upload = dcp.async_save(tree, checkpoint_id=str(job.tmp), storage_writer=self._staging_writer(),
                                     process_group=self.coord.io)
@@ -156,8 +156,12 @@ class Checkpointer:
             self._pending = self._executor.submit(self._finish, job, upload)
         else:
             writer = dcp.FileSystemWriter(str(job.tmp), sync_files=True, thread_count=self.io_threads)
-            dcp.save(tree, storage_writer=writer,
-                     process_group=self.coord.io)
+            try:
+                dcp.save(tree, storage_writer=writer, process_group=self.coord.io)
+            except Exception:  # DCP raises on every rank; leave no half-written directory behind
+                if self.coord.rank == 0:
+                    shutil.rmtree(job.tmp, ignore_errors=True)
+                raise
             self._finish(job, None)
 
     def wait(self) -> None:
@@ -184,18 +188,22 @@ class Checkpointer:
     def _check_agreement(self, step: int, state: dict[str, Any], tree: dict[str, Any]) -> None:
         """Collective. Every rank is saving the same step with equal replicated state (DCP stores one copy)."""
         self.coord.barrier(f"save of step {step}")
-        digest = hashlib.sha256()
+        digests = {"step": str(step)}
         for name, obj in state.items():
             if getattr(obj, "replicated", False):
-                for key, leaf in walk(tree[name], name + "."):
+                digest = hashlib.sha256()
+                for key, leaf in walk(tree[name]):
                     digest.update(key.encode() + leaf.detach().cpu().numpy().tobytes())
-        views = self.coord.all_gather((step, digest.hexdigest()))
-        odd = [r for r, view in enumerate(views) if view != views[0]]
+                digests[name] = digest.hexdigest()
+        views = self.coord.all_gather(digests)
+        odd = {r: sorted(k for k in view if view[k] != views[0].get(k)) for r, view in enumerate(views)}
+        odd = {r: keys for r, keys in odd.items() if keys}
         if odd:
+            detail = "; ".join(f"rank {r}: {', '.join(keys)}" for r, keys in odd.items())
             raise CheckpointError(
-                f"save of step {step}: rank(s) {odd} disagree with rank 0 on the step or on state that must be equal "
-                f"on every rank (counters, scheduler, metrics): {views[0]} vs {[views[r] for r in odd]}; the trainer "
-                "must update these identically on all ranks")
+                f"save of step {step}: ranks disagree with rank 0 on state that DCP stores once for all ({detail}; "
+                f"rank 0 saves step {step}); the trainer must call save at the same step on every rank and keep "
+                "counters, scheduler and metrics identical on all ranks (reduce metrics before storing them)")
 
     def _staging_writer(self) -> _StagingWriter:
         if self._writer is None:
@@ -225,6 +233,7 @@ class Checkpointer:
             raise CheckpointError(outcome)
         job.timings["total_s"] = time.perf_counter() - job.started
         self.last_timings = dict(job.timings)
+        self._last_step = job.step
 
     def _hash_own_files(self, tmp: Path) -> dict[str, dict[str, Any]]:
         """Sizes and SHA-256 of the shard files this rank wrote (DCP names them __<rank>_<n>.distcp), plus, on
