@@ -29,7 +29,7 @@ from meshrun.dist.mesh import ParallelDims
 from meshrun.models.gpt import GPT, GPTConfig
 from meshrun.parallel.activation_checkpoint import apply_activation_checkpointing
 from meshrun.parallel.data_parallel import apply_ddp, apply_fsdp
-from meshrun.parallel.engine import Engine, LocalEngine
+from meshrun.parallel.engine import Engine, LocalEngine, LossStep
 from meshrun.parallel.pipeline import (PipelineEngine, bubble_fraction, effective_model_config, split_stage,
                                       stage_ids)
 from meshrun.parallel.sharded import ShardedEngine
@@ -162,18 +162,24 @@ def seed_for_init(seed: int, *, dims: ParallelDims, rank: int, device: torch.dev
 
 def _local_engine(job: JobConfig, cfg: GPTConfig, dims: ParallelDims, device: torch.device, *, rank: int,
                   autocast_dtype: torch.dtype | None) -> LocalEngine:
-    """One process, or DDP over dp_replicate: every rank holds the whole model, initialised like 1 process."""
+    """One process, or DDP over dp_replicate: every rank holds the whole model, initialised like 1 process.
+
+    Compile covers the whole model and its loss (``LossStep``), not each block: with no sharding there is no
+    per-block communication to overlap, and one graph lets inductor fuse the head, the fp32 upcast and the
+    cross-entropy. DDP wraps the compiled step (its graph is split at bucket boundaries to overlap the all-reduce).
+    """
     with torch.device("meta"):
         model = GPT(cfg)
     apply_activation_checkpointing(model, job.parallel.activation_checkpoint)
-    if job.train.compile:
-        for block in model.layers.values():
-            block.compile()
     model.to_empty(device=device)
     if cfg.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight  # to_empty may have replaced the shared parameter
     torch.manual_seed(job.train.seed)
     model.init_weights(buffer_device=device)
-    ddp = apply_ddp(model, dims.get_mesh("dp_replicate"), device) if dims.dp_replicate > 1 else None
-    return LocalEngine(model, ddp=ddp, autocast_dtype=autocast_dtype, dp_rank=dims.dp_rank(rank),
+    step: nn.Module = LossStep(model, autocast_dtype)
+    if job.train.compile:
+        step = torch.compile(step)
+    if dims.dp_replicate > 1:
+        step = apply_ddp(step, dims.get_mesh("dp_replicate"), device)
+    return LocalEngine(model, step=step, autocast_dtype=autocast_dtype, dp_rank=dims.dp_rank(rank),
                        dp_size=dims.dp_size)

@@ -53,36 +53,56 @@ class Engine(Protocol):
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor: ...
 
 
-class LocalEngine:
-    """One model replica per rank: a single process, or DDP when ``ddp`` wraps the model.
+class LossStep(nn.Module):
+    """The model and its loss as one module: compiled whole, torch.compile fuses the output head, the fp32 upcast
+    and the cross-entropy, so the logits (B x T x V, the largest activation) are not written out in fp32."""
 
-    With DDP the gradient all-reduce is skipped (``no_sync``) on every micro-batch but the last.
+    def __init__(self, model: nn.Module, autocast_dtype: torch.dtype | None = None):
+        super().__init__()
+        self.model, self.autocast_dtype = model, autocast_dtype
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with _autocast(inputs.device.type, self.autocast_dtype):
+            logits = self.model(inputs)  # (B, T, V)
+        return token_loss_sum(logits, targets)
+
+
+def _autocast(device_type: str, dtype: torch.dtype | None):
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device_type, dtype=dtype)
+
+
+class LocalEngine:
+    """One model replica per rank: a single process, or DDP.
+
+    ``step`` is the module that maps (inputs, targets) to the loss sum: a :class:`LossStep` over ``model``, possibly
+    compiled and/or DDP-wrapped (default: a plain LossStep). With DDP the gradient all-reduce is skipped
+    (``no_sync``) on every micro-batch but the last.
     """
 
-    def __init__(self, model: nn.Module, *, ddp: nn.Module | None = None, autocast_dtype: torch.dtype | None = None,
+    def __init__(self, model: nn.Module, *, step: nn.Module | None = None, autocast_dtype: torch.dtype | None = None,
                  dp_rank: int = 0, dp_size: int = 1):
         self.model = model
-        self.wrapped = ddp if ddp is not None else model
+        self.step = step if step is not None else LossStep(model, autocast_dtype)
         self.model_parts = [model]
+        inner = getattr(self.step, "module", self.step)  # under DDP: the (compiled) LossStep it wraps
+        self.timed_modules = [inner]
+        """Modules whose forward is this rank's own work (no collective inside): the trainer's straggler timer
+        hooks them. Outside any compiled region, so the hooks do not break the graph."""
         self.autocast_dtype = autocast_dtype
         self.dp_rank, self.dp_size = dp_rank, dp_size
         """Which data shard this rank reads, out of how many (the sampler's rank and world size)."""
 
     def _autocast(self, device_type: str):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type, dtype=self.autocast_dtype)
+        return _autocast(device_type, self.autocast_dtype)
 
     def forward_backward(self, batches: Sequence[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
         loss_sum = torch.zeros((), dtype=torch.float32, device=batches[0][0].device)
         tokens = 0
         for i, (inputs, targets) in enumerate(batches):
             last = i == len(batches) - 1
-            sync = contextlib.nullcontext() if last or self.wrapped is self.model else self.wrapped.no_sync()
+            sync = contextlib.nullcontext() if last or not hasattr(self.step, "no_sync") else self.step.no_sync()
             with sync:
-                with self._autocast(inputs.device.type):
-                    logits = self.wrapped(inputs)
-                summed = token_loss_sum(logits, targets)
+                summed = self.step(inputs, targets)
                 (summed / (targets.numel() * len(batches))).backward()
             loss_sum += summed.detach()
             tokens += targets.numel()

@@ -58,11 +58,14 @@ class SumMetrics:
 class MetricsSink:
     """Rank 0's outputs: console (live bar on a terminal, lines otherwise), metrics.jsonl, optional TensorBoard."""
 
-    def __init__(self, run_dir: Path, *, total_steps: int, progress: str, tensorboard: bool, enabled: bool):
+    def __init__(self, run_dir: Path, *, total_steps: int, progress: str, tensorboard: bool, enabled: bool,
+                 start_step: int = 0):
         self.enabled, self.total_steps = enabled, total_steps
+        self.start_step = start_step
+        """The step this process started from (a resumed run's checkpoint): ETAs count only steps done here."""
         self.jsonl = (run_dir / "metrics.jsonl").open("a") if enabled else None
         use_bar = progress == "bar" or (progress == "auto" and sys.stdout.isatty())
-        self.bar = _RichBar(total_steps) if enabled and use_bar else None
+        self.bar = _RichBar(total_steps, start_step) if enabled and use_bar else None
         self.writer = _tensorboard_writer(run_dir) if enabled and tensorboard else None
         self.start = time.perf_counter()
 
@@ -79,7 +82,7 @@ class MetricsSink:
         if self.bar is not None and record.get("kind") == "train":
             self.bar.update(record)
         else:
-            print(format_record(record, self.total_steps, self.start), flush=True)
+            print(format_record(record, self.total_steps, self.start, self.start_step), flush=True)
 
     def print(self, text: str) -> None:
         if not self.enabled:
@@ -98,7 +101,7 @@ class MetricsSink:
             self.writer.close()
 
 
-def format_record(record: dict[str, Any], total_steps: int, start: float) -> str:
+def format_record(record: dict[str, Any], total_steps: int, start: float, start_step: int = 0) -> str:
     step = record["step"]
     if record.get("kind") == "eval":
         return f"eval  step {step:>6} | val loss {record['loss']:.4f} | val ppl {math.exp(min(record['loss'], 50)):.2f}"
@@ -108,9 +111,9 @@ def format_record(record: dict[str, Any], total_steps: int, start: float) -> str
         parts.append(f"MFU {100 * record['mfu']:.1f}%")
     if record.get("grad_norm") is not None:
         parts.append(f"gnorm {record['grad_norm']:.3f}")
-    elapsed = time.perf_counter() - start
-    if step:
-        parts.append(f"ETA {_duration(elapsed / step * (total_steps - step))}")
+    elapsed, done_here = time.perf_counter() - start, step - start_step  # a resumed run's earlier steps took no time
+    if done_here > 0:
+        parts.append(f"ETA {_duration(elapsed / done_here * (total_steps - step))}")
     return " | ".join(parts)
 
 
@@ -120,13 +123,13 @@ def _duration(seconds: float) -> str:
 
 
 class _RichBar:
-    def __init__(self, total: int):
+    def __init__(self, total: int, start_step: int = 0):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         self.progress = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                                  TextColumn("{task.fields[info]}"))
         self.console = self.progress.console
-        self.task = self.progress.add_task("train", total=total, info="")
+        self.task = self.progress.add_task("train", total=total, completed=start_step, info="")  # speed from here on
         self.progress.start()
 
     def update(self, record: dict[str, Any]) -> None:

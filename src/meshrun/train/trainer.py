@@ -103,8 +103,8 @@ class Trainer:
         self.ckpt, self.app_state = self.build_checkpointer()
         self.resume_notes = self.resume()
         self.sink = MetricsSink(self.run_dir, total_steps=job.train.steps, progress=job.run.progress,
-                                tensorboard=job.run.tensorboard, enabled=self.env.is_rank_zero)
-        self.timer = WorkTimer(self.engine.model_parts, self.device)
+                                tensorboard=job.run.tensorboard, enabled=self.env.is_rank_zero, start_step=self.step)
+        self.timer = WorkTimer(getattr(self.engine, "timed_modules", self.engine.model_parts), self.device)
         self.watchdog: HangWatchdog | None = None
         self.stragglers = (StragglerDetector(env=self.env, threshold=job.health.straggler_threshold)
                            if self.env.is_distributed and job.health.straggler_threshold else None)
