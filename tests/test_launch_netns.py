@@ -8,71 +8,15 @@ c10d store, and workers would be told MASTER_ADDR=localhost): meshrun must work 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
-import sys
 import time
-from dataclasses import dataclass
 
 import pytest
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
+pytest_plugins = ["netns"]  # the two_hosts fixture (tests/netns.py)
 
 TRAIN_ARGS = ["--model.name=tiny", "--train.steps=5", "--data.max_bytes=200000", "--train.eval_every=0"]
-
-
-@dataclass(frozen=True)
-class Host:
-    netns: str
-    iface: str
-    addr: str
-
-    def launch(self, args: list[str]) -> subprocess.Popen:
-        return subprocess.Popen(["ip", "netns", "exec", self.netns, sys.executable, "-m", "meshrun", "launch", *args],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
-
-
-def _remove(hosts: list[Host]) -> None:
-    for host in hosts:
-        pids = subprocess.run(["ip", "netns", "pids", host.netns], capture_output=True, text=True).stdout.split()
-        for pid in pids:  # only processes this test started live in its namespaces
-            try:
-                os.kill(int(pid), 9)
-            except (ProcessLookupError, ValueError):
-                pass
-        subprocess.run(["ip", "netns", "del", host.netns], capture_output=True)
-        subprocess.run(["ip", "link", "del", host.iface], capture_output=True)  # if it never left the root ns
-
-
-@pytest.fixture
-def two_hosts():
-    if shutil.which("ip") is None:
-        pytest.skip("iproute2 (`ip`) is not installed")
-    if os.geteuid() != 0:
-        pytest.skip("creating network namespaces needs root")
-    tag = f"mrl{os.getpid() % 100000}"
-    hosts = [Host(f"{tag}h0", f"{tag}v0", "10.77.0.1"), Host(f"{tag}h1", f"{tag}v1", "10.77.0.2")]
-    try:
-        for host in hosts:
-            _ip("netns", "add", host.netns)
-        _ip("link", "add", hosts[0].iface, "type", "veth", "peer", "name", hosts[1].iface)
-        for host in hosts:
-            _ip("link", "set", host.iface, "netns", host.netns)
-            _ip("-n", host.netns, "addr", "add", f"{host.addr}/24", "dev", host.iface)
-            _ip("-n", host.netns, "link", "set", host.iface, "up")
-            _ip("-n", host.netns, "link", "set", "lo", "up")
-    except subprocess.CalledProcessError as exc:
-        _remove(hosts)
-        pytest.skip(f"cannot build network namespaces here: {' '.join(exc.cmd)}: {exc.stderr.strip()}")
-    try:
-        yield hosts
-    finally:
-        _remove(hosts)
 
 
 def _finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
