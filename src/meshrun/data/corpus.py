@@ -62,9 +62,15 @@ def _py_version() -> str:
 
 
 def _text_files(root: Path, pattern: str) -> list[Path]:
-    files = [p for p in root.rglob(pattern)
-             if p.is_file() and not _SKIP_DIRS.intersection(p.relative_to(root).parts)
-             and not any(part.startswith(".") for part in p.relative_to(root).parts)]
+    """Files under ``root`` matching ``pattern``, sorted by relative path; hidden and skipped folders are pruned
+    during the walk (site-packages can be many times larger than the standard library)."""
+    import fnmatch
+    import os
+
+    files = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in _SKIP_DIRS and not d.startswith(".")]
+        files += [Path(folder, n) for n in names if not n.startswith(".") and fnmatch.fnmatch(n, pattern)]
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
