@@ -102,6 +102,7 @@ class Trainer:
         self.tokens_seen = 0
         self.ckpt, self.app_state = self.build_checkpointer()
         self.resume_notes = self.resume()
+        self.start_step = self.last_saved_step = self.step
         self.sink = MetricsSink(self.run_dir, total_steps=job.train.steps, progress=job.run.progress,
                                 tensorboard=job.run.tensorboard, enabled=self.env.is_rank_zero, start_step=self.step)
         self.timer = WorkTimer(getattr(self.engine, "timed_modules", self.engine.model_parts), self.device)
@@ -207,14 +208,21 @@ class Trainer:
         log.warning(message)
 
     def save_checkpoint(self, *, final: bool = False) -> None:
-        """Collective: every rank, at the same step."""
+        """Collective: every rank, at the same step. A step already saved (or just resumed from) is not saved again."""
+        if self.step == self.last_saved_step:
+            return
+        self.last_saved_step = self.step
         counters: CountersState = self.app_state["trainer"]
         counters.step, counters.tokens_seen = self.step, self.tokens_seen
         counters.epoch, counters.samples_in_epoch = self.data.position.epoch, self.data.position.consumed
         self.beat("checkpoint", timeout_s=max(1800.0, self.job.health.hang_timeout_s))
+        started = time.perf_counter()
         self.ckpt.save(self.step, self.app_state, final=final,
                        meta={"epoch": counters.epoch, "tokens_seen": self.tokens_seen,
                              "samples_in_epoch": counters.samples_in_epoch})
+        how = "published" if final or not self.job.checkpoint.async_save else "staged; writing in the background"
+        self.sink.print(f"checkpoint step {self.step} -> {self.ckpt.folder} ({how}, "
+                        f"{time.perf_counter() - started:.2f} s)")
 
     def print_header(self) -> None:
         env, b, m = self.env, self.batch, self.model_cfg
@@ -293,6 +301,9 @@ class Trainer:
 
     def _loop(self) -> TrainResult:
         job, result = self.job, TrainResult(step=self.step, run_dir=self.run_dir)
+        if self.step >= job.train.steps:
+            self.sink.print(f"nothing to train: resumed at step {self.step} >= train.steps={job.train.steps}; raise "
+                            "--train.steps, or start over with a new --run.dir or --checkpoint.resume=none")
         sums = SumMetrics(("loss_sum", "tokens"), self.device)
         interval_start, interval_steps, gnorm = time.perf_counter(), 0, None
         while self.step < job.train.steps:
@@ -336,8 +347,8 @@ class Trainer:
     def check_stragglers(self, steps: int) -> None:
         """Every rank's own working time (data + forward, before any blocking collective) compared across ranks."""
         work_s, data_s = self.timer.take(steps)
-        if self.stragglers is None:
-            return
+        if self.stragglers is None or self.step <= self.start_step + self.job.train.log_every:
+            return  # the first interval holds warm-up (compilation, allocator growth), not a rank's speed
         self.beat("straggler_check")
         report = self.stragglers.observe(self.step, work_s, data_s)  # collective: every rank
         if report is not None:
