@@ -326,7 +326,7 @@ class Checkpointer:
         chosen = loading.choose(self.coord, self.folder, explicit=explicit, strict=self.cfg.strict,
                                 verify_checksums=self.verify_checksums, threads=self.io_threads, notes=self.notes)
         if chosen is None:
-            self._report("no complete checkpoint in %s; starting fresh" % self.folder)
+            self._report("no complete checkpoint in %s; starting fresh" % self.folder, level=logging.INFO)
             return None
         path, manifest = chosen
         loading.load_into(self.coord, state, path)
@@ -334,10 +334,11 @@ class Checkpointer:
         self._last_step, self._last_save_time = manifest["step"], time.monotonic()
         return manifest
 
-    def _report(self, message: str) -> None:
+    def _report(self, message: str, *, level: int = logging.WARNING) -> None:
+        """Keep ``message`` in ``notes`` and log it on rank 0 (a fresh start is news, not a warning)."""
         self.notes.append(message)
         if self.coord.rank == 0:
-            log.warning(message)
+            log.log(level, message)
 
     def _note_existing(self) -> None:
         if self.coord.rank == 0:

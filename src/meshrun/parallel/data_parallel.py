@@ -6,6 +6,8 @@ tied embeddings in one group). Parameter names do not change: FSDP2 swaps parame
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -42,9 +44,11 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device) -> nn
     """
     from torch.nn.parallel import DistributedDataParallel
 
+    # The model's only buffer (the RoPE table) is computed identically everywhere: syncing it before every forward
+    # would be a wasted collective per step. Newer torch renames the switch (the old name warns).
+    no_buffer_sync = ({"forward_sync_buffers": False}
+                      if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+                      else {"broadcast_buffers": False})
     return DistributedDataParallel(model, process_group=dp_mesh.get_group(),
                                    device_ids=[device.index] if device.type == "cuda" else None,
-                                   gradient_as_bucket_view=True,
-                                   # the model's only buffer (the RoPE table) is computed identically everywhere:
-                                   # broadcasting it before every forward would be a wasted collective per step
-                                   broadcast_buffers=False)
+                                   gradient_as_bucket_view=True, **no_buffer_sync)
