@@ -142,6 +142,7 @@ def test_sigkilled_worker_is_restarted_and_ends_bitwise_equal_to_an_uninterrupte
 
     # torch's agent saw the killed worker and restarted the group; the new workers resumed from the checkpoint
     assert "failed (exitcode: -9) local_rank: " in out and f"(pid: {victims[0]})" in out, out[-6000:]
+    assert "meshrun launch: [default] Worker group FAILED. 2/2 attempts left; will restart worker group" in out
     assert out.count("meshrun train | torchrun: 1 node(s) x 2 process(es) = world size 2") == 2
     assert f"resumed at step {newest} " in out and "resumed at step" not in full_out
     records, reference = train_records(cut), train_records(full)

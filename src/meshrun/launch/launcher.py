@@ -7,6 +7,7 @@ that name the endpoint, the missing nodes or the failed rank).
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -30,6 +31,25 @@ class LaunchError(RuntimeError):
     """The job could not start or complete its rendezvous. The first line names host, endpoint and the fix."""
 
 
+class _RestartNotice(logging.Handler):
+    """torch's agent reports restarts and joining nodes at INFO, which torchrun hides; say them in one line each."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "will restart worker group" in message:
+            print(f"meshrun launch: {message.strip()}; the workers resume from the newest complete checkpoint",
+                  file=sys.stderr, flush=True)
+
+
+def _announce_restarts() -> None:
+    agent_log = logging.getLogger("torch.distributed.elastic.agent.server.api")
+    if not any(isinstance(h, _RestartNotice) for h in agent_log.handlers):
+        agent_log.addHandler(_RestartNotice(level=logging.INFO))
+    if agent_log.getEffectiveLevel() > logging.INFO:
+        # INFO records still reach the root logger, whose last-resort handler shows WARNING and above only
+        agent_log.setLevel(logging.INFO)
+
+
 def launch(largs: LaunchArgs) -> int:
     """Plan, print, probe, then run torch's elastic agent for this node. Returns the job's exit code."""
     plan = make_plan(largs, environ=os.environ)
@@ -48,6 +68,7 @@ def launch(largs: LaunchArgs) -> int:
     os.environ.update(plan.env_set)  # the agent copies its environment into every worker
     apply_plan(largs.ns, plan)
     config, entrypoint, entry_args = config_from_args(largs.ns)
+    _announce_restarts()
     try:
         elastic_launch(config=config, entrypoint=entrypoint)(*entry_args)
     except ChildFailedError as exc:
