@@ -31,23 +31,28 @@ class LaunchError(RuntimeError):
     """The job could not start or complete its rendezvous. The first line names host, endpoint and the fix."""
 
 
-class _RestartNotice(logging.Handler):
-    """torch's agent reports restarts and joining nodes at INFO, which torchrun hides; say them in one line each."""
+class _RestartNotice(logging.Filter):
+    """torch's agent reports restarts at INFO, which torchrun hides. This filter on the agent's logger prints
+    those in one line and lets through only what the logger showed before (``shown``: its previous level)."""
 
-    def emit(self, record: logging.LogRecord) -> None:
+    def __init__(self, shown: int):
+        super().__init__()
+        self.shown = shown
+
+    def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
         if "will restart worker group" in message:
             print(f"meshrun launch: {message.strip()}; the workers resume from the newest complete checkpoint",
                   file=sys.stderr, flush=True)
+        return record.levelno >= self.shown
 
 
 def _announce_restarts() -> None:
     agent_log = logging.getLogger("torch.distributed.elastic.agent.server.api")
-    if not any(isinstance(h, _RestartNotice) for h in agent_log.handlers):
-        agent_log.addHandler(_RestartNotice(level=logging.INFO))
-    if agent_log.getEffectiveLevel() > logging.INFO:
-        # INFO records still reach the root logger, whose last-resort handler shows WARNING and above only
-        agent_log.setLevel(logging.INFO)
+    if any(isinstance(f, _RestartNotice) for f in agent_log.filters):
+        return
+    agent_log.addFilter(_RestartNotice(shown=agent_log.getEffectiveLevel()))
+    agent_log.setLevel(min(agent_log.getEffectiveLevel(), logging.INFO))
 
 
 def launch(largs: LaunchArgs) -> int:
