@@ -62,6 +62,13 @@ def seed_rank_streams(base_seed: int, rank: int) -> None:
     torch.manual_seed(seed)
 
 
+def use_deterministic_algorithms() -> None:
+    """train.deterministic: only deterministic kernels (cuBLAS needs its workspace setting before CUDA starts)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+
+
 def compute_dtype(job: JobConfig, device: torch.device) -> torch.dtype | None:
     """The autocast dtype, or None for plain fp32."""
     if job.train.dtype == "bf16" or (job.train.dtype == "auto" and device.type == "cuda"):
@@ -84,6 +91,8 @@ class Trainer:
         self.batch: BatchPlan = resolve_batch(job.train, dp_size=self.dims.dp_size, seq_len=self.model_cfg.seq_len)
         self.dims.validate_pipeline_batch(self.batch.micro_batch * self.batch.grad_accum)
         self.run_dir = Path(job.run.dir)
+        if job.train.deterministic:
+            use_deterministic_algorithms()
         if self.env.is_distributed and torch.cuda.is_available():
             enable_flight_recorder(os.environ, run_dir=self.run_dir)  # NCCL reads these at group creation
         self.ctx: DistContext = init_distributed(self.env, job.dist)
@@ -107,7 +116,8 @@ class Trainer:
                                 tensorboard=job.run.tensorboard, enabled=self.env.is_rank_zero, start_step=self.step)
         self.timer = WorkTimer(getattr(self.engine, "timed_modules", self.engine.model_parts), self.device)
         self.watchdog: HangWatchdog | None = None
-        self.stragglers = (StragglerDetector(env=self.env, threshold=job.health.straggler_threshold)
+        self.stragglers = (StragglerDetector(env=self.env, threshold=job.health.straggler_threshold,
+                                             min_gap_s=0.01)
                            if self.env.is_distributed and job.health.straggler_threshold else None)
         self.print_header()
 
