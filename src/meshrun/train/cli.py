@@ -62,6 +62,26 @@ def main(argv: list[str] | None = None) -> int:
     return run(job)
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _where(trainer) -> str:
+    """'rank 3 (host b) at step 41: ' once the trainer exists; empty before."""
+    if trainer is None:
+        return ""
+    import socket
+
+    return f"rank {trainer.env.rank} ({socket.gethostname()}) at step {trainer.step}: "
+
+
+def _is_peer_failure(exc: BaseException) -> bool:
+    text = f"{type(exc).__name__} {exc}".lower()
+    return any(word in text for word in ("connection closed", "connection reset", "broken pipe", "nccl", "gloo",
+                                         "timed out", "distbackenderror", "distnetworkerror"))
+
+
 def run(job) -> int:
     from meshrun.dist.process_group import shutdown
     from meshrun.train.trainer import Trainer
@@ -75,8 +95,11 @@ def run(job) -> int:
         print(f"meshrun train: error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001 - one clear line first, then the traceback
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"meshrun train: error: {first}", file=sys.stderr)
+        print(f"meshrun train: error: {_where(trainer)}{_first_line(exc)}", file=sys.stderr)
+        if trainer is not None and _is_peer_failure(exc):
+            print("  a collective failed: another rank probably died or was killed first; the launcher's "
+                  "'Root Cause' lines name it, and <run.dir>/logs/rank_*.log hold each rank's last steps",
+                  file=sys.stderr)
         traceback.print_exc()
         return 1
     finally:
