@@ -20,7 +20,6 @@ import contextlib
 from typing import Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -28,6 +27,7 @@ from meshrun.config import DistConfig, TrainConfig, resolve_batch
 from meshrun.data.loader import StepBatches
 from meshrun.dist.process_group import init_distributed, shutdown
 from meshrun.env import ClusterEnv
+from meshrun.train.metrics import SumMetrics
 from meshrun.train.trainer import seed_rank_streams
 
 
@@ -80,11 +80,9 @@ class Session:
 
     def sum_metrics(self, **values: float | torch.Tensor) -> dict[str, float]:
         """Sum each value over every rank (one all-reduce every rank must reach)."""
-        names = list(values)
-        totals = torch.tensor([float(values[n]) for n in names], dtype=torch.float64, device=self.device)
-        if dist.is_initialized():
-            dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # collective: every rank
-        return dict(zip(names, totals.tolist()))
+        sums = SumMetrics(tuple(values), self.device)
+        sums.add(**values)
+        return sums.reduce()  # collective: every rank
 
     def print(self, *args, **kwargs) -> None:
         if self.env.is_rank_zero:

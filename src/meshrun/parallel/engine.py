@@ -62,12 +62,13 @@ class LossStep(nn.Module):
         self.model, self.autocast_dtype = model, autocast_dtype
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        with _autocast(inputs.device.type, self.autocast_dtype):
+        with autocast(inputs.device.type, self.autocast_dtype):
             logits = self.model(inputs)  # (B, T, V)
         return token_loss_sum(logits, targets)
 
 
-def _autocast(device_type: str, dtype: torch.dtype | None):
+def autocast(device_type: str, dtype: torch.dtype | None):
+    """``torch.autocast`` to ``dtype``, or nothing for plain fp32 (dtype None)."""
     return contextlib.nullcontext() if dtype is None else torch.autocast(device_type, dtype=dtype)
 
 
@@ -92,9 +93,6 @@ class LocalEngine:
         self.dp_rank, self.dp_size = dp_rank, dp_size
         """Which data shard this rank reads, out of how many (the sampler's rank and world size)."""
 
-    def _autocast(self, device_type: str):
-        return _autocast(device_type, self.autocast_dtype)
-
     def forward_backward(self, batches: Sequence[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
         loss_sum = torch.zeros((), dtype=torch.float32, device=batches[0][0].device)
         tokens = 0
@@ -110,7 +108,7 @@ class LocalEngine:
 
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        with self._autocast(inputs.device.type):
+        with autocast(inputs.device.type, self.autocast_dtype):
             logits = self.model(inputs)
         return token_loss_sum(logits, targets), torch.tensor(float(targets.numel()), device=inputs.device)
 

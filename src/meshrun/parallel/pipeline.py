@@ -19,7 +19,6 @@ the global batch), exactly as without pipelining.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import inspect
 import math
@@ -31,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshrun.models.gpt import GPTConfig
-from meshrun.parallel.engine import Batch, token_loss_sum
+from meshrun.parallel.engine import Batch, autocast, token_loss_sum
 from meshrun.parallel.grad_norm import clip_grad_norm
 
 
@@ -127,11 +126,6 @@ class PipelineEngine:
         # also call this for shape inference on the first step; the schedule's `losses` list is the true record.)
         return token_loss_sum(logits, targets) / self._scale
 
-    def _autocast(self):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
-
     def forward_backward(self, batches: Sequence[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
         """Collective: every rank of the pipeline group must call this with the same number of samples."""
         inputs = torch.cat([b[0] for b in batches])  # (A*B, T)
@@ -139,7 +133,7 @@ class PipelineEngine:
         self._scale = targets.numel()
         args = (inputs,) if self.is_first else ()
         losses: list[torch.Tensor] = []
-        with self._autocast():
+        with autocast(self.device.type, self.autocast_dtype):
             self.schedule.step(*args, target=targets, losses=losses)
         return self._reported(losses, targets.numel())
 
@@ -150,7 +144,7 @@ class PipelineEngine:
         self._scale = targets.numel()
         args = (inputs,) if self.is_first else ()
         losses: list[torch.Tensor] = []
-        with self._autocast():
+        with autocast(self.device.type, self.autocast_dtype):
             schedule.eval(*args, target=targets, losses=losses)
         return self._reported(losses, targets.numel())
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from meshrun.parallel.engine import Batch, token_loss_sum
+from meshrun.parallel.engine import Batch, autocast, token_loss_sum
 from meshrun.parallel.grad_norm import clip_grad_norm
 
 
@@ -36,11 +36,6 @@ class ShardedEngine:
         self.loss_parallel = loss_parallel
         self.autocast_dtype = autocast_dtype
 
-    def _autocast(self, device_type: str):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type, dtype=self.autocast_dtype)
-
     def _loss_context(self):
         if not self.loss_parallel:
             return contextlib.nullcontext()
@@ -55,7 +50,7 @@ class ShardedEngine:
         for i, (inputs, targets) in enumerate(batches):
             if self.fsdp:  # reduce-scatter gradients only after the last micro-batch
                 self.model.set_requires_gradient_sync(i == len(batches) - 1)
-            with self._autocast(device.type):
+            with autocast(device.type, self.autocast_dtype):
                 logits = self.model(inputs)  # (B, T, V), or a vocabulary-sharded DTensor with loss_parallel
             with self._loss_context():
                 summed = token_loss_sum(logits, targets)
@@ -66,7 +61,7 @@ class ShardedEngine:
 
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        with self._autocast(inputs.device.type):
+        with autocast(inputs.device.type, self.autocast_dtype):
             logits = self.model(inputs)
         with self._loss_context():
             summed = _local(token_loss_sum(logits, targets))
