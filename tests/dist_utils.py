@@ -23,6 +23,8 @@ from typing import Any, Callable
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from meshrun.dist.process_group import shutdown
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -43,8 +45,8 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
     except BaseException:  # noqa: BLE001 - the parent re-raises it with the rank named
         queue.put((rank, False, traceback.format_exc()))
     finally:
-        if init_pg and dist.is_initialized():
-            dist.destroy_process_group()
+        if init_pg:
+            shutdown()  # meshrun's: avoids gloo's exit deadlock when a DDP model outlives the group
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0,

@@ -8,6 +8,7 @@ training fails with the rank named instead of waiting forever.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -90,5 +91,16 @@ def _set_training_timeout(seconds: float) -> None:
 
 
 def shutdown() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """Destroy the process groups, without the exit deadlock of a gloo group last owned by a DDP model.
+
+    torch frees a gloo group in its C++ destructor, which joins the group's worker threads while holding the GIL
+    when the last owner is a DDP ``Reducer`` (freed with the user's model, after this call). A worker thread that is
+    still releasing the last collective's tensors needs the GIL for that, so the process would never exit. Releasing
+    the GIL for a moment first lets the workers finish; after that they are idle and any later destruction is safe.
+    (Keeping the groups alive until interpreter exit instead aborts there: "terminate called without an active
+    exception".)
+    """
+    if not dist.is_initialized():
+        return
+    time.sleep(0.2)  # note: releases the GIL; see above
+    dist.destroy_process_group()
