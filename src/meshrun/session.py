@@ -16,6 +16,7 @@ Runs unchanged as one process (``python train.py``) and under ``meshrun launch``
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 from typing import Iterator
 
@@ -39,6 +40,7 @@ class Session:
         self.ctx = init_distributed(self.env, dist_config or DistConfig())
         self.device = self.ctx.device
         self.seed = seed
+        atexit.register(self.close)  # a script that forgets close() still tears the group down before exit
 
     @property
     def rank(self) -> int:
@@ -89,4 +91,5 @@ class Session:
             print(*args, **kwargs, flush=True)
 
     def close(self) -> None:
+        """Destroy the process group (idempotent; also run at interpreter exit)."""
         shutdown()
