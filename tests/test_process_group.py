@@ -63,7 +63,7 @@ def _start_job(script, env):
 
 @pytest.mark.slow
 def test_a_session_script_that_never_calls_close_exits_cleanly(tmp_path):
-    """Without Session's exit hook 3 of 10 such jobs aborted at exit ('terminate called without an active
+    """Without init_distributed's exit hook 3 of 10 such jobs aborted at exit ('terminate called without an active
     exception'): the group was destroyed during interpreter finalization. 10 two-rank jobs, one after another."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT_WITHOUT_CLOSE)

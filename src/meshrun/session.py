@@ -16,7 +16,6 @@ Runs unchanged as one process (``python train.py``) and under ``meshrun launch``
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 from typing import Iterator
 
@@ -40,7 +39,6 @@ class Session:
         self.ctx = init_distributed(self.env, dist_config or DistConfig())
         self.device = self.ctx.device
         self.seed = seed
-        atexit.register(self.close)  # a script that forgets close() still tears the group down before exit
 
     @property
     def rank(self) -> int:

@@ -7,6 +7,7 @@ training fails with the rank named instead of waiting forever.
 
 from __future__ import annotations
 
+import atexit
 import os
 import time
 from dataclasses import dataclass
@@ -76,6 +77,7 @@ def init_distributed(env: ClusterEnv, cfg: DistConfig) -> DistContext:
             f"{env.world_size} ranks were started.\n  cause: {type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
         ) from exc
     _set_training_timeout(cfg.timeout_s)
+    atexit.register(shutdown)  # a script that never calls shutdown()/Session.close() still exits cleanly
     return DistContext(env=env, device=device, backend=backend)
 
 
@@ -97,8 +99,8 @@ def shutdown() -> None:
     when the last owner is a DDP ``Reducer`` (freed with the user's model, after this call). A worker thread that is
     still releasing the last collective's tensors needs the GIL for that, so the process would never exit. Releasing
     the GIL for a moment first lets the workers finish; after that they are idle and any later destruction is safe.
-    (Keeping the groups alive until interpreter exit instead aborts there: "terminate called without an active
-    exception".)
+    Registered to run at exit by :func:`init_distributed`: a group destroyed during interpreter finalization
+    instead aborts the process ("terminate called without an active exception").
     """
     if not dist.is_initialized():
         return
