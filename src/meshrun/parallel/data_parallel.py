@@ -35,6 +35,12 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, compute_dtype: torch.dt
         reshard = reshard_after_forward and i < len(blocks) - 1
         fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+    if dp_mesh.device_type == "cpu":
+        # gloo: FSDP2 reduces fp32 gradients with ReduceOp.AVG, which torch 2.8's gloo sums instead (gradients
+        # N times too large); a SUM followed by FSDP's own division is right on every version.
+        for module in [*blocks, model]:
+            if hasattr(module, "set_force_sum_reduction_for_comms"):
+                module.set_force_sum_reduction_for_comms(True)
 
 
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device) -> nn.Module:

@@ -142,10 +142,15 @@ class PipelineEngine:
         """Forward only, through a separate schedule (and stages) sized for the evaluation batch."""
         schedule = self._eval_schedule(inputs.shape[0])
         self._scale = targets.numel()
-        args = (inputs,) if self.is_first else ()
+        args = (inputs.contiguous(),) if self.is_first else ()  # stages check strides (torch 2.8: (T+1, 1) slices fail)
         losses: list[torch.Tensor] = []
         with autocast(self.device.type, self.autocast_dtype):
-            schedule.eval(*args, target=targets, losses=losses)
+            if hasattr(schedule, "eval"):
+                schedule.eval(*args, target=targets, losses=losses)
+            else:  # torch < 2.9: no eval(); a schedule without loss_fn runs forward only and returns the logits
+                logits = schedule.step(*args)
+                if self.is_last:
+                    losses.append(self._loss_fn(logits, targets))
         return self._reported(losses, targets.numel())
 
     def _eval_schedule(self, batch: int):
@@ -155,9 +160,19 @@ class PipelineEngine:
 
             stages = [PipelineStage(part, i, self.n_stages, self.device, group=self.pp_group)
                       for part, i in zip(self.model_parts, self.stage_ids)]
-            self._eval_schedules[batch] = build_schedule(stages, schedule=self.schedule_name, forward_only=True,
-                                                         microbatches=math.gcd(batch, self.microbatches),
-                                                         loss_fn=self._loss_fn)
+            from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+            has_eval = hasattr(_PipelineSchedule, "eval")
+            schedule = build_schedule(stages, schedule=self.schedule_name, forward_only=True,
+                                      microbatches=math.gcd(batch, self.microbatches),
+                                      loss_fn=self._loss_fn if has_eval else None)  # see eval_loss
+            if not has_eval and hasattr(schedule, "pipeline_order"):
+                # torch < 2.9, several local stages: the looped schedule has backward actions even without a loss;
+                # keep its forward actions only (no-op slots too, so the send/receive order stays the same)
+                schedule.pipeline_order = {
+                    rank: [a for a in actions if a is None or a.computation_type.name == "FORWARD"]
+                    for rank, actions in schedule.pipeline_order.items()}
+            self._eval_schedules[batch] = schedule
         return self._eval_schedules[batch]
 
     def _reported(self, losses: list[torch.Tensor], tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
