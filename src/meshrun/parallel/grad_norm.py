@@ -25,8 +25,8 @@ def total_grad_norm(params: Iterable[torch.Tensor], *, norm_type: float = 2.0,
     call this.
     """
     inf = math.isinf(norm_type)
-    # Local p-th power sums (or maxima), grouped by the mesh dimensions they must be summed over: those where the
-    # gradient is sharded (Shard or _StridedShard). Partial gradients are reduced first. (DTensor's own norm of
+    # Local shards grouped by the mesh dimensions their norms must be summed over: those where the gradient is
+    # sharded (Shard or _StridedShard). Partial gradients are reduced first. (DTensor's own norm of
     # sequence-parallel gradients is off by 1e-4 relative on torch 2.8.)
     by_dims: dict[tuple, list[torch.Tensor]] = {}
     device = None
@@ -40,14 +40,13 @@ def total_grad_norm(params: Iterable[torch.Tensor], *, norm_type: float = 2.0,
                                                      for pl in grad.placements])
             key = (grad.device_mesh, tuple(i for i, pl in enumerate(grad.placements) if not pl.is_replicate()))
             grad = grad.to_local()
-        grad = grad.detach().float()
-        local = grad.abs().max() if inf else grad.norm(norm_type).pow(norm_type)
-        by_dims.setdefault(key, []).append(local.reshape(()))
+        by_dims.setdefault(key, []).append(grad.detach())
         device = grad.device
     op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
     total = torch.zeros((), device=device or torch.device("cpu"))
-    for (mesh, dims), values in by_dims.items():
-        value = torch.stack(values).max() if inf else torch.stack(values).sum()
+    for (mesh, dims), grads in by_dims.items():
+        value = torch.nn.utils.get_total_norm(grads, norm_type).float()  # fused over the local tensors
+        value = value if inf else value.pow(norm_type)
         for dim in dims:  # note: a collective every rank of this mesh dimension must reach
             dist.all_reduce(value, op=op, group=mesh.get_group(dim))
         total = torch.maximum(total, value) if inf else total + value

@@ -92,7 +92,16 @@ def build_schedule(stages: list, *, schedule: str, microbatches: int, loss_fn, f
     # loss_fn returns sum / tokens-of-the-step, so the schedule must not divide gradients by the micro-batch count
     # (torch versions before the scale_grads argument never divided them)
     extra = {"scale_grads": False} if "scale_grads" in inspect.signature(cls.__init__).parameters else {}
-    return cls(stages[0] if single else stages, n_microbatches=microbatches, loss_fn=loss_fn, **extra)
+    legacy_forward_only = forward_only and not hasattr(cls, "eval")
+    if legacy_forward_only:  # torch < 2.9 has no eval(): without loss_fn, step() runs forward only
+        loss_fn = None
+    built = cls(stages[0] if single else stages, n_microbatches=microbatches, loss_fn=loss_fn, **extra)
+    if legacy_forward_only and hasattr(built, "pipeline_order"):
+        # several local stages: the looped schedule has backward actions even without a loss; keep its forward
+        # actions only (no-op slots too, so the send/receive order stays the same)
+        built.pipeline_order = {rank: [a for a in actions if a is None or a.computation_type.name == "FORWARD"]
+                                for rank, actions in built.pipeline_order.items()}
+    return built
 
 
 class PipelineEngine:
@@ -147,7 +156,7 @@ class PipelineEngine:
         with autocast(self.device.type, self.autocast_dtype):
             if hasattr(schedule, "eval"):
                 schedule.eval(*args, target=targets, losses=losses)
-            else:  # torch < 2.9: no eval(); a schedule without loss_fn runs forward only and returns the logits
+            else:  # torch < 2.9: a forward-only schedule without loss_fn (see build_schedule) returns the logits
                 logits = schedule.step(*args)
                 if self.is_last:
                     losses.append(self._loss_fn(logits, targets))
@@ -160,19 +169,9 @@ class PipelineEngine:
 
             stages = [PipelineStage(part, i, self.n_stages, self.device, group=self.pp_group)
                       for part, i in zip(self.model_parts, self.stage_ids)]
-            from torch.distributed.pipelining.schedules import _PipelineSchedule
-
-            has_eval = hasattr(_PipelineSchedule, "eval")
-            schedule = build_schedule(stages, schedule=self.schedule_name, forward_only=True,
-                                      microbatches=math.gcd(batch, self.microbatches),
-                                      loss_fn=self._loss_fn if has_eval else None)  # see eval_loss
-            if not has_eval and hasattr(schedule, "pipeline_order"):
-                # torch < 2.9, several local stages: the looped schedule has backward actions even without a loss;
-                # keep its forward actions only (no-op slots too, so the send/receive order stays the same)
-                schedule.pipeline_order = {
-                    rank: [a for a in actions if a is None or a.computation_type.name == "FORWARD"]
-                    for rank, actions in schedule.pipeline_order.items()}
-            self._eval_schedules[batch] = schedule
+            self._eval_schedules[batch] = build_schedule(stages, schedule=self.schedule_name, forward_only=True,
+                                                         microbatches=math.gcd(batch, self.microbatches),
+                                                         loss_fn=self._loss_fn)
         return self._eval_schedules[batch]
 
     def _reported(self, losses: list[torch.Tensor], tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
