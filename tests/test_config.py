@@ -43,7 +43,7 @@ def test_toml_then_overrides_with_types(tmp_path):
     path.write_text('[train]\nsteps = 7\nlr = 0.01\n[model]\nname = "small"\n[run]\ntensorboard = true\n')
     job = load_config(path, ["--train.steps=9", "--dist.timeout_s=30", "--train.compile=false"])
     assert (job.train.steps, job.train.lr, job.model.name, job.run.tensorboard) == (9, 0.01, "small", True)
-    assert job.dist.timeout_s == 30.0 and job.train.compile is False
+    assert job.dist.timeout_s == 30.0 and job.train.compile == "false"
     # the written TOML round-trips to the same config
     again = tmp_path / "again.toml"
     again.write_text(job.to_toml())
@@ -52,13 +52,23 @@ def test_toml_then_overrides_with_types(tmp_path):
 
 @pytest.mark.parametrize("override, message", [
     ("--train.steps=abc", "train.steps='abc' is not a valid int"),
-    ("--train.compile=maybe", "is not a boolean"),
+    ("--train.compile=maybe", "train.compile='maybe' is not one of auto, true, false"),
+    ("--train.fused_optimizer=maybe", "is not a boolean"),
+    ("--train.attention=fa4", "train.attention='fa4' is not one of"),
     ("--train.dtype=fp8", "train.dtype='fp8' is not one of"),
     ("--train.steps=0", "train.steps must be >= 1"),
 ])
 def test_bad_values_name_the_option(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, [override])
+
+
+def test_compile_accepts_boolean_spellings_and_auto(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text("[train]\ncompile = true\n")  # a TOML boolean, as written before compile took 'auto'
+    assert load_config(path).train.compile == "true"
+    assert load_config(None, ["--train.compile=off"]).train.compile == "false"
+    assert load_config(None).train.compile == "auto"
 
 
 def test_missing_config_file_is_named(tmp_path):

@@ -7,6 +7,7 @@ import socket
 import time
 
 import numpy as np
+import torch
 import pytest
 import torch.distributed as dist
 
@@ -116,16 +117,27 @@ def test_watchdog_in_one_process_names_a_silent_peer_and_dumps_its_own_stacks(tm
 # ---- flight recorder -----------------------------------------------------------------------------------------
 
 def test_flight_recorder_defaults_respect_the_user(tmp_path):
-    environ = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "50"}
-    applied = enable_flight_recorder(environ, run_dir=tmp_path)
+    environ = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "50"}  # the user's choice, in the older spelling
+    applied = enable_flight_recorder(environ, run_dir=tmp_path, new_names=True)
     assert environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50" and "TORCH_FR_BUFFER_SIZE" not in environ
     assert applied == {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-                       "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "nccl_trace" / "rank_"),
-                       "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(tmp_path / "nccl_trace" / "rank_")}
+                       "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "nccl_trace" / "rank_")}
     assert (tmp_path / "nccl_trace").is_dir()
+
+
+def test_flight_recorder_sets_only_the_names_this_torch_reads(tmp_path):
+    """torch >= 2.9 warns about every TORCH_NCCL_* flight-recorder name it finds; 2.8 reads only those."""
     fresh: dict[str, str] = {}
-    enable_flight_recorder(fresh, run_dir=tmp_path, buffer_size=123)
-    assert fresh["TORCH_FR_BUFFER_SIZE"] == fresh["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "123"
+    enable_flight_recorder(fresh, run_dir=tmp_path, buffer_size=123, new_names=True)
+    assert fresh["TORCH_FR_BUFFER_SIZE"] == "123" and not {"TORCH_NCCL_TRACE_BUFFER_SIZE",
+                                                         "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"} & set(fresh)
+    old: dict[str, str] = {}
+    enable_flight_recorder(old, run_dir=tmp_path, buffer_size=123, new_names=False)
+    assert old["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "123" and "TORCH_FR_BUFFER_SIZE" not in old
+    assert old["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "nccl_trace" / "rank_")
+    default: dict[str, str] = {}
+    enable_flight_recorder(default, run_dir=tmp_path)
+    assert ("TORCH_FR_BUFFER_SIZE" in default) == (tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 9))
 
 
 # ---- one 3-rank gloo run: rank 2 is slow, then rank 1 stops beating -------------------------------------------

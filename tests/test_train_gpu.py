@@ -24,19 +24,26 @@ ARGS = ["--model.name=small", "--train.steps=20", "--train.log_every=1", "--trai
         "--train.compile=true", "--train.global_batch=16", "--data.max_bytes=2000000", "--run.progress=lines"]
 
 
-def train(run_dir: Path, gpus: int) -> list[dict]:
+def train(run_dir: Path, gpus: int, *extra: str) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{os.environ.get('PYTHONPATH', '')}",
            "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
     cmd = [sys.executable, "-m", "meshrun", "launch", f"--nproc-per-node={gpus}", "train", *ARGS,
-           f"--run.dir={run_dir}"]
+           f"--run.dir={run_dir}", *extra]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in proc.stderr, "deprecated flight-recorder variable set"
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_two_gpu_ddp_matches_one_gpu_with_accumulation(tmp_path):
-    one = [r for r in train(tmp_path / "one", 1) if r["kind"] == "train"]
-    two = [r for r in train(tmp_path / "two", 2) if r["kind"] == "train"]
+@pytest.fixture(scope="module")
+def one_gpu(tmp_path_factory) -> list[dict]:
+    return [r for r in train(tmp_path_factory.mktemp("one"), 1) if r["kind"] == "train"]
+
+
+@pytest.mark.parametrize("extra", [[], ["--parallel.ddp_overlap=true"]], ids=["ddp", "ddp_overlap"])
+def test_two_gpu_ddp_matches_one_gpu_with_accumulation(tmp_path, one_gpu, extra):
+    one = one_gpu
+    two = [r for r in train(tmp_path / "two", 2, *extra) if r["kind"] == "train"]
     assert len(one) == len(two) == 20
     torch.testing.assert_close(torch.tensor([r["loss"] for r in two]), torch.tensor([r["loss"] for r in one]),
                                rtol=0, atol=0.05)

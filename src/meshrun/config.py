@@ -21,6 +21,9 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 
+ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math", "default")
+
+
 class ConfigError(ValueError):
     """A user error in the configuration. The message's first line names the option and the fix."""
 
@@ -103,8 +106,9 @@ class TrainConfig:
     """Use deterministic algorithms only (slower; torch.use_deterministic_algorithms)."""
     dtype: str = "auto"
     """Compute dtype: auto (bf16 on GPU, fp32 on CPU), fp32 or bf16."""
-    compile: bool = False
-    """torch.compile the model blocks."""
+    compile: str = "auto"
+    """torch.compile the model: auto (on for CUDA GPUs, off on CPU, where compiling costs more than it saves),
+    true or false."""
     eval_every: int = 100
     """Evaluate on the validation split every N steps (0 disables)."""
     eval_samples: int = 256
@@ -113,6 +117,11 @@ class TrainConfig:
     """Print and record metrics every N steps."""
     fused_optimizer: bool = True
     """Use the fused AdamW kernel where the device has one."""
+    float8: bool = False
+    """Run the blocks' matmuls in float8 through torchao (Hopper or newer; the .[float8] extra)."""
+    attention: str = "auto"
+    """Attention kernel: auto (cuDNN first on Hopper and newer GPUs, else torch's order), cudnn, flash, efficient,
+    math, or default (torch's own order)."""
 
 
 @dataclass
@@ -135,6 +144,15 @@ class ParallelConfig:
     """Stages per rank for interleaved1f1b."""
     sequence_parallel: bool = False
     """Shard norms and dropout along the sequence in TP regions."""
+    fsdp_reshard_after_forward: str = "auto"
+    """Free each block's gathered parameters after its forward (true) or keep them for backward (false: one
+    all-gather per step instead of two, at the memory of the whole model in the compute dtype). auto keeps them
+    when they take at most 1/16 of the GPU's memory."""
+    ddp_overlap: bool = False
+    """With compile: compile the DDP-wrapped step, so each gradient bucket's all-reduce overlaps the rest of
+    backward (the graph is split at bucket boundaries), instead of one all-reduce after one backward graph."""
+    ddp_bucket_mb: int = 25
+    """DDP gradient bucket size in MiB (all-reduce granularity)."""
     activation_checkpoint: str = "none"
     """none, selective or full."""
     allow_tp_across_nodes: bool = False
@@ -228,6 +246,12 @@ class JobConfig:
         _check_choice("parallel.pp_schedule", self.parallel.pp_schedule, ("gpipe", "1f1b", "interleaved1f1b"))
         _check_choice("parallel.activation_checkpoint", self.parallel.activation_checkpoint,
                       ("none", "selective", "full"))
+        _check_choice("train.attention", self.train.attention, ATTENTION_BACKENDS)
+        self.train.compile = _tri_state("train.compile", self.train.compile)
+        self.parallel.fsdp_reshard_after_forward = _tri_state("parallel.fsdp_reshard_after_forward",
+                                                              self.parallel.fsdp_reshard_after_forward)
+        if self.parallel.ddp_bucket_mb < 1:
+            raise ConfigError(f"parallel.ddp_bucket_mb must be >= 1, got {self.parallel.ddp_bucket_mb}")
         _check_choice("run.progress", self.run.progress, ("auto", "bar", "lines"))
         for name in ("steps", "micro_batch"):
             if getattr(self.train, name) < 1:
@@ -265,6 +289,18 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, (int, float)):
         return repr(value)
     return json.dumps(value)
+
+
+def _tri_state(option: str, value: Any) -> str:
+    """'auto', 'true' or 'false' from the spellings a user or TOML may give (true, 1, yes, on, ...)."""
+    text = str(value).strip().lower()
+    if text == "auto":
+        return text
+    if text in ("1", "true", "yes", "on"):
+        return "true"
+    if text in ("0", "false", "no", "off"):
+        return "false"
+    raise ConfigError(f"{option}={value!r} is not one of auto, true, false")
 
 
 def _check_choice(option: str, value: str, choices: tuple[str, ...]) -> None:

@@ -29,7 +29,9 @@ from meshrun.dist.mesh import ParallelDims
 from meshrun.models.gpt import GPT, GPTConfig
 from meshrun.parallel.activation_checkpoint import apply_activation_checkpointing
 from meshrun.parallel.data_parallel import apply_ddp, apply_fsdp
-from meshrun.parallel.engine import Engine, LocalEngine, LossStep
+from meshrun.parallel.engine import Engine, LocalEngine, LossStep, loss_function
+from meshrun.parallel.float8 import check_float8, convert_blocks_to_float8
+from meshrun.parallel.kernels import compile_enabled, select_attention
 from meshrun.parallel.pipeline import (PipelineEngine, bubble_fraction, effective_model_config, split_stage,
                                       stage_ids)
 from meshrun.parallel.sharded import ShardedEngine
@@ -59,22 +61,29 @@ def build_engine(*, job: JobConfig, model_cfg: GPTConfig, dims: ParallelDims, me
         raise ValueError(f"build_engine: world size {dims.world_size} needs the mesh from dims.build_mesh()")
     rank = mesh.get_rank() if mesh is not None else 0
     log.info("layout: %s", describe_layout(dims))
+    log.info("attention kernel: %s", select_attention(job.train.attention, device))
+    if job.train.float8:
+        check_float8(device, tp=dims.tp)
     fp32 = compute_dtype is None or compute_dtype == torch.float32
+    compiled = compile_enabled(job.train.compile, device)
     if dims.pp == 1 and dims.tp == 1 and dims.dp_shard == 1:
-        return _local_engine(job, cfg, dims, device, rank=rank, autocast_dtype=None if fp32 else compute_dtype)
+        return _local_engine(job, cfg, dims, device, rank=rank, autocast_dtype=None if fp32 else compute_dtype,
+                             compiled=compiled)
     ids = stage_ids(dims.coords(rank).pp, pp=dims.pp, virtual_stages=dims.pp_virtual_stages) if dims.pp > 1 else [0]
-    parts = build_parts(cfg, dims, ids, job=job, compute_dtype=compute_dtype)
+    parts = build_parts(cfg, dims, ids, job=job, compute_dtype=compute_dtype, compiled=compiled, device=device)
     materialize(parts, device=device, seed=job.train.seed, dims=dims, rank=rank)
     sharded_dp = uses_fsdp(dims)
     autocast = None if fp32 or sharded_dp else compute_dtype  # FSDP casts itself (MixedPrecisionPolicy)
     coords = dims.coords(rank)
+    loss_fn = loss_function(compiled and not use_loss_parallel(dims))
     if dims.pp > 1:
         return PipelineEngine(parts, ids, n_stages=dims.stages, schedule=dims.pp_schedule,
                               microbatches=dims.pp_microbatches, device=device,
                               pp_group=dims.get_mesh("pp").get_group(), dp_rank=dims.dp_rank(rank),
-                              dp_size=dims.dp_size, tp_rank=coords.tp, autocast_dtype=autocast)
+                              dp_size=dims.dp_size, tp_rank=coords.tp, autocast_dtype=autocast, loss_fn=loss_fn)
     return ShardedEngine(parts[0], dp_rank=dims.dp_rank(rank), dp_size=dims.dp_size, reports_loss=coords.tp == 0,
-                         fsdp=sharded_dp, loss_parallel=use_loss_parallel(dims), autocast_dtype=autocast)
+                         fsdp=sharded_dp, loss_parallel=use_loss_parallel(dims), autocast_dtype=autocast,
+                         loss_fn=loss_fn)
 
 
 def describe_layout(dims: ParallelDims) -> str:
@@ -111,28 +120,48 @@ def use_loss_parallel(dims: ParallelDims) -> bool:
 
 
 def build_parts(cfg: GPTConfig, dims: ParallelDims, ids: list[int], *, job: JobConfig,
-                compute_dtype: torch.dtype | None) -> list[nn.Module]:
+                compute_dtype: torch.dtype | None, compiled: bool = False,
+                device: torch.device | None = None) -> list[nn.Module]:
     """Steps 1-5 of the fixed order, on the meta device: this rank's model parts, parallelised, not materialised."""
     with torch.device("meta"):
         whole = GPT(cfg)
     parts = [split_stage(whole, i, dims.stages) for i in ids] if dims.pp > 1 else [whole]
     for part in parts:
-        parallelize(part, dims, job=job, compute_dtype=compute_dtype)
+        parallelize(part, dims, job=job, compute_dtype=compute_dtype, compiled=compiled, device=device)
     return parts
 
 
-def parallelize(part: nn.Module, dims: ParallelDims, *, job: JobConfig, compute_dtype: torch.dtype | None) -> None:
+def parallelize(part: nn.Module, dims: ParallelDims, *, job: JobConfig, compute_dtype: torch.dtype | None,
+                compiled: bool = False, device: torch.device | None = None) -> None:
     """TP -> activation checkpointing -> compile -> FSDP/HSDP, in place (DDP is applied after materialising)."""
     if dims.tp > 1:
         apply_tp(part, dims.get_mesh("tp"), sequence_parallel=job.parallel.sequence_parallel,
                  loss_parallel=use_loss_parallel(dims))
+    if job.train.float8:
+        convert_blocks_to_float8(part, fsdp=uses_fsdp(dims))
     apply_activation_checkpointing(part, job.parallel.activation_checkpoint)
-    if job.train.compile:
+    if compiled:
         for block in part.layers.values():
             block.compile()  # in place: parameter names stay as they are (no "_orig_mod.")
     if uses_fsdp(dims):
         dp_mesh = dims.get_mesh("dp_shard") if dims.dp_replicate == 1 else dims.get_mesh(("dp_replicate", "dp_shard"))
-        apply_fsdp(part, dp_mesh, compute_dtype=compute_dtype, reshard_after_forward=dims.pp == 1)
+        reshard = dims.pp == 1 and reshard_after_forward(job.parallel.fsdp_reshard_after_forward, part,
+                                                         compute_dtype=compute_dtype, device=device)
+        apply_fsdp(part, dp_mesh, compute_dtype=compute_dtype, reshard_after_forward=reshard)
+
+
+def reshard_after_forward(choice: str, part: nn.Module, *, compute_dtype: torch.dtype | None,
+                          device: torch.device | None) -> bool:
+    """parallel.fsdp_reshard_after_forward: 'auto' keeps gathered parameters for backward (saving the second
+    all-gather of each block) when this part's whole parameters in the compute dtype take at most 1/16 of the
+    GPU's memory; on CPU, or when the device is unknown, it reshards (the memory-lean choice)."""
+    if choice != "auto":
+        return choice == "true"
+    if device is None or device.type != "cuda":
+        return True
+    itemsize = (compute_dtype or torch.float32).itemsize
+    gathered = sum(p.numel() for p in part.parameters()) * itemsize
+    return gathered > torch.cuda.get_device_properties(device).total_memory / 16
 
 
 def materialize(parts: list[nn.Module], *, device: torch.device, seed: int, dims: ParallelDims, rank: int) -> None:
@@ -161,15 +190,19 @@ def seed_for_init(seed: int, *, dims: ParallelDims, rank: int, device: torch.dev
 
 
 def _local_engine(job: JobConfig, cfg: GPTConfig, dims: ParallelDims, device: torch.device, *, rank: int,
-                  autocast_dtype: torch.dtype | None) -> LocalEngine:
+                  autocast_dtype: torch.dtype | None, compiled: bool) -> LocalEngine:
     """One process, or DDP over dp_replicate: every rank holds the whole model, initialised like 1 process.
 
-    Compile covers the whole model and its loss (``LossStep``), not each block: with no sharding there is no
-    per-block communication to overlap, and one graph lets inductor fuse the head, the fp32 upcast and the
-    cross-entropy. DDP wraps the compiled step (its graph is split at bucket boundaries to overlap the all-reduce).
+    Compile covers the whole model and its loss (``LossStep``), not each block: one graph lets inductor fuse the
+    head, the fp32 upcast and the cross-entropy. With DDP, ``parallel.ddp_overlap`` decides the order:
+    DDP(compile(step)) runs backward as one compiled graph, so every gradient is ready only at its end and the
+    all-reduce follows it; compile(DDP(step)) lets dynamo split the graph at DDP's bucket boundaries, so each
+    bucket's all-reduce overlaps the rest of backward, at the price of fusion across the splits.
     """
     with torch.device("meta"):
         model = GPT(cfg)
+    if job.train.float8:
+        convert_blocks_to_float8(model, fsdp=False)
     apply_activation_checkpointing(model, job.parallel.activation_checkpoint)
     model.to_empty(device=device)
     if cfg.tie_embeddings:
@@ -177,9 +210,13 @@ def _local_engine(job: JobConfig, cfg: GPTConfig, dims: ParallelDims, device: to
     torch.manual_seed(job.train.seed)
     model.init_weights(buffer_device=device)
     step: nn.Module = LossStep(model, autocast_dtype)
-    if job.train.compile:
+    ddp = dims.dp_replicate > 1
+    overlap = ddp and compiled and job.parallel.ddp_overlap
+    if compiled and not overlap:
         step = torch.compile(step)
-    if dims.dp_replicate > 1:
-        step = apply_ddp(step, dims.get_mesh("dp_replicate"), device)
+    if ddp:
+        step = apply_ddp(step, dims.get_mesh("dp_replicate"), device, bucket_mb=job.parallel.ddp_bucket_mb)
+    if overlap:
+        step = torch.compile(step)  # dynamo's DDP optimizer splits the graph at bucket boundaries
     return LocalEngine(model, step=step, autocast_dtype=autocast_dtype, dp_rank=dims.dp_rank(rank),
                        dp_size=dims.dp_size)

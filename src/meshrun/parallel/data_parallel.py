@@ -43,7 +43,7 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, compute_dtype: torch.dt
                 module.set_force_sum_reduction_for_comms(True)
 
 
-def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device) -> nn.Module:
+def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device, *, bucket_mb: int = 25) -> nn.Module:
     """Wrap in DistributedDataParallel over ``dp_mesh``'s group; returns the wrapper (the model keeps its names).
 
     Collective: every rank of the dp group must call this (DDP broadcasts rank 0's parameters).
@@ -57,4 +57,4 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device) -> nn
                       else {"broadcast_buffers": False})
     return DistributedDataParallel(model, process_group=dp_mesh.get_group(),
                                    device_ids=[device.index] if device.type == "cuda" else None,
-                                   gradient_as_bucket_view=True, **no_buffer_sync)
+                                   gradient_as_bucket_view=True, bucket_cap_mb=bucket_mb, **no_buffer_sync)

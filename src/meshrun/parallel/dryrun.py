@@ -64,7 +64,7 @@ def simulate_rank(job: JobConfig, model_cfg: GPTConfig, dims: ParallelDims, rank
 
     if dist.is_initialized():
         raise RuntimeError("simulate_rank needs a process without a process group (it starts a fake one)")
-    job = dataclasses.replace(job, train=dataclasses.replace(job.train, compile=False))  # nothing runs: no compile
+    job = dataclasses.replace(job, train=dataclasses.replace(job.train, compile="false"))  # nothing runs: no compile
     cfg = effective_model_config(model_cfg, pp=dims.pp)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dims.world_size)
     try:

@@ -41,6 +41,19 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), reduction="sum")
 
 
+def count_tensor(count: int, device: torch.device) -> torch.Tensor:
+    """A count as a 0-d fp32 tensor on ``device``, made by a fill kernel: ``torch.tensor(x, device=cuda)`` would
+    copy from host memory and synchronise the stream, stalling the host once per step."""
+    return torch.full((), float(count), dtype=torch.float32, device=device)
+
+
+def loss_function(compiled: bool):
+    """``token_loss_sum``, compiled when the model is: inductor then fuses the fp32 upcast into the cross-entropy,
+    so the logits (B x T x V, the largest activation) never exist in fp32, in forward or backward. For layouts
+    whose model is compiled block by block (FSDP, TP, PP), where the head and loss would otherwise run eagerly."""
+    return torch.compile(token_loss_sum, dynamic=False) if compiled else token_loss_sum
+
+
 class Engine(Protocol):
     model_parts: list[nn.Module]
     dp_rank: int
@@ -72,6 +85,10 @@ def autocast(device_type: str, dtype: torch.dtype | None):
     return contextlib.nullcontext() if dtype is None else torch.autocast(device_type, dtype=dtype)
 
 
+def _is_compiled(module: nn.Module) -> bool:
+    return hasattr(module, "_orig_mod")  # what torch.compile(module) returns
+
+
 class LocalEngine:
     """One model replica per rank: a single process, or DDP.
 
@@ -85,7 +102,9 @@ class LocalEngine:
         self.model = model
         self.step = step if step is not None else LossStep(model, autocast_dtype)
         self.model_parts = [model]
-        inner = getattr(self.step, "module", self.step)  # under DDP: the (compiled) LossStep it wraps
+        # Under DDP the (compiled) LossStep it wraps; a compiled DDP is timed from outside (its inner modules run
+        # inside the compiled region, where hooks would break the graph).
+        inner = self.step if _is_compiled(self.step) else getattr(self.step, "module", self.step)
         self.timed_modules = [inner]
         """Modules whose forward is this rank's own work (no collective inside): the trainer's straggler timer
         hooks them. Outside any compiled region, so the hooks do not break the graph."""
@@ -104,13 +123,13 @@ class LocalEngine:
                 (summed / (targets.numel() * len(batches))).backward()
             loss_sum += summed.detach()
             tokens += targets.numel()
-        return loss_sum, torch.tensor(float(tokens), device=loss_sum.device)
+        return loss_sum, count_tensor(tokens, loss_sum.device)
 
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with autocast(inputs.device.type, self.autocast_dtype):
             logits = self.model(inputs)
-        return token_loss_sum(logits, targets), torch.tensor(float(targets.numel()), device=inputs.device)
+        return token_loss_sum(logits, targets), count_tensor(targets.numel(), inputs.device)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)

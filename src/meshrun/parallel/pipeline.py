@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshrun.models.gpt import GPTConfig
-from meshrun.parallel.engine import Batch, autocast, token_loss_sum
+from meshrun.parallel.engine import Batch, autocast, count_tensor, token_loss_sum
 from meshrun.parallel.grad_norm import clip_grad_norm
 
 
@@ -109,7 +109,7 @@ class PipelineEngine:
 
     def __init__(self, parts: list[nn.Module], ids: list[int], *, n_stages: int, schedule: str, microbatches: int,
                  device: torch.device, pp_group: dist.ProcessGroup, dp_rank: int, dp_size: int, tp_rank: int,
-                 autocast_dtype: torch.dtype | None):
+                 autocast_dtype: torch.dtype | None, loss_fn=token_loss_sum):
         from torch.distributed.pipelining import PipelineStage
 
         self.model_parts = parts
@@ -125,6 +125,7 @@ class PipelineEngine:
         self.reports_loss = self.is_last and tp_rank == 0
         """True on the one rank per data-parallel replica that returns non-zero loss sums."""
         self.autocast_dtype = autocast_dtype
+        self.token_loss = loss_fn
         stages = [PipelineStage(part, i, n_stages, device, group=pp_group) for part, i in zip(parts, ids)]
         self.schedule = build_schedule(stages, schedule=schedule, microbatches=microbatches, loss_fn=self._loss_fn)
         self._eval_schedules: dict[int, object] = {}
@@ -133,7 +134,7 @@ class PipelineEngine:
     def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # A pipeline micro-batch's token-loss sum over the tokens of the whole step. (Not recorded here: torch may
         # also call this for shape inference on the first step; the schedule's `losses` list is the true record.)
-        return token_loss_sum(logits, targets) / self._scale
+        return self.token_loss(logits, targets) / self._scale
 
     def forward_backward(self, batches: Sequence[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
         """Collective: every rank of the pipeline group must call this with the same number of samples."""
@@ -181,7 +182,7 @@ class PipelineEngine:
             zero = torch.zeros((), dtype=torch.float32, device=self.device)
             return zero, zero.clone()
         loss_sum = torch.stack([value.detach().float() for value in losses]).sum() * self._scale
-        return loss_sum, torch.tensor(float(tokens), device=self.device)
+        return loss_sum, count_tensor(tokens, self.device)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         params = [p for part in self.model_parts for p in part.parameters()]

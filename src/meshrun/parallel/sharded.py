@@ -20,13 +20,13 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from meshrun.parallel.engine import Batch, autocast, token_loss_sum
+from meshrun.parallel.engine import Batch, autocast, count_tensor, token_loss_sum
 from meshrun.parallel.grad_norm import clip_grad_norm
 
 
 class ShardedEngine:
     def __init__(self, model: nn.Module, *, dp_rank: int, dp_size: int, reports_loss: bool, fsdp: bool,
-                 loss_parallel: bool, autocast_dtype: torch.dtype | None):
+                 loss_parallel: bool, autocast_dtype: torch.dtype | None, loss_fn=token_loss_sum):
         self.model = model
         self.model_parts = [model]
         self.dp_rank, self.dp_size = dp_rank, dp_size
@@ -35,6 +35,8 @@ class ShardedEngine:
         self.fsdp = fsdp
         self.loss_parallel = loss_parallel
         self.autocast_dtype = autocast_dtype
+        self.loss_fn = loss_fn
+        """(logits, targets) -> token-loss sum: ``token_loss_sum``, or its compiled form (engine.loss_function)."""
 
     def _loss_context(self):
         if not self.loss_parallel:
@@ -53,7 +55,7 @@ class ShardedEngine:
             with autocast(device.type, self.autocast_dtype):
                 logits = self.model(inputs)  # (B, T, V), or a vocabulary-sharded DTensor with loss_parallel
             with self._loss_context():
-                summed = token_loss_sum(logits, targets)
+                summed = self.loss_fn(logits, targets)
                 (summed / (targets.numel() * len(batches))).backward()
             loss_sum += _local(summed.detach())
             tokens += targets.numel()
@@ -71,7 +73,7 @@ class ShardedEngine:
         if not self.reports_loss:
             loss_sum = torch.zeros_like(loss_sum)
             tokens = 0
-        return loss_sum, torch.tensor(float(tokens), device=loss_sum.device)
+        return loss_sum, count_tensor(tokens, loss_sum.device)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         return clip_grad_norm(self.model.parameters(), max_norm)

@@ -32,6 +32,7 @@ from meshrun.models.build import model_config, record_resolved
 from meshrun.models.gpt import flops_per_token
 from meshrun.parallel.apply import build_engine, describe_layout
 from meshrun.parallel.engine import Engine
+from meshrun.parallel.kernels import describe_speed
 from meshrun.ckpt.checkpointer import Checkpointer
 from meshrun.ckpt.preemption import install_sigterm_handler
 from meshrun.ckpt.state import CountersState, ModelOptimState, RNGState, SchedulerState
@@ -254,6 +255,7 @@ class Trainer:
             f"config: {self.run_dir / 'config.toml'}",
         ]
         lines.insert(1, f"layout: {describe_layout(self.dims)}")
+        lines.insert(2, describe_speed(self.job, self.device, compute_dtype(self.job, self.device)))
         if self.step:
             lines.append(f"resumed at step {self.step} (epoch {self.data.position.epoch}, "
                          f"{self.data.position.consumed:,} samples into it) from {self.ckpt.folder}")

@@ -1,0 +1,67 @@
+"""Kernel choices that do not change the math: which attention implementation scaled_dot_product_attention uses.
+
+torch picks the SDPA backend by a priority list (flash, memory-efficient, math, cuDNN by default). On Hopper
+and newer GPUs cuDNN's fused attention is the fastest for training shapes, so ``train.attention=auto`` moves it
+to the front there; any backend that cannot take a call (a shape, a dtype, dropout) still falls through to the
+next one. The choice is made once per process, before the first compile: torch.compile bakes the chosen kernel
+into the graph when it traces.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshrun.config import JobConfig
+
+_ORDER = ("cudnn", "flash", "efficient", "math")
+
+
+def compile_enabled(choice: str, device: torch.device) -> bool:
+    """train.compile: 'auto' compiles on CUDA GPUs only. On CPU the compile (tens of seconds per graph) costs more
+    than it saves for the short runs CPUs are used for, and needs a C++ toolchain."""
+    return choice == "true" or (choice == "auto" and device.type == "cuda")
+
+
+def _backend(name: str):
+    from torch.nn.attention import SDPBackend
+
+    return {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name]
+
+
+def resolve_attention(choice: str, device: torch.device) -> str:
+    """The backend ``train.attention=choice`` means on ``device``: 'default' keeps torch's own order."""
+    if choice != "auto":
+        return choice
+    if device.type != "cuda" or not hasattr(torch.backends.cuda, "cudnn_sdp_enabled"):
+        return "default"
+    major, _ = torch.cuda.get_device_capability(device)
+    return "cudnn" if major >= 9 else "default"
+
+
+def select_attention(choice: str, device: torch.device) -> str:
+    """Put the chosen backend first in torch's SDPA priority list for this process; returns what was chosen.
+
+    The other backends stay enabled behind it, so a call the chosen one cannot serve still runs.
+    """
+    chosen = resolve_attention(choice, device)
+    if chosen == "default" or device.type != "cuda":
+        return chosen
+    from torch.nn.attention import sdpa_kernel
+
+    order = [chosen, *(name for name in _ORDER if name != chosen)]
+    # Entered for the life of the process (no exit): the priority must hold when compile traces, later.
+    sdpa_kernel([_backend(name) for name in order], set_priority=True).__enter__()
+    return chosen
+
+
+def describe_speed(job: JobConfig, device: torch.device, compute_dtype: torch.dtype | None) -> str:
+    """The start-up header's line of performance choices, as resolved for this device."""
+    t = job.train
+    precision = "float8 matmuls (torchao) + bf16" if t.float8 else (
+        "bf16 autocast" if compute_dtype == torch.bfloat16 else "fp32")
+    parts = [f"compile {'on' if compile_enabled(t.compile, device) else 'off'} (train.compile={t.compile})",
+             precision, f"attention {resolve_attention(t.attention, device)}",
+             "fused AdamW" if t.fused_optimizer and device.type == "cuda" else "AdamW (for-each)",
+             f"grad clip {t.grad_clip:g}" if t.grad_clip else "no grad clip"]
+    return "speed: " + " | ".join(parts)

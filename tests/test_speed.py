@@ -1,0 +1,71 @@
+"""The performance choices, as resolved on this machine (CPU): what 'auto' means, what the header says, and the
+refusals. The GPU side (no host sync in a step, float8 tracking bf16, DDP overlap parity) is in test_speed_gpu.py
+and test_train_gpu.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from meshrun.config import ConfigError, load_config
+from meshrun.parallel.apply import reshard_after_forward
+from meshrun.parallel.engine import count_tensor, loss_function, token_loss_sum
+from meshrun.parallel.float8 import check_float8
+from meshrun.parallel.kernels import compile_enabled, describe_speed, resolve_attention, select_attention
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU = torch.device("cpu")
+
+
+def test_auto_compiles_on_gpus_only():
+    assert compile_enabled("auto", torch.device("cuda", 0)) and not compile_enabled("auto", CPU)
+    assert compile_enabled("true", CPU) and not compile_enabled("false", torch.device("cuda", 0))
+
+
+def test_attention_auto_keeps_torchs_order_on_cpu():
+    assert resolve_attention("auto", CPU) == "default"
+    assert resolve_attention("flash", CPU) == "flash"
+    assert select_attention("auto", CPU) == "default"
+
+
+def test_fsdp_reshard_choice():
+    part = nn.Linear(4, 4)
+    assert reshard_after_forward("auto", part, compute_dtype=torch.bfloat16, device=CPU)  # memory-lean off GPUs
+    assert not reshard_after_forward("false", part, compute_dtype=torch.bfloat16, device=CPU)
+    assert reshard_after_forward("true", part, compute_dtype=None, device=None)
+
+
+def test_count_tensor_is_a_float_scalar():
+    value = count_tensor(1024, CPU)
+    assert value.shape == () and value.dtype == torch.float32 and value.item() == 1024.0
+
+
+def test_uncompiled_loss_function_is_the_plain_loss():
+    assert loss_function(False) is token_loss_sum
+
+
+def test_float8_is_refused_on_cpu_with_the_option_named():
+    with pytest.raises(ConfigError, match=r"^train.float8=true needs an NVIDIA GPU"):
+        check_float8(CPU, tp=1)
+
+
+def test_header_line_names_the_choices():
+    job = load_config(None, ["--train.grad_clip=0"])
+    line = describe_speed(job, CPU, None)
+    assert line == "speed: compile off (train.compile=auto) | fp32 | attention default | AdamW (for-each) | no grad clip"
+
+
+def test_train_prints_the_speed_line_and_refuses_float8_on_cpu(tmp_path):
+    base = [sys.executable, "-m", "meshrun", "train", "--train.steps=2", "--train.eval_every=0",
+            "--data.max_bytes=200000", "--checkpoint.final=false", f"--run.dir={tmp_path}"]
+    ok = subprocess.run(base, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert "speed: compile off (train.compile=auto) | fp32 | attention default" in ok.stdout
+    bad = subprocess.run([*base, "--train.float8=true"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0
+    assert "train.float8=true needs an NVIDIA GPU" in bad.stderr + bad.stdout
