@@ -216,11 +216,40 @@ class RunConfig:
     """Where results go."""
 
     dir: str = "runs/default"
-    """Run folder: resolved config, metrics.jsonl, rank logs, checkpoints."""
+    """Run folder: resolved config, metrics.jsonl, rank logs, checkpoints, profiler traces."""
     tensorboard: bool = False
     """Also write TensorBoard event files (needs the tensorboard package)."""
     progress: str = "auto"
     """auto (a live bar on a terminal, log lines otherwise), bar, or lines."""
+    profile_steps: str = ""
+    """Optimizer steps to record with the torch profiler, e.g. 20-22 or 20 (counted from 1); empty = off."""
+    profile_ranks: str = "0"
+    """Ranks that record with run.profile_steps: all, or a comma list such as 0,3."""
+
+    def profile_window(self) -> tuple[int, int] | None:
+        """(first, last) step of run.profile_steps, both recorded; None when profiling is off."""
+        text = self.profile_steps.strip()
+        if not text:
+            return None
+        first, sep, last = text.partition("-")
+        if not (first.isdecimal() and (last.isdecimal() or not sep)):
+            raise ConfigError(f"run.profile_steps={self.profile_steps!r} is not a step or a range such as 20-22")
+        window = int(first), int(last if sep else first)
+        if not 1 <= window[0] <= window[1]:
+            raise ConfigError(f"run.profile_steps={self.profile_steps!r}: the first step must be >= 1 and not after "
+                              "the last, e.g. 20-22")
+        return window
+
+    def profiled_ranks(self) -> frozenset[int] | None:
+        """The ranks in run.profile_ranks; None means all."""
+        text = self.profile_ranks.strip()
+        if text == "all":
+            return None
+        ranks = [part.strip() for part in text.split(",")]
+        if not all(rank.isdecimal() for rank in ranks):
+            raise ConfigError(f"run.profile_ranks={self.profile_ranks!r} is not 'all' or a comma list of ranks "
+                              "such as 0,3")
+        return frozenset(int(rank) for rank in ranks)
 
 
 @dataclass
@@ -270,6 +299,11 @@ class JobConfig:
                               f"{self.dist.init_timeout_s} and {self.dist.timeout_s}")
         if self.checkpoint.keep_last < 1:
             raise ConfigError(f"checkpoint.keep_last must be >= 1, got {self.checkpoint.keep_last}")
+        window = self.run.profile_window()
+        if window and window[1] > self.train.steps:
+            raise ConfigError(f"run.profile_steps={self.run.profile_steps!r} ends after train.steps="
+                              f"{self.train.steps}; choose steps up to {self.train.steps}")
+        self.run.profiled_ranks()  # raises on a malformed list
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -25,6 +25,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="build the mesh and apply the layout with a fake process group, then exit")
     parser.add_argument("--world-size", type=int, default=0, help="with --dry-run: the world size to check")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="with --dry-run: GPUs per node")
+    parser.add_argument("--profile", action="store_true",
+                        help="record steps 10-12 (the last 3 of a shorter run) with the torch profiler: "
+                        "--run.profile_steps=10-12 unless that is set; on --run.profile_ranks (default 0); traces "
+                        "and op tables go to <run.dir>/profile (docs/training.md)")
     args, rest = parser.parse_known_args(argv)
     return args, _join_overrides(rest)
 
@@ -44,11 +48,20 @@ def _join_overrides(rest: list[str]) -> list[str]:
     return overrides
 
 
+def default_profile_steps(total_steps: int) -> str:
+    """--profile's window: steps 10-12, after the first steps' compilation and allocator warm-up; on a shorter run,
+    its last three steps."""
+    last = min(12, total_steps)
+    return f"{max(1, last - 2)}-{last}"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         args, overrides = parse_args(argv)
         job = load_config(args.config, overrides)
+        if args.profile and not job.run.profile_steps:
+            job.run.profile_steps = default_profile_steps(job.train.steps)
     except ConfigError as exc:
         print(f"meshrun train: error: {exc}", file=sys.stderr)
         return 2

@@ -40,6 +40,7 @@ from meshrun.diag.fingerprint import check_consistency
 from meshrun.dist.mesh import ParallelDims
 from meshrun.train.health import HangWatchdog, StragglerDetector, enable_flight_recorder
 from meshrun.train.metrics import MetricsSink, SumMetrics, peak_flops
+from meshrun.train.profiling import StepProfiler, build_profiler
 
 log = logging.getLogger("meshrun")
 
@@ -121,6 +122,9 @@ class Trainer:
                                              min_gap_s=0.01)
                            if self.env.is_distributed and job.health.straggler_threshold else None)
         self.print_header()
+        self.profiler: StepProfiler | None = build_profiler(
+            job.run, rank=self.env.rank, world_size=self.env.world_size, device=self.device, run_dir=self.run_dir,
+            start_step=self.step, say=self.sink.print)
 
     # ---- construction -------------------------------------------------------------------------------------------
 
@@ -300,14 +304,18 @@ class Trainer:
             self.watchdog.beat(self.step, phase, timeout_s=timeout_s)
 
     def fit(self) -> TrainResult:
-        """Train to ``train.steps``; the hang watchdog runs for the duration of the loop."""
+        """Train to ``train.steps``; the hang watchdog and the profiler (run.profile_steps) run for the loop."""
         if self.env.is_distributed and self.job.health.hang_timeout_s:
             self.watchdog = HangWatchdog(env=self.env, timeout_s=self.job.health.hang_timeout_s,
                                          stack_file=self.run_dir / "logs" / f"stacks_rank_{self.env.rank:05d}.txt",
                                          log=log.error).start()
+        if self.profiler is not None:
+            self.profiler.start()
         try:
             return self._loop()
         finally:
+            if self.profiler is not None:
+                self.profiler.close()  # an error or SIGTERM inside the window: writes what was recorded
             if self.watchdog is not None:
                 self.watchdog.stop()  # before the process group (and its store) goes away
 
@@ -342,6 +350,9 @@ class Trainer:
                 if self.ckpt.stop_requested:
                     self.sink.print(f"stopping at step {self.step} after SIGTERM (checkpoint saved)")
                     break
+            if self.profiler is not None:  # after logging, evaluation and saving: they belong to this step
+                self.beat("profiler")  # writing the trace after the window's last step can take a while
+                self.profiler.step(self.step)
         if job.checkpoint.final and not self.ckpt.stop_requested:
             self.save_checkpoint(final=True)
         self.ckpt.wait()
