@@ -5,12 +5,19 @@ fused AdamW, torch.compile on the whole model, DDP. Random tokens: throughput do
 Launch with torchrun (or meshrun launch); rank 0 prints one JSON line:
 
     torchrun --nproc-per-node 2 benchmarks/baseline_ddp_gpt.py --size 124m --micro-batch 16 --seq 1024
+
+Without a GPU it runs on CPU with gloo, fp32 and the plain AdamW (a smoke test, not a measurement). The peer scripts
+(peer_accelerate.py, peer_fabric.py) import the model and the helpers below, so that every implementation trains
+the same model on the same tokens and reports in the same format; only the training loop is each library's own.
 """
+
+from __future__ import annotations
 
 import argparse
 import json
 import os
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -18,7 +25,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-SIZES = {"124m": (768, 12, 12), "1b": (2048, 18, 16), "tiny": (64, 2, 4)}  # (dim, layers, heads)
+# (dim, layers, heads, vocab): GPT-2's vocabulary padded to 50304; tiny and small use 256 rows like meshrun's
+# sizes of those names, which keeps CPU smoke runs short (the output layer dominates a small model).
+SIZES = {"124m": (768, 12, 12, 50304), "1b": (2048, 18, 16, 50304), "tiny": (64, 2, 4, 256),
+         "small": (256, 4, 8, 256)}
+PEAK_BF16_FLOPS = 989e12  # H100 SXM dense bf16 (the H200 has the same compute)
+SEED = 1234
 
 
 class Block(nn.Module):
@@ -60,51 +72,125 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
 
 
-def main():
-    p = argparse.ArgumentParser()
+# ---- shared by the baseline and the peer scripts: arguments, model, data, optimizer, timing, report ----
+
+
+def bench_args(description: str) -> argparse.Namespace:
+    """The arguments every implementation takes, so that the harness can call them all alike."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", default="124m", choices=SIZES)
     p.add_argument("--micro-batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=20, help="untimed first steps (compilation, allocator growth)")
+    p.add_argument("--grad-clip", type=float, default=0.0, help="clip the global grad norm to this (0 = off)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="torch.compile the model")
     args = p.parse_args()
-    distributed = "RANK" in os.environ
-    if distributed:
-        dist.init_process_group("nccl")
-    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local)
-    torch.backends.cuda.matmul.allow_tf32 = True
-    dim, layers, heads = SIZES[args.size]
-    model = GPT(dim, layers, heads, 50304, args.seq).cuda()
-    n_params = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=True)
-    model = torch.compile(model)
-    if distributed:
-        model = DDP(model, device_ids=[local])
-    x = torch.randint(0, 50304, (args.micro_batch, args.seq + 1), device="cuda")
-    inputs, targets = x[:, :-1], x[:, 1:]
-    for step in range(args.steps):
-        if step == args.warmup:
-            torch.cuda.synchronize()
+    if not 0 <= args.warmup < args.steps:
+        p.error(f"--warmup {args.warmup} must be at least 0 and below --steps {args.steps}")
+    return args
+
+
+def build_model(args: argparse.Namespace) -> GPT:
+    """The GPT of args.size on the CPU, with the same initial weights in every process and implementation."""
+    torch.manual_seed(SEED)
+    dim, layers, heads, vocab = SIZES[args.size]
+    return GPT(dim, layers, heads, vocab, args.seq)
+
+
+def random_batch(args: argparse.Namespace, rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One fixed batch of random tokens per rank, reused every step: throughput does not depend on the data."""
+    gen = torch.Generator().manual_seed(SEED + rank)
+    x = torch.randint(0, SIZES[args.size][3], (args.micro_batch, args.seq + 1), generator=gen).to(device)  # (B, T+1)
+    return x[:, :-1], x[:, 1:]  # inputs (B, T), next-token targets (B, T)
+
+
+def adamw(model: nn.Module, device: torch.device) -> torch.optim.AdamW:
+    """AdamW as all implementations use it: the fused kernel on GPUs, the plain one on CPU."""
+    return torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=device.type == "cuda")
+
+
+def time_steps(step: Callable[[], torch.Tensor], args: argparse.Namespace,
+               device: torch.device) -> tuple[float, float]:
+    """Runs args.steps training steps; returns the seconds of those after args.warmup and the last loss."""
+    for i in range(args.steps):
+        if i == args.warmup:
+            synchronize(device)  # note: a CPU-GPU sync point, so the clock starts after the warm-up's kernels
             start = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = step()
+    synchronize(device)
+    return time.perf_counter() - start, loss.item()
+
+
+def uses_bf16(device: torch.device) -> bool:
+    """bf16 mixed precision on GPUs, fp32 on CPU: meshrun's train.dtype=auto does the same, and bf16 matmuls are
+    several times slower than fp32 on CPUs without bf16 units."""
+    return device.type == "cuda"
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def report(impl: str, args: argparse.Namespace, *, world: int, n_params: int, elapsed: float, loss: float,
+           device: torch.device) -> None:
+    """Prints the one JSON line the harness reads (call it on rank 0 only)."""
+    tokens_per_gpu = (args.steps - args.warmup) * args.micro_batch * args.seq / elapsed
+    dim, layers, _, _ = SIZES[args.size]
+    # nanoGPT's estimate: 6 N + 12 L d T FLOPs per token (N without position embeddings), bf16 dense peak
+    flops = 6 * (n_params - args.seq * dim) + 12 * layers * dim * args.seq
+    on_gpu = device.type == "cuda"
+    print(json.dumps({"impl": impl, "size": args.size, "gpus": world, "micro_batch": args.micro_batch,
+                      "seq": args.seq, "grad_clip": args.grad_clip, "tokens_per_s_per_gpu": tokens_per_gpu,
+                      "mfu": flops * tokens_per_gpu / PEAK_BF16_FLOPS if on_gpu else None, "loss": loss,
+                      "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if on_gpu else None,
+                      "device": torch.cuda.get_device_name(device) if on_gpu else "cpu"}), flush=True)
+
+
+# ---- the baseline itself: plain DDP ----
+
+
+def init_distributed() -> tuple[int, int, torch.device]:
+    """Rank, world size and device; joins the process group (nccl on GPUs, gloo on CPU) when launched."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if "RANK" not in os.environ:
+        return 0, 1, device
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def main():
+    args = bench_args(__doc__)
+    rank, world, device = init_distributed()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    model = build_model(args).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    opt = adamw(model, device)
+    if args.compile:
+        model = torch.compile(model)  # the whole model and its loss as one graph, then DDP around it
+    if dist.is_initialized():
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    inputs, targets = random_batch(args, rank, device)
+
+    def step() -> torch.Tensor:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=uses_bf16(device)):
             loss = model(inputs, targets)
-        loss.backward()
+        loss.backward()  # DDP all-reduces the gradients in buckets during backward
+        if args.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
-    tokens_per_gpu = (args.steps - args.warmup) * args.micro_batch * args.seq / elapsed
-    # nanoGPT's estimate: 6 N + 12 L d T FLOPs per token (N without position embeddings), H100 bf16 peak 989 TF
-    flops = 6 * (n_params - args.seq * dim) + 12 * layers * dim * args.seq
+        return loss
+
+    elapsed, loss = time_steps(step, args, device)
     if rank == 0:
-        print(json.dumps({"impl": "baseline-ddp", "size": args.size, "gpus": world, "micro_batch": args.micro_batch,
-                          "seq": args.seq, "tokens_per_s_per_gpu": tokens_per_gpu,
-                          "mfu": flops * tokens_per_gpu / 989e12, "loss": loss.item(),
-                          "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
-                          "device": torch.cuda.get_device_name()}), flush=True)
-    if distributed:
+        report("baseline-ddp", args, world=world, n_params=n_params, elapsed=elapsed, loss=loss, device=device)
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 

@@ -1,34 +1,89 @@
-"""Training throughput of meshrun against the plain DDP baseline, in the same run on the same machine.
+"""Training throughput of meshrun against the plain DDP baseline and its peers, in one run on the same GPUs.
 
-For each case (model size x number of GPUs x meshrun layout) it runs the baseline script
-(benchmarks/baseline_ddp_gpt.py, the seeds' DDP pattern with bf16, SDPA, fused AdamW, torch.compile) and
-`meshrun train`, both through `meshrun launch`, and reports tokens/s per GPU, MFU, peak memory and the ratio
-meshrun / baseline. Prints a table and writes JSON.
+For each case (model size x number of GPUs x gradient-clipping value) it runs, all through `meshrun launch`:
+  - the baseline, benchmarks/baseline_ddp_gpt.py: plain DDP, bf16 autocast, SDPA, fused AdamW, torch.compile;
+  - the peers (--peers) whose library is installed: benchmarks/peer_accelerate.py (Hugging Face Accelerate) and
+    benchmarks/peer_fabric.py (Lightning Fabric), which train the baseline's model on the same tokens;
+  - `meshrun train` once per layout (--layouts), and once more per layout for each --variant.
+Every row reports tokens/s per GPU, MFU, peak memory, vs_baseline (its tokens/s over the baseline row of its case)
+and vs_best_peer (over the fastest of the baseline and the peers of its case). Prints a table and writes JSON.
 
-    PYTHONPATH=src python3 benchmarks/train_bench.py --sizes 124m --gpus 1,2 --layouts ddp --json out.json
+    PYTHONPATH=src python3 benchmarks/train_bench.py --sizes 124m --gpus 1,2 --grad-clip 0,1 --json out.json
+    PYTHONPATH=src python3 benchmarks/train_bench.py --sizes 124m --gpus 2 --peers '' \\
+        --extra --train.fused_optimizer=false --variant ac:--parallel.activation_checkpoint=selective
 
-Throughput is the median of the logged intervals after the warm-up (compilation) steps.
+--extra and --variant take meshrun overrides; the word after them is always their value, even when it starts with
+`--` (`--extra --train.x=1` and `--extra=--train.x=1` are the same). Several overrides go in one quoted value.
+Gradient clipping is set with --grad-clip only, so that it is equal on every side.
+
+The scripts time every step after the warm-up third of --steps; meshrun's figure is the median of its logged
+intervals after it. Without a GPU, --gpus counts CPU processes (gloo, fp32, no compile): a smoke test of the
+harness, not a measurement.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import importlib.util
 import json
 import os
+import shlex
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MICRO = {"124m": (16, 1024), "1b": (4, 2048), "tiny": (8, 64), "small": (8, 256)}
+MICRO = {"124m": (16, 1024), "1b": (4, 2048), "tiny": (8, 64), "small": (8, 256)}  # (micro-batch, seq)
 LAYOUTS = {  # meshrun overrides for a layout on G GPUs
     "ddp": [],
     "fsdp": ["--parallel.dp_shard=-1", "--parallel.dp_replicate=1"],
     "tp": ["--parallel.tp=-1", "--parallel.dp_replicate=1", "--model.tie_embeddings=false"],
     "pp": ["--parallel.pp=-1", "--parallel.dp_replicate=1", "--parallel.pp_schedule=1f1b"],
 }
+VALUE_OPTIONS = ("--extra", "--variant")  # options whose value may start with "--"
+
+
+@dataclass(frozen=True)
+class Script:
+    """A training script that prints one JSON row: the baseline or a peer."""
+
+    impl: str  # the row's name
+    path: str  # relative to the repository root
+    module: str  # the library it needs, checked before it is launched ('' for none)
+
+
+BASELINE = Script("baseline-ddp", "benchmarks/baseline_ddp_gpt.py", "")
+PEERS = {"accelerate": Script("accelerate-ddp", "benchmarks/peer_accelerate.py", "accelerate"),
+         "fabric": Script("fabric-ddp", "benchmarks/peer_fabric.py", "lightning")}
+REFERENCES = {BASELINE.impl} | {s.impl for s in PEERS.values()}  # what vs_best_peer compares against
+
+
+@dataclass(frozen=True)
+class Case:
+    """What rows are compared within: only rows of one case share a baseline and a best peer."""
+
+    size: str
+    gpus: int
+    grad_clip: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything that is the same for every case of one run."""
+
+    steps: int
+    compile: bool
+    baseline: bool
+    peers: list[Script]
+    layouts: list[str]
+    variants: list[tuple[str, list[str]]]  # (name, meshrun overrides)
+    extra: list[str]  # meshrun overrides for every meshrun row
 
 
 def launch(gpus: int, target: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -36,83 +91,212 @@ def launch(gpus: int, target: list[str], env: dict[str, str]) -> subprocess.Comp
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
 
 
-def run_baseline(size: str, gpus: int, steps: int, env: dict[str, str]) -> dict:
-    mb, seq = MICRO[size]
-    proc = launch(gpus, ["benchmarks/baseline_ddp_gpt.py", "--size", size, "--micro-batch", str(mb), "--seq",
-                         str(seq), "--steps", str(steps), "--warmup", str(steps // 3)], env)
+def failure(proc: subprocess.CompletedProcess) -> dict:
+    return {"error": (proc.stderr or proc.stdout)[-2000:]}
+
+
+def run_script(script: Script, case: Case, plan: Plan, env: dict[str, str]) -> dict:
+    """The row the baseline or a peer prints for this case."""
+    mb, seq = MICRO[case.size]
+    proc = launch(case.gpus, [script.path, "--size", case.size, "--micro-batch", str(mb), "--seq", str(seq),
+                              "--steps", str(plan.steps), "--warmup", str(plan.steps // 3),
+                              "--grad-clip", str(case.grad_clip), "--compile" if plan.compile else "--no-compile"], env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode or not lines:
-        return {"error": (proc.stderr or proc.stdout)[-2000:]}
+        return failure(proc)
     return json.loads(lines[-1])
 
 
-def run_meshrun(size: str, gpus: int, layout: str, steps: int, env: dict[str, str], extra: list[str]) -> dict:
-    mb, seq = MICRO[size]
+def meshrun_args(case: Case, layout: str, plan: Plan, run_dir: str, overrides: list[str]) -> list[str]:
+    """`meshrun train` arguments; the user's overrides come last, so they win over the harness's."""
+    mb, seq = MICRO[case.size]
+    log_every = max(1, min(5, plan.steps // 3))  # at least two intervals after the warm-up third
+    args = ["train", f"--model.name={case.size}", f"--model.seq_len={seq}", f"--train.micro_batch={mb}",
+            f"--train.steps={plan.steps}", f"--train.log_every={log_every}", "--train.eval_every=0",
+            f"--train.compile={str(plan.compile).lower()}", f"--train.grad_clip={case.grad_clip}",
+            "--checkpoint.final=false", "--run.progress=lines", f"--run.dir={run_dir}", *LAYOUTS[layout]]
+    if layout == "pp":
+        args.append(f"--train.grad_accum={2 * case.gpus}")  # micro-batches >= stages for the schedule
+    return [*args, *overrides]
+
+
+def run_meshrun(case: Case, layout: str, plan: Plan, env: dict[str, str], overrides: list[str]) -> dict:
+    """A meshrun row for this case: medians of the train records after the warm-up third."""
     with tempfile.TemporaryDirectory() as tmp:
-        args = ["train", f"--model.name={size}", f"--model.seq_len={seq}", f"--train.micro_batch={mb}",
-                f"--train.steps={steps}", "--train.log_every=5", "--train.eval_every=0", "--train.compile=true",
-                "--checkpoint.final=false", "--run.progress=lines", f"--run.dir={tmp}", *LAYOUTS[layout], *extra]
-        if layout == "pp":
-            args.append(f"--train.grad_accum={2 * gpus}")  # micro-batches >= stages for the schedule
-        proc = launch(gpus, args, env)
+        proc = launch(case.gpus, meshrun_args(case, layout, plan, tmp, overrides), env)
         metrics = Path(tmp, "metrics.jsonl")
         records = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
-    train = [r for r in records if r.get("kind") == "train" and r["step"] > steps // 3]
+    train = [r for r in records if r.get("kind") == "train" and r["step"] > plan.steps // 3]
     if proc.returncode or not train:
-        return {"error": (proc.stderr or proc.stdout)[-2000:]}
-    return {"impl": f"meshrun-{layout}", "size": size, "gpus": gpus,
-            "tokens_per_s_per_gpu": statistics.median(r["tokens_per_s_per_device"] for r in train),
-            "mfu": statistics.median(r["mfu"] or 0 for r in train), "loss": train[-1]["loss"],
-            "peak_mem_gib": max(r.get("peak_mem_gib") or 0 for r in train)}
+        return failure(proc)
+    mfu = [r["mfu"] for r in train if r["mfu"] is not None]  # None where the peak is unknown (CPU)
+    peak = [r["peak_mem_gib"] for r in train if r.get("peak_mem_gib") is not None]
+    return {"tokens_per_s_per_gpu": statistics.median(r["tokens_per_s_per_device"] for r in train),
+            "mfu": statistics.median(mfu) if mfu else None, "loss": train[-1]["loss"],
+            "peak_mem_gib": max(peak) if peak else None, "overrides": overrides}
 
 
-def main() -> int:
+def run_case(case: Case, plan: Plan, env: dict[str, str]) -> Iterator[dict]:
+    """The rows of one case, as each finishes: baseline, peers, then meshrun per layout and variant."""
+    for script in ([BASELINE] if plan.baseline else []) + plan.peers:
+        yield labelled(case, script.impl, run_script(script, case, plan, env))
+    for layout in plan.layouts:
+        if layout != "ddp" and case.gpus == 1:
+            continue  # FSDP, TP and PP need two GPUs or more
+        for name, overrides in [("", []), *plan.variants]:
+            impl = f"meshrun-{layout}-{name}" if name else f"meshrun-{layout}"
+            yield labelled(case, impl, run_meshrun(case, layout, plan, env, [*plan.extra, *overrides]))
+
+
+def labelled(case: Case, impl: str, result: dict) -> dict:
+    """A row: its name and case first, then what the run measured (or its error)."""
+    return {"impl": impl, "size": case.size, "gpus": case.gpus, "grad_clip": case.grad_clip, **result}
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """Sets vs_baseline, vs_best_peer and best_peer on every row that ran, against the rows of its own case:
+    the baseline row, and the fastest of the baseline and the peers (so vs_best_peer >= 1 means it beat them all)."""
+    cases: dict[tuple, list[dict]] = {}
+    for row in rows:
+        if "error" not in row:
+            cases.setdefault((row["size"], row["gpus"], row["grad_clip"]), []).append(row)
+    for group in cases.values():
+        refs = [r for r in group if r["impl"] in REFERENCES]
+        base = next((r for r in refs if r["impl"] == BASELINE.impl), None)
+        best = max(refs, key=lambda r: r["tokens_per_s_per_gpu"], default=None)
+        for row in group:
+            if base is not None:
+                row["vs_baseline"] = row["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"]
+            if best is not None:
+                row["vs_best_peer"] = row["tokens_per_s_per_gpu"] / best["tokens_per_s_per_gpu"]
+                row["best_peer"] = best["impl"]
+
+
+def installed_peers(names: list[str]) -> tuple[list[Script], list[str]]:
+    """The peers whose library imports here, and a reason for each one skipped."""
+    peers, skipped = [], []
+    for name in names:
+        script = PEERS[name]
+        if importlib.util.find_spec(script.module) is None:
+            skipped.append(f"{script.impl} skipped: {script.module} not installed (pip install {script.module})")
+        else:
+            peers.append(script)
+    return peers, skipped
+
+
+def versions(plan: Plan) -> str:
+    """The versions every row depends on, for the record beside the numbers."""
+    names = ["torch", *(s.module for s in plan.peers)]
+    return ", ".join(f"{name} {importlib.metadata.version(name)}" for name in names)
+
+
+def probe_device(env: dict[str, str]) -> str:
+    """The GPU's name, or 'cpu'. Asked in a child process, so that this one holds no CUDA context on GPU 0."""
+    code = "import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    return proc.stdout.strip() or "unknown"
+
+
+def attach_values(argv: list[str]) -> list[str]:
+    """Turns `--extra VALUE` into `--extra=VALUE` (and so for --variant). argparse refuses a separate value that
+    starts with `--`, taking it for an option, and meshrun overrides always do."""
+    out: list[str] = []
+    it = iter(argv)
+    for arg in it:
+        out.append(f"{arg}={next(it, '')}" if arg in VALUE_OPTIONS else arg)
+    return out
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", default="124m")
-    p.add_argument("--gpus", default="1,2")
+    p.add_argument("--sizes", default="124m", help=f"comma list of {', '.join(MICRO)}")
+    p.add_argument("--gpus", default="1,2", help="comma list of GPU counts (CPU processes without a GPU)")
     p.add_argument("--layouts", default="ddp", help=f"comma list of {', '.join(LAYOUTS)}")
+    p.add_argument("--peers", default=",".join(PEERS), help=f"comma list of {', '.join(PEERS)} ('' for none)")
+    p.add_argument("--grad-clip", default="0", help="comma list of clip values, each run on every side (0 = off)")
     p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile on every side (default: on with a GPU, off on CPU)")
     p.add_argument("--no-baseline", action="store_true")
-    p.add_argument("--extra", default="", help="extra meshrun overrides, space separated")
+    p.add_argument("--extra", action="append", default=[], help="meshrun overrides for every meshrun row")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME:OVERRIDES",
+                   help="one more meshrun row per layout, meshrun-<layout>-NAME, with these overrides")
     p.add_argument("--json", help="write all rows here")
-    args = p.parse_args()
+    args = p.parse_args(attach_values(argv))
+    check_args(p, args)
+    return args
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuses, naming the value given, what would otherwise fail in the middle of a long run."""
+    for option, given, known in (("--sizes", args.sizes, MICRO), ("--layouts", args.layouts, LAYOUTS),
+                                 ("--peers", args.peers, PEERS)):
+        unknown = [x for x in split(given) if x not in known]
+        if unknown:
+            p.error(f"{option} {given!r}: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
+    for variant in args.variant:
+        if not variant.partition(":")[0] or ":" not in variant:
+            p.error(f"--variant {variant!r}: expected NAME:OVERRIDES, e.g. ac:--parallel.activation_checkpoint=full")
+    for value in [*args.extra, *args.variant]:
+        if "--train.grad_clip" in value:
+            p.error(f"{value!r} sets --train.grad_clip for meshrun alone; use --grad-clip, which clips every side")
+    if args.steps < 3:
+        p.error(f"--steps {args.steps}: needs at least 3 (the first third is warm-up)")
+
+
+def split(text: str) -> list[str]:
+    return [x for x in text.split(",") if x]
+
+
+def make_plan(args: argparse.Namespace, device: str) -> tuple[Plan, list[str]]:
+    """The run's plan from the arguments, and the reasons for the peers it skips."""
+    peers, skipped = installed_peers(split(args.peers))
+    variants = [(name, shlex.split(overrides)) for name, _, overrides in (v.partition(":") for v in args.variant)]
+    plan = Plan(steps=args.steps, compile=device != "cpu" if args.compile is None else args.compile,
+                baseline=not args.no_baseline, peers=peers, layouts=split(args.layouts), variants=variants,
+                extra=[x for value in args.extra for x in shlex.split(value)])
+    return plan, skipped
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{os.environ.get('PYTHONPATH', '')}"}
+    device = probe_device(env)
+    plan, skipped = make_plan(args, device)
+    notes = [versions(plan), *skipped]
+    print("\n".join(notes), flush=True)
     rows = []
-    for size in args.sizes.split(","):
-        for gpus in map(int, args.gpus.split(",")):
-            base = None if args.no_baseline else run_baseline(size, gpus, args.steps, env)
-            if base:
-                rows.append(base)
-                print(json.dumps(base), flush=True)
-            for layout in args.layouts.split(","):
-                if layout != "ddp" and gpus == 1:
-                    continue
-                row = run_meshrun(size, gpus, layout, args.steps, env, args.extra.split())
-                if base and "error" not in base and "error" not in row:
-                    row["vs_baseline"] = row["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"]
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-    print_table(rows)
+    for size in split(args.sizes):
+        for gpus in map(int, split(args.gpus)):
+            for clip in map(float, split(args.grad_clip)):
+                for row in run_case(Case(size, gpus, clip), plan, env):
+                    rows.append({**row, "device": row.get("device", device)})
+                    print(json.dumps(rows[-1]), flush=True)
+    add_ratios(rows)
+    print_table(rows, device, notes)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
-    return 0
+    return 1 if any("error" in r for r in rows) else 0
 
 
-def print_table(rows: list[dict]) -> None:
+def print_table(rows: list[dict], device: str, notes: list[str]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"training throughput ({rows[0].get('device', '') if rows else ''})")
-    for col in ("impl", "size", "gpus", "tok/s per GPU", "MFU", "peak GiB", "vs baseline"):
+    table = Table(title=f"training throughput on {device}", caption="\n".join(notes))
+    for col in ("impl", "size", "gpus", "grad clip", "tok/s per GPU", "MFU", "peak GiB", "vs baseline",
+                "vs best peer"):
         table.add_column(col)
     for r in rows:
-        if "error" in r:
-            table.add_row(r.get("impl", "?"), r.get("size", ""), str(r.get("gpus", "")), "error", "", "", "")
-            continue
-        table.add_row(r["impl"], r["size"], str(r["gpus"]), f"{r['tokens_per_s_per_gpu']:,.0f}",
-                      f"{100 * r['mfu']:.1f}%", f"{r['peak_mem_gib']:.1f}",
-                      f"{r['vs_baseline']:.3f}x" if "vs_baseline" in r else "")
-    Console().print(table)
+        cells = ["error", "", "", "", ""] if "error" in r else [
+            f"{r['tokens_per_s_per_gpu']:,.0f}", fmt(r.get("mfu"), "{:.1%}"), fmt(r.get("peak_mem_gib"), "{:.1f}"),
+            fmt(r.get("vs_baseline"), "{:.3f}x"), fmt(r.get("vs_best_peer"), "{:.3f}x")]
+        table.add_row(r["impl"], r["size"], str(r["gpus"]), f"{r['grad_clip']:g}", *cells)
+    Console(width=shutil.get_terminal_size((150, 24)).columns).print(table)  # 150 when piped
+
+
+def fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else spec.format(value)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,107 @@
+"""benchmarks/train_bench.py: the ratios and the command line (pure logic), and a whole run on CPU with gloo."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HARNESS = ROOT / "benchmarks" / "train_bench.py"
+
+
+def load_harness():
+    """The harness as a module (benchmarks/ is no package); registered first, as dataclasses need."""
+    spec = importlib.util.spec_from_file_location("train_bench", HARNESS)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["train_bench"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+tb = load_harness()
+
+
+def row(impl: str, tps: float, gpus: int = 1, clip: float = 0.0, **extra) -> dict:
+    return {"impl": impl, "size": "124m", "gpus": gpus, "grad_clip": clip, "tokens_per_s_per_gpu": tps, **extra}
+
+
+# --- ratios ------------------------------------------------------------------------------------------------------
+
+
+def test_ratios_compare_within_one_case_against_baseline_and_fastest_reference():
+    rows = [row("baseline-ddp", 400.0), row("accelerate-ddp", 500.0), row("fabric-ddp", 450.0),
+            row("meshrun-ddp", 600.0), row("meshrun-ddp-ac", 300.0),
+            row("baseline-ddp", 100.0, gpus=2), row("meshrun-ddp", 50.0, gpus=2),
+            row("baseline-ddp", 200.0, clip=1.0), row("meshrun-ddp", 100.0, clip=1.0)]
+    tb.add_ratios(rows)
+    assert [r["vs_baseline"] for r in rows[:5]] == pytest.approx([1.0, 1.25, 1.125, 1.5, 0.75])
+    assert [r["vs_best_peer"] for r in rows[:5]] == pytest.approx([0.8, 1.0, 0.9, 1.2, 0.6])
+    assert {r["best_peer"] for r in rows[:5]} == {"accelerate-ddp"}
+    assert (rows[6]["vs_baseline"], rows[6]["vs_best_peer"]) == (pytest.approx(0.5), pytest.approx(0.5))
+    assert (rows[8]["vs_baseline"], rows[8]["best_peer"]) == (pytest.approx(0.5), "baseline-ddp")
+
+
+def test_ratios_skip_failed_rows_and_cases_without_references():
+    rows = [row("baseline-ddp", 0.0, error="boom"), row("accelerate-ddp", 500.0), row("meshrun-ddp", 250.0),
+            row("meshrun-ddp", 10.0, gpus=4)]
+    tb.add_ratios(rows)
+    assert "vs_baseline" not in rows[0] and "vs_baseline" not in rows[2]  # the baseline failed
+    assert rows[2]["vs_best_peer"] == pytest.approx(0.5)
+    assert "vs_best_peer" not in rows[3]  # nothing to compare with at 4 GPUs
+
+
+# --- command line ------------------------------------------------------------------------------------------------
+
+
+def test_extra_and_variant_take_values_that_start_with_dashes():
+    args = tb.parse_args(["--extra", "--train.compile=false", "--extra=--train.lr=1e-3 --train.min_lr=1e-4",
+                          "--variant", "ac:--parallel.activation_checkpoint=full", "--peers", ""])
+    plan, skipped = tb.make_plan(args, "cpu")
+    assert plan.extra == ["--train.compile=false", "--train.lr=1e-3", "--train.min_lr=1e-4"]
+    assert plan.variants == [("ac", ["--parallel.activation_checkpoint=full"])]
+    assert (plan.peers, skipped, plan.compile) == ([], [], False)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--extra", "--train.grad_clip=0"], "use --grad-clip"),
+    (["--variant", "noclip"], "expected NAME:OVERRIDES"),
+    (["--peers", "accelerate,deepspeed"], "unknown deepspeed"),
+])
+def test_bad_arguments_are_refused_naming_the_value(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        tb.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_meshrun_clips_as_asked_and_user_overrides_come_last():
+    plan = tb.Plan(steps=6, compile=False, baseline=True, peers=[], layouts=["ddp"], variants=[], extra=[])
+    args = tb.meshrun_args(tb.Case("tiny", 2, 1.0), "ddp", plan, "/tmp/run", ["--train.lr=1e-3"])
+    assert "--train.grad_clip=1.0" in args and "--train.compile=false" in args
+    assert args[-1] == "--train.lr=1e-3"
+
+
+# --- a whole run -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_cpu_run_has_a_row_per_case_and_ratios_to_its_baseline(tmp_path):
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, str(HARNESS), "--sizes", "tiny", "--gpus", "1,2", "--steps", "6",
+                           "--grad-clip", "0,1", "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=400)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rows = {(r["impl"], r["gpus"], r["grad_clip"]): r for r in json.loads(out.read_text())}
+    for gpus in (1, 2):
+        for clip in (0.0, 1.0):
+            base, mesh = rows[("baseline-ddp", gpus, clip)], rows[("meshrun-ddp", gpus, clip)]
+            assert mesh["tokens_per_s_per_gpu"] > 0 and mesh["device"] == "cpu"
+            assert mesh["vs_baseline"] == pytest.approx(mesh["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"])
+    for impl in ("accelerate-ddp", "fabric-ddp"):  # installed: a row per case; else one line that says why not
+        ran = [key for key in rows if key[0] == impl]
+        skipped = [line for line in proc.stdout.splitlines() if line.startswith(f"{impl} skipped:")]
+        assert len(ran) == 4 or (not ran and len(skipped) == 1 and "not installed" in skipped[0]), proc.stdout
