@@ -30,11 +30,11 @@ MICRO = {"124m": (16, 1024), "1b": (4, 2048), "tiny": (8, 64), "small": (8, 256)
 def baseline_step(size: str, mb: int, seq: int, device: torch.device):
     import baseline_ddp_gpt as base
 
-    dim, layers, heads = base.SIZES[size]
-    model = base.GPT(dim, layers, heads, 50304, seq).to(device)
+    dim, layers, heads, vocab = base.SIZES[size]
+    model = base.GPT(dim, layers, heads, vocab, seq).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=device.type == "cuda")
     model = torch.compile(model)
-    x = torch.randint(0, 50304, (mb, seq + 1), device=device)
+    x = torch.randint(0, vocab, (mb, seq + 1), device=device)
 
     def step():
         with torch.autocast(device.type, dtype=torch.bfloat16):

@@ -21,7 +21,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow,
 
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = ["--model.name=small", "--train.steps=20", "--train.log_every=1", "--train.eval_every=10",
-        "--train.compile=true", "--train.global_batch=16", "--data.max_bytes=2000000", "--run.progress=lines"]
+        "--train.compile=true", "--train.global_batch=16", "--data.max_bytes=2000000", "--run.progress=lines",
+        "--train.lr=1e-3"]  # at the default 3e-3 this small model's loss spikes, and bf16 rounding differences
+                            # between the two runs grow chaotically after a spike (0.067 at step 19 on 2x H100)
 
 
 def train(run_dir: Path, gpus: int, *extra: str) -> list[dict]:
