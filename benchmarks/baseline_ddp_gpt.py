@@ -1,4 +1,4 @@
-"""The baseline meshrun is measured against: a plain DDP GPT script in the seeds' pattern.
+"""The baseline meshrun is measured against: a plain, hand-written DDP GPT script.
 
 GPT-2 architecture (LayerNorm, GELU MLP, learned positions, tied embeddings), bf16 autocast, SDPA flash attention,
 fused AdamW, torch.compile on the whole model, DDP. Random tokens: throughput does not depend on the data.

@@ -12,7 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from meshrun.config import ConfigError, load_config
+from meshrun.config import ConfigError, ParallelConfig, load_config
+from meshrun.dist.mesh import choose_data_parallel
+from meshrun.models.build import count_params, model_config
 from meshrun.parallel.apply import reshard_after_forward
 from meshrun.parallel.engine import count_tensor, loss_function, token_loss_sum
 from meshrun.parallel.float8 import check_float8
@@ -69,3 +71,37 @@ def test_train_prints_the_speed_line_and_refuses_float8_on_cpu(tmp_path):
     bad = subprocess.run([*base, "--train.float8=true"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0
     assert "train.float8=true needs an NVIDIA GPU" in bad.stderr + bad.stdout
+
+
+def test_data_parallel_auto_shards_large_models_on_gpus():
+    default = ParallelConfig()
+    one_b = count_params(model_config(load_config(None, ["--model.name=1b"])))
+    small = count_params(model_config(load_config(None, ["--model.name=124m"])))
+    assert one_b > 1e9 > small
+    chosen, note = choose_data_parallel(default, params=one_b, on_gpu=True)
+    assert (chosen.dp_replicate, chosen.dp_shard) == (1, -1) and note.startswith("data parallelism: FSDP2")
+    assert choose_data_parallel(default, params=one_b, on_gpu=False) == (default, "")  # CPU: DDP
+    assert choose_data_parallel(default, params=small, on_gpu=True) == (default, "")  # small: DDP
+    explicit = ParallelConfig(dp_replicate=2, dp_shard=1)
+    assert choose_data_parallel(explicit, params=one_b, on_gpu=True) == (explicit, "")  # explicit degrees win
+    with_tp = ParallelConfig(tp=2)
+    assert choose_data_parallel(with_tp, params=one_b, on_gpu=True) == (with_tp, "")
+    forced, note = choose_data_parallel(ParallelConfig(data_parallel="fsdp"), params=small, on_gpu=False)
+    assert (forced.dp_replicate, forced.dp_shard) == (1, -1) and "parallel.data_parallel=fsdp" in note
+    assert choose_data_parallel(ParallelConfig(data_parallel="ddp"), params=one_b, on_gpu=True)[1] == ""
+
+
+def test_data_parallel_choice_is_validated():
+    with pytest.raises(ConfigError, match="parallel.data_parallel='zero' is not one of auto, ddp, fsdp"):
+        load_config(None, ["--parallel.data_parallel=zero"])
+
+
+@pytest.mark.slow
+def test_launch_with_data_parallel_fsdp_trains_sharded(tmp_path):
+    cmd = [sys.executable, "-m", "meshrun", "launch", "--nproc-per-node", "2", "train", "--train.steps=2",
+           "--train.eval_every=0", "--data.max_bytes=200000", "--checkpoint.final=false", f"--run.dir={tmp_path}",
+           "--parallel.data_parallel=fsdp", "--health.check_versions=false"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "dp_replicate 1 x dp_shard 2" in proc.stdout and "| FSDP" in proc.stdout
+    assert "data parallelism: FSDP2 over every data-parallel rank (parallel.data_parallel=fsdp)" in proc.stdout

@@ -144,6 +144,10 @@ class ParallelConfig:
     """Stages per rank for interleaved1f1b."""
     sequence_parallel: bool = False
     """Shard norms and dropout along the sequence in TP regions."""
+    data_parallel: str = "auto"
+    """How the default pure data-parallel layout runs (dp_replicate=-1 with dp_shard=1): ddp (every rank keeps the
+    whole model and optimizer), fsdp (FSDP2 shards parameters, gradients and optimizer state over the ranks), or
+    auto: fsdp on GPUs for models of 1B parameters or more, ddp otherwise. Explicit degrees always win."""
     fsdp_reshard_after_forward: str = "auto"
     """Free each block's gathered parameters after its forward (true) or keep them for backward (false: one
     all-gather per step instead of two, at the memory of the whole model in the compute dtype). auto keeps them
@@ -281,6 +285,7 @@ class JobConfig:
                                                               self.parallel.fsdp_reshard_after_forward)
         if self.parallel.ddp_bucket_mb < 1:
             raise ConfigError(f"parallel.ddp_bucket_mb must be >= 1, got {self.parallel.ddp_bucket_mb}")
+        _check_choice("parallel.data_parallel", self.parallel.data_parallel, ("auto", "ddp", "fsdp"))
         _check_choice("run.progress", self.run.progress, ("auto", "bar", "lines"))
         for name in ("steps", "micro_batch"):
             if getattr(self.train, name) < 1:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from meshrun.config import ConfigError, JobConfig
-from meshrun.models.gpt import GPTConfig, gpt_config
+from meshrun.models.gpt import GPT, GPTConfig, gpt_config
 
 
 def model_config(job: JobConfig, corpus_vocab: int = 0) -> GPTConfig:
@@ -34,3 +34,11 @@ def record_resolved(job: JobConfig, cfg: GPTConfig) -> None:
     for name in ("dim", "n_layers", "n_heads", "vocab_size", "seq_len"):
         setattr(job.model, name, getattr(cfg, name))
     job.model.n_kv_heads, job.model.ffn_dim = cfg.kv_heads, cfg.hidden_dim
+
+
+def count_params(cfg: GPTConfig) -> int:
+    """Unique parameters of the whole model, counted on the meta device (no memory)."""
+    import torch
+
+    with torch.device("meta"):
+        return GPT(cfg).num_params()

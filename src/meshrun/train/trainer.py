@@ -28,7 +28,7 @@ from meshrun.data.loader import StepBatches, eval_batches
 from meshrun.data.sampler import DataPosition, TokenWindows
 from meshrun.dist.process_group import DistContext, init_distributed
 from meshrun.env import ClusterEnv
-from meshrun.models.build import model_config, record_resolved
+from meshrun.models.build import count_params, model_config, record_resolved
 from meshrun.models.gpt import flops_per_token
 from meshrun.parallel.apply import build_engine, describe_layout
 from meshrun.parallel.engine import Engine
@@ -37,7 +37,7 @@ from meshrun.ckpt.checkpointer import Checkpointer
 from meshrun.ckpt.preemption import install_sigterm_handler
 from meshrun.ckpt.state import CountersState, ModelOptimState, RNGState, SchedulerState
 from meshrun.diag.fingerprint import check_consistency
-from meshrun.dist.mesh import ParallelDims
+from meshrun.dist.mesh import ParallelDims, choose_data_parallel
 from meshrun.train.health import HangWatchdog, StragglerDetector, enable_flight_recorder
 from meshrun.train.metrics import MetricsSink, SumMetrics, peak_flops
 from meshrun.train.profiling import StepProfiler, build_profiler
@@ -71,6 +71,12 @@ def use_deterministic_algorithms() -> None:
     torch.backends.cudnn.benchmark = False
 
 
+def expects_gpu(job: JobConfig) -> bool:
+    """Whether this process will train on a CUDA GPU (dist.device, or auto with CUDA present); known before the
+    process group starts."""
+    return job.dist.device == "cuda" or (job.dist.device == "auto" and torch.cuda.is_available())
+
+
 def compute_dtype(job: JobConfig, device: torch.device) -> torch.dtype | None:
     """The autocast dtype, or None for plain fp32."""
     if job.train.dtype == "bf16" or (job.train.dtype == "auto" and device.type == "cuda"):
@@ -88,6 +94,8 @@ class Trainer:
         self.corpus = corpus or load_corpus(job.data)
         self.model_cfg = model_config(job, self.corpus.vocab_size)
         record_resolved(job, self.model_cfg)
+        job.parallel, self.layout_note = choose_data_parallel(job.parallel, params=count_params(self.model_cfg),
+                                                              on_gpu=expects_gpu(job))
         self.dims = ParallelDims.from_config(job.parallel, world_size=self.env.world_size,
                                              gpus_per_node=self.env.local_world_size, model=self.model_cfg)
         self.batch: BatchPlan = resolve_batch(job.train, dp_size=self.dims.dp_size, seq_len=self.model_cfg.seq_len)
@@ -258,7 +266,7 @@ class Trainer:
             " tail samples dropped per epoch)",
             f"config: {self.run_dir / 'config.toml'}",
         ]
-        lines.insert(1, f"layout: {describe_layout(self.dims)}")
+        lines.insert(1, f"layout: {describe_layout(self.dims)}" + (f"\n{self.layout_note}" if self.layout_note else ""))
         lines.insert(2, describe_speed(self.job, self.device, compute_dtype(self.job, self.device)))
         if self.step:
             lines.append(f"resumed at step {self.step} (epoch {self.data.position.epoch}, "
