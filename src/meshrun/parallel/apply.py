@@ -4,8 +4,9 @@ For every model part (the whole model, or each pipeline stage this rank runs):
 
 1. build on the meta device (no memory), and with PP cut out this rank's stage(s);
 2. tensor parallelism (column/row plans, optional sequence parallelism)      -- parallel/tp.py
+   then, with train.float8, the blocks' linears become torchao Float8Linear -- parallel/float8.py
 3. activation checkpointing (none / selective / full)                      -- parallel/activation_checkpoint.py
-4. torch.compile of each block (in place: names keep no "_orig_mod.")
+4. torch.compile of each block (in place: names keep no "_orig_mod."), and of the loss (engine.loss_function)
 5. data parallelism: FSDP2 ``fully_shard`` over dp_shard, HSDP over (dp_replicate, dp_shard) when both > 1,
    or, with TP/PP and only dp_replicate > 1, HSDP with a shard degree of 1 (pure replication); plain DDP only
    for a pure data-parallel layout                                          -- parallel/data_parallel.py
@@ -133,7 +134,8 @@ def build_parts(cfg: GPTConfig, dims: ParallelDims, ids: list[int], *, job: JobC
 
 def parallelize(part: nn.Module, dims: ParallelDims, *, job: JobConfig, compute_dtype: torch.dtype | None,
                 compiled: bool = False, device: torch.device | None = None) -> None:
-    """TP -> activation checkpointing -> compile -> FSDP/HSDP, in place (DDP is applied after materialising)."""
+    """TP -> float8 -> activation checkpointing -> compile -> FSDP/HSDP, in place (DDP is applied after
+    materialising)."""
     if dims.tp > 1:
         apply_tp(part, dims.get_mesh("tp"), sequence_parallel=job.parallel.sequence_parallel,
                  loss_parallel=use_loss_parallel(dims))
