@@ -2,7 +2,9 @@
 
 import pytest
 
-from meshrun.env import ClusterEnv, expand_nodelist
+from meshrun.config import ConfigError, ParallelConfig
+from meshrun.dist.mesh import ParallelDims
+from meshrun.env import ClusterEnv, expand_nodelist, expand_tasks_per_node
 
 
 def test_torchrun_variables():
@@ -51,3 +53,96 @@ def test_bad_layouts_name_the_variable():
         ClusterEnv.detect({"RANK": "0", "WORLD_SIZE": "x"})
     with pytest.raises(ValueError, match="unmatched"):
         expand_nodelist("node[01-02")
+
+
+# ---- per-node task counts of the step (srun -N2 -n3, uneven nodes) ---------------------------------------------
+
+def slurm_env(node_id: int, proc_id: int, local_id: int, **extra: str) -> dict[str, str]:
+    return {"SLURM_PROCID": str(proc_id), "SLURM_LOCALID": str(local_id), "SLURM_NODEID": str(node_id),
+            "SLURM_JOB_NODELIST": "n[1-4]", "SLURM_JOB_ID": "77", **extra}
+
+
+@pytest.mark.parametrize("value, counts", [("2(x3),1", [2, 2, 2, 1]), ("3,1", [3, 1]), ("2,1", [2, 1]),
+                                           ("8(x4)", [8, 8, 8, 8]), ("", [])])
+def test_expand_tasks_per_node(value, counts):
+    assert expand_tasks_per_node(value) == counts
+
+
+@pytest.mark.parametrize("step_counts, node_id, local", [("2(x3),1", 3, 1), ("2(x3),1", 2, 2), ("3,1", 0, 3),
+                                                         ("3,1", 1, 1), ("1,3", 1, 3)])
+def test_local_world_size_is_this_nodes_count_in_the_step(step_counts, node_id, local):
+    counts = expand_tasks_per_node(step_counts)
+    rank = sum(counts[:node_id])  # this node's first task
+    # the job was allocated with --ntasks-per-node=2 (SLURM_NTASKS_PER_NODE), which the step overrides
+    env = ClusterEnv.detect(slurm_env(node_id, rank, 0, SLURM_NTASKS=str(sum(counts)),
+                                      SLURM_NNODES=str(len(counts)), SLURM_NTASKS_PER_NODE="2",
+                                      SLURM_TASKS_PER_NODE="2(x4)", SLURM_STEP_TASKS_PER_NODE=step_counts))
+    assert (env.node_rank, env.local_world_size, env.world_size) == (node_id, local, sum(counts))
+
+
+def test_srun_n3_on_2_nodes_no_longer_claims_2_per_node_on_both():
+    base = dict(SLURM_NTASKS="3", SLURM_NNODES="2", SLURM_TASKS_PER_NODE="2(x2)", SLURM_STEP_TASKS_PER_NODE="2,1")
+    assert ClusterEnv.detect(slurm_env(0, 1, 1, **base)).local_world_size == 2
+    assert ClusterEnv.detect(slurm_env(1, 2, 0, **base)).local_world_size == 1
+    # outside a step (no SLURM_STEP_TASKS_PER_NODE) the job's list is indexed by node, not its first entry
+    job = dict(SLURM_NTASKS="4", SLURM_NNODES="2", SLURM_TASKS_PER_NODE="3,1")
+    assert ClusterEnv.detect(slurm_env(1, 3, 0, **job)).local_world_size == 1
+
+
+def test_step_counts_that_contradict_ntasks_are_refused():
+    with pytest.raises(ValueError, match=r"SLURM_STEP_TASKS_PER_NODE='2,2' places 4 tasks on 2 nodes, but "
+                                         r"SLURM_NTASKS=3"):
+        ClusterEnv.detect(slurm_env(0, 0, 0, SLURM_NTASKS="3", SLURM_NNODES="2", SLURM_STEP_TASKS_PER_NODE="2,2"))
+
+
+def test_tp_across_the_network_is_refused_with_one_task_per_node_in_the_step():
+    # sbatch --nodes=2 --ntasks-per-node=2; srun -n 2 (one task on each node); --parallel.tp=2 --parallel.dp_replicate=1
+    env = ClusterEnv.detect(slurm_env(1, 1, 0, SLURM_NTASKS="2", SLURM_NNODES="2", SLURM_NTASKS_PER_NODE="2",
+                                      SLURM_TASKS_PER_NODE="2(x2)", SLURM_STEP_TASKS_PER_NODE="1(x2)"))
+    assert env.local_world_size == 1
+    with pytest.raises(ConfigError, match="parallel.tp=2 is larger than the 1 GPUs of one node"):
+        ParallelDims.from_config(ParallelConfig(tp=2, dp_replicate=1), world_size=env.world_size,
+                                 gpus_per_node=env.local_world_size)
+
+
+# ---- a master host that resolves to loopback (Debian's '127.0.1.1 <hostname>') ----------------------------------
+
+def two_node_env(**extra: str) -> ClusterEnv:
+    return ClusterEnv.detect(slurm_env(0, 0, 0, SLURM_NTASKS="2", SLURM_NNODES="2", SLURM_JOB_NODELIST="node[01-02]",
+                                       SLURM_STEP_TASKS_PER_NODE="1(x2)", **extra))
+
+
+def test_master_host_resolving_to_loopback_is_refused_with_what_resolved_to_what():
+    env = two_node_env()
+    with pytest.raises(ValueError, match=r"'node01' \(first host of the job's nodelist\) resolves to 127\.0\.1\.1 on "
+                                         r".* \(node 0\), a loopback address.*set MASTER_ADDR"):
+        env.check_master_address({}, resolve={"node01": "127.0.1.1"}.__getitem__)
+
+
+def test_master_host_check_passes_routable_addresses_user_choices_and_single_nodes(monkeypatch):
+    env = two_node_env()
+    env.check_master_address({}, resolve={"node01": "10.1.2.3"}.__getitem__)
+    env.check_master_address({"MASTER_ADDR": "node01"}, resolve=lambda host: "127.0.1.1")  # the user's choice
+
+    def unknown(host: str) -> str:
+        raise OSError(f"cannot resolve {host}")
+
+    env.check_master_address({}, resolve=unknown)  # left to init, which names the address
+    one_node = ClusterEnv.detect(slurm_env(0, 0, 0, SLURM_NTASKS="2", SLURM_NNODES="1", SLURM_JOB_NODELIST="node01"))
+    one_node.check_master_address({}, resolve=lambda host: "127.0.1.1")
+    # the default resolver is the module's: a monkeypatched one is what init_distributed's call would use
+    monkeypatch.setattr("meshrun.env.resolve_ipv4_first", lambda host: "127.0.1.1")
+    with pytest.raises(ValueError, match="resolves to 127.0.1.1"):
+        env.check_master_address({})
+
+
+def test_direct_slurm_init_refuses_a_loopback_master_before_joining(monkeypatch):
+    from meshrun.config import DistConfig
+    from meshrun.dist.process_group import init_distributed
+
+    monkeypatch.setattr("meshrun.env.resolve_ipv4_first", lambda host: "127.0.1.1")
+    for name in ("MASTER_ADDR", "RANK", "WORLD_SIZE"):  # init_distributed exports them; keep this process clean
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    with pytest.raises(ValueError, match="'node01' .* resolves to 127.0.1.1"):
+        init_distributed(two_node_env(), DistConfig(device="cpu", init_timeout_s=1.0))

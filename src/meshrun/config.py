@@ -201,6 +201,8 @@ class CheckpointConfig:
     """Save on normal exit and on SIGTERM."""
     timeout_s: float = 1800.0
     """Seconds a rank waits for the others inside a save or load before failing with the missing ranks named."""
+    signal_grace_s: float = 30.0
+    """After SIGTERM/SIGUSR1, repeats within this many seconds are ignored (docs/fault_tolerance.md)."""
 
 
 @dataclass

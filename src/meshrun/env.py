@@ -10,10 +10,12 @@ Every other module asks a :class:`ClusterEnv` for ranks, nodes and the master ad
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
+import socket
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 DEFAULT_MASTER_PORT = 29500
 
@@ -81,11 +83,44 @@ class ClusterEnv:
         env.validate()
         return env
 
+    def check_master_address(self, environ: Mapping[str, str] | None = None, *,
+                             resolve: Callable[[str], str] | None = None) -> None:
+        """SLURM direct mode on several nodes: refuse a master host that resolves to loopback on this node.
+
+        Debian and Ubuntu map a host's own name to 127.0.1.1 in /etc/hosts; on the first node the derived master
+        then names loopback, and gloo advertises that address to the other nodes, which connect to their own
+        127.0.1.1 and wait until the init timeout. Raises a ValueError naming what resolved to what, and the fix.
+        A MASTER_ADDR the user set is trusted. Blocks for one name lookup.
+        """
+        environ = os.environ if environ is None else environ
+        if self.source != "slurm" or self.num_nodes < 2 or environ.get("MASTER_ADDR"):
+            return
+        try:
+            address = (resolve or resolve_ipv4_first)(self.master_addr)
+        except OSError:
+            return  # an unknown name fails at init, with the address in the message
+        if not ipaddress.ip_address(address).is_loopback:
+            return
+        raise ValueError(
+            f"SLURM: the master host {self.master_addr!r} (first host of the job's nodelist) resolves to {address} "
+            f"on {socket.gethostname()} (node {self.node_rank}), a loopback address: the other {self.num_nodes - 1} "
+            "node(s) cannot reach it there, and gloo would advertise it to them. This is usually the "
+            f"'127.0.1.1 <hostname>' line of Debian/Ubuntu's /etc/hosts. Fix: map {self.master_addr} to its "
+            "routable address in /etc/hosts, or before srun set MASTER_ADDR to an address of it that every node "
+            "reaches and GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME) to the interface that carries it.")
+
     def export(self) -> dict[str, str]:
         """The torchrun variables that ``init_process_group(init_method='env://')`` needs."""
         return {"RANK": str(self.rank), "LOCAL_RANK": str(self.local_rank), "WORLD_SIZE": str(self.world_size),
                 "LOCAL_WORLD_SIZE": str(self.local_world_size), "GROUP_RANK": str(self.node_rank),
                 "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port)}
+
+
+def resolve_ipv4_first(host: str) -> str:
+    """The address ``host`` names, IPv4 preferred (as torch's TCPStore); raises OSError when it has none."""
+    infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    infos.sort(key=lambda info: info[0] != socket.AF_INET)
+    return infos[0][4][0]
 
 
 def _int(environ: Mapping[str, str], name: str, default: int | None = None) -> int:
@@ -119,14 +154,30 @@ def _from_slurm(environ: Mapping[str, str]) -> ClusterEnv:
                          "run under srun or set MASTER_ADDR.")
     world_size = _int(environ, "SLURM_NTASKS")
     num_nodes = _int(environ, "SLURM_NNODES", _int(environ, "SLURM_JOB_NUM_NODES", 1))
-    tasks_per_node = environ.get("SLURM_NTASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE", "")
-    local_world_size = _parse_tasks_per_node(tasks_per_node) or max(1, world_size // num_nodes)
+    node_rank = _int(environ, "SLURM_NODEID", 0)
+    local_world_size = _slurm_local_world_size(environ, node_rank=node_rank, world_size=world_size,
+                                               num_nodes=num_nodes)
     master = environ.get("MASTER_ADDR") or expand_nodelist(nodelist)[0]
     port = _int(environ, "MASTER_PORT", _slurm_default_port(environ))
     return ClusterEnv(rank=_int(environ, "SLURM_PROCID"), local_rank=_int(environ, "SLURM_LOCALID", 0),
-                      world_size=world_size, local_world_size=local_world_size,
-                      node_rank=_int(environ, "SLURM_NODEID", 0), num_nodes=num_nodes,
-                      master_addr=master, master_port=port, source="slurm")
+                      world_size=world_size, local_world_size=local_world_size, node_rank=node_rank,
+                      num_nodes=num_nodes, master_addr=master, master_port=port, source="slurm")
+
+
+def _slurm_local_world_size(environ: Mapping[str, str], *, node_rank: int, world_size: int, num_nodes: int) -> int:
+    """This node's task count in the step: SLURM_STEP_TASKS_PER_NODE (what srun placed), else the job's
+    SLURM_TASKS_PER_NODE, indexed by SLURM_NODEID. `srun -N2 -n3` gives '2,1': 2 here on node 0, 1 on node 1,
+    where the job-level SLURM_NTASKS_PER_NODE (or the list's first entry) would say 2 on both."""
+    for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        counts = expand_tasks_per_node(environ.get(name, ""))
+        if not counts:
+            continue
+        if name == "SLURM_STEP_TASKS_PER_NODE" and (len(counts) != num_nodes or sum(counts) != world_size):
+            raise ValueError(f"SLURM: SLURM_STEP_TASKS_PER_NODE={environ[name]!r} places {sum(counts)} tasks on "
+                             f"{len(counts)} nodes, but SLURM_NTASKS={world_size} and SLURM_NNODES={num_nodes}.")
+        if 0 <= node_rank < len(counts):
+            return counts[node_rank]
+    return _int(environ, "SLURM_NTASKS_PER_NODE", max(1, world_size // max(1, num_nodes)))
 
 
 def _slurm_default_port(environ: Mapping[str, str]) -> int:
@@ -135,10 +186,19 @@ def _slurm_default_port(environ: Mapping[str, str]) -> int:
     return 15000 + int(job_id[-4:]) if job_id[-4:].isdigit() else DEFAULT_MASTER_PORT
 
 
-def _parse_tasks_per_node(value: str) -> int | None:
-    """'4(x2),3' -> 4: the count for the first node; None when absent."""
-    match = re.match(r"\s*(\d+)", value or "")
-    return int(match.group(1)) if match else None
+def expand_tasks_per_node(value: str) -> list[int]:
+    """SLURM's compressed per-node task counts, one entry per node; [] when absent.
+
+    >>> expand_tasks_per_node("2(x3),1")
+    [2, 2, 2, 1]
+    """
+    counts: list[int] = []
+    for item in filter(None, (part.strip() for part in (value or "").split(","))):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item)
+        if not match:
+            raise ValueError(f"SLURM task counts {value!r}: cannot read {item!r} (expected N or N(xM))")
+        counts.extend([int(match.group(1))] * int(match.group(2) or 1))
+    return counts
 
 
 def expand_nodelist(nodelist: str) -> list[str]:

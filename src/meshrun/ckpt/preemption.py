@@ -1,10 +1,17 @@
-"""SIGTERM as a request to save and stop, rather than an immediate death.
+"""SIGTERM (or SIGUSR1) as a request to save and stop, rather than an immediate death.
 
 Schedulers and torchrun's agent send SIGTERM before they kill (torchrun forwards it to every worker and waits
-30 s by default; SLURM sends it ``--signal``/KillWait seconds ahead). The handler only sets a flag; the trainer
+30 s by default; SLURM sends it KillWait seconds ahead at the time limit, or ``--signal=[B:]SIG@N`` seconds ahead).
+Lightning users bring ``--signal=USR1@N``, so SIGUSR1 means the same. The handler only sets a flag; the trainer
 polls it through ``Checkpointer.should_save``, which all-reduces it so that every rank stops at the same step
-even when the signal reached only some of them, saves a final checkpoint and exits. A second SIGTERM is
-not intercepted: it runs the previous handler (by default: terminate now).
+even when the signal reached only some of them, saves a final checkpoint and exits with :data:`EXIT_PREEMPTED`.
+
+Repeated signals: slurmstepd sends SIGTERM, SIGCONT, SIGTERM about 9 ms apart to every task, and a launcher may
+forward its own copies, so one preemption arrives as a burst. Signals within ``grace_s`` (default
+:data:`DEFAULT_GRACE_S`) of the first are ignored: they must not abort the save. The hard stop is the scheduler's
+SIGKILL (after KillWait) or torch's agent's (30 s after it forwarded the signal). A signal *later* than the
+window runs the previous handler (by default: terminate now), so a user who sends SIGTERM twice, well apart,
+still gets an immediate stop.
 """
 
 from __future__ import annotations
@@ -12,15 +19,31 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from typing import Any
+
+DEFAULT_GRACE_S = 30.0
+"""Repeated signals this soon after the first are part of the same preemption, not a demand to die now."""
+
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+"""What the trainer treats as 'save a checkpoint and stop'."""
+
+EXIT_PREEMPTED = 128 + signal.SIGTERM
+"""Exit code of a run stopped early by one of PREEMPTION_SIGNALS (after its final checkpoint): 143, the shell's
+code for SIGTERM, whichever of the signals arrived. Never 0: the run did not reach train.steps."""
 
 
 class PreemptionFlag:
     """Set by the signal handler; read by the training loop. Safe to read from any thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, grace_s: float = DEFAULT_GRACE_S) -> None:
         self._event = threading.Event()
         self.signal_name: str | None = None
+        self.grace_s = grace_s
+        self.first_at: float | None = None
+        """time.monotonic() of the first signal; None before."""
+        self.ignored = 0
+        """Repeated signals ignored inside the grace window."""
         self._previous: dict[int, Any] = {}
 
     def is_set(self) -> bool:
@@ -28,7 +51,20 @@ class PreemptionFlag:
 
     def set(self, signal_name: str = "manual") -> None:
         self.signal_name = signal_name
+        self.first_at = time.monotonic()
         self._event.set()
+
+    def in_grace(self) -> bool:
+        """True while a repeated signal still belongs to the first one's burst."""
+        return self.first_at is not None and time.monotonic() - self.first_at < self.grace_s
+
+    def install(self, signals: tuple[int, ...], handler: Any) -> None:
+        """Install ``handler`` for ``signals`` (main thread only), remembering what ``restore`` puts back."""
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("signal handlers can be installed from the main thread only (Python delivers "
+                               "signals there only)")
+        for signum in signals:
+            self._previous.setdefault(signum, signal.signal(signum, handler))
 
     def restore(self) -> None:
         """Put back the handlers that were installed before."""
@@ -37,20 +73,23 @@ class PreemptionFlag:
         self._previous.clear()
 
 
-def install_sigterm_handler(signals: tuple[int, ...] = (signal.SIGTERM,)) -> PreemptionFlag:
-    """Install the handler (main thread only) and return the flag it sets."""
-    if threading.current_thread() is not threading.main_thread():
-        raise RuntimeError("install_sigterm_handler must be called from the main thread (Python delivers "
-                           "signals there only)")
-    flag = PreemptionFlag()
+def install_sigterm_handler(signals: tuple[int, ...] = PREEMPTION_SIGNALS, *,
+                            grace_s: float = DEFAULT_GRACE_S) -> PreemptionFlag:
+    """Install the handler for ``signals`` (main thread only) and return the flag it sets.
+
+    The first signal sets the flag; repeats within ``grace_s`` are counted and ignored; a repeat after that
+    restores the previous handlers and re-raises the signal (by default: terminate now).
+    """
+    flag = PreemptionFlag(grace_s=grace_s)
 
     def handler(signum: int, frame: Any) -> None:
-        if flag.is_set():  # second signal: the user means it
+        if not flag.is_set():
+            flag.set(signal.Signals(signum).name)
+        elif flag.in_grace():  # the same preemption's burst: keep saving
+            flag.ignored += 1
+        else:  # long after the first: the user means it
             flag.restore()
             os.kill(os.getpid(), signum)
-            return
-        flag.set(signal.Signals(signum).name)
 
-    for signum in signals:
-        flag._previous[signum] = signal.signal(signum, handler)
+    flag.install(signals, handler)
     return flag

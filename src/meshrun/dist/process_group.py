@@ -62,6 +62,7 @@ def init_distributed(env: ClusterEnv, cfg: DistConfig) -> DistContext:
     backend = choose_backend(device, cfg)
     if dist.is_initialized():
         return DistContext(env=env, device=device, backend=dist.get_backend())
+    env.check_master_address()  # SLURM direct mode: a master name that resolves to loopback fails here, not at init
     os.environ.update(env.export())  # env:// reads these; under torchrun they are already identical
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     try:

@@ -19,6 +19,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError, Rendezvous
 from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args
 
+from meshrun.ckpt.preemption import EXIT_PREEMPTED, PREEMPTION_SIGNALS, PreemptionFlag
 from meshrun.launch.args import LaunchArgs, check_target
 from meshrun.launch.net import ProbeResult, probe_tcp
 from meshrun.launch.plan import LaunchPlan, apply_plan, format_plan, make_plan, parse_rdzv_conf
@@ -74,6 +75,7 @@ def launch(largs: LaunchArgs) -> int:
     apply_plan(largs.ns, plan)
     config, entrypoint, entry_args = config_from_args(largs.ns)
     _announce_restarts()
+    forwarding = _forward_preemption_signals()
     try:
         elastic_launch(config=config, entrypoint=entrypoint)(*entry_args)
     except ChildFailedError as exc:
@@ -83,8 +85,13 @@ def launch(largs: LaunchArgs) -> int:
               "node.", file=sys.stderr, flush=True)
         return _exit_code(failure.exitcode)
     except SignalException as exc:  # SIGTERM/SIGINT (scancel, Ctrl-C): torch's agent has stopped the workers
-        print(f"meshrun launch: stopped by {signal.Signals(exc.sigval).name} on {_host(plan)}; workers were "
-              "stopped.", file=sys.stderr, flush=True)
+        name = signal.Signals(exc.sigval).name
+        if exc.sigval in PREEMPTION_SIGNALS:
+            print(f"meshrun launch: {name} on {_host(plan)}: forwarded to the workers, which save a checkpoint and "
+                  f"stop; exit code {EXIT_PREEMPTED}.", file=sys.stderr, flush=True)
+            return EXIT_PREEMPTED
+        print(f"meshrun launch: stopped by {name} on {_host(plan)}; workers were stopped.", file=sys.stderr,
+              flush=True)
         return 128 + int(exc.sigval)
     except RendezvousTimeoutError as exc:
         raise LaunchError(rendezvous_timeout_message(plan)) from exc
@@ -92,7 +99,36 @@ def launch(largs: LaunchArgs) -> int:
         raise LaunchError(f"rendezvous at {plan.endpoint} failed on {_host(plan)}: {exc} "
                           f"(cause: {exc.__cause__}); check that every node uses the same --rdzv-endpoint and "
                           "--rdzv-id.") from exc
+    finally:
+        forwarding.restore()
     return 0
+
+
+def _forward_preemption_signals() -> PreemptionFlag:
+    """Make SIGTERM and SIGUSR1 reach the workers once per preemption, and keep the agent waiting for their save.
+
+    torch's agent handles only TORCHELASTIC_SIGNALS_TO_HANDLE (default SIGTERM,SIGINT,SIGHUP,SIGQUIT): SIGUSR1
+    would kill this process, and each SIGTERM of a burst (slurmstepd sends two, 9 ms apart) raises again inside
+    the agent's shutdown, cutting short its wait for the workers. So meshrun takes both signals out of the
+    agent's list and raises the agent's own SignalException for the first one: the agent then sends that signal
+    to every worker's process group and waits its shutdown timeout (30 s) before SIGKILL. Repeats within the
+    grace window are ignored; a later one raises again (torch's behaviour).
+    """
+    handled = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT").split(",")
+    names = {signal.Signals(s).name for s in PREEMPTION_SIGNALS}
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(n.strip() for n in handled if n.strip() not in names)
+    flag = PreemptionFlag()
+
+    def handler(signum: int, frame: object) -> None:
+        if flag.is_set() and flag.in_grace():
+            flag.ignored += 1
+            return
+        sigval = signal.Signals(signum)
+        flag.set(sigval.name)
+        raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
+
+    flag.install(PREEMPTION_SIGNALS, handler)
+    return flag
 
 
 def unreachable_message(plan: LaunchPlan, result: ProbeResult) -> str:

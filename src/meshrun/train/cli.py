@@ -95,6 +95,18 @@ def _is_peer_failure(exc: BaseException) -> bool:
                                          "timed out", "distbackenderror", "distnetworkerror"))
 
 
+def _stopped(trainer, result) -> int:
+    """A run stopped early by SIGTERM/SIGUSR1 (after its final checkpoint) is not a finished run: one line on
+    rank 0, and EXIT_PREEMPTED (143) on every rank so that schedulers and scripts can tell (and requeue)."""
+    from meshrun.ckpt.preemption import EXIT_PREEMPTED
+
+    if trainer.env.is_rank_zero:
+        print(f"meshrun train: stopped at step {result.step} of {trainer.job.train.steps} by {result.stopped_by}; "
+              f"checkpoint in {trainer.ckpt.folder}; exit code {EXIT_PREEMPTED}; run the same command to resume",
+              file=sys.stderr, flush=True)
+    return EXIT_PREEMPTED
+
+
 def run(job) -> int:
     from meshrun.dist.process_group import shutdown
     from meshrun.train.trainer import Trainer
@@ -102,7 +114,9 @@ def run(job) -> int:
     trainer = None
     try:
         trainer = Trainer(job)
-        trainer.fit()
+        result = trainer.fit()
+        if result.stopped_by:
+            return _stopped(trainer, result)
         return 0
     except ConfigError as exc:
         print(f"meshrun train: error: {exc}", file=sys.stderr)

@@ -54,6 +54,8 @@ class TrainResult:
     val_loss: float | None = None
     """Validation loss of the last evaluation."""
     run_dir: Path | None = None
+    stopped_by: str | None = None
+    """The signal that stopped the run before train.steps (e.g. 'SIGTERM'); None when it ran to the end."""
 
 
 def seed_rank_streams(base_seed: int, rank: int) -> None:
@@ -181,7 +183,7 @@ class Trainer:
         data position, every rank's RNG streams. Collective: every rank (it creates gloo groups)."""
         cfg = self.job.checkpoint
         folder = Path(cfg.dir) if cfg.dir else self.run_dir / "checkpoints"
-        preemption = install_sigterm_handler() if cfg.final else None
+        preemption = install_sigterm_handler(grace_s=cfg.signal_grace_s) if cfg.final else None
         layout = {"world_size": self.env.world_size, "nodes": self.env.num_nodes, "dp_replicate": self.dims.dp_replicate,
                   "dp_shard": self.dims.dp_shard, "tp": self.dims.tp, "pp": self.dims.pp,
                   "global_batch": self.batch.global_batch, "micro_batch": self.batch.micro_batch,
@@ -356,7 +358,8 @@ class Trainer:
                 self.save_checkpoint()
                 interval_start = time.perf_counter()
                 if self.ckpt.stop_requested:
-                    self.sink.print(f"stopping at step {self.step} after SIGTERM (checkpoint saved)")
+                    result.stopped_by = self.stop_signal()
+                    self.sink.print(f"stopping at step {self.step} after {result.stopped_by} (checkpoint saved)")
                     break
             if self.profiler is not None:  # after logging, evaluation and saving: they belong to this step
                 self.beat("profiler")  # writing the trace after the window's last step can take a while
@@ -366,6 +369,11 @@ class Trainer:
         self.ckpt.wait()
         result.step = self.step
         return result
+
+    def stop_signal(self) -> str:
+        """The signal that asked this run to stop, as this rank knows it (another rank may have received it)."""
+        flag = self.ckpt.preemption
+        return flag.signal_name if flag is not None and flag.signal_name else "a signal to another rank"
 
     def checkpoint_due(self) -> bool:
         """Asked at log and checkpoint-interval steps only: with a time interval or SIGTERM watch the question is a

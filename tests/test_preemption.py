@@ -1,0 +1,155 @@
+"""Preemption signals: a SLURM time limit (a burst of SIGTERMs) or `--signal=USR1@N` ends a run with a published
+checkpoint and exit code 143, never 0 and never a half-written save; the next run resumes from it."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from meshrun.ckpt.cli import main as ckpt_main
+from meshrun.ckpt.preemption import EXIT_PREEMPTED, install_sigterm_handler
+
+STEPS = 40
+# tiny model on one stdlib file: steps are fast, but 40 of them leave seconds after the first checkpoint (step 2)
+TRAIN_ARGS = ["--model.name=tiny", f"--train.steps={STEPS}", "--train.micro_batch=2",
+              f"--data.source={argparse.__file__}", "--data.max_bytes=100000", "--train.eval_every=0",
+              "--train.log_every=1", "--checkpoint.interval_steps=2", "--run.progress=lines"]
+FIRST = "step_0000002"
+
+
+# ---------------------------------------------------------------- the handler alone (one process, no training)
+
+def test_a_burst_of_signals_within_the_grace_window_only_sets_the_flag():
+    flag = install_sigterm_handler(grace_s=30.0)
+    try:
+        for signum in (signal.SIGTERM, signal.SIGTERM, signal.SIGUSR1, signal.SIGTERM):  # slurmstepd + launcher
+            os.kill(os.getpid(), signum)
+        assert flag.is_set() and flag.signal_name == "SIGTERM" and flag.ignored == 3
+    finally:
+        flag.restore()
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL and signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+
+
+def test_sigusr1_sets_the_flag_and_a_repeat_after_the_window_runs_the_previous_handler():
+    seen: list[int] = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
+    try:
+        flag = install_sigterm_handler(grace_s=0.0)  # every repeat is 'after the window'
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert flag.is_set() and flag.signal_name == "SIGUSR1" and seen == []
+        os.kill(os.getpid(), signal.SIGUSR1)  # restores the recording handler and re-sends the signal to it
+        assert seen == [signal.SIGUSR1] and flag.ignored == 0
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, "the repeat restored every handler"
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+# ---------------------------------------------------------------- through the real CLI
+
+def start(cmd: list[str], run_dir: Path, log: Path) -> subprocess.Popen:
+    with log.open("w") as out:
+        return subprocess.Popen([sys.executable, "-m", "meshrun", *cmd, *TRAIN_ARGS, f"--run.dir={run_dir}"],
+                                stdout=out, stderr=subprocess.STDOUT, text=True)
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+        except (OSError, IndexError, ValueError):
+            pass
+    return found
+
+
+def wait_for_checkpoint(proc: subprocess.Popen, run_dir: Path, log: Path) -> None:
+    deadline = time.monotonic() + 30
+    while not (run_dir / "checkpoints" / FIRST / "COMPLETE").exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"no checkpoint {FIRST} (exit {proc.poll()}); output:\n{log.read_text()[-6000:]}")
+        time.sleep(0.02)
+
+
+def finish(proc: subprocess.Popen, log: Path, timeout: float = 35) -> str:
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for pid in [*children(proc.pid), proc.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait()
+        pytest.fail(f"not finished within {timeout}s; output:\n{log.read_text()[-6000:]}")
+    return log.read_text()
+
+
+def complete_steps(run_dir: Path) -> list[int]:
+    folder = run_dir / "checkpoints"
+    return sorted(int(p.name.removeprefix("step_")) for p in folder.glob("step_*") if (p / "COMPLETE").exists())
+
+
+def assert_stopped_with_a_checkpoint(proc: subprocess.Popen, out: str, run_dir: Path, signal_name: str) -> int:
+    assert proc.returncode == EXIT_PREEMPTED, out[-6000:]
+    newest = complete_steps(run_dir)[-1]
+    assert 2 <= newest < STEPS, f"newest checkpoint {newest}: the signal came after the end; make the run longer"
+    assert f"stopping at step {newest} after {signal_name} (checkpoint saved)" in out, out[-6000:]
+    assert f"meshrun train: stopped at step {newest} of {STEPS} by {signal_name}" in out, out[-6000:]
+    assert not list((run_dir / "checkpoints").glob("*.tmp*")), "a save was left half-written"
+    assert ckpt_main(["verify", str(run_dir / "checkpoints" / f"step_{newest:07d}")]) == 0
+    return newest
+
+
+@pytest.mark.slow
+def test_time_limit_burst_of_sigterms_under_launch_saves_exits_143_and_resumes(tmp_path):
+    """slurmstepd's SIGTERM, SIGCONT, SIGTERM reach the launcher and both workers; the launcher forwards one more:
+    each worker sees 3-4 SIGTERMs within about 10 ms, yet saves, publishes and exits 143."""
+    run_dir, log = tmp_path / "run", tmp_path / "run.log"
+    proc = start(["launch", "--nproc-per-node", "2", "train"], run_dir, log)
+    wait_for_checkpoint(proc, run_dir, log)
+    workers = children(proc.pid)
+    assert len(workers) == 2, f"expected the launcher's 2 workers, found {workers}"
+    for signum in (signal.SIGTERM, signal.SIGCONT, signal.SIGTERM, signal.SIGTERM):
+        for pid in (proc.pid, *workers):
+            os.kill(pid, signum)
+        time.sleep(0.003)
+    out = finish(proc, log)
+    newest = assert_stopped_with_a_checkpoint(proc, out, run_dir, "SIGTERM")
+    assert f"exit code {EXIT_PREEMPTED}" in out and "forwarded to the workers" in out, out[-6000:]
+
+    resumed_log = tmp_path / "resumed.log"
+    resumed = start(["launch", "--nproc-per-node", "2", "train"], run_dir, resumed_log)
+    out = finish(resumed, resumed_log)
+    assert resumed.returncode == 0, out[-6000:]
+    assert f"resumed at step {newest} " in out and complete_steps(run_dir)[-1] == STEPS, out[-6000:]
+
+
+@pytest.mark.slow
+def test_sigusr1_stops_a_direct_run_with_a_checkpoint_and_exit_143(tmp_path):
+    run_dir, log = tmp_path / "run", tmp_path / "run.log"
+    proc = start(["train"], run_dir, log)
+    wait_for_checkpoint(proc, run_dir, log)
+    os.kill(proc.pid, signal.SIGUSR1)
+    out = finish(proc, log)
+    assert "User defined signal" not in out
+    assert_stopped_with_a_checkpoint(proc, out, run_dir, "SIGUSR1")
+
+
+@pytest.mark.slow
+def test_sigusr1_to_the_launcher_reaches_the_worker(tmp_path):
+    """`--signal=B:USR1@N` with an sbatch script that forwards it to `meshrun launch` only: torch's agent does not
+    handle SIGUSR1 (it would kill the launcher); meshrun's launcher forwards it to the workers."""
+    run_dir, log = tmp_path / "run", tmp_path / "run.log"
+    proc = start(["launch", "--nproc-per-node", "1", "train"], run_dir, log)
+    wait_for_checkpoint(proc, run_dir, log)
+    os.kill(proc.pid, signal.SIGUSR1)
+    out = finish(proc, log)
+    assert_stopped_with_a_checkpoint(proc, out, run_dir, "SIGUSR1")
