@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import pickle
 import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_ckpt_support import Job, checkpointer
+from test_ckpt_support import Job, checkpointer, reseal
 
 from meshrun.cli import main
 from meshrun.ckpt.layout import COMPLETE, step_dir_name
@@ -74,3 +76,33 @@ def test_export_loads_into_a_fresh_model(folder, tmp_path, capsys):
     shard.write_bytes(shard.read_bytes()[:-1])
     assert main(["ckpt", "export", str(path / step_dir_name(2)), "--to", str(out)]) == 1
     assert "will not export a damaged checkpoint" in capsys.readouterr().err
+
+
+class _Payload:
+    """Unpickling this runs ``os.system``: what a crafted .metadata would do."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def craft_metadata(folder, marker):
+    """Replace folder/.metadata with a pickle that creates ``marker``, and reseal the manifest so verify passes."""
+    (folder / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    reseal(folder)
+
+
+def test_crafted_metadata_cannot_run_code(folder, tmp_path, capsys):
+    path, _ = folder
+    step = path / step_dir_name(2)
+    marker = tmp_path / "pwned"
+    craft_metadata(step, marker)
+    assert main(["ckpt", "verify", str(step)]) == 0, "the manifest was recomputed: only unpickling can tell"
+    capsys.readouterr()
+    assert main(["ckpt", "export", str(step), "--to", str(tmp_path / "model.safetensors")]) == 1
+    first = capsys.readouterr().err.strip().splitlines()[0]
+    assert str(step / ".metadata") in first and "posix.system" in first, first
+    assert not marker.exists() and not (tmp_path / "model.safetensors").exists()
+

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from test_ckpt_cli import craft_metadata
 from test_ckpt_support import Job, assert_same, checkpointer
 
 from meshrun.ckpt import checkpointer as checkpointer_module
@@ -127,6 +128,17 @@ def test_pickled_entry_is_refused(tmp_path):
     (folder / COMPLETE).write_text("")
     with pytest.raises(CheckpointError, match="'trainer.step' is stored as a pickled object"):
         checkpointer(tmp_path, ENV).load({"trainer": CountersState()})
+
+
+def test_crafted_metadata_is_refused_on_resume(history, tmp_path):
+    """A .metadata that would run code when unpickled (manifest recomputed to match) is refused, naming the file."""
+    folder, _ = history
+    marker = tmp_path / "pwned"
+    craft_metadata(folder / step_dir_name(2), marker)
+    for resume in ("auto", str(folder / step_dir_name(2))):
+        with pytest.raises(CheckpointError, match=r"step_0000002/\.metadata: refers to the global posix\.system"):
+            _resume(folder, resume=resume)
+    assert not marker.exists()
 
 
 _KILLED_SAVE = textwrap.dedent("""
