@@ -143,9 +143,14 @@ def export_model(path: Path, out: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: the manifest names {len(owners)} ModelOptimState entries; export needs one")
     prefix = f"{owners[0]}.model."
     reader = SafeFileSystemReader(str(path))
-    targets = {key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
-               for key, entry in reader.read_metadata().state_dict_metadata.items()
-               if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)}
+    entries = {key: entry for key, entry in reader.read_metadata().state_dict_metadata.items()
+               if key.startswith(prefix)}
+    odd = sorted(key for key, entry in entries.items() if not isinstance(entry, TensorStorageMetadata))
+    if odd:  # a weight left out would load as the fresh model's random init: refuse, as resume does
+        raise CheckpointError(f"{path}: model entry {odd[0]!r} is stored as a pickled object, not a tensor"
+                              f"{f' (and {len(odd) - 1} more)' if len(odd) > 1 else ''}; meshrun never writes "
+                              "those and will not export a model without it (the checkpoint is foreign or crafted)")
+    targets = {key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype) for key, entry in entries.items()}
     if not targets:
         raise CheckpointError(f"{path}: holds no model tensors under {prefix!r}")
     dcp.load(targets, storage_reader=reader, no_dist=True)
