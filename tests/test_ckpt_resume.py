@@ -3,14 +3,17 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from test_ckpt_cli import craft_metadata
 from test_ckpt_support import Job, assert_same, checkpointer
+from torch.distributed.checkpoint import CheckpointException
 
 from meshrun.ckpt import checkpointer as checkpointer_module
 from meshrun.ckpt.errors import CheckpointError
@@ -246,3 +250,65 @@ def test_should_save_by_steps_and_on_sigterm(tmp_path):
     finally:
         flag.restore()
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+_ZIP_WRITER_FULL = RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos 704 vs 598")
+
+
+def _no_space_left(message: str, folder: Path, free: str) -> int:
+    """Bytes needed, from a no-space message whose first line names ``folder`` and ``free``."""
+    match = re.match(rf"no space left on {re.escape(str(folder))}: ([\d,]+) bytes needed, {free} free", message)
+    assert match, message
+    assert "inline_container" not in message and "Traceback" not in message
+    return int(match.group(1).replace(",", ""))
+
+
+@pytest.mark.parametrize("failure", [
+    CheckpointException("save failed", {0: (OSError(errno.ENOSPC, "No space left on device"), None)}),
+    OSError(errno.ENOSPC, "No space left on device"),
+    CheckpointException("save failed", {0: (_ZIP_WRITER_FULL, None)}),  # no errno: told by the free space left
+], ids=["dcp-enospc", "enospc", "zip-writer"])
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_disk_full_during_save_removes_the_tmp_folder_and_says_so(tmp_path, monkeypatch, failure, async_save):
+    job = Job(ENV)
+    ckpt = checkpointer(tmp_path, ENV, async_save=async_save)
+    ckpt.save(1, job.state)
+    full, real_usage = [], shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: real_usage(path)._replace(free=500 if full else 1 << 50))
+
+    def write_then_fail(folder):  # a partial shard, then the disk is full
+        Path(folder).mkdir(parents=True)
+        (Path(folder) / "__0_0.distcp").write_bytes(b"partial")
+        full.append(True)
+
+    def failing_save(state_dict, *, storage_writer, **kwargs):
+        write_then_fail(storage_writer.path)
+        raise failure
+
+    def failing_async_save(state_dict, *, checkpoint_id, **kwargs):
+        write_then_fail(checkpoint_id)
+        upload = Future()
+        upload.set_exception(failure)
+        return upload
+
+    monkeypatch.setattr(checkpointer_module.dcp, "save", failing_save)
+    monkeypatch.setattr(checkpointer_module.dcp, "async_save", failing_async_save)
+    with pytest.raises(CheckpointError) as caught:
+        ckpt.save(2, job.state)
+        ckpt.wait()  # async: the background write's error
+    needed = _no_space_left(str(caught.value), tmp_path, "500 bytes")
+    assert needed >= sum(p.numel() * p.element_size() for p in job.model.parameters())
+    assert not list(tmp_path.glob(".step_*")), "the temporary folder is removed"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [step_dir_name(1)]
+
+
+def test_save_refuses_early_when_the_folder_has_too_little_space(tmp_path, monkeypatch):
+    job = Job(ENV)
+    ckpt = checkpointer(tmp_path, ENV)
+    real_usage, writes = shutil.disk_usage, []
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: real_usage(path)._replace(free=1000))
+    monkeypatch.setattr(checkpointer_module.dcp, "save", lambda *args, **kwargs: writes.append(args))
+    with pytest.raises(CheckpointError) as caught:
+        ckpt.save(1, job.state)
+    assert _no_space_left(str(caught.value), tmp_path, "1,000 bytes") > 1000
+    assert writes == [] and not list(tmp_path.iterdir())
