@@ -9,10 +9,10 @@ Choosing (collective on the checkpointer's ctl group):
 * on a mismatch, the file is named and the previous complete checkpoint is tried, unless checkpoint.strict or
   an explicit path was asked for, which raise.
 
-Loading reads DCP's own ``.metadata`` (checked against the manifest first, and unpickled by a restricted unpickler
-that refuses any global DCP's metadata does not use, see :mod:`meshrun.ckpt.safe_metadata`) to size the JSON blobs, drops the
-optional entries the checkpoint lacks (RNG streams of ranks that did not exist), and refuses entries stored as
-pickled objects: DCP then only reads tensors, with ``torch.load(weights_only=True)``.
+Loading reads DCP's own ``.metadata`` (checked against the manifest first, and unpickled by a restricted
+unpickler that refuses any global DCP's metadata does not use, see :mod:`meshrun.ckpt.safe_metadata`) to size the
+JSON blobs, drops the optional entries the checkpoint lacks (RNG streams of ranks that did not exist), and refuses
+entries stored as pickled objects: DCP then only reads tensors, with ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations

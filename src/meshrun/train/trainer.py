@@ -129,7 +129,11 @@ class Trainer:
     # ---- construction -------------------------------------------------------------------------------------------
 
     def build_run_dir(self) -> None:
-        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        try:
+            (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"run.dir={self.job.run.dir!r}: cannot create {self.run_dir / 'logs'} ({exc.strerror}); "
+                              "choose a folder this user can write") from None
         _setup_logging(self.run_dir, self.env)
         if self.env.is_rank_zero:
             (self.run_dir / "config.toml").write_text(self.job.to_toml())
