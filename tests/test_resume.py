@@ -1,6 +1,9 @@
 """Exact resume through the trainer: same world size (bitwise, dropout included) and resharded (4 -> 2, 2 -> 3 ranks)
 with the global data order continued, nothing repeated or skipped (CPU, gloo, fp32)."""
 
+import json
+import os
+import signal
 from collections import Counter
 
 import numpy as np
@@ -62,6 +65,27 @@ def _worker(rank, world_size, run_dir, steps, extra, crash_after=None):
 
 
 DROPOUT = ("--model.dropout=0.1", "--data.max_bytes=200000", "--train.micro_batch=4")
+
+
+def test_sigterm_saves_a_checkpoint_marked_final_and_stops(tmp_path):
+    """One process: SIGTERM during step 3 (as a scheduler sends before it kills) saves step 3, final, and stops."""
+    trainer = Trainer(job(tmp_path, steps=8, extra=("--data.max_bytes=100000", "--train.micro_batch=2")))
+    next_step = trainer.data.next_step
+
+    def signalled():
+        if trainer.step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return next_step()
+
+    trainer.data.next_step = signalled
+    try:
+        result = trainer.fit()
+    finally:
+        trainer.close()
+        trainer.ckpt.preemption.restore()
+    saved = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert result.step == 3 and saved == ["step_0000003"]
+    assert json.loads((tmp_path / "checkpoints" / "step_0000003" / "manifest.json").read_text())["final"] is True
 
 
 @pytest.mark.slow

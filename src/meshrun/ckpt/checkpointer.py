@@ -39,7 +39,8 @@ from meshrun.ckpt.collectives import Coordinator, check_shared_folder
 from meshrun.ckpt.errors import CheckpointError
 from meshrun.ckpt.layout import (COMPLETE, MANIFEST, complete_steps, scan, step_dir_name, steps_to_keep,
                                  tmp_dir_name, trash_dir_name)
-from meshrun.ckpt.manifest import build_manifest, code_version, describe_files, fsync_dir, write_durable
+from meshrun.ckpt.manifest import (build_manifest, check_structure, code_version, describe_files, fsync_dir,
+                                   write_durable)
 from meshrun.ckpt.preemption import PreemptionFlag
 from meshrun.ckpt.space import check_room, describe_failure, payload_bytes
 from meshrun.ckpt.state import is_blob_key, walk
@@ -101,6 +102,8 @@ class Checkpointer:
         self._last_save_time = time.monotonic()
         self._last_step: int | None = None
         self._folder_checked = False
+        self._published: set[int] = set()
+        """Steps this Checkpointer published (rank 0), to tell its own directories from earlier runs'."""
         self._pending: Future | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="meshrun-ckpt") if cfg.async_save else None
         self._writer: _StagingWriter | None = None
@@ -303,16 +306,29 @@ class Checkpointer:
 
     def _rename_into_place(self, job: _SaveJob) -> Path:
         final_dir = self.folder / step_dir_name(job.step)
-        if final_dir.exists():  # same step from an earlier run (e.g. resume=none): replaced, not merged
+        if final_dir.exists():  # same step saved before (resume=none, or a fallback past a damaged one): replaced
+            log.warning("replacing %s: %s", final_dir, self._describe_existing(final_dir, job.step))
             aside = self.folder / trash_dir_name(job.step, secrets.token_hex(4))
             final_dir.rename(aside)
-            log.warning("replacing %s, left by an earlier run", final_dir)
             job.tmp.rename(final_dir)
             shutil.rmtree(aside, ignore_errors=True)
         else:
             job.tmp.rename(final_dir)
         fsync_dir(self.folder)
+        self._published.add(job.step)
         return final_dir
+
+    def _describe_existing(self, path: Path, step: int) -> str:
+        """Rank 0: what the checkpoint directory of ``step``, about to be replaced, holds, and whether this
+        Checkpointer published it."""
+        try:
+            problems = check_structure(path)[1]
+        except OSError as exc:
+            problems = [f"cannot be read: {exc}"]
+        state = f"incomplete or damaged ({problems[0]})" if problems else "a complete checkpoint of the same step"
+        who = ("written by this process" if step in self._published else
+               "not written by this process (an earlier run, or this job before a restart)")
+        return f"{state}, {who}"
 
     def _apply_retention(self, *, protect: tuple[int, ...]) -> None:
         """Rank 0: delete complete checkpoints outside keep_last/keep_every (never the newest), and leftovers

@@ -349,7 +349,7 @@ class Trainer:
                 self.sink.log({"kind": "eval", "step": self.step, "loss": result.val_loss})
                 interval_start = time.perf_counter()  # evaluation time is not training throughput
             if self.checkpoint_due():
-                self.save_checkpoint()
+                self.save_checkpoint(final=self.ckpt.stop_requested)  # SIGTERM: the job's last save, final
                 interval_start = time.perf_counter()
                 if self.ckpt.stop_requested:
                     self.sink.print(f"stopping at step {self.step} after SIGTERM (checkpoint saved)")
