@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import re
 import shutil
@@ -200,7 +201,16 @@ def test_same_step_is_saved_once_and_an_old_runs_dir_is_replaced(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [step_dir_name(1)]
 
 
-def test_replacing_a_damaged_step_says_what_it_is_and_who_wrote_it(tmp_path, caplog):
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def test_replacing_a_damaged_step_says_what_it_is_and_who_wrote_it(tmp_path):
     """A damaged step_2 is passed over on resume and rewritten when training reaches step 2 again; the warning
     says it was damaged and whether this process or an earlier one wrote it."""
     job = Job(ENV)
@@ -208,16 +218,21 @@ def test_replacing_a_damaged_step_says_what_it_is_and_who_wrote_it(tmp_path, cap
     for step in (1, 2):
         ckpt.save(step, job.state)
     shard = tmp_path / step_dir_name(2) / "__0_0.distcp"
-    for later in (False, True):  # the Checkpointer that wrote step_2, then a later one (a restarted job)
-        writer = checkpointer(tmp_path, ENV) if later else ckpt
-        shard.write_bytes(shard.read_bytes()[:-1])
-        assert writer.load(job.state)["step"] == 1
-        caplog.clear()
-        writer.save(2, job.state)
-        replaced = [r.getMessage() for r in caplog.records if r.getMessage().startswith("replacing")]
-        who = "not written by this process" if later else ", written by this process"
-        assert len(replaced) == 1 and "incomplete or damaged" in replaced[0] and "__0_0.distcp" in replaced[0]
-        assert who in replaced[0], replaced[0]
+    records, log = _Records(), logging.getLogger("meshrun.ckpt")
+    log.addHandler(records)  # on the logger itself: whatever an in-process trainer did to propagation before
+    try:
+        for later in (False, True):  # the Checkpointer that wrote step_2, then a later one (a restarted job)
+            writer = checkpointer(tmp_path, ENV) if later else ckpt
+            shard.write_bytes(shard.read_bytes()[:-1])
+            assert writer.load(job.state)["step"] == 1
+            records.messages.clear()
+            writer.save(2, job.state)
+            replaced = [m for m in records.messages if m.startswith("replacing")]
+            who = "not written by this process" if later else ", written by this process"
+            assert len(replaced) == 1 and "incomplete or damaged" in replaced[0] and "__0_0.distcp" in replaced[0]
+            assert who in replaced[0], replaced[0]
+    finally:
+        log.removeHandler(records)
 
 
 def test_async_save_publishes_only_after_every_file_is_durable(tmp_path, monkeypatch):
