@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import json
+import os
+import pickle
 import shutil
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
-from test_ckpt_support import Job, checkpointer
+from test_ckpt_support import Job, checkpointer, reseal
 
 from meshrun.cli import main
 from meshrun.ckpt.layout import COMPLETE, step_dir_name
+from meshrun.ckpt.manifest import build_manifest
 from meshrun.env import ClusterEnv
 from meshrun.models.gpt import GPT, gpt_config
 
@@ -74,3 +79,49 @@ def test_export_loads_into_a_fresh_model(folder, tmp_path, capsys):
     shard.write_bytes(shard.read_bytes()[:-1])
     assert main(["ckpt", "export", str(path / step_dir_name(2)), "--to", str(out)]) == 1
     assert "will not export a damaged checkpoint" in capsys.readouterr().err
+
+
+class _Payload:
+    """Unpickling this runs ``os.system``: what a crafted .metadata would do."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def craft_metadata(folder, marker):
+    """Replace folder/.metadata with a pickle that creates ``marker``, and reseal the manifest so verify passes."""
+    (folder / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    reseal(folder)
+
+
+def test_crafted_metadata_cannot_run_code(folder, tmp_path, capsys):
+    path, _ = folder
+    step = path / step_dir_name(2)
+    marker = tmp_path / "pwned"
+    craft_metadata(step, marker)
+    assert main(["ckpt", "verify", str(step)]) == 0, "the manifest was recomputed: only unpickling can tell"
+    capsys.readouterr()
+    assert main(["ckpt", "export", str(step), "--to", str(tmp_path / "model.safetensors")]) == 1
+    first = capsys.readouterr().err.strip().splitlines()[0]
+    assert str(step / ".metadata") in first and "posix.system" in first, first
+    assert not marker.exists() and not (tmp_path / "model.safetensors").exists()
+
+
+def test_export_refuses_a_model_entry_that_is_not_a_tensor(tmp_path, capsys):
+    """A weight stored as a pickled object would be left out of the export (the model then loads it randomly
+    initialised): export refuses, naming the entry, as resume does."""
+    folder = tmp_path / step_dir_name(1)
+    model = GPT(gpt_config("tiny")).state_dict()
+    model["norm.weight"] = model["norm.weight"].tolist()  # a non-tensor entry, as a crafted checkpoint has
+    dcp.save({"model_optim": {"model": model}}, checkpoint_id=str(folder), no_dist=True)
+    (folder / "manifest.json").write_text(json.dumps(build_manifest(
+        step=1, files={}, world_size=1, layout={}, config_fingerprint="fp", code={}, meta={},
+        state_kinds={"model_optim": "ModelOptimState"}, final=False, async_save=False, timings={})))
+    reseal(folder)
+    out = tmp_path / "model.safetensors"
+    assert main(["ckpt", "export", str(folder), "--to", str(out)]) == 1
+    assert "model entry 'model_optim.model.norm.weight' is stored as a pickled object" in capsys.readouterr().err
+    assert not out.exists()

@@ -3,20 +3,26 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from test_ckpt_cli import craft_metadata
 from test_ckpt_support import Job, assert_same, checkpointer
+from torch.distributed.checkpoint import CheckpointException
 
 from meshrun.ckpt import checkpointer as checkpointer_module
 from meshrun.ckpt.errors import CheckpointError
@@ -129,6 +135,17 @@ def test_pickled_entry_is_refused(tmp_path):
         checkpointer(tmp_path, ENV).load({"trainer": CountersState()})
 
 
+def test_crafted_metadata_is_refused_on_resume(history, tmp_path):
+    """A .metadata that would run code when unpickled (manifest recomputed to match) is refused, naming the file."""
+    folder, _ = history
+    marker = tmp_path / "pwned"
+    craft_metadata(folder / step_dir_name(2), marker)
+    for resume in ("auto", str(folder / step_dir_name(2))):
+        with pytest.raises(CheckpointError, match=r"step_0000002/\.metadata: refers to the global posix\.system"):
+            _resume(folder, resume=resume)
+    assert not marker.exists()
+
+
 _KILLED_SAVE = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, {tests!r})
@@ -184,6 +201,40 @@ def test_same_step_is_saved_once_and_an_old_runs_dir_is_replaced(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [step_dir_name(1)]
 
 
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def test_replacing_a_damaged_step_says_what_it_is_and_who_wrote_it(tmp_path):
+    """A damaged step_2 is passed over on resume and rewritten when training reaches step 2 again; the warning
+    says it was damaged and whether this process or an earlier one wrote it."""
+    job = Job(ENV)
+    ckpt = checkpointer(tmp_path, ENV)
+    for step in (1, 2):
+        ckpt.save(step, job.state)
+    shard = tmp_path / step_dir_name(2) / "__0_0.distcp"
+    records, log = _Records(), logging.getLogger("meshrun.ckpt")
+    log.addHandler(records)  # on the logger itself: whatever an in-process trainer did to propagation before
+    try:
+        for later in (False, True):  # the Checkpointer that wrote step_2, then a later one (a restarted job)
+            writer = checkpointer(tmp_path, ENV) if later else ckpt
+            shard.write_bytes(shard.read_bytes()[:-1])
+            assert writer.load(job.state)["step"] == 1
+            records.messages.clear()
+            writer.save(2, job.state)
+            replaced = [m for m in records.messages if m.startswith("replacing")]
+            who = "not written by this process" if later else ", written by this process"
+            assert len(replaced) == 1 and "incomplete or damaged" in replaced[0] and "__0_0.distcp" in replaced[0]
+            assert who in replaced[0], replaced[0]
+    finally:
+        log.removeHandler(records)
+
+
 def test_async_save_publishes_only_after_every_file_is_durable(tmp_path, monkeypatch):
     entered, release, synced, real_fsync = threading.Event(), threading.Event(), [], os.fsync
     real_describe = checkpointer_module.describe_files
@@ -234,3 +285,65 @@ def test_should_save_by_steps_and_on_sigterm(tmp_path):
     finally:
         flag.restore()
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+_ZIP_WRITER_FULL = RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos 704 vs 598")
+
+
+def _no_space_left(message: str, folder: Path, free: str) -> int:
+    """Bytes needed, from a no-space message whose first line names ``folder`` and ``free``."""
+    match = re.match(rf"no space left on {re.escape(str(folder))}: ([\d,]+) bytes needed, {free} free", message)
+    assert match, message
+    assert "inline_container" not in message and "Traceback" not in message
+    return int(match.group(1).replace(",", ""))
+
+
+@pytest.mark.parametrize("failure", [
+    CheckpointException("save failed", {0: (OSError(errno.ENOSPC, "No space left on device"), None)}),
+    OSError(errno.ENOSPC, "No space left on device"),
+    CheckpointException("save failed", {0: (_ZIP_WRITER_FULL, None)}),  # no errno: told by the free space left
+], ids=["dcp-enospc", "enospc", "zip-writer"])
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_disk_full_during_save_removes_the_tmp_folder_and_says_so(tmp_path, monkeypatch, failure, async_save):
+    job = Job(ENV)
+    ckpt = checkpointer(tmp_path, ENV, async_save=async_save)
+    ckpt.save(1, job.state)
+    full, real_usage = [], shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: real_usage(path)._replace(free=500 if full else 1 << 50))
+
+    def write_then_fail(folder):  # a partial shard, then the disk is full
+        Path(folder).mkdir(parents=True)
+        (Path(folder) / "__0_0.distcp").write_bytes(b"partial")
+        full.append(True)
+
+    def failing_save(state_dict, *, storage_writer, **kwargs):
+        write_then_fail(storage_writer.path)
+        raise failure
+
+    def failing_async_save(state_dict, *, checkpoint_id, **kwargs):
+        write_then_fail(checkpoint_id)
+        upload = Future()
+        upload.set_exception(failure)
+        return upload
+
+    monkeypatch.setattr(checkpointer_module.dcp, "save", failing_save)
+    monkeypatch.setattr(checkpointer_module.dcp, "async_save", failing_async_save)
+    with pytest.raises(CheckpointError) as caught:
+        ckpt.save(2, job.state)
+        ckpt.wait()  # async: the background write's error
+    needed = _no_space_left(str(caught.value), tmp_path, "500 bytes")
+    assert needed >= sum(p.numel() * p.element_size() for p in job.model.parameters())
+    assert not list(tmp_path.glob(".step_*")), "the temporary folder is removed"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [step_dir_name(1)]
+
+
+def test_save_refuses_early_when_the_folder_has_too_little_space(tmp_path, monkeypatch):
+    job = Job(ENV)
+    ckpt = checkpointer(tmp_path, ENV)
+    real_usage, writes = shutil.disk_usage, []
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: real_usage(path)._replace(free=1000))
+    monkeypatch.setattr(checkpointer_module.dcp, "save", lambda *args, **kwargs: writes.append(args))
+    with pytest.raises(CheckpointError) as caught:
+        ckpt.save(1, job.state)
+    assert _no_space_left(str(caught.value), tmp_path, "1,000 bytes") > 1000
+    assert writes == [] and not list(tmp_path.iterdir())

@@ -95,3 +95,20 @@ def test_job_is_deterministic():
     first.train(1, data_seed=1)
     second.train(1, data_seed=1)
     assert_same(first.snapshot(), second.snapshot())
+
+
+def reseal(folder: Path) -> None:
+    """Recompute the manifest's sizes and SHA-256s and the COMPLETE marker after a test edited ``folder``'s files,
+    as someone crafting a checkpoint could: ``ckpt verify`` then passes."""
+    import hashlib
+    import json
+
+    from meshrun.ckpt.layout import COMPLETE, MANIFEST
+    from meshrun.ckpt.manifest import describe_files
+
+    manifest = json.loads((folder / MANIFEST).read_text())
+    names = sorted(p.name for p in folder.iterdir() if p.name not in (MANIFEST, COMPLETE))
+    manifest["files"] = describe_files(folder, names)
+    payload = json.dumps(manifest, indent=1).encode()
+    (folder / MANIFEST).write_bytes(payload)
+    (folder / COMPLETE).write_text(f"manifest-sha256 {hashlib.sha256(payload).hexdigest()}\n")

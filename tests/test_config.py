@@ -57,10 +57,47 @@ def test_toml_then_overrides_with_types(tmp_path):
     ("--train.attention=fa4", "train.attention='fa4' is not one of"),
     ("--train.dtype=fp8", "train.dtype='fp8' is not one of"),
     ("--train.steps=0", "train.steps must be >= 1"),
+    ("--health.hang_timeout_s=-1", r"health.hang_timeout_s=-1.0 is out of range: .*or 0 to disable"),
+    ("--health.straggler_threshold=0.5", r"health.straggler_threshold=0.5 is out of range: give a ratio of at least 1"),
+    ("--health.straggler_threshold=-2", r"health.straggler_threshold=-2.0 is out of range"),
+    ("--checkpoint.interval_steps=-1", r"checkpoint.interval_steps=-1 is out of range: give a number of steps, or 0"),
+    ("--checkpoint.interval_minutes=-0.5", r"checkpoint.interval_minutes=-0.5 is out of range"),
+    ("--checkpoint.keep_every=-1", r"checkpoint.keep_every=-1 is out of range"),
+    ("--checkpoint.timeout_s=0", r"checkpoint.timeout_s=0.0 is out of range: give a positive number"),
+    ("--model.n_layers=-2", r"model.n_layers=-2 is out of range: .*or 0 to take the named size's"),
+    ("--model.norm_eps=0", r"model.norm_eps=0.0 is out of range"),
+    ("--model.rope_theta=-1", r"model.rope_theta=-1.0 is out of range"),
+    ("--data.max_bytes=-1", r"data.max_bytes=-1 is out of range"),
+    ("--train.lr=-0.1", r"train.lr=-0.1 is out of range"),
+    ("--train.min_lr=-1e-5", r"train.min_lr=-1e-05 is out of range"),
+    ("--train.warmup_steps=-1", r"train.warmup_steps=-1 is out of range"),
+    ("--train.weight_decay=-0.1", r"train.weight_decay=-0.1 is out of range"),
+    ("--train.beta1=1", r"train.beta1=1.0 is out of range: AdamW's betas must be in \[0, 1\)"),
+    ("--train.beta2=-0.9", r"train.beta2=-0.9 is out of range"),
+    ("--train.grad_clip=-1", r"train.grad_clip=-1.0 is out of range: .*or 0 to disable clipping"),
 ])
 def test_bad_values_name_the_option(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, [override])
+
+
+@pytest.mark.parametrize("override", ["--health.straggler_threshold=0", "--health.straggler_threshold=1",
+                                      "--health.hang_timeout_s=0", "--checkpoint.interval_steps=0",
+                                      "--checkpoint.keep_every=0", "--train.grad_clip=0", "--model.dim=0"])
+def test_edge_values_that_mean_off_or_default_are_accepted(override):
+    load_config(None, [override])
+
+
+def test_unwritable_run_dir_is_one_line_naming_the_option(tmp_path, capsys):
+    from meshrun.train.cli import main as train_main
+
+    (tmp_path / "a_file").write_text("")
+    run_dir = tmp_path / "a_file" / "run"  # under a file: cannot be created, whoever runs the test
+    assert train_main([f"--run.dir={run_dir}", "--train.steps=1", f"--data.source={pytest.__file__}",
+                       "--checkpoint.final=false"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"meshrun train: error: run.dir='{run_dir}': cannot create {run_dir}/logs")
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
 def test_compile_accepts_boolean_spellings_and_auto(tmp_path):

@@ -85,6 +85,13 @@ def test_text_and_token_files(tmp_path):
     assert corpus.train.dtype == np.uint16 and len(corpus.train) == 900 and corpus.vocab_size == 2998
 
 
+def test_token_file_of_a_partial_token_names_the_file_and_the_dtype(tmp_path):
+    (tmp_path / "tok.bin").write_bytes(b"\x01\x00" * 10 + b"\x07")  # 21 bytes: not whole uint16 tokens
+    with pytest.raises(ConfigError, match=r"data.source='.*tok.bin': 21 bytes is not a whole number of "
+                                          r"data.token_dtype=uint16 tokens"):
+        load_corpus(DataConfig(source=str(tmp_path / "tok.bin"), format="tokens"))
+
+
 def test_missing_corpus_path_names_the_option(tmp_path):
     with pytest.raises(ConfigError, match=r"data.source='.*nope': no such file or folder"):
         load_corpus(DataConfig(source=str(tmp_path / "nope")))

@@ -29,6 +29,13 @@ def test_nproc_per_node_both_spellings(argv):
     assert largs.ns.nproc_per_node == "4" and "nproc_per_node" in largs.given
 
 
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_nproc_per_node_below_one_is_a_usage_error(value, capsys):
+    assert main(["--nproc-per-node", value, "train"]) == 2
+    assert f"--nproc-per-node {value}: give 1 or more workers per node" in capsys.readouterr().err
+    assert parse_launch_args(["--nproc-per-node", "auto", "s.py"]).ns.nproc_per_node == "auto"
+
+
 def test_torchrun_tutorial_line_parses_in_underscore_spelling():
     largs = parse_launch_args(["--nnodes=4", "--nproc_per_node=8", "--node_rank=1", "--master_addr=10.0.0.5",
                                "--master_port=29500", "--max_restarts=3", "--rdzv_id=job7", "train.py", "--lr", "1"])

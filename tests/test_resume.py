@@ -1,6 +1,10 @@
 """Exact resume through the trainer: same world size (bitwise, dropout included) and resharded (4 -> 2, 2 -> 3 ranks)
 with the global data order continued, nothing repeated or skipped (CPU, gloo, fp32)."""
 
+import json
+import logging
+import os
+import signal
 from collections import Counter
 
 import numpy as np
@@ -50,9 +54,10 @@ def train(run_dir, steps, extra=(), crash_after=None):
     try:
         result = trainer.fit()
     except Crash:
-        trainer.close()
         return None, None, seen
-    trainer.close()
+    finally:
+        trainer.close()
+        trainer.ckpt.preemption.restore()  # in-process (the single-rank reference): leave SIGTERM as it was
     state = {k: v.detach().clone() for k, v in trainer.engine.model_parts[0].state_dict().items()}
     return result.losses, state, seen
 
@@ -62,6 +67,40 @@ def _worker(rank, world_size, run_dir, steps, extra, crash_after=None):
 
 
 DROPOUT = ("--model.dropout=0.1", "--data.max_bytes=200000", "--train.micro_batch=4")
+
+
+def test_sigterm_saves_a_checkpoint_marked_final_and_stops(tmp_path):
+    """One process: SIGTERM during step 3 (as a scheduler sends before it kills) saves step 3, final, and stops."""
+    meshrun_log = logging.getLogger("meshrun")
+    saved_logging = meshrun_log, list(meshrun_log.handlers), meshrun_log.propagate, meshrun_log.level
+    trainer = Trainer(job(tmp_path, steps=8, extra=("--data.max_bytes=100000", "--train.micro_batch=2")))
+    next_step = trainer.data.next_step
+
+    def signalled():
+        if trainer.step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return next_step()
+
+    trainer.data.next_step = signalled
+    try:
+        result = trainer.fit()
+    finally:
+        trainer.close()
+        trainer.ckpt.preemption.restore()
+        _restore_logging(*saved_logging)
+    saved = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert result.step == 3 and saved == ["step_0000003"]
+    assert json.loads((tmp_path / "checkpoints" / "step_0000003" / "manifest.json").read_text())["final"] is True
+
+
+
+def _restore_logging(logger, handlers, propagate, level):
+    """Undo the trainer's logging setup (a file handler, propagate off), so later tests in this process see logs."""
+    for handler in logger.handlers:
+        if handler not in handlers:
+            handler.close()
+    logger.handlers[:], logger.propagate = handlers, propagate
+    logger.setLevel(level)
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any, Callable, get_type_hints
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -212,9 +212,10 @@ class HealthConfig:
     check_versions: bool = True
     """Compare code and package versions of every node at start and refuse to train when they differ."""
     straggler_threshold: float = 1.5
-    """Name a rank whose working time per step exceeds the others' median by this ratio (0 disables)."""
+    """Name a rank whose working time per step exceeds the others' median by this ratio, at least 1 (0 disables)."""
     hang_timeout_s: float = 300.0
-    """Report a rank that made no progress for this long, naming it and where the others wait (0 disables)."""
+    """Report a rank that made no progress for this many seconds, naming it and where the others wait (0 disables;
+    negative values are refused)."""
 
 
 @dataclass
@@ -311,6 +312,11 @@ class JobConfig:
             raise ConfigError(f"run.profile_steps={self.run.profile_steps!r} ends after train.steps="
                               f"{self.train.steps}; choose steps up to {self.train.steps}")
         self.run.profiled_ranks()  # raises on a malformed list
+        for option, valid, fix in _RANGES:
+            section, _, key = option.partition(".")
+            value = getattr(getattr(self, section), key)
+            if not valid(value):
+                raise ConfigError(f"{option}={value!r} is out of range: {fix}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -322,6 +328,31 @@ class JobConfig:
             lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items())
             lines.append("")
         return "\n".join(lines)
+
+
+_RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    *((f"model.{name}", lambda v: v >= 0, "give a positive value, or 0 to take the named size's")
+      for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "seq_len")),
+    ("model.rope_theta", lambda v: v > 0, "give a positive base frequency, e.g. 10000"),
+    ("model.norm_eps", lambda v: v > 0, "give a small positive epsilon, e.g. 1e-5"),
+    ("data.max_bytes", lambda v: v >= 0, "give a number of bytes, or 0 to read the whole corpus"),
+    ("train.lr", lambda v: v >= 0, "give a learning rate >= 0, e.g. 3e-3"),
+    ("train.min_lr", lambda v: v >= 0, "give a final learning rate >= 0, e.g. 3e-4"),
+    ("train.warmup_steps", lambda v: v >= 0, "give a number of steps >= 0"),
+    ("train.weight_decay", lambda v: v >= 0, "give a weight decay >= 0, e.g. 0.1"),
+    ("train.beta1", lambda v: 0 <= v < 1, "AdamW's betas must be in [0, 1), e.g. 0.9"),
+    ("train.beta2", lambda v: 0 <= v < 1, "AdamW's betas must be in [0, 1), e.g. 0.95"),
+    ("train.grad_clip", lambda v: v >= 0, "give a maximum gradient norm > 0, or 0 to disable clipping"),
+    ("checkpoint.interval_steps", lambda v: v >= 0, "give a number of steps, or 0 to save only by time or at the "
+                                                    "end"),
+    ("checkpoint.interval_minutes", lambda v: v >= 0, "give a number of minutes, or 0 to turn saving by time off"),
+    ("checkpoint.keep_every", lambda v: v >= 0, "give a step multiple to keep as milestones, or 0 for none"),
+    ("checkpoint.timeout_s", lambda v: v > 0, "give a positive number of seconds, e.g. 1800"),
+    ("health.hang_timeout_s", lambda v: v >= 0, "give a number of seconds, or 0 to disable hang reports"),
+    ("health.straggler_threshold", lambda v: v == 0 or v >= 1,
+     "give a ratio of at least 1 (1.5 names a rank 50% slower than the median), or 0 to disable"),
+)
+"""Single-option ranges checked by JobConfig.validate: (option, valid, the fix to print)."""
 
 
 def _toml_value(value: Any) -> str:

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from meshrun.ckpt import loading
@@ -38,8 +39,10 @@ from meshrun.ckpt.collectives import Coordinator, check_shared_folder
 from meshrun.ckpt.errors import CheckpointError
 from meshrun.ckpt.layout import (COMPLETE, MANIFEST, complete_steps, scan, step_dir_name, steps_to_keep,
                                  tmp_dir_name, trash_dir_name)
-from meshrun.ckpt.manifest import build_manifest, code_version, describe_files, fsync_dir, write_durable
+from meshrun.ckpt.manifest import (build_manifest, check_structure, code_version, describe_files, fsync_dir,
+                                   write_durable)
 from meshrun.ckpt.preemption import PreemptionFlag
+from meshrun.ckpt.space import check_room, describe_failure, payload_bytes
 from meshrun.ckpt.state import is_blob_key, walk
 from meshrun.config import CheckpointConfig
 from meshrun.env import ClusterEnv
@@ -61,6 +64,8 @@ class _SaveJob:
     final: bool
     kinds: dict[str, str]
     started: float
+    needed: int = 0
+    """Estimated bytes of the whole checkpoint (tensor data of every rank), for the no-space message."""
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -97,6 +102,8 @@ class Checkpointer:
         self._last_save_time = time.monotonic()
         self._last_step: int | None = None
         self._folder_checked = False
+        self._published: set[int] = set()
+        """Steps this Checkpointer published (rank 0), to tell its own directories from earlier runs'."""
         self._pending: Future | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="meshrun-ckpt") if cfg.async_save else None
         self._writer: _StagingWriter | None = None
@@ -145,9 +152,7 @@ class Checkpointer:
         self._ensure_folder_checked()
         tree, kinds = _materialize(state)
         self._check_agreement(step, state, tree)
-        token = self.coord.broadcast(secrets.token_hex(4) if self.coord.rank == 0 else None)
-        job = _SaveJob(step=step, tmp=self.folder / tmp_dir_name(step, token), meta=meta, final=final, kinds=kinds,
-                       started=started)
+        job = self._new_job(step, tree, meta=meta, final=final, kinds=kinds, started=started)
         self._last_save_time = time.monotonic()
         if self.cfg.async_save and not final:
             upload = dcp.async_save(tree, checkpoint_id=str(job.tmp), storage_writer=self._staging_writer(),
@@ -155,14 +160,35 @@ class Checkpointer:
             job.timings["stall_s"] = time.perf_counter() - started
             self._pending = self._executor.submit(self._finish, job, upload)
         else:
-            writer = dcp.FileSystemWriter(str(job.tmp), sync_files=True, thread_count=self.io_threads)
-            try:
-                dcp.save(tree, storage_writer=writer, process_group=self.coord.io)
-            except Exception:  # DCP raises on every rank; leave no half-written directory behind
-                if self.coord.rank == 0:
-                    shutil.rmtree(job.tmp, ignore_errors=True)
-                raise
+            self._write(job, tree)
             self._finish(job, None)
+
+    def _write(self, job: _SaveJob, tree: dict[str, Any]) -> None:
+        """Collective (DCP). Write the shards into the temporary folder; on failure, remove it and raise one line
+        (CheckpointException is a BaseException: ``except Exception`` alone would skip the cleanup)."""
+        writer = dcp.FileSystemWriter(str(job.tmp), sync_files=True, thread_count=self.io_threads)
+        try:
+            dcp.save(tree, storage_writer=writer, process_group=self.coord.io)
+        except (Exception, CheckpointException) as exc:
+            if self.coord.rank == 0:  # DCP raises on every rank; leave no half-written directory behind
+                shutil.rmtree(job.tmp, ignore_errors=True)
+            if isinstance(exc, (OSError, CheckpointException)):
+                raise CheckpointError(f"{describe_failure(exc, self.folder, job.needed)} (save of step {job.step} "
+                                      f"to {job.tmp})") from exc
+            raise
+
+    def _new_job(self, step: int, tree: dict[str, Any], **fields: Any) -> _SaveJob:
+        """Collective. The save's temporary folder, named by rank 0, which first refuses (on every rank) when the
+        folder has less free space than the checkpoint's tensors take."""
+        needed = payload_bytes(tree)
+        verdict = None
+        if self.coord.rank == 0:
+            no_room = check_room(self.folder, needed)
+            verdict = {"error": no_room} if no_room else {"token": secrets.token_hex(4)}
+        verdict = self.coord.broadcast(verdict)
+        if "error" in verdict:
+            raise CheckpointError(f"{verdict['error']} (save of step {step})")
+        return _SaveJob(step=step, tmp=self.folder / tmp_dir_name(step, verdict["token"]), needed=needed, **fields)
 
     def wait(self) -> None:
         """Block until the in-flight async save is published; raise its error. No collective of its own."""
@@ -224,8 +250,8 @@ class Checkpointer:
             job.timings["write_s"] = time.perf_counter() - job.started
             contribution = {"files": self._hash_own_files(job.tmp)}
             job.timings["hash_s"] = time.perf_counter() - job.started - job.timings["write_s"]
-        except Exception as exc:  # noqa: BLE001 - reported on every rank below
-            contribution = {"error": f"{type(exc).__name__}: {exc}"}
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported on every rank below
+            contribution = {"error": describe_failure(exc, self.folder, job.needed)}
         contributions = self.coord.gather(contribution, group="io")
         outcome = self._publish(job, contributions) if self.coord.rank == 0 else None
         outcome = self.coord.broadcast(outcome, group="io")
@@ -250,6 +276,9 @@ class Checkpointer:
         errors = [f"rank {r}: {c['error']}" for r, c in enumerate(contributions) if "error" in c]
         if errors:
             shutil.rmtree(job.tmp, ignore_errors=True)
+            full = [c["error"] for c in contributions if c.get("error", "").startswith("no space left")]
+            if full:  # one line, as for a sync save
+                return f"{full[0]} (save of step {job.step} to {job.tmp})"
             return f"save of step {job.step} to {job.tmp} failed; " + "; ".join(errors)
         try:
             files: dict[str, dict[str, Any]] = {}
@@ -277,16 +306,29 @@ class Checkpointer:
 
     def _rename_into_place(self, job: _SaveJob) -> Path:
         final_dir = self.folder / step_dir_name(job.step)
-        if final_dir.exists():  # same step from an earlier run (e.g. resume=none): replaced, not merged
+        if final_dir.exists():  # same step saved before (resume=none, or a fallback past a damaged one): replaced
+            log.warning("replacing %s: %s", final_dir, self._describe_existing(final_dir, job.step))
             aside = self.folder / trash_dir_name(job.step, secrets.token_hex(4))
             final_dir.rename(aside)
-            log.warning("replacing %s, left by an earlier run", final_dir)
             job.tmp.rename(final_dir)
             shutil.rmtree(aside, ignore_errors=True)
         else:
             job.tmp.rename(final_dir)
         fsync_dir(self.folder)
+        self._published.add(job.step)
         return final_dir
+
+    def _describe_existing(self, path: Path, step: int) -> str:
+        """Rank 0: what the checkpoint directory of ``step``, about to be replaced, holds, and whether this
+        Checkpointer published it."""
+        try:
+            problems = check_structure(path)[1]
+        except OSError as exc:
+            problems = [f"cannot be read: {exc}"]
+        state = f"incomplete or damaged ({problems[0]})" if problems else "a complete checkpoint of the same step"
+        who = ("written by this process" if step in self._published else
+               "not written by this process (an earlier run, or this job before a restart)")
+        return f"{state}, {who}"
 
     def _apply_retention(self, *, protect: tuple[int, ...]) -> None:
         """Rank 0: delete complete checkpoints outside keep_last/keep_every (never the newest), and leftovers

@@ -1,7 +1,8 @@
 """What ``meshrun ckpt`` shows and does: list a folder, verify a checkpoint, export consolidated weights.
 
 Single process, no process group. Export reads tensors only (DCP's ``torch.load(weights_only=True)``) and writes
-safetensors, so neither side unpickles anything but DCP's own ``.metadata`` (whose checksum is verified first).
+safetensors; DCP's own ``.metadata`` (whose checksum is verified first) is read by a restricted unpickler
+(:mod:`meshrun.ckpt.safe_metadata`), so nothing in a checkpoint can run code.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from meshrun.ckpt.errors import CheckpointError
 from meshrun.ckpt.layout import scan
 from meshrun.ckpt.manifest import check_checksums, check_structure, read_manifest
+from meshrun.ckpt.safe_metadata import SafeFileSystemReader
 
 DEFAULT_FOLDER = Path("runs/default/checkpoints")
 """Where checkpoints go with the default config (run.dir=runs/default, checkpoint.dir empty)."""
@@ -140,10 +142,15 @@ def export_model(path: Path, out: Path) -> dict[str, Any]:
     if len(owners) != 1:
         raise CheckpointError(f"{path}: the manifest names {len(owners)} ModelOptimState entries; export needs one")
     prefix = f"{owners[0]}.model."
-    reader = dcp.FileSystemReader(str(path))
-    targets = {key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
-               for key, entry in reader.read_metadata().state_dict_metadata.items()
-               if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)}
+    reader = SafeFileSystemReader(str(path))
+    entries = {key: entry for key, entry in reader.read_metadata().state_dict_metadata.items()
+               if key.startswith(prefix)}
+    odd = sorted(key for key, entry in entries.items() if not isinstance(entry, TensorStorageMetadata))
+    if odd:  # a weight left out would load as the fresh model's random init: refuse, as resume does
+        raise CheckpointError(f"{path}: model entry {odd[0]!r} is stored as a pickled object, not a tensor"
+                              f"{f' (and {len(odd) - 1} more)' if len(odd) > 1 else ''}; meshrun never writes "
+                              "those and will not export a model without it (the checkpoint is foreign or crafted)")
+    targets = {key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype) for key, entry in entries.items()}
     if not targets:
         raise CheckpointError(f"{path}: holds no model tensors under {prefix!r}")
     dcp.load(targets, storage_reader=reader, no_dist=True)

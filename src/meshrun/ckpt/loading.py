@@ -9,9 +9,10 @@ Choosing (collective on the checkpointer's ctl group):
 * on a mismatch, the file is named and the previous complete checkpoint is tried, unless checkpoint.strict or
   an explicit path was asked for, which raise.
 
-Loading reads DCP's own ``.metadata`` (checked against the manifest first) to size the JSON blobs, drops the
-optional entries the checkpoint lacks (RNG streams of ranks that did not exist), and refuses entries stored as
-pickled objects: DCP then only reads tensors, with ``torch.load(weights_only=True)``.
+Loading reads DCP's own ``.metadata`` (checked against the manifest first, and unpickled by a restricted
+unpickler that refuses any global DCP's metadata does not use, see :mod:`meshrun.ckpt.safe_metadata`) to size the
+JSON blobs, drops the optional entries the checkpoint lacks (RNG streams of ranks that did not exist), and refuses
+entries stored as pickled objects: DCP then only reads tensors, with ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from meshrun.ckpt.collectives import Coordinator
 from meshrun.ckpt.errors import CheckpointError
 from meshrun.ckpt.layout import scan
 from meshrun.ckpt.manifest import check_checksums, check_structure, share_of_files
+from meshrun.ckpt.safe_metadata import SafeFileSystemReader
 from meshrun.ckpt.state import is_blob_key
 
 log = logging.getLogger("meshrun.ckpt")
@@ -123,7 +125,7 @@ def load_into(coord: Coordinator, state: dict[str, Any], path: Path) -> None:
     if blind:
         raise CheckpointError(f"{path}: rank(s) {blind} cannot read this checkpoint's .metadata; it must be on "
                               "storage every rank mounts at the same path")
-    reader = dcp.FileSystemReader(str(path))
+    reader = SafeFileSystemReader(str(path))
     saved = reader.read_metadata().state_dict_metadata
     optional = {name for name, obj in state.items() if getattr(obj, "missing_ok", False)}
     tree = {name: obj.state_dict() if isinstance(obj, Stateful) else obj for name, obj in state.items()}

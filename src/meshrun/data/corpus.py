@@ -106,6 +106,11 @@ def _token_corpus(path: Path, cfg: DataConfig) -> Corpus:
     if path.suffix == ".npy":
         tokens = np.load(path, mmap_mode="r")
     else:
+        size, width = path.stat().st_size, np.dtype(cfg.token_dtype).itemsize
+        if size % width:
+            raise ConfigError(f"data.source={str(path)!r}: {size:,} bytes is not a whole number of "
+                              f"data.token_dtype={cfg.token_dtype} tokens ({width} bytes each); set data.token_dtype "
+                              "to the dtype the file was written with, or the file is truncated")
         tokens = np.memmap(path, dtype=np.dtype(cfg.token_dtype), mode="r")
     if tokens.ndim != 1 or tokens.dtype.kind not in "ui":
         raise ConfigError(f"data.source={str(path)!r}: expected a flat integer token array, got "

@@ -91,6 +91,10 @@ def parse_launch_args(argv: list[str]) -> LaunchArgs:
     ns = parser.parse_args(argv)
     given = _given_options(argv)
     parse_nnodes(ns.nnodes)
+    nproc = str(ns.nproc_per_node).strip()
+    if nproc.lstrip("+-").isdecimal() and int(nproc) < 1:
+        raise LaunchUsageError(f"--nproc-per-node {ns.nproc_per_node}: give 1 or more workers per node, or auto, gpu "
+                               "or cpu.")
     if ns.max_restarts < 0:
         raise LaunchUsageError(f"--max-restarts {ns.max_restarts}: must be 0 or more.")
     if ns.rdzv_timeout <= 0:

@@ -139,7 +139,11 @@ class Trainer:
     # ---- construction -------------------------------------------------------------------------------------------
 
     def build_run_dir(self) -> None:
-        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        try:
+            (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"run.dir={self.job.run.dir!r}: cannot create {self.run_dir / 'logs'} ({exc.strerror}); "
+                              "choose a folder this user can write") from None
         _setup_logging(self.run_dir, self.env)
         if self.env.is_rank_zero:
             (self.run_dir / "config.toml").write_text(self.job.to_toml())
@@ -355,7 +359,7 @@ class Trainer:
                 self.sink.log({"kind": "eval", "step": self.step, "loss": result.val_loss})
                 interval_start = time.perf_counter()  # evaluation time is not training throughput
             if self.checkpoint_due():
-                self.save_checkpoint()
+                self.save_checkpoint(final=self.ckpt.stop_requested)  # SIGTERM: the job's last save, final
                 interval_start = time.perf_counter()
                 if self.ckpt.stop_requested:
                     result.stopped_by = self.stop_signal()
