@@ -117,6 +117,9 @@ class TrainConfig:
     """Print and record metrics every N steps."""
     fused_optimizer: bool = True
     """Use the fused AdamW kernel where the device has one."""
+    loss: str = "full"
+    """full (the logits of the whole micro-batch at once) or chunked (the output head and cross-entropy a few
+    thousand tokens at a time: the B x T x V logits never exist whole; one process and DDP)."""
     float8: bool = False
     """Run the blocks' matmuls in float8 through torchao (Hopper or newer; the .[float8] extra)."""
     attention: str = "auto"
@@ -283,6 +286,7 @@ class JobConfig:
         _check_choice("parallel.activation_checkpoint", self.parallel.activation_checkpoint,
                       ("none", "selective", "full"))
         _check_choice("train.attention", self.train.attention, ATTENTION_BACKENDS)
+        _check_choice("train.loss", self.train.loss, ("full", "chunked"))
         self.train.compile = _tri_state("train.compile", self.train.compile)
         self.parallel.fsdp_reshard_after_forward = _tri_state("parallel.fsdp_reshard_after_forward",
                                                               self.parallel.fsdp_reshard_after_forward)

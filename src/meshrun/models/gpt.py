@@ -157,13 +157,14 @@ class GPT(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope", rope_cache(cfg.seq_len, cfg.head_dim, cfg.rope_theta), persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens (B, T) int64 -> logits (B, T, V). On a middle pipeline stage: hidden (B, T, C) -> (B, T, C)."""
+    def forward(self, tokens: torch.Tensor, *, head: bool = True) -> torch.Tensor:
+        """tokens (B, T) int64 -> logits (B, T, V). On a middle pipeline stage: hidden (B, T, C) -> (B, T, C).
+        ``head=False`` stops before the output projection (for a loss that applies it itself, chunk by chunk)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, T, C)
         for layer in self.layers.values():
             h = layer(h, self.rope)
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        return self.output(h) if self.output is not None and head else h
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | str | None = None) -> None:

@@ -25,7 +25,7 @@ import logging
 import torch
 from torch import nn
 
-from meshrun.config import JobConfig, resolve_batch
+from meshrun.config import ConfigError, JobConfig, resolve_batch
 from meshrun.dist.mesh import ParallelDims
 from meshrun.models.gpt import GPT, GPTConfig
 from meshrun.parallel.activation_checkpoint import apply_activation_checkpointing
@@ -70,6 +70,9 @@ def build_engine(*, job: JobConfig, model_cfg: GPTConfig, dims: ParallelDims, me
     if dims.pp == 1 and dims.tp == 1 and dims.dp_shard == 1:
         return _local_engine(job, cfg, dims, device, rank=rank, autocast_dtype=None if fp32 else compute_dtype,
                              compiled=compiled)
+    if job.train.loss == "chunked":
+        raise ConfigError(f"train.loss=chunked runs for one process and DDP only, not for {layout_name(dims)}; "
+                          "drop --train.loss=chunked (the other layouts compile the full loss, without fp32 logits)")
     ids = stage_ids(dims.coords(rank).pp, pp=dims.pp, virtual_stages=dims.pp_virtual_stages) if dims.pp > 1 else [0]
     parts = build_parts(cfg, dims, ids, job=job, compute_dtype=compute_dtype, compiled=compiled, device=device)
     materialize(parts, device=device, seed=job.train.seed, dims=dims, rank=rank)
@@ -211,7 +214,7 @@ def _local_engine(job: JobConfig, cfg: GPTConfig, dims: ParallelDims, device: to
         model.output.weight = model.tok_embeddings.weight  # to_empty may have replaced the shared parameter
     torch.manual_seed(job.train.seed)
     model.init_weights(buffer_device=device)
-    step: nn.Module = LossStep(model, autocast_dtype)
+    step: nn.Module = LossStep(model, autocast_dtype, chunked=job.train.loss == "chunked")
     ddp = dims.dp_replicate > 1
     overlap = ddp and compiled and job.parallel.ddp_overlap
     if compiled and not overlap:

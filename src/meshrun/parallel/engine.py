@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshrun.parallel.chunked_loss import chunked_token_loss_sum
+
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs (B, T) int64, targets (B, T) int64)
 
 
@@ -70,12 +72,17 @@ class LossStep(nn.Module):
     """The model and its loss as one module: compiled whole, torch.compile fuses the output head, the fp32 upcast
     and the cross-entropy, so the logits (B x T x V, the largest activation) are not written out in fp32."""
 
-    def __init__(self, model: nn.Module, autocast_dtype: torch.dtype | None = None):
+    def __init__(self, model: nn.Module, autocast_dtype: torch.dtype | None = None, *, chunked: bool = False):
         super().__init__()
         self.model, self.autocast_dtype = model, autocast_dtype
+        self.chunked = chunked
+        """train.loss=chunked: the head and the loss run chunk by chunk (parallel/chunked_loss.py)."""
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with autocast(inputs.device.type, self.autocast_dtype):
+            if self.chunked:
+                hidden = self.model(inputs, head=False)  # (B, T, C)
+                return chunked_token_loss_sum(hidden, self.model.output.weight, targets)
             logits = self.model(inputs)  # (B, T, V)
         return token_loss_sum(logits, targets)
 
