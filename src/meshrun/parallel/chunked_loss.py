@@ -51,6 +51,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             None
 
 
+@torch.compiler.disable  # runs eagerly inside a compiled model: compiled, this Function's gradients came out zero
 def chunked_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Sum of per-token cross-entropy of ``hidden @ weight.T`` against ``targets``, in fp32.
 
