@@ -1,4 +1,4 @@
-"""Config loading, overrides and the seeds' global-batch arithmetic (pure logic, no process group)."""
+"""Config loading, overrides and the global-batch arithmetic B_global = B_local x G x N x A (pure logic, no process group)."""
 
 import pytest
 

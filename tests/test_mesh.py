@@ -71,7 +71,7 @@ def test_pipeline_batch_must_split_into_microbatches():
 
 
 def test_seeds_64_gpu_dp8_tp4_pp2_groups():
-    """The seeds' 64-GPU example: DP 8 x TP 4 x PP 2 on 8 nodes of 8 GPUs."""
+    """A 64-GPU layout: DP 8 x TP 4 x PP 2 on 8 nodes of 8 GPUs."""
     dims = dims_for(64, dp_replicate=8, tp=4, pp=2)
     assert dims.coords(0) == (0, 0, 0, 0)
     assert dims.coords(37) == (1, 1, 0, 1)  # 37 = 32 (pp 1) + 4 (dp 1) + 1 (tp 1)

@@ -450,7 +450,7 @@ def _convert(option: str, value: Any, kind: Any) -> Any:
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """The seeds' global batch: B_global = B_local x G x N x A, where G x N is the number of dp ranks."""
+    """The global batch: B_global = B_local x G x N x A, where G x N is the number of dp ranks."""
 
     micro_batch: int
     dp_size: int
