@@ -1,4 +1,5 @@
-"""meshrun plan: reference layouts (4x8, 8x8x4x2, a 64-GPU DP 8 x TP 4 x PP 2), clear errors for bad layouts, and the dry run on a fake 512-rank mesh."""
+"""meshrun plan: reference layouts (4x8, 8x8x4x2, a 64-GPU DP 8 x TP 4 x PP 2), clear errors for bad layouts, and
+the dry run on a fake 512-rank mesh."""
 
 from __future__ import annotations
 
