@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import shutil
 import socket
 import subprocess
@@ -10,6 +11,9 @@ import time
 import pytest
 
 from meshrun.launch import net
+from meshrun.launch.args import parse_launch_args
+from meshrun.launch.launcher import unreachable_message
+from meshrun.launch.plan import make_plan
 
 
 def _own_ipv4() -> dict[str, str]:
@@ -80,3 +84,37 @@ def test_probe_reports_refused_within_its_timeout_and_succeeds_on_a_listener():
         result = net.probe_tcp("127.0.0.1", listener.getsockname()[1], timeout_s=5)
         assert result.ok and result.attempts == 1
         assert net.port_accepts("127.0.0.1", listener.getsockname()[1])
+
+
+def _probe_with_errors(monkeypatch, first: OSError) -> net.ProbeResult:
+    """Probe with a connect that fails with ``first``, then times out on every later attempt."""
+    errors = iter([first])
+
+    def connect(address, timeout=None):
+        raise next(errors, TimeoutError("timed out"))
+
+    monkeypatch.setattr(net.socket, "create_connection", connect)
+    return net.probe_tcp("127.0.0.1", 29400, timeout_s=0.3, interval_s=0.05)
+
+
+@pytest.mark.parametrize(("first", "error", "advice"), [
+    (OSError(errno.EHOSTUNREACH, "No route to host"), "no route to host", "share a network (`ip route`)"),
+    (OSError(errno.ENETUNREACH, "Network is unreachable"), "network unreachable", "share a network (`ip route`)"),
+    (ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused"), "connection refused",
+     "nothing listens on port 29400 there yet"),
+])
+def test_probe_reports_the_most_specific_error_seen_not_the_last_timeout(monkeypatch, first, error, advice):
+    argv = ["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400", "--rdzv-conf", "is_host=0", "s.py"]
+    plan = make_plan(parse_launch_args(argv), environ={})  # a joining node: the launcher probes before it starts
+    result = _probe_with_errors(monkeypatch, first)
+    assert not result.ok and result.attempts >= 2 and result.error == error
+    message = unreachable_message(plan, result)
+    assert f"127.0.0.1:29400: {error} (" in message and advice in message and "firewall" not in message
+
+
+def test_more_specific_ranks_route_over_refused_over_kernel_text_over_timeout():
+    assert net.more_specific("no route to host", "connection refused") == "no route to host"
+    assert net.more_specific("connection refused", "timed out") == "connection refused"
+    assert net.more_specific("timed out", "Permission denied") == "Permission denied"
+    assert net.more_specific("Permission denied", "connection refused") == "connection refused"
+    assert net.more_specific("no route to host", "network unreachable") == "network unreachable"  # a tie: the newer

@@ -132,10 +132,11 @@ def _forward_preemption_signals() -> PreemptionFlag:
 
 
 def unreachable_message(plan: LaunchPlan, result: ProbeResult) -> str:
+    no_route = "check the address, and that both hosts share a network (`ip route`)"
     fix = {"connection refused": f"nothing listens on port {plan.endpoint_port} there yet: start `meshrun launch` "
                                  f"on {plan.endpoint_host} first (it hosts the store), or check the port",
            "timed out": "packets get no answer: check the address, and firewalls between the hosts",
-           "no route to host": "check the address, and that both hosts share a network (`ip route`)",
+           "no route to host": no_route, "network unreachable": no_route,
            }.get(result.error, "check the address, the port and firewalls")
     return (f"{_host(plan)} cannot reach the rendezvous endpoint {plan.endpoint}: {result.error} "
             f"(waited {result.elapsed_s:.0f}s, {result.attempts} attempts; --rdzv-timeout {plan.timeout_s}); "

@@ -47,7 +47,7 @@ class ProbeResult:
     elapsed_s: float
     """Seconds spent."""
     error: str
-    """The last failure in words ('connection refused', 'no route to host', 'timed out'); '' when ok."""
+    """The most specific failure seen, in words ('no route to host', 'connection refused', 'timed out'); '' when ok."""
 
 
 def parse_endpoint(endpoint: str, *, default_port: int) -> tuple[str, int]:
@@ -178,8 +178,21 @@ def probe_tcp(host: str, port: int, *, timeout_s: float, interval_s: float = 1.0
             with socket.create_connection((host, port), timeout=min(5.0, remaining)):
                 return ProbeResult(ok=True, attempts=attempts, elapsed_s=time.monotonic() - start, error="")
         except OSError as exc:
-            error = describe_socket_error(exc)
+            error = more_specific(error, describe_socket_error(exc))
         time.sleep(max(0.0, min(interval_s, deadline - time.monotonic())))
+
+
+_SPECIFICITY = {"no route to host": 3, "network unreachable": 3, "connection refused": 2, "timed out": 0}
+"""How much a failure says about its cause; an error named only by the kernel's text ranks between (1)."""
+
+
+def more_specific(seen: str, new: str) -> str:
+    """The failure that says more about the cause; ``new`` on a tie.
+
+    A connect to an absent host fails with 'no route to host' only once ARP gives up (about 3 s); the last attempt,
+    cut short by the time left, then just times out, and its error alone would send the user to check firewalls.
+    """
+    return new if _SPECIFICITY.get(new, 1) >= _SPECIFICITY.get(seen, 1) else seen
 
 
 def describe_socket_error(exc: OSError) -> str:
