@@ -135,19 +135,29 @@ def torch_build() -> str:
 
 @dataclass(frozen=True)
 class FieldDiff:
-    """One field that differs: the majority value and each node that has another."""
+    """One field that differs: the most common value and each node that has another."""
 
     name: str
     expected: str | None
     expected_nodes: tuple[int, ...]
     odd: dict[int, str | None]
     """node rank -> its (first differing) value."""
+    majority: bool = True
+    """Whether more than half the nodes have ``expected``. Without a majority no node is the odd one out."""
+
+    def groups(self) -> list[tuple[str | None, tuple[int, ...]]]:
+        """(value, nodes that have it), the expected group first, then the others by lowest node."""
+        others: dict[str | None, list[int]] = {}
+        for node, value in self.odd.items():
+            others.setdefault(value, []).append(node)
+        return [(self.expected, self.expected_nodes)] + [(v, tuple(nodes)) for v, nodes in others.items()]
 
 
 def compare_fingerprints(fingerprints: list[Fingerprint]) -> list[FieldDiff]:
     """Fields that differ across ranks, reported per node. Pure logic: no collective.
 
-    The expected value is the one most nodes have (node 0's on a tie), so the message points at the odd node out.
+    The expected value is the one most nodes have (node 0's on a tie). Only when more than half the nodes have it
+    (``majority``) does the message point at the odd node out; two nodes that differ, or a 2/2 split, name no one.
     A node whose own ranks disagree shows its values joined by ' | '.
     """
     rows = [(fp.node_rank, fp.compared()) for fp in sorted(fingerprints, key=lambda fp: fp.rank)]
@@ -167,19 +177,22 @@ def compare_fingerprints(fingerprints: list[Fingerprint]) -> list[FieldDiff]:
         expected = next(v for v in node_values.values() if counts[v] == max(counts.values()))
         diffs.append(FieldDiff(name=name, expected=expected,
                                expected_nodes=tuple(n for n, v in node_values.items() if v == expected),
-                               odd={n: v for n, v in node_values.items() if v != expected}))
+                               odd={n: v for n, v in node_values.items() if v != expected},
+                               majority=2 * counts[expected] > len(node_values)))
     return diffs
 
 
 def mismatch_message(diffs: list[FieldDiff], fingerprints: list[Fingerprint]) -> str:
-    """First line: the most important difference and its fix. Then one line per differing field and node."""
+    """First line: the most important difference and its fix. Then one line per differing field and value."""
     hosts = {fp.node_rank: fp.host for fp in sorted(fingerprints, key=lambda fp: -fp.rank)}
     code = [d for d in diffs if d.name in _CODE_FIELDS]
     lead = (code or diffs)[0]
     label = _LABELS.get(lead.name, lead.name.removeprefix("pkg:"))
     what = "code differs" if code else "package versions differ"
     ref = lead.expected_nodes[0]
-    if lead.odd:
+    if not lead.majority:  # e.g. two nodes that differ: nothing says which one is right, so blame neither
+        first = f"{what} across nodes, no majority: {_fix_all(lead)} — {_side_by_side(lead, fingerprints, hosts)}"
+    elif lead.odd:
         node, value = next(iter(lead.odd.items()))
         first = (f"{what} across nodes: node {node} (host {hosts[node]}) has {label} {value}, "
                  f"node {ref} (host {hosts[ref]}) has {lead.expected}; {_fix(lead, node, fingerprints)}")
@@ -188,9 +201,9 @@ def mismatch_message(diffs: list[FieldDiff], fingerprints: list[Fingerprint]) ->
                  "restart all ranks from the same files")
     lines = [first, f"  {'field':<22} {'node (host)':<28} value"]
     for diff in diffs:
-        lines.append(f"  {diff.name:<22} {_nodes(diff.expected_nodes, hosts):<28} {diff.expected}  (expected)")
-        for odd_node, odd_value in diff.odd.items():
-            lines.append(f"  {'':<22} {_nodes((odd_node,), hosts):<28} {odd_value}")
+        for i, (value, nodes) in enumerate(diff.groups()):
+            mark = "  (expected)" if i == 0 and diff.majority else ""
+            lines.append(f"  {diff.name if i == 0 else '':<22} {_nodes(nodes, hosts):<28} {value}{mark}")
     return "\n".join(lines)
 
 
@@ -210,8 +223,38 @@ def _fix(diff: FieldDiff, node: int, fingerprints: list[Fingerprint]) -> str:
     return f"use the same {_LABELS.get(diff.name, diff.name)} ({diff.expected}) on node {node}"
 
 
-def _nodes(nodes: tuple[int, ...], hosts: dict[int, str]) -> str:
-    shown = ", ".join(f"{n} ({hosts[n]})" for n in nodes[:3])
+def _fix_all(diff: FieldDiff) -> str:
+    """The fix when no value has a majority: make every node agree, without saying on which value."""
+    if diff.name in _CODE_FIELDS:
+        return "make the nodes run the same code (e.g. sync the checkout / same commit)"
+    if diff.name.startswith("pkg:") or diff.name == "meshrun":
+        return f"install the same {diff.name.removeprefix('pkg:')} version on every node"
+    return f"use the same {_LABELS.get(diff.name, diff.name)} on every node"
+
+
+def _side_by_side(diff: FieldDiff, fingerprints: list[Fingerprint], hosts: dict[int, str]) -> str:
+    """'node 0 (host a) has X (git ...), node 1 (host b) has Y (git ...)': every group's value, none preferred.
+
+    For a code field other than git itself, each group's git commit and dirty state follow its value, since
+    "same source hash, one checkout dirty" or "two commits" is usually the quickest way to see what to sync.
+    """
+    label = _LABELS.get(diff.name, diff.name.removeprefix("pkg:"))
+    parts = []
+    for value, nodes in sorted(diff.groups(), key=lambda group: group[1][0]):
+        several = len(nodes) > 1
+        who = f"node{'s' if several else ''} {_nodes(nodes, hosts, host='host ')}"
+        part = f"{who} {'have' if several else 'has'} {label} {value}"
+        if diff.name in _CODE_FIELDS and diff.name != "git":
+            gits = dict.fromkeys(fp.git for fp in sorted(fingerprints, key=lambda fp: fp.rank)
+                                 if fp.node_rank in nodes)
+            part += " (" + " | ".join(f"git {g}" if g else "no git checkout" for g in gits) + ")"
+        parts.append(part)
+    return ", ".join(parts)
+
+
+def _nodes(nodes: tuple[int, ...], hosts: dict[int, str], *, host: str = "") -> str:
+    """'0 (a), 2 (c)', or with ``host='host '`` '0 (host a), 2 (host c)'; three nodes at most, then '+N more'."""
+    shown = ", ".join(f"{n} ({host}{hosts[n]})" for n in nodes[:3])
     return shown + (f" +{len(nodes) - 3} more" if len(nodes) > 3 else "")
 
 
