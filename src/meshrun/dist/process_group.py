@@ -28,9 +28,13 @@ class DistContext:
     """None for a single process without a process group."""
 
 
+def wants_cuda(cfg: DistConfig) -> bool:
+    """Whether ``dist.device`` asks for a CUDA GPU (cuda, or auto where CUDA is present); known before init."""
+    return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+
+
 def choose_device(env: ClusterEnv, cfg: DistConfig) -> torch.device:
-    want_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    if not want_cuda:
+    if not wants_cuda(cfg):
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ConfigError("dist.device='cuda' but CUDA is not available here; use --dist.device=cpu")

@@ -26,7 +26,7 @@ from meshrun.config import BatchPlan, ConfigError, JobConfig, resolve_batch
 from meshrun.data.corpus import Corpus, load_corpus
 from meshrun.data.loader import StepBatches, eval_batches
 from meshrun.data.sampler import DataPosition, TokenWindows
-from meshrun.dist.process_group import DistContext, init_distributed
+from meshrun.dist.process_group import DistContext, init_distributed, wants_cuda
 from meshrun.env import ClusterEnv
 from meshrun.models.build import count_params, model_config, record_resolved
 from meshrun.models.gpt import flops_per_token
@@ -73,12 +73,6 @@ def use_deterministic_algorithms() -> None:
     torch.backends.cudnn.benchmark = False
 
 
-def expects_gpu(job: JobConfig) -> bool:
-    """Whether this process will train on a CUDA GPU (dist.device, or auto with CUDA present); known before the
-    process group starts."""
-    return job.dist.device == "cuda" or (job.dist.device == "auto" and torch.cuda.is_available())
-
-
 def compute_dtype(job: JobConfig, device: torch.device) -> torch.dtype | None:
     """The autocast dtype, or None for plain fp32."""
     if job.train.dtype == "bf16" or (job.train.dtype == "auto" and device.type == "cuda"):
@@ -97,7 +91,7 @@ class Trainer:
         self.model_cfg = model_config(job, self.corpus.vocab_size)
         record_resolved(job, self.model_cfg)
         job.parallel, self.layout_note = choose_data_parallel(job.parallel, params=count_params(self.model_cfg),
-                                                              on_gpu=expects_gpu(job))
+                                                              on_gpu=wants_cuda(job.dist))
         self.dims = ParallelDims.from_config(job.parallel, world_size=self.env.world_size,
                                              gpus_per_node=self.env.local_world_size, model=self.model_cfg)
         self.batch: BatchPlan = resolve_batch(job.train, dp_size=self.dims.dp_size, seq_len=self.model_cfg.seq_len)
@@ -272,8 +266,8 @@ class Trainer:
             " tail samples dropped per epoch)",
             f"config: {self.run_dir / 'config.toml'}",
         ]
-        lines.insert(1, f"layout: {describe_layout(self.dims)}" + (f"\n{self.layout_note}" if self.layout_note else ""))
-        lines.insert(2, describe_speed(self.job, self.device, compute_dtype(self.job, self.device)))
+        lines[1:1] = [f"layout: {describe_layout(self.dims)}", *([self.layout_note] if self.layout_note else []),
+                      describe_speed(self.job, self.device, compute_dtype(self.job, self.device))]
         if self.step:
             lines.append(f"resumed at step {self.step} (epoch {self.data.position.epoch}, "
                          f"{self.data.position.consumed:,} samples into it) from {self.ckpt.folder}")
