@@ -17,6 +17,7 @@ from meshrun.dist.mesh import choose_data_parallel
 from meshrun.models.build import count_params, model_config
 from meshrun.parallel.apply import reshard_after_forward
 from meshrun.parallel.engine import count_tensor, loss_function, token_loss_sum
+from meshrun.parallel.async_tp import check_async_tp
 from meshrun.parallel.float8 import check_float8
 from meshrun.parallel.kernels import compile_enabled, describe_speed, resolve_attention, select_attention
 
@@ -54,6 +55,18 @@ def test_uncompiled_loss_function_is_the_plain_loss():
 def test_float8_is_refused_on_cpu_with_the_option_named():
     with pytest.raises(ConfigError, match=r"^train.float8=true needs an NVIDIA GPU"):
         check_float8(CPU, tp=1)
+
+
+def test_async_tp_needs_sequence_parallel_tp_cuda_and_compile():
+    with pytest.raises(ConfigError, match="add --parallel.sequence_parallel=true"):
+        load_config(None, ["--parallel.async_tp=true"])
+    load_config(None, ["--parallel.async_tp=true", "--parallel.sequence_parallel=true"])  # statically fine
+    gpu = torch.device("cuda", 0)
+    for device, tp, compiled, message in ((gpu, 1, True, "parallel.tp >= 2"), (torch.device("cpu"), 2, True,
+                                          "needs CUDA GPUs"), (gpu, 2, False, "--train.compile=true")):
+        with pytest.raises(ConfigError, match=message):
+            check_async_tp(device, tp=tp, compiled=compiled)
+    check_async_tp(gpu, tp=2, compiled=True)  # nothing to refuse
 
 
 def test_header_line_names_the_choices():

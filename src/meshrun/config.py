@@ -147,6 +147,9 @@ class ParallelConfig:
     """Stages per rank for interleaved1f1b."""
     sequence_parallel: bool = False
     """Shard norms and dropout along the sequence in TP regions."""
+    async_tp: bool = False
+    """Overlap TP's all-gathers and reduce-scatters with the matmuls they feed (inductor micro-pipelining over
+    symmetric memory); needs parallel.sequence_parallel, compiled blocks and CUDA GPUs."""
     data_parallel: str = "auto"
     """How the default pure data-parallel layout runs (dp_replicate=-1 with dp_shard=1): ddp (every rank keeps the
     whole model and optimizer), fsdp (FSDP2 shards parameters, gradients and optimizer state over the ranks), or
@@ -290,6 +293,9 @@ class JobConfig:
         self.train.compile = _tri_state("train.compile", self.train.compile)
         self.parallel.fsdp_reshard_after_forward = _tri_state("parallel.fsdp_reshard_after_forward",
                                                               self.parallel.fsdp_reshard_after_forward)
+        if self.parallel.async_tp and not self.parallel.sequence_parallel:
+            raise ConfigError("parallel.async_tp=true overlaps the all-gathers and reduce-scatters of sequence "
+                              "parallelism; add --parallel.sequence_parallel=true")
         if self.parallel.ddp_bucket_mb < 1:
             raise ConfigError(f"parallel.ddp_bucket_mb must be >= 1, got {self.parallel.ddp_bucket_mb}")
         _check_choice("parallel.data_parallel", self.parallel.data_parallel, ("auto", "ddp", "fsdp"))

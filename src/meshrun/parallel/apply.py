@@ -31,6 +31,7 @@ from meshrun.models.gpt import GPT, GPTConfig
 from meshrun.parallel.activation_checkpoint import apply_activation_checkpointing
 from meshrun.parallel.data_parallel import apply_ddp, apply_fsdp
 from meshrun.parallel.engine import Engine, LocalEngine, LossStep, loss_function
+from meshrun.parallel.async_tp import check_async_tp, enable_async_tp
 from meshrun.parallel.float8 import check_float8, convert_blocks_to_float8
 from meshrun.parallel.kernels import compile_enabled, select_attention
 from meshrun.parallel.pipeline import (PipelineEngine, bubble_fraction, effective_model_config, split_stage,
@@ -67,6 +68,9 @@ def build_engine(*, job: JobConfig, model_cfg: GPTConfig, dims: ParallelDims, me
         check_float8(device, tp=dims.tp)
     fp32 = compute_dtype is None or compute_dtype == torch.float32
     compiled = compile_enabled(job.train.compile, device)
+    if job.parallel.async_tp:
+        check_async_tp(device, tp=dims.tp, compiled=compiled)
+        enable_async_tp(dims.get_mesh("tp"))
     if dims.pp == 1 and dims.tp == 1 and dims.dp_shard == 1:
         return _local_engine(job, cfg, dims, device, rank=rank, autocast_dtype=None if fp32 else compute_dtype,
                              compiled=compiled)
