@@ -100,6 +100,9 @@ class TrainConfig:
     """AdamW beta2."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables."""
+    nonfinite: str = "skip"
+    """A step whose gradient norm is NaN or inf: skip (no update, a warning naming the step and rank), stop (no
+    update, and the run ends with an error at the next log step), or off (no check)."""
     seed: int = 1234
     """Base seed. Data order depends only on it and the epoch; rank r's streams use seed + r."""
     deterministic: bool = False
@@ -290,6 +293,7 @@ class JobConfig:
                       ("none", "selective", "full"))
         _check_choice("train.attention", self.train.attention, ATTENTION_BACKENDS)
         _check_choice("train.loss", self.train.loss, ("full", "chunked"))
+        _check_choice("train.nonfinite", self.train.nonfinite, ("skip", "stop", "off"))
         self.train.compile = _tri_state("train.compile", self.train.compile)
         self.parallel.fsdp_reshard_after_forward = _tri_state("parallel.fsdp_reshard_after_forward",
                                                               self.parallel.fsdp_reshard_after_forward)

@@ -109,6 +109,7 @@ def _stopped(trainer, result) -> int:
 
 def run(job) -> int:
     from meshrun.dist.process_group import shutdown
+    from meshrun.train.nonfinite import NonFiniteError
     from meshrun.train.trainer import Trainer
 
     trainer = None
@@ -121,6 +122,9 @@ def run(job) -> int:
     except ConfigError as exc:
         print(f"meshrun train: error: {exc}", file=sys.stderr)
         return 2
+    except NonFiniteError as exc:  # the message says it all; no traceback
+        print(f"meshrun train: error: {exc}", file=sys.stderr)
+        return 1
     except Exception as exc:  # noqa: BLE001 - one clear line first, then the traceback
         print(f"meshrun train: error: {_where(trainer)}{_first_line(exc)}", file=sys.stderr)
         if trainer is not None and _is_peer_failure(exc):

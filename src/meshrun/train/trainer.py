@@ -40,6 +40,7 @@ from meshrun.diag.fingerprint import check_consistency
 from meshrun.dist.mesh import ParallelDims, choose_data_parallel
 from meshrun.train.health import HangWatchdog, StragglerDetector, enable_flight_recorder
 from meshrun.train.metrics import MetricsSink, SumMetrics, peak_flops
+from meshrun.train.nonfinite import NonFiniteGuard
 from meshrun.train.profiling import StepProfiler, build_profiler
 
 log = logging.getLogger("meshrun")
@@ -113,6 +114,8 @@ class Trainer:
         self.data, self.val = self.build_data()
         self.optimizer = self.build_optimizer()
         self.scheduler = self.build_scheduler()
+        self.guard = NonFiniteGuard(job.train.nonfinite, device=self.device, rank=self.env.rank,
+                                    fused_optimizer=bool(self.optimizer.param_groups[0].get("fused")))
         self.step = 0
         self.tokens_seen = 0
         self.ckpt, self.app_state = self.build_checkpointer()
@@ -238,7 +241,8 @@ class Trainer:
         counters: CountersState = self.app_state["trainer"]
         counters.step, counters.tokens_seen = self.step, self.tokens_seen
         counters.epoch, counters.samples_in_epoch = self.data.position.epoch, self.data.position.consumed
-        self.beat("checkpoint", timeout_s=max(1800.0, self.job.health.hang_timeout_s))
+        # a save may take up to checkpoint.timeout_s: not a hang until then
+        self.beat("checkpoint", timeout_s=max(self.job.checkpoint.timeout_s, self.job.health.hang_timeout_s))
         started = time.perf_counter()
         self.ckpt.save(self.step, self.app_state, final=final,
                        meta={"epoch": counters.epoch, "tokens_seen": self.tokens_seen,
@@ -285,8 +289,10 @@ class Trainer:
         self.beat("forward_backward")
         loss_sum, tokens = self.engine.forward_backward(batches)
         self.beat("optimizer")
-        grad_norm = self.engine.clip_grad_norm(self.job.train.grad_clip) if self.job.train.grad_clip else None
-        self.optimizer.step()
+        clip = self.job.train.grad_clip or (float("inf") if self.guard.enabled else 0.0)  # inf: the norm alone
+        grad_norm = self.engine.clip_grad_norm(clip) if clip else None
+        if grad_norm is None or self.guard.allow_step(self.step + 1, grad_norm, loss_sum, self.optimizer):
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -345,6 +351,7 @@ class Trainer:
                 record = self.train_record(totals, interval_steps, elapsed, gnorm)
                 result.losses.append(record["loss"])
                 self.sink.log(record)
+                self.check_nonfinite()
                 self.check_stragglers(interval_steps)
                 interval_start, interval_steps = time.perf_counter(), 0
             if job.train.eval_every and (self.step % job.train.eval_every == 0 or self.step == job.train.steps):
@@ -380,6 +387,13 @@ class Trainer:
         if self.step % self.job.train.log_every and not (every and self.step % every == 0):
             return False
         return self.ckpt.should_save(self.step)
+
+    def check_nonfinite(self) -> None:
+        """At log steps: warn about steps whose gradient norm was NaN or inf (train.nonfinite=stop raises)."""
+        report = self.guard.check(self.step, self.env.world_size) if self.guard.enabled else None
+        if report is not None:
+            self.sink.print(f"warning: {report}")
+            log.warning("%s", report)
 
     def check_stragglers(self, steps: int) -> None:
         """Every rank's own working time (data + forward, before any blocking collective) compared across ranks."""

@@ -1,0 +1,118 @@
+"""Guards in the training loop: non-finite gradient steps never reach the weights (train.nonfinite), and a
+checkpoint save is given checkpoint.timeout_s before the hang watchdog calls it a hang."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dist_utils import run_distributed
+from meshrun.config import load_config
+from meshrun.train.nonfinite import NonFiniteError, NonFiniteGuard
+from meshrun.train.trainer import Trainer
+
+BAD_STEP = 3
+
+
+def tiny_trainer(run_dir, *extra: str) -> Trainer:
+    return Trainer(load_config(None, [f"--run.dir={run_dir}", "--train.steps=6", "--train.log_every=2",
+                                      "--train.eval_every=0", "--data.max_bytes=200000", "--checkpoint.final=false",
+                                      "--run.progress=lines", *extra]))
+
+
+def poison_gradients_at(trainer: Trainer, step: int) -> list[dict[str, torch.Tensor]]:
+    """Make the gradients of optimizer step ``step`` NaN; returns the weights after every step, for the test."""
+    forward_backward, train_step, weights = trainer.engine.forward_backward, trainer.train_step, []
+
+    def poisoned(batches):
+        out = forward_backward(batches)
+        if trainer.step + 1 == step:
+            next(p for p in trainer.engine.model_parts[0].parameters()).grad.fill_(math.nan)
+        return out
+
+    def recorded():
+        out = train_step()
+        weights.append({k: v.detach().clone() for k, v in trainer.engine.model_parts[0].state_dict().items()})
+        return out
+
+    trainer.engine.forward_backward, trainer.train_step = poisoned, recorded
+    return weights
+
+
+def test_a_nan_step_leaves_the_weights_untouched_and_is_named(tmp_path, capsys):
+    trainer = tiny_trainer(tmp_path)
+    weights = poison_gradients_at(trainer, BAD_STEP)
+    trainer.fit()
+    trainer.close()
+    before, after = weights[BAD_STEP - 2], weights[BAD_STEP - 1]
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the NaN step changed nothing
+    assert not all(torch.equal(after[k], weights[-1][k]) for k in after)  # later steps trained on
+    assert all(torch.isfinite(v).all() for v in weights[-1].values())
+    out = capsys.readouterr().out
+    assert f"step {BAD_STEP}: the gradient norm is not finite" in out and "train.nonfinite=skip" in out
+    assert "every rank's loss stayed finite" in out  # only the gradients were poisoned
+
+
+def test_stop_mode_ends_the_run_naming_the_step(tmp_path):
+    trainer = tiny_trainer(tmp_path, "--train.nonfinite=stop")
+    poison_gradients_at(trainer, BAD_STEP)
+    with pytest.raises(NonFiniteError, match=rf"train.nonfinite=stop: step {BAD_STEP}: .*weights are those before "):
+        trainer.fit()
+    trainer.close()
+    assert trainer.step == 4  # stopped at the first log step after the bad one
+
+
+def test_fused_optimizer_skips_on_the_device():
+    param = torch.nn.Parameter(torch.ones(4))
+    optimizer = torch.optim.AdamW([param], lr=0.1, fused=True)
+    guard = NonFiniteGuard("skip", device=torch.device("cpu"), rank=0, fused_optimizer=True)
+    param.grad = torch.ones(4)
+    assert guard.allow_step(1, torch.tensor(math.inf), torch.tensor(1.0), optimizer)  # the kernel decides
+    optimizer.step()
+    assert torch.equal(param.detach(), torch.ones(4)) and int(optimizer.state[param]["step"]) == 0
+    guard.allow_step(2, torch.tensor(2.0), torch.tensor(1.0), optimizer)
+    optimizer.step()
+    assert not torch.equal(param.detach(), torch.ones(4))  # a finite step updates
+    assert "step 1: the gradient norm is not finite" in guard.check(2, world_size=1)
+    assert guard.check(2, world_size=1) is None  # reported once
+
+
+def test_checkpoint_save_gets_the_checkpoint_timeout_before_a_hang_is_reported(tmp_path):
+    trainer = tiny_trainer(tmp_path, "--checkpoint.timeout_s=3600", "--health.hang_timeout_s=60")
+    beats = []
+
+    class Recorder:
+        def beat(self, step, phase, *, timeout_s=None):
+            beats.append((phase, timeout_s))
+
+    trainer.watchdog = Recorder()
+    trainer.train_step()
+    trainer.save_checkpoint()
+    trainer.ckpt.wait()
+    trainer.close()
+    assert ("checkpoint", 3600.0) in beats
+
+
+def _nan_loss_worker(rank, world_size, run_dir):
+    trainer = tiny_trainer(run_dir)
+    step_fn = trainer.engine.step
+
+    def nan_on_rank_1(inputs, targets):
+        out = step_fn(inputs, targets)
+        return out * math.nan if rank == 1 and trainer.step + 1 == BAD_STEP else out
+
+    trainer.engine.step = nan_on_rank_1
+    trainer.fit()
+    trainer.close()
+    weights = trainer.engine.model_parts[0].state_dict()
+    return (run_dir / "logs" / f"rank_{rank:05d}.log").read_text(), all(torch.isfinite(v).all() for v in weights.values())
+
+
+@pytest.mark.slow
+def test_the_rank_whose_loss_went_nan_is_named(tmp_path):
+    # rank 1's loss is NaN at step 3; DDP's all-reduce spreads the NaN gradients to rank 0, which must skip too
+    (log0, finite0), (_, finite1) = run_distributed(_nan_loss_worker, 2, tmp_path)
+    assert "the loss first went non-finite on rank 1 (host" in log0 and f"at step {BAD_STEP}" in log0, log0[-2000:]
+    assert finite0 and finite1
