@@ -74,3 +74,23 @@ def test_a_session_script_that_never_calls_close_exits_cleanly(tmp_path):
         outputs = [proc.communicate(timeout=120)[0] for proc in procs]
         assert [proc.returncode for proc in procs] == [0, 0], "\n".join(outputs)
         assert "sum 2.0" in outputs[0]
+
+
+def _mesh_timeout_worker(rank, world_size):
+    from meshrun.config import ParallelConfig
+    from meshrun.dist.mesh import ParallelDims
+    from meshrun.dist.process_group import set_mesh_timeouts
+
+    dims = ParallelDims.from_config(ParallelConfig(dp_replicate=1, dp_shard=1, tp=2), world_size=world_size,
+                                    gpus_per_node=world_size)
+    dims.build_mesh("cpu")
+    count = set_mesh_timeouts(dims.all_meshes(), 42.0)
+    groups = {id(g): g for m in dims.all_meshes() for g in m.get_all_groups()}
+    return count, {g._get_backend(torch.device("cpu")).options._timeout for g in groups.values()}
+
+
+@pytest.mark.slow
+def test_every_mesh_group_gets_the_training_timeout():
+    # without it, the tp and dp groups would keep torch's 30-minute gloo default whatever dist.timeout_s says
+    for count, timeouts in run_distributed(_mesh_timeout_worker, 2):
+        assert count >= 4 and timeouts == {timedelta(seconds=42)}

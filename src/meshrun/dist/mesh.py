@@ -254,6 +254,10 @@ class ParallelDims:
             self._meshes[flat] = mesh[joined]._flatten(flat)  # kept here: slicing flat dims from the root is deprecated
         return mesh
 
+    def all_meshes(self) -> list[DeviceMesh]:
+        """The root mesh and every named sub-mesh built so far (empty before :meth:`build_mesh`)."""
+        return list(self._meshes.values())
+
     @property
     def mesh(self) -> DeviceMesh:
         """The whole 4-D mesh (after :meth:`build_mesh`)."""

@@ -10,14 +10,19 @@ from __future__ import annotations
 import atexit
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from meshrun.config import ConfigError, DistConfig
 from meshrun.env import ClusterEnv
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 @dataclass(frozen=True)
@@ -86,15 +91,25 @@ def init_distributed(env: ClusterEnv, cfg: DistConfig) -> DistContext:
     return DistContext(env=env, device=device, backend=backend)
 
 
-def _set_training_timeout(seconds: float) -> None:
-    """Switch the default group from the init timeout to the training timeout (private API, guarded)."""
+def _set_training_timeout(seconds: float, group: dist.ProcessGroup | None = None) -> None:
+    """Set ``group``'s collective timeout (default group: switch from the init timeout to the training timeout).
+    torch has no public setter; its ``_set_pg_timeout`` is used, guarded."""
     setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
     if setter is None:  # pragma: no cover - older torch: the init timeout stays in force
         return
     try:
-        setter(timedelta(seconds=seconds), None)
+        setter(timedelta(seconds=seconds), group)
     except (RuntimeError, TypeError, ValueError):  # pragma: no cover - backends that do not support it
         pass
+
+
+def set_mesh_timeouts(meshes: Iterable[DeviceMesh], seconds: float) -> int:
+    """Give every process group of ``meshes`` the training timeout ``dist.timeout_s``: groups made after
+    start-up otherwise keep torch's defaults (10 min NCCL, 30 min gloo). Returns how many groups were set."""
+    groups = {id(g): g for mesh in meshes for g in mesh.get_all_groups()}
+    for group in groups.values():
+        _set_training_timeout(seconds, group)
+    return len(groups)
 
 
 def shutdown() -> None:

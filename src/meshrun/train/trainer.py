@@ -26,7 +26,7 @@ from meshrun.config import BatchPlan, ConfigError, JobConfig, resolve_batch
 from meshrun.data.corpus import Corpus, load_corpus
 from meshrun.data.loader import StepBatches, eval_batches
 from meshrun.data.sampler import DataPosition, TokenWindows
-from meshrun.dist.process_group import DistContext, init_distributed, wants_cuda
+from meshrun.dist.process_group import DistContext, init_distributed, set_mesh_timeouts, wants_cuda
 from meshrun.env import ClusterEnv
 from meshrun.models.build import count_params, model_config, record_resolved
 from meshrun.models.gpt import flops_per_token
@@ -108,6 +108,7 @@ class Trainer:
         if self.env.is_distributed and job.health.check_versions:
             check_consistency(env=self.env, strict=True, script=sys.argv[0])  # collective: every rank
         self.mesh = self.dims.build_mesh(self.device.type)  # collective: every rank
+        set_mesh_timeouts(self.dims.all_meshes(), job.dist.timeout_s)
         self.engine: Engine = build_engine(job=job, model_cfg=self.model_cfg, dims=self.dims, mesh=self.mesh,
                                            device=self.device, compute_dtype=compute_dtype(job, self.device))
         seed_rank_streams(job.train.seed, self.env.rank)
