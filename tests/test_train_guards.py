@@ -116,3 +116,17 @@ def test_the_rank_whose_loss_went_nan_is_named(tmp_path):
     (log0, finite0), (_, finite1) = run_distributed(_nan_loss_worker, 2, tmp_path)
     assert "the loss first went non-finite on rank 1 (host" in log0 and f"at step {BAD_STEP}" in log0, log0[-2000:]
     assert finite0 and finite1
+
+
+def test_config_toml_is_rewritten_with_the_batch_a_resume_kept(tmp_path):
+    # 8 samples per step (4 x 2 accumulation), then resumed with micro-batch 2: the checkpoint's global batch 8 is
+    # kept by accumulating 4; config.toml must say so, or re-running it would train another batch
+    first = tiny_trainer(tmp_path, "--train.micro_batch=4", "--train.grad_accum=2", "--train.steps=2",
+                         "--checkpoint.final=true")
+    first.fit()
+    first.close()
+    second = tiny_trainer(tmp_path, "--train.micro_batch=2", "--train.steps=3")
+    assert (second.step, second.batch.grad_accum, second.batch.global_batch) == (2, 4, 8)
+    second.close()
+    written = load_config(str(tmp_path / "config.toml"), [])
+    assert (written.train.global_batch, written.train.micro_batch) == (8, 2)

@@ -121,6 +121,7 @@ class Trainer:
         self.tokens_seen = 0
         self.ckpt, self.app_state = self.build_checkpointer()
         self.resume_notes = self.resume()
+        self.write_config()  # resuming at another world size may have re-derived the batch
         self.start_step = self.last_saved_step = self.step
         self.sink = MetricsSink(self.run_dir, total_steps=job.train.steps, progress=job.run.progress,
                                 tensorboard=job.run.tensorboard, enabled=self.env.is_rank_zero, start_step=self.step)
@@ -143,8 +144,17 @@ class Trainer:
             raise ConfigError(f"run.dir={self.job.run.dir!r}: cannot create {self.run_dir / 'logs'} ({exc.strerror}); "
                               "choose a folder this user can write") from None
         _setup_logging(self.run_dir, self.env)
-        if self.env.is_rank_zero:
-            (self.run_dir / "config.toml").write_text(self.job.to_toml())
+        self.write_config()
+
+    def write_config(self) -> None:
+        """<run.dir>/config.toml: the options this run trains with. Written at start, and again after a resume
+        re-derived the batch; what the layout changes without an option of its own is recorded as comments."""
+        if not self.env.is_rank_zero:
+            return
+        notes = []
+        if getattr(self, "dims", None) is not None and self.dims.pp > 1 and self.job.model.tie_embeddings:
+            notes.append("# model.tie_embeddings: trained untied (pipeline stages cannot share the embedding matrix)")
+        (self.run_dir / "config.toml").write_text("".join(f"{n}\n" for n in notes) + self.job.to_toml())
 
     def build_data(self) -> tuple[StepBatches, list]:
         seq_len = self.model_cfg.seq_len
