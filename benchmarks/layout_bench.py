@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -85,7 +86,7 @@ def train_args(layout: Layout, args: argparse.Namespace, run_dir: str, compile_:
             f"--train.micro_batch={mb}", f"--train.global_batch={mb * args.gpus}", f"--train.steps={args.steps}",
             f"--train.log_every={args.log_every}", "--train.eval_every=0", f"--train.compile={str(compile_).lower()}",
             "--checkpoint.final=false", "--run.progress=lines", f"--run.dir={run_dir}",
-            *layout.train_overrides(), *args.extra]
+            *layout.train_overrides(), *(x for value in args.extra for x in shlex.split(value))]
 
 
 def plan_estimate_gib(layout: Layout, args: argparse.Namespace, env: dict[str, str]) -> float | None:
@@ -171,7 +172,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--timeout", type=int, default=900, help="seconds for one layout's run")
-    p.add_argument("--extra", action="append", default=[], help="one more meshrun override for every layout")
+    p.add_argument("--extra", action="append", default=[], help="meshrun overrides for every layout (several in one quoted value)")
     p.add_argument("--json", help="write the rows here (rewritten after each layout)")
     args = p.parse_args(attach_extra(argv))
     if args.steps < 2 * args.log_every:
