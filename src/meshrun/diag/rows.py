@@ -33,11 +33,6 @@ class CheckRow:
     """Hosts this row blames (for tests and scripts)."""
 
 
-def worst(rows: list[CheckRow]) -> str:
-    statuses = {row.status for row in rows}
-    return FAIL if FAIL in statuses else WARN if WARN in statuses else PASS
-
-
 def lines(rows: list[CheckRow]) -> list[str]:
     """One rich-markup line per row (lines, not a table: details are long and logs are narrow)."""
     colour = {PASS: "green", WARN: "yellow", FAIL: "red"}
