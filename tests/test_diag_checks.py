@@ -130,3 +130,18 @@ def test_next_steps_put_failures_first_and_network_before_storage():
              rows.CheckRow("GPUs per node", PASS, "ok")]
     assert rows.next_steps(table) == ["1. socket interface (fail): ip -br addr", "2. dataset (fail): ls data",
                                       "3. clock skew (warn): chronyc tracking"]
+
+
+def test_doctor_reads_the_jobs_data_checkpoint_folder_and_size_from_its_config(tmp_path):
+    from meshrun.diag import doctor
+    from meshrun.models.build import count_params, model_config
+    from meshrun.config import load_config
+
+    cfg = tmp_path / "job.toml"
+    cfg.write_text(f'[model]\nname = "tiny"\n[data]\nsource = "{tmp_path}/tokens.bin"\n[run]\ndir = "{tmp_path}/run"\n')
+    args = doctor.build_parser().parse_args(["--config", str(cfg)])
+    data, folder, needed = doctor.job_targets(args)
+    assert (data, folder) == (f"{tmp_path}/tokens.bin", f"{tmp_path}/run/checkpoints")
+    assert needed == 12 * count_params(model_config(load_config(cfg))) > 0
+    explicit = doctor.build_parser().parse_args(["--config", str(cfg), "--ckpt-dir", "/x", "--ckpt-bytes", "2G"])
+    assert doctor.job_targets(explicit)[1:] == ("/x", 2 * 2**30)

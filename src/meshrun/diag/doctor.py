@@ -74,6 +74,13 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(highlight=False, soft_wrap=True)
     if not env.is_distributed:
         return run_local(args, console=console)
+    from meshrun.config import ConfigError
+
+    try:
+        args.targets = job_targets(args)  # before any collective: every rank fails alike on a bad --config
+    except (ConfigError, ValueError) as exc:
+        console.print(f"meshrun doctor: {exc}", markup=False)
+        return 2
     report = run_distributed(env, args)
     if env.is_rank_zero:
         render(report, console)
@@ -178,7 +185,7 @@ def job_checks(report: DoctorReport, args: argparse.Namespace, *, refused_gloo: 
                                                local_world_size=env.local_world_size)
         report.health = [h for part in _gather(mine_health) for h in part]
         report.rows.append(gpu_health.judge_health(report.health, threshold=args.gpu_threshold))
-    data, folder, needed = job_targets(args)
+    data, folder, needed = getattr(args, "targets", None) or job_targets(args)
     if folder:
         report.rows += storage.check_checkpoint_folder(env, folder, host=host, needed=needed)
     if data:
