@@ -145,3 +145,22 @@ def test_doctor_reads_the_jobs_data_checkpoint_folder_and_size_from_its_config(t
     assert needed == 12 * count_params(model_config(load_config(cfg))) > 0
     explicit = doctor.build_parser().parse_args(["--config", str(cfg), "--ckpt-dir", "/x", "--ckpt-bytes", "2G"])
     assert doctor.job_targets(explicit)[1:] == ("/x", 2 * 2**30)
+
+
+def test_nvml_fields_are_read_and_a_missing_one_is_left_out(monkeypatch):
+    import sys
+    import types
+
+    fake = types.SimpleNamespace(
+        NVML_CLOCK_SM=1, NVML_TEMPERATURE_GPU=0, nvmlInit=lambda: None,
+        nvmlDeviceGetClockInfo=lambda h, kind: 1100, nvmlDeviceGetMaxClockInfo=lambda h, kind: 1980,
+        nvmlDeviceGetTemperature=lambda h, kind: 91, nvmlDeviceGetPowerUsage=lambda h: 700_000,
+        nvmlDeviceGetCurrentClocksEventReasons=lambda h: 0x40 | 0x1)  # hardware thermal slowdown, and idle
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(gpu_health, "_nvml_handle", lambda pynvml, index: f"handle{index}")
+    state = gpu_health.nvml_state(3)
+    assert state == {"sm_clock_mhz": 1100, "max_sm_clock_mhz": 1980, "temperature_c": 91, "power_w": 700.0,
+                     "throttle": "hardware thermal slowdown"}
+    del fake.nvmlDeviceGetPowerUsage
+    assert gpu_health.describe_nvml(gpu_health.nvml_state(3)) == (
+        "SM clock 1100/1980 MHz, 91 C, throttled: hardware thermal slowdown")

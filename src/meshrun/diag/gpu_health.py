@@ -64,20 +64,29 @@ def memory_gbps(device: torch.device, *, nbytes: int | None = None, iters: int |
 
 
 def nvml_state(index: int) -> dict:
-    """Clocks, temperature, power and throttle reasons of CUDA device ``index`` ({} without NVML)."""
+    """Clocks, temperature, power and throttle reasons of CUDA device ``index`` ({} without NVML). A field NVML
+    does not answer for is left out."""
     try:
         import pynvml  # nvidia-ml-py, optional
 
         pynvml.nvmlInit()
         handle = _nvml_handle(pynvml, index)
-        reasons = pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(handle)
-        return {"sm_clock_mhz": pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
-                "max_sm_clock_mhz": pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM),
-                "temperature_c": pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU),
-                "power_w": pynvml.nvmlDeviceGetPowerUsage(handle) / 1e3,
-                "throttle": ", ".join(why for bit, why in _THROTTLE.items() if reasons & bit)}
-    except Exception:  # noqa: BLE001 - not installed, no driver, or an old one: the numbers go without
+    except Exception:  # noqa: BLE001 - not installed, no driver: the numbers go without
         return {}
+    reasons = (getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+               or getattr(pynvml, "nvmlDeviceGetCurrentClocksThrottleReasons"))  # renamed in newer nvidia-ml-py
+    queries = {"sm_clock_mhz": lambda: pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
+               "max_sm_clock_mhz": lambda: pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM),
+               "temperature_c": lambda: pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU),
+               "power_w": lambda: pynvml.nvmlDeviceGetPowerUsage(handle) / 1e3,
+               "throttle": lambda: ", ".join(why for bit, why in _THROTTLE.items() if reasons(handle) & bit)}
+    state = {}
+    for key, query in queries.items():
+        try:
+            state[key] = query()
+        except Exception:  # noqa: BLE001 - an old driver or a field this GPU does not report
+            continue
+    return state
 
 
 def _nvml_handle(pynvml, index: int):
@@ -92,11 +101,16 @@ def _nvml_handle(pynvml, index: int):
 
 
 def describe_nvml(state: dict) -> str:
-    if not state:
-        return ""
-    text = (f"SM clock {state['sm_clock_mhz']}/{state['max_sm_clock_mhz']} MHz, {state['temperature_c']} C, "
-            f"{state['power_w']:.0f} W")
-    return text + (f", throttled: {state['throttle']}" if state.get("throttle") else "")
+    parts = []
+    if "sm_clock_mhz" in state:
+        parts.append(f"SM clock {state['sm_clock_mhz']}/{state.get('max_sm_clock_mhz', '?')} MHz")
+    if "temperature_c" in state:
+        parts.append(f"{state['temperature_c']} C")
+    if "power_w" in state:
+        parts.append(f"{state['power_w']:.0f} W")
+    if state.get("throttle"):
+        parts.append(f"throttled: {state['throttle']}")
+    return ", ".join(parts)
 
 
 def my_devices(*, local_rank: int, local_world_size: int) -> list[torch.device]:

@@ -12,13 +12,14 @@ import torch
 def timed(run: Callable[[], object], iters: int, device: torch.device) -> float:
     """Seconds for ``iters`` calls of ``run`` (call it a few times first: set-up is not what this measures)."""
     if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            run()
-        end.record()
-        end.synchronize()  # note: CPU-GPU sync point
-        return start.elapsed_time(end) / 1e3
+        with torch.cuda.device(device):  # events record on the current device's stream: make it ``device``'s
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                run()
+            end.record()
+            end.synchronize()  # note: CPU-GPU sync point
+            return start.elapsed_time(end) / 1e3
     begin = time.perf_counter()
     for _ in range(iters):
         run()

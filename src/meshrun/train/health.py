@@ -230,9 +230,7 @@ def _gpu_clock(device: torch.device) -> list[float]:
     if device.type != "cuda":
         return [float("nan")] * 3
     state = nvml_state(device.index if device.index is not None else torch.cuda.current_device())
-    if not state:
-        return [float("nan")] * 3
-    return [float(state["sm_clock_mhz"]), float(state["max_sm_clock_mhz"]), float(state["temperature_c"])]
+    return [float(state.get(key, float("nan"))) for key in ("sm_clock_mhz", "max_sm_clock_mhz", "temperature_c")]
 
 
 def _collective_device(group) -> torch.device:
