@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="name GPUs whose GEMM or memory bandwidth is more than this fraction below the job's "
                           "median (default 0.15)")
     job.add_argument("--no-gpu-health", action="store_true", help="skip the GEMM and memory-bandwidth test")
+    parser.add_argument("--json", metavar="FILE", help="also write the check rows, per-GPU figures and problems as "
+                                                      "JSON (rank 0)")
     return parser
 
 
@@ -84,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     report = run_distributed(env, args)
     if env.is_rank_zero:
         render(report, console)
+        if args.json:
+            write_json(report, Path(args.json))
     return 1 if report.problems else 0
 
 
@@ -344,6 +348,16 @@ def render(report: DoctorReport, console: Console) -> None:
         console.print("[bold]what to run next[/] (upstream causes first):")
         for line in steps:
             console.print(f"  {line}", markup=False)
+
+
+def write_json(report: DoctorReport, path: Path) -> None:
+    """The machine-readable report: check rows, per-device figures, all-reduce checks and problems."""
+    import json
+    from dataclasses import asdict
+
+    path.write_text(json.dumps({"rows": [asdict(r) for r in report.rows], "health": [asdict(h) for h in report.health],
+                                "collectives": [asdict(c) for c in report.collectives],
+                                "problems": report.problems, "notes": report.notes}, indent=2) + "\n")
 
 
 def _health_table(health: list[gpu_health.GpuHealth]) -> Table:
