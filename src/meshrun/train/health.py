@@ -68,7 +68,9 @@ class Straggler:
 
     @property
     def gemm_share(self) -> float | None:
-        return self.gemm_tflops / self.gemm_median if self.gemm_tflops is not None and self.gemm_median else None
+        if self.gemm_tflops is None or not self.gemm_median or np.isnan(self.gemm_tflops) or np.isnan(self.gemm_median):
+            return None  # not re-run, or the GEMM could not run (no memory left, say)
+        return self.gemm_tflops / self.gemm_median
 
     def cause(self) -> str:
         """Slow data (the loader), a slow GPU (the GEMM re-run is below the others'), or neither."""
@@ -203,9 +205,12 @@ class StragglerDetector:
     def _rerun_gemm(self, found: list[Straggler]) -> list[Straggler]:
         """Every rank times the same GEMM now; the flagged ranks' TFLOP/s against the median of all ranks."""
         gpu = self.compute_device.type == "cuda"
-        tflops = gemm_tflops(self.compute_device, n=4096 if gpu else 128, iters=10 if gpu else 3)
+        try:
+            tflops = gemm_tflops(self.compute_device, n=4096 if gpu else 128, iters=10 if gpu else 3)
+        except (RuntimeError, MemoryError):  # e.g. no room for 100 MB beside the model: still join the gather
+            tflops = float("nan")
         values = self._gather(torch.tensor([tflops], dtype=torch.float64, device=self.device))[:, 0]  # (world,)
-        median = float(np.median(values))
+        median = float(np.nanmedian(values)) if not np.isnan(values).all() else float("nan")
         position = {info.rank: i for i, info in enumerate(self.ranks)}
         return [dataclasses.replace(s, gemm_tflops=float(values[position[s.who.rank]]), gemm_median=median)
                 for s in found]
