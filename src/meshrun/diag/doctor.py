@@ -3,7 +3,11 @@
 Under ``meshrun launch`` / torchrun (one worker per GPU, or ``--nproc-per-node 1``) every worker runs the checks
 together and rank 0 prints: code and package versions per node, the N x N TCP reachability matrix with every
 failing pair named, the GPUs each node sees, the NCCL/gloo variables in effect, and a small all-reduce (gloo,
-and NCCL where every rank has a GPU) checked for the right sum and timed. Exit code 1 on any problem.
+and NCCL where every rank has a GPU) checked for the right sum and timed. Then one pass / warn / fail row per
+check, each from its own module: socket interfaces (:mod:`.ifname`), clock skew (:mod:`.clock`), GPUs per node
+(:mod:`.devices`), per-GPU GEMM and memory speed (:mod:`.gpu_health`), the checkpoint folder and the dataset
+(:mod:`.storage`); the report ends with the next command to run for each failure (:mod:`.rows`). Exit code 1 on
+any problem, 2 on a bad ``--config``.
 
 As a plain process it prints the local view: interfaces, the route and TCP reachability of ``--endpoint``,
 GPUs and versions.

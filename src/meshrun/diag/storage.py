@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from meshrun.ckpt.space import free_bytes
 from meshrun.diag.gather import gather_node_facts
-from meshrun.diag.rows import FAIL, PASS, WARN, CheckRow, node_label
+from meshrun.diag.rows import FAIL, PASS, CheckRow, node_label
 from meshrun.env import ClusterEnv
 
 BYTES_PER_PARAM = 12
