@@ -119,7 +119,7 @@ def plain_copy_gbps(device, nbytes: int, iters: int) -> float:
 
 def compare_device(env: ClusterEnv, device) -> dict:
     gpu = device.type == "cuda"
-    n, nbytes, iters = (8192, 2**30, 20) if gpu else (256, 2**24, 5)
+    n, nbytes, iters = (8192, 2**30, 20) if gpu else (128, 2**22, 3)
     ours = {"gemm": gpu_health.gemm_tflops(device), "mem": gpu_health.memory_gbps(device)}
     plain = {"gemm": plain_gemm_tflops(device, n, iters), "mem": plain_copy_gbps(device, nbytes, iters)}
     name = torch.cuda.get_device_name(device) if gpu else "cpu"

@@ -40,9 +40,9 @@ class GpuHealth:
 
 
 def gemm_tflops(device: torch.device, *, n: int | None = None, iters: int | None = None) -> float:
-    """TFLOP/s of an (n x n) @ (n x n) matmul: bf16 on a GPU (n=8192), fp32 on the CPU (n=256). 2 n^3 FLOPs each."""
+    """TFLOP/s of an (n x n) @ (n x n) matmul: bf16 on a GPU (n=8192), fp32 on the CPU (n=128). 2 n^3 FLOPs each."""
     gpu = device.type == "cuda"
-    n, iters = n or (8192 if gpu else 256), iters or (20 if gpu else 5)
+    n, iters = n or (8192 if gpu else 128), iters or (20 if gpu else 3)
     dtype = torch.bfloat16 if gpu else torch.float32
     a = torch.randn(n, n, dtype=dtype, device=device)  # (n, n)
     b = torch.randn(n, n, dtype=dtype, device=device)  # (n, n)
@@ -53,9 +53,9 @@ def gemm_tflops(device: torch.device, *, n: int | None = None, iters: int | None
 
 
 def memory_gbps(device: torch.device, *, nbytes: int | None = None, iters: int | None = None) -> float:
-    """Device-memory bandwidth of a copy (each copy reads and writes ``nbytes``): 1 GiB on a GPU, 16 MiB on CPU."""
+    """Device-memory bandwidth of a copy (each copy reads and writes ``nbytes``): 1 GiB on a GPU, 4 MiB on CPU."""
     gpu = device.type == "cuda"
-    nbytes, iters = nbytes or (2**30 if gpu else 2**24), iters or (20 if gpu else 5)
+    nbytes, iters = nbytes or (2**30 if gpu else 2**22), iters or (20 if gpu else 3)
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)  # (nbytes / 4,)
     dst = torch.empty_like(src)
     run = lambda: dst.copy_(src)  # noqa: E731
