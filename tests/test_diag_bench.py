@@ -7,7 +7,7 @@ import json
 import pytest
 
 from dist_utils import run_distributed
-from meshrun.diag import bench
+from meshrun.diag import bench, links
 
 
 def test_bus_factor_follows_nccl_tests():
@@ -15,6 +15,24 @@ def test_bus_factor_follows_nccl_tests():
     assert bench.bus_factor("allgather", 8) == pytest.approx(7 / 8)
     assert bench.bus_factor("reducescatter", 4) == pytest.approx(3 / 4)
     assert bench.bus_factor("allreduce", 1) == 0.0
+    assert bench.bus_factor("alltoall", 4) == pytest.approx(3 / 4)
+    assert bench.bus_factor("broadcast", 8) == bench.bus_factor("sendrecv", 8) == 1.0
+
+
+def test_pair_rounds_meet_every_pair_once_with_one_partner_per_round():
+    for n in (2, 3, 4, 7, 8):
+        schedule = links.rounds(n)
+        pairs = [pair for pairs in schedule for pair in pairs]
+        assert sorted(pairs) == [(a, b) for a in range(n) for b in range(a + 1, n)]
+        for pairs in schedule:
+            ranks = [r for pair in pairs for r in pair]
+            assert len(ranks) == len(set(ranks))  # nobody has two partners in one round
+        assert len(schedule) == (n - 1 if n % 2 == 0 else n)
+
+
+def test_slowest_link_is_the_smallest_bandwidth():
+    matrix = links.LinkMatrix(size_bytes=1, gbps=[[None, 9.0, 8.0], [9.0, None, 2.5], [8.0, 2.5, None]])
+    assert matrix.slowest() == (1, 2, 2.5)
 
 
 def test_sizes_parse_with_binary_units():
@@ -31,7 +49,8 @@ def test_single_process_explains_how_to_launch(capsys, monkeypatch):
 
 
 def _bench_worker(rank: int, world_size: int, path: str):
-    return bench.main(["all", "--sizes", "4K,64K", "--iters", "2", "--warmup", "1", "--json", path])
+    return bench.main(["all", "--sizes", "4K,64K", "--iters", "2", "--warmup", "1", "--json", path,
+                       "--groups", "world,intra,inter", "--pairs", "16K"])
 
 
 @pytest.mark.slow
@@ -42,8 +61,14 @@ def test_two_rank_gloo_bench_writes_a_row_per_op_and_size(tmp_path):
     assert (result["backend"], result["world_size"], result["dtype"]) == ("gloo", 2, "float32")
     assert result["device"].startswith("cpu")
     rows = result["rows"]
-    assert [(r["op"], r["size_bytes"]) for r in rows] == [
-        (op, size) for op in ("allreduce", "allgather", "reducescatter") for size in (4096, 65536)]
+    ops = ("allreduce", "allgather", "reducescatter", "broadcast", "alltoall", "sendrecv")
+    # one node of two ranks: the intra-node group is both ranks, and there is no inter-node group to measure
+    assert [(r["group"], r["op"], r["size_bytes"]) for r in rows] == [
+        (group, op, size) for group in ("world", "intra") for op in ops for size in (4096, 65536)]
+    assert result["skipped_groups"] == {"inter": "1 rank per group (1 node(s) x 2 rank(s))"}
+    pairs = result["pairs"]
+    assert pairs["size_bytes"] == 16384 and pairs["gbps"][0][0] is None and pairs["gbps"][1][1] is None
+    assert pairs["gbps"][0][1] == pairs["gbps"][1][0] > 0 and pairs["slowest"] == [0, 1, pairs["gbps"][0][1]]
     for row in rows:
         assert row["time_us"] > 0 and row["count"] * 4 == row["size_bytes"]
         assert row["algbw_gbps"] == pytest.approx(row["size_bytes"] / (row["time_us"] * 1e-6) / 1e9)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import re
 import socket
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -81,7 +83,8 @@ def _doctor_worker(rank: int, world_size: int, scripts: list[str]):
         check_consistency(env=env, strict=False, script=scripts[rank])
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = doctor.main(["--script", scripts[rank], "--timeout", "2", "--wait", "60"])
+        code = doctor.main(["--script", scripts[rank], "--timeout", "2", "--wait", "60",
+                            "--json", str(Path(scripts[0]).parent / "doctor.json")])
     return strict_error, [str(w.message) for w in caught], code, out.getvalue()
 
 
@@ -106,6 +109,12 @@ def test_two_nodes_with_different_entry_scripts(tmp_path):
     assert len(re.findall(r"ok \d+\.\d ms", report)) == 4  # 2 x 2 matrix, every pair connects
     assert "all-reduce gloo: ok" in report and "sum correct on all 2 ranks" in report
     assert "1 problem(s):" in report and "code differs across nodes, no majority" in report
+    written = json.loads((tmp_path / "doctor.json").read_text())  # rank 0's machine-readable report
+    assert {r["check"]: r["status"] for r in written["rows"]} == {
+        "socket interface": "pass", "clock skew": "pass", "GPUs per node": "pass", "GPU health": "pass"}
+    # each rank measured its own device (the CPU here) with the GEMM and copy of the GPU check
+    assert [(h["rank"], h["node"], h["device"]) for h in written["health"]] == [(0, 0, "cpu"), (1, 1, "cpu")]
+    assert all(h["gemm_tflops"] > 0 and h["mem_gbps"] > 0 for h in written["health"])
 
 
 def test_allreduce_check_reports_a_correct_sum_and_a_failing_backend():

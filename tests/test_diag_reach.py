@@ -128,29 +128,65 @@ def two_hosts():
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
-def _doctor_in(ns: str, node: int, port: int, extra_env: dict[str, str]) -> subprocess.Popen:
+def _doctor_in(ns: str, node: int, port: int, extra_env: dict[str, str], *, setup: str = "",
+               extra_args: tuple[str, ...] = ()) -> subprocess.Popen:
+    """torchrun + doctor in namespace ``ns``, with its own host name (mrnode<N>) and mount namespace, so that
+    ``setup`` can mount folders only this host sees, as a separate machine would."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NCCL_", "GLOO_"))} | extra_env
-    cmd = ["ip", "netns", "exec", ns, "torchrun", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node",
+    cmd = ["ip", "netns", "exec", ns, "unshare", "--mount", "--uts", "--propagation", "private", "sh", "-c",
+           f"hostname mrnode{node} && {setup} exec \"$@\"", "sh",
+           "torchrun", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node",
            "1", "--master-addr", "198.51.100.1", "--master-port", str(port), "-m", "meshrun", "doctor",
-           "--timeout", "2", "--wait", "60"]
+           "--timeout", "2", "--wait", "60", *extra_args]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             cwd=Path(__file__).resolve().parents[1])
 
 
+def _rows(report: str) -> dict[str, str]:
+    """doctor's check rows by 'status check', e.g. 'fail dataset'."""
+    return {line.split(":", 1)[0].strip(): line for line in report.splitlines()
+            if line.startswith(("pass ", "warn ", "fail "))}
+
+
 @pytest.mark.slow
 @pytest.mark.netns
-def test_doctor_across_namespaces_names_the_node_with_the_wrong_nccl_interface(two_hosts):
+def test_doctor_across_namespaces_names_the_node_with_each_injected_fault(two_hosts, tmp_path):
+    """Node 1 (host mrnode1) has: an NCCL_SOCKET_IFNAME that node 0 cannot route to (NCCL would hang), gloo given
+    NCCL's '^lo' syntax, a clock 5 s ahead (the test hook), a smaller copy of the dataset and its own checkpoint
+    folder (private tmpfs mounts over both paths)."""
+    if subprocess.run(["unshare", "--mount", "--uts", "true"], capture_output=True).returncode != 0:
+        pytest.skip("unshare cannot create mount and UTS namespaces here")
     a, b = two_hosts
     port = free_port()
-    # node 1's NCCL_SOCKET_IFNAME names an interface node 0 cannot route to: NCCL would hang; doctor says so
-    procs = [_doctor_in(a, 0, port, {"GLOO_SOCKET_IFNAME": "mrveth0"}),
-             _doctor_in(b, 1, port, {"GLOO_SOCKET_IFNAME": "mrveth1", "NCCL_SOCKET_IFNAME": "mrside0"})]
+    data, ckpt = tmp_path / "data", tmp_path / "ckpt"
+    data.mkdir()
+    (data / "shard0.bin").write_bytes(b"x" * 4096)
+    args = ("--data", str(data), "--ckpt-dir", str(ckpt), "--ckpt-bytes", "1M", "--no-gpu-health")
+    private = (f"mount -t tmpfs none {data} && head -c 1000 /dev/zero > {data}/shard0.bin && "
+               f"mkdir -p {ckpt} && mount -t tmpfs none {ckpt} &&")
+    procs = [_doctor_in(a, 0, port, {"GLOO_SOCKET_IFNAME": "mrveth0"}, extra_args=args),
+             _doctor_in(b, 1, port, {"GLOO_SOCKET_IFNAME": "^lo", "NCCL_SOCKET_IFNAME": "mrside0",
+                                     "MESHRUN_FAKE_CLOCK_OFFSET_S": "5"}, setup=private, extra_args=args)]
     outputs = [proc.communicate(timeout=180)[0] for proc in procs]
     report = outputs[0]
     assert procs[0].returncode != 0, report
     assert "host" in report and "(node 1, 203.0.113.2:" in report, report
     failing = [line for line in report.splitlines() if "cannot reach" in line]
     assert len(failing) == 1, report  # node 1 reaches itself on its dummy address; node 0 cannot
-    assert failing[0].strip().startswith(f"- host {socket.gethostname()} (node 0, 198.51.100.1) cannot reach"), report
+    assert failing[0].strip().startswith("- host mrnode0 (node 0, 198.51.100.1) cannot reach"), report
     assert "network unreachable" in failing[0] or "no route to host" in failing[0], report
     assert "NCCL_SOCKET_IFNAME=mrside0" in report, report
+    rows = _rows(report)
+    assert "node 1 (host mrnode1): GLOO_SOCKET_IFNAME=^lo uses NCCL's '^' syntax" in rows["fail socket interface"]
+    assert "node 1 (host mrnode1): its route to node 0 (198.51.100.1) leaves through mrveth1, which " \
+           "NCCL_SOCKET_IFNAME=mrside0 excludes" in rows["fail socket interface"], report
+    assert "mrnode0" not in rows["fail socket interface"], report
+    assert "node 1 (host mrnode1) is +5.0" in rows["warn clock skew"], report
+    assert "mrnode0" not in rows["warn clock skew"], report
+    assert "node 1 (host mrnode1): 1 kB in 1 file(s); the others: 4.1 kB in 1 file(s)" in rows["fail dataset"]
+    shared = rows["fail checkpoint folder"]
+    assert "is not the same folder on every node: node 0 (host mrnode0) see the files of node(s) 0; " \
+           "node 1 (host mrnode1) see the files of node(s) 1" in shared, report
+    steps = report.split("what to run next", 1)[1]  # upstream first: interfaces before storage, failures first
+    assert steps.index("socket interface") < steps.index("checkpoint folder") < steps.index("dataset") \
+        < steps.index("clock skew"), report

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import time
@@ -33,6 +34,25 @@ def test_slow_rank_is_named_with_its_cause():
     compute = find_stragglers(np.array([[0.2, 0.0], [0.2, 0.0], [0.5, 0.05]]), _ranks(3), threshold=1.5,
                               min_gap_s=0.0)
     assert "compute dominates (data loading 10%)" in compute[0].describe()
+
+
+def test_slow_gpu_is_told_apart_from_slow_data_by_the_gemm_rerun_and_clocks():
+    # columns: step s, data s, SM clock MHz, max SM clock MHz, temperature C
+    times = np.array([[0.2, 0.01, 1980, 1980, 60], [0.2, 0.01, 1980, 1980, 61], [0.45, 0.01, 1100, 1980, 91]])
+    found = find_stragglers(times, _ranks(3), threshold=1.5, min_gap_s=0.0)
+    assert found[0].gpu_state == "SM clock 1100/1980 MHz, 91 C"
+    slow_gpu = dataclasses.replace(found[0], gemm_tflops=400.0, gemm_median=700.0)
+    assert slow_gpu.describe() == ("rank 2 (host b, local 0) is a straggler: step 0.45 s vs median 0.2 s (2.2x), its "
+                                   "GPU is slow: a GEMM re-run gives 400 TFLOP/s, 57% of the ranks' median 700; GPU SM "
+                                   "clock 1100/1980 MHz, 91 C")
+    fine_gpu = dataclasses.replace(found[0], gemm_tflops=690.0, gemm_median=700.0, gpu_state="")
+    assert "compute dominates (data loading 2%); its GPU runs a GEMM at 99% of the median, so not the GPU itself" \
+        in fine_gpu.describe()
+    slow_data = dataclasses.replace(found[0], data_s=0.4, gemm_tflops=400.0, gemm_median=700.0)
+    assert "89% of it waiting for data" in slow_data.describe()  # the loader first: it explains the step
+    no_nvml = find_stragglers(np.array([[0.2, 0.0, np.nan, np.nan, np.nan], [0.5, 0.0] + [np.nan] * 3]), _ranks(2),
+                              threshold=1.5, min_gap_s=0.0)
+    assert no_nvml[0].gpu_state == "" and "GPU" not in no_nvml[0].describe()
 
 
 def test_two_ranks_compare_against_each_other_and_noise_is_ignored():
@@ -146,7 +166,7 @@ STEPS = 3
 
 
 def _straggler_phase(rank: int, env: ClusterEnv):
-    detector = StragglerDetector(env=env, threshold=1.5, window=2)
+    detector = StragglerDetector(env=env, threshold=1.5, window=2, gemm_check=True)
     measured, reports = [], []
     for step in range(STEPS):
         start = time.perf_counter()
@@ -196,6 +216,8 @@ def test_straggler_detector_names_the_slow_rank(health_run):
         assert [s.who.rank for s in report.stragglers] == [s.who.rank for s in expected] == [2]
         assert report.stragglers[0].step_s == pytest.approx(expected[0].step_s)
         assert "waiting for data" in str(report)
+        # every rank re-ran the GEMM once rank 2 was flagged; the report carries rank 2's figure and the median
+        assert report.stragglers[0].gemm_tflops > 0 and report.stragglers[0].gemm_median > 0
     summary = results[0][2]
     assert [row["rank"] for row in summary] == [0, 1, 2]
     assert summary[2]["max_step_s"] == pytest.approx(measured[2, :, 0].max())

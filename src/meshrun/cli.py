@@ -14,7 +14,7 @@ COMMANDS = {
     "launch": ("meshrun.launch.cli", "start workers like torchrun, with the network worked out for you"),
     "plan": ("meshrun.plan", "offline: rank layout, groups, memory and traffic of a parallel layout"),
     "ckpt": ("meshrun.ckpt.cli", "list, verify and export checkpoints"),
-    "doctor": ("meshrun.diag.doctor", "check nodes before training: reachability, code and package versions"),
+    "doctor": ("meshrun.diag.doctor", "check nodes before training: network, versions, clocks, GPUs and their speed, storage, data"),
     "bench": ("meshrun.diag.bench", "measure collective bandwidth and training throughput"),
 }
 

@@ -222,6 +222,8 @@ class HealthConfig:
     """Compare code and package versions of every node at start and refuse to train when they differ."""
     straggler_threshold: float = 1.5
     """Name a rank whose working time per step exceeds the others' median by this ratio, at least 1 (0 disables)."""
+    straggler_gemm_check: bool = True
+    """When a straggler is named, re-run a short GEMM on every rank to tell a slow GPU from slow data or other causes."""
     hang_timeout_s: float = 300.0
     """Report a rank that made no progress for this many seconds, naming it and where the others wait (0 disables;
     negative values are refused)."""

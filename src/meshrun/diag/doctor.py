@@ -3,7 +3,11 @@
 Under ``meshrun launch`` / torchrun (one worker per GPU, or ``--nproc-per-node 1``) every worker runs the checks
 together and rank 0 prints: code and package versions per node, the N x N TCP reachability matrix with every
 failing pair named, the GPUs each node sees, the NCCL/gloo variables in effect, and a small all-reduce (gloo,
-and NCCL where every rank has a GPU) checked for the right sum and timed. Exit code 1 on any problem.
+and NCCL where every rank has a GPU) checked for the right sum and timed. Then one pass / warn / fail row per
+check, each from its own module: socket interfaces (:mod:`.ifname`), clock skew (:mod:`.clock`), GPUs per node
+(:mod:`.devices`), per-GPU GEMM and memory speed (:mod:`.gpu_health`), the checkpoint folder and the dataset
+(:mod:`.storage`); the report ends with the next command to run for each failure (:mod:`.rows`). Exit code 1 on
+any problem, 2 on a bad ``--config``.
 
 As a plain process it prints the local view: interfaces, the route and TCP reachability of ``--endpoint``,
 GPUs and versions.
@@ -18,6 +22,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -26,7 +31,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from meshrun.diag import reach
+from meshrun.diag import clock, devices, gpu_health, ifname, reach, rows, storage
+from meshrun.diag.gather import gather_node_facts
+from meshrun.diag.rows import FAIL, CheckRow
 from meshrun.diag.fingerprint import (FieldDiff, Fingerprint, collect_fingerprint, compare_fingerprints,
                                       gather_fingerprints, mismatch_message)
 from meshrun.env import DEFAULT_MASTER_PORT, ClusterEnv
@@ -46,6 +53,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--wait", type=float, default=120.0, metavar="S",
                         help="seconds to wait for all ranks at start-up and for NCCL set-up (default 120)")
     parser.add_argument("--script", metavar="PATH", help="also compare the hash of this entry script across nodes")
+    job = parser.add_argument_group("the job's data, checkpoints and GPUs")
+    job.add_argument("--config", metavar="TOML", help="the job's config: its data.source, checkpoint folder and "
+                                                      "model size (for the checkpoint's size) are checked")
+    job.add_argument("--data", metavar="PATH", help="dataset file or folder every node reads (overrides --config)")
+    job.add_argument("--deep", action="store_true", help="also compare the dataset's SHA-256 across nodes")
+    job.add_argument("--ckpt-dir", metavar="DIR", help="checkpoint folder (overrides --config)")
+    job.add_argument("--ckpt-bytes", metavar="SIZE", help="size of one checkpoint, e.g. 40G (default: estimated "
+                                                         "from --config's model: 12 bytes per parameter)")
+    job.add_argument("--nproc-per-node", type=int, default=0, metavar="N",
+                     help="workers per node the job will start (default: this launch's)")
+    job.add_argument("--max-clock-skew", type=float, default=0.5, metavar="S",
+                     help="warn when a node's clock is further than this from node 0's (default 0.5 s)")
+    job.add_argument("--gpu-threshold", type=float, default=0.15, metavar="F",
+                     help="name GPUs whose GEMM or memory bandwidth is more than this fraction below the job's "
+                          "median (default 0.15)")
+    job.add_argument("--no-gpu-health", action="store_true", help="skip the GEMM and memory-bandwidth test")
+    parser.add_argument("--json", metavar="FILE", help="also write the check rows, per-GPU figures and problems as "
+                                                      "JSON (rank 0)")
     return parser
 
 
@@ -55,9 +80,18 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(highlight=False, soft_wrap=True)
     if not env.is_distributed:
         return run_local(args, console=console)
+    from meshrun.config import ConfigError
+
+    try:
+        args.targets = job_targets(args)  # before any collective: every rank fails alike on a bad --config
+    except (ConfigError, ValueError) as exc:
+        console.print(f"meshrun doctor: {exc}", markup=False)
+        return 2
     report = run_distributed(env, args)
     if env.is_rank_zero:
         render(report, console)
+        if args.json:
+            write_json(report, Path(args.json))
     return 1 if report.problems else 0
 
 
@@ -106,6 +140,8 @@ class DoctorReport:
     diffs: list[FieldDiff]
     matrix: reach.ReachMatrix
     collectives: list[CollectiveCheck] = field(default_factory=list)
+    rows: list[CheckRow] = field(default_factory=list)
+    health: list[gpu_health.GpuHealth] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -118,6 +154,8 @@ def run_distributed(env: ClusterEnv, args: argparse.Namespace) -> DoctorReport:
     from meshrun.dist.process_group import init_distributed, shutdown
 
     started_here = not dist.is_initialized()
+    # a GLOO_SOCKET_IFNAME gloo refuses would stop doctor's own group from starting to report it
+    refused_gloo = ifname.repair_gloo(os.environ, master_addr=env.master_addr)
     init_distributed(env, DistConfig(backend="gloo", device="cpu", init_timeout_s=args.wait))
     try:
         facts = _gather(local_facts(env))
@@ -128,11 +166,55 @@ def run_distributed(env: ClusterEnv, args: argparse.Namespace) -> DoctorReport:
         report.collectives.append(allreduce_check("gloo", _gloo_group, env=env))
         if all(len(f.gpus) > f.local_rank and f.nccl for f in facts):  # same decision on every rank
             report.collectives.append(allreduce_check("nccl", _nccl_group(env, args.wait), env=env))
+        job_checks(report, args, refused_gloo=refused_gloo)
     finally:
         if started_here:
             shutdown()
     judge(report)
     return report
+
+
+def job_checks(report: DoctorReport, args: argparse.Namespace, *, refused_gloo: str | None) -> None:
+    """The check rows: interfaces, clocks, GPUs, GPU speed, checkpoint folder, dataset. Collectives every rank
+    must reach in the same order (the decisions below depend only on arguments and gathered facts)."""
+    env, host, leader = report.env, socket.gethostname(), report.env.local_rank == 0
+    environ = dict(os.environ) | ({ifname.GLOO_VAR: refused_gloo} if refused_gloo else {})
+    peers = {f.node_rank: f.address for f in _node_leaders(report.facts)}
+    mine = ifname.local_facts(environ, node=env.node_rank, host=host, peers=peers) if leader else None
+    report.rows.append(ifname.judge_ifnames(gather_node_facts(mine)))
+    offsets = clock.measure_offsets(env)
+    report.rows.append(clock.judge_clock({(f.node_rank, f.host): offsets[f.rank] for f in _node_leaders(report.facts)},
+                                         max_skew_s=args.max_clock_skew))
+    inventory = devices.inventory(env.node_rank, host) if leader else None
+    report.rows.append(devices.judge_gpus(gather_node_facts(inventory),
+                                          nproc_per_node=args.nproc_per_node or env.local_world_size))
+    if not args.no_gpu_health:
+        mine_health = gpu_health.measure_local(rank=env.rank, node=env.node_rank, host=host, local_rank=env.local_rank,
+                                               local_world_size=env.local_world_size)
+        report.health = [h for part in _gather(mine_health) for h in part]
+        report.rows.append(gpu_health.judge_health(report.health, threshold=args.gpu_threshold))
+    data, folder, needed = getattr(args, "targets", None) or job_targets(args)
+    if folder:
+        report.rows += storage.check_checkpoint_folder(env, folder, host=host, needed=needed)
+    if data:
+        report.rows.append(storage.check_dataset(env, data, host=host, deep=args.deep))
+
+
+def job_targets(args: argparse.Namespace) -> tuple[str | None, str | None, int]:
+    """(dataset path, checkpoint folder, bytes of one checkpoint) from --config and the explicit options."""
+    from meshrun.diag.bench import parse_size
+
+    data, folder = args.data, args.ckpt_dir
+    needed = parse_size(args.ckpt_bytes) if args.ckpt_bytes else 0
+    if args.config:
+        from meshrun.config import load_config
+        from meshrun.models.build import count_params, model_config
+
+        job = load_config(args.config)
+        data = data or (job.data.source if job.data.source != "stdlib" else None)
+        folder = folder or job.checkpoint.dir or str(Path(job.run.dir) / "checkpoints")
+        needed = needed or count_params(model_config(job)) * storage.BYTES_PER_PARAM
+    return data, folder, needed
 
 
 def _gather(obj):
@@ -208,6 +290,7 @@ def judge(report: DoctorReport) -> None:
         report.problems.append(mismatch_message(report.diffs, report.fingerprints).splitlines()[0])
     report.problems += report.matrix.failures()
     report.problems += [f"all-reduce ({c.backend}): {c.detail}" for c in report.collectives if not c.ok]
+    report.problems += [f"{row.check}: {row.detail}" for row in report.rows if row.status == FAIL]
     nodes = _node_leaders(report.facts)
     if len({f.host for f in nodes}) > 1:  # several nodes on one host (a test) may well talk over loopback
         for fact in nodes:
@@ -252,6 +335,10 @@ def render(report: DoctorReport, console: Console) -> None:
         console.print(f"all-reduce {check.backend}: {mark} {escape(check.detail)}, "
                       f"slowest rank {check.seconds * 1e3:.1f} ms")
     _print_env_vars(report, console)
+    if report.health:
+        console.print(_health_table(report.health))
+    for line in rows.lines(report.rows):
+        console.print(line)
     for note in report.notes:
         console.print(f"[yellow]note[/]: {note}")
     if report.problems:
@@ -260,6 +347,31 @@ def render(report: DoctorReport, console: Console) -> None:
             console.print(f"  - {problem}", markup=False)
     else:
         console.print("[bold green]no problems found[/]")
+    steps = rows.next_steps(report.rows)
+    if steps:
+        console.print("[bold]what to run next[/] (upstream causes first):")
+        for line in steps:
+            console.print(f"  {line}", markup=False)
+
+
+def write_json(report: DoctorReport, path: Path) -> None:
+    """The machine-readable report: check rows, per-device figures, all-reduce checks and problems."""
+    import json
+    from dataclasses import asdict
+
+    path.write_text(json.dumps({"rows": [asdict(r) for r in report.rows], "health": [asdict(h) for h in report.health],
+                                "collectives": [asdict(c) for c in report.collectives],
+                                "problems": report.problems, "notes": report.notes}, indent=2) + "\n")
+
+
+def _health_table(health: list[gpu_health.GpuHealth]) -> Table:
+    table = Table(title="per-device speed (GEMM: bf16 on GPU, fp32 on CPU; memory: copy, read + write)")
+    for column in ("node", "host", "device", "GEMM TFLOP/s", "memory GB/s", "clock / temperature (NVML)"):
+        table.add_column(column)
+    for h in health:
+        table.add_row(str(h.node), h.host, f"{h.device} {h.name}", f"{h.gemm_tflops:.3g}", f"{h.mem_gbps:.4g}",
+                      gpu_health.describe_nvml(h.nvml) or "-")
+    return table
 
 
 def _nodes_table(report: DoctorReport) -> Table:

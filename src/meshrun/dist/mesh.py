@@ -10,7 +10,8 @@ nodes, where point-to-point traffic is cheapest. ``dp_replicate x dp_shard`` is 
 data-parallel rank the sampler uses). Every dimension exists even when its degree is 1, so names and coordinates
 are the same for every layout; :meth:`ParallelDims.get_optional_mesh` returns None for a degree of 1.
 
-Everything except :meth:`ParallelDims.build_mesh` is pure arithmetic (no process group), so the planner uses the
+Everything except :meth:`ParallelDims.build_mesh` (and :func:`node_mesh`, the 2-D node x local mesh that
+``meshrun bench`` measures links with) is pure arithmetic (no process group), so the planner uses the
 same coordinates and groups as the real job.
 """
 
@@ -235,7 +236,7 @@ class ParallelDims:
         """Create the DeviceMesh and its named sub-meshes; None for a single process without a process group.
 
         Collective: every rank must call this (it creates one process group per mesh dimension and per flattened
-        dimension). This is the only place in meshrun that creates a DeviceMesh.
+        dimension). This module is the only place in meshrun that creates a DeviceMesh.
         """
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -338,3 +339,15 @@ def resolve_degrees(degrees: dict[str, int], *, world_size: int) -> dict[str, in
                               f"divisible by {listed} = {known}")
         degrees = {**degrees, unknown[0]: world_size // known}
     return degrees
+
+
+def node_mesh(*, num_nodes: int, local_world_size: int, device_type: str) -> DeviceMesh:
+    """A 2-D mesh ("node", "local") of the default group, for measuring links: ``mesh["local"]`` groups the ranks
+    of one node (intra-node), ``mesh["node"]`` the ranks of one local index across nodes (inter-node).
+
+    Collective: every rank must call this. Assumes node-major ranks (rank = node * local_world_size + local rank),
+    as torchrun and ``meshrun launch`` number them.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (num_nodes, local_world_size), mesh_dim_names=("node", "local"))

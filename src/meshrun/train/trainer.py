@@ -128,7 +128,8 @@ class Trainer:
         self.timer = WorkTimer(getattr(self.engine, "timed_modules", self.engine.model_parts), self.device)
         self.watchdog: HangWatchdog | None = None
         self.stragglers = (StragglerDetector(env=self.env, threshold=job.health.straggler_threshold,
-                                             min_gap_s=0.01)
+                                             min_gap_s=0.01, gemm_check=job.health.straggler_gemm_check,
+                                             compute_device=self.device)
                            if self.env.is_distributed and job.health.straggler_threshold else None)
         self.print_header()
         self.profiler: StepProfiler | None = build_profiler(
