@@ -130,3 +130,17 @@ def test_config_toml_is_rewritten_with_the_batch_a_resume_kept(tmp_path):
     second.close()
     written = load_config(str(tmp_path / "config.toml"), [])
     assert (written.train.global_batch, written.train.micro_batch) == (8, 2)
+
+
+def test_without_clipping_the_guard_reads_the_norm_and_leaves_gradients_alone():
+    from meshrun.parallel.engine import LocalEngine
+    from meshrun.parallel.grad_norm import clip_grad_norm
+
+    model = torch.nn.Linear(4, 3)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 5.0)
+    grads = [p.grad.clone() for p in model.parameters()]
+    expected = torch.sqrt(sum((g ** 2).sum() for g in grads))
+    assert LocalEngine(model).clip_grad_norm(math.inf) == pytest.approx(float(expected))
+    assert clip_grad_norm(model.parameters(), math.inf) == pytest.approx(float(expected))
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))  # not scaled, not rewritten

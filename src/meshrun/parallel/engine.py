@@ -26,6 +26,8 @@ data-parallel reduction averages over ranks. This matches a single process that 
 
 from __future__ import annotations
 
+import math
+
 import contextlib
 from typing import Protocol, Sequence
 
@@ -139,4 +141,8 @@ class LocalEngine:
         return token_loss_sum(logits, targets), count_tensor(targets.numel(), inputs.device)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip to ``max_norm`` and return the norm before clipping; ``inf`` returns the norm without touching the
+        gradients (one read of them, not a read and a write)."""
+        if math.isinf(max_norm):
+            return torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
         return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)

@@ -62,6 +62,8 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, *, norm_type
     """Scale gradients so their global norm is at most ``max_norm``; returns the norm before clipping."""
     params = [p for p in params if p.grad is not None]
     total = total_grad_norm(params, norm_type=norm_type, pp_group=pp_group)
+    if math.isinf(max_norm):
+        return total  # the norm alone (train.nonfinite without clipping): no pass over the gradients to scale
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)  # no host sync: multiply by 1.0 when under the limit
     for p in params:
         grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
