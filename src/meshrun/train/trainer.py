@@ -316,7 +316,7 @@ class Trainer:
         if self.env.is_distributed and self.job.health.hang_timeout_s:
             self.watchdog = HangWatchdog(env=self.env, timeout_s=self.job.health.hang_timeout_s,
                                          stack_file=self.run_dir / "logs" / f"stacks_rank_{self.env.rank:05d}.txt",
-                                         log=log.error).start()
+                                         log=log.error, end_job=self.job.health.hang_action == "exit").start()
         if self.profiler is not None:
             self.profiler.start()
         try:
