@@ -183,7 +183,7 @@ def unreachable_message(plan: LaunchPlan, result: ProbeResult) -> str:
 
 
 def not_a_store_message(plan: LaunchPlan, answer: StoreAnswer, tcp_s: float) -> str:
-    return (f"{_host(plan)}: the rendezvous endpoint {plan.endpoint} accepts connections, but {answer.error} "
+    return (f"{_host(plan)}: rendezvous endpoint {plan.endpoint}: {answer.error} "
             f"(waited {tcp_s + answer.elapsed_s:.0f}s; --rdzv-timeout {plan.timeout_s}); another program may hold "
             f"port {plan.endpoint_port} there: check --rdzv-endpoint, or run `ss -ltnp` on {plan.endpoint_host}.")
 
