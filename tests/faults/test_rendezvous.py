@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 RDZV_TIMEOUT = 2
 STARTUP_SLACK_S = 60
-"""Importing torch twice (launcher, its probe) on 2 busy cores; the launcher's own 'waited Ns' is held to the timeout."""
+"""Starting the launcher (importing torch) on 2 busy cores; the launcher's own 'waited Ns' is held to the timeout."""
 
 
 def _launch(*args: str) -> tuple[int, str, float]:

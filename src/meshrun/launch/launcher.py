@@ -73,18 +73,7 @@ def launch(largs: LaunchArgs) -> int:
     if largs.ns.dry_run:
         return 0
     if plan.probe_first:
-        result = probe_tcp(plan.endpoint_host, plan.endpoint_port, timeout_s=plan.timeout_s)
-        if not result.ok:
-            raise LaunchError(unreachable_message(plan, result))
-        answer = probe_store(plan.endpoint_host, plan.endpoint_port,
-                             timeout_s=max(1.0, plan.timeout_s - result.elapsed_s))
-        if not answer.ok:
-            raise LaunchError(not_a_store_message(plan, answer, result.elapsed_s), hard_exit=answer.abandoned)
-        elapsed = result.elapsed_s + answer.elapsed_s
-        print(f"  reached     {plan.endpoint} after {elapsed:.1f}s (a store answered)", file=sys.stderr, flush=True)
-        if plan.backend == "c10d" and "join_timeout" not in parse_rdzv_conf(_user_conf(largs)):
-            left = max(MIN_JOIN_TIMEOUT_S, int(plan.timeout_s - elapsed))
-            plan.rdzv_conf["join_timeout"] = str(left)  # --rdzv-timeout bounds probe and join together
+        _probe_endpoint(plan, largs)
     os.environ.update(plan.env_set)  # the agent copies its environment into every worker
     apply_plan(largs.ns, plan)
     if plan.backend == "c10d":  # torch's c10d handler, its servers listening on one address (launch/stores.py)
@@ -131,6 +120,22 @@ def launch(largs: LaunchArgs) -> int:
     finally:
         forwarding.restore()
     return 0
+
+
+def _probe_endpoint(plan: LaunchPlan, largs: LaunchArgs) -> None:
+    """Wait for the endpoint to accept TCP, then for a store to answer there, within --rdzv-timeout together."""
+    result = probe_tcp(plan.endpoint_host, plan.endpoint_port, timeout_s=plan.timeout_s)
+    if not result.ok:
+        raise LaunchError(unreachable_message(plan, result))
+    answer = probe_store(plan.endpoint_host, plan.endpoint_port,
+                         timeout_s=max(1.0, plan.timeout_s - result.elapsed_s))
+    if not answer.ok:
+        raise LaunchError(not_a_store_message(plan, answer, result.elapsed_s), hard_exit=answer.abandoned)
+    elapsed = result.elapsed_s + answer.elapsed_s
+    print(f"  reached     {plan.endpoint} after {elapsed:.1f}s (a store answered)", file=sys.stderr, flush=True)
+    if plan.backend == "c10d" and "join_timeout" not in parse_rdzv_conf(_user_conf(largs)):
+        left = max(MIN_JOIN_TIMEOUT_S, int(plan.timeout_s - elapsed))
+        plan.rdzv_conf["join_timeout"] = str(left)  # --rdzv-timeout bounds probe and join together
 
 
 def _hang_verdict(exc: ChildFailedError) -> str:

@@ -101,7 +101,8 @@ def probe_store(host: str, port: int, *, timeout_s: float, attempt_s: float = 3.
     with _muted_stderr():
         while time.monotonic() < deadline:
             outcome: list[str] = []
-            limit = max(1.0, min(attempt_s, deadline - time.monotonic()))
+            # half the time left at most: a client that fails (e.g. "Ping failed") must do so before the deadline
+            limit = max(0.5, min(attempt_s, (deadline - time.monotonic()) / 2))
             thread = threading.Thread(target=_ask, args=(host, port, limit, outcome), daemon=True)
             thread.start()
             thread.join(max(0.0, deadline - time.monotonic()))

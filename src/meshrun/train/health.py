@@ -27,7 +27,6 @@ from typing import Callable, MutableMapping
 import numpy as np
 import torch
 import torch.distributed as dist
-
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 from meshrun.env import ClusterEnv
@@ -267,11 +266,12 @@ def diagnose_hang(views: list[RankView], *, timeout_s: float) -> str | None:
 def _stuck_outside_collectives(stuck: list[RankView], waiting: list[RankView]) -> str:
     """Same step and phase everywhere, but some ranks never reached the collective the others wait in."""
     parts = [f"rank {v.rank} (host {v.beat.host}) is stuck at step {v.beat.step} '{v.beat.phase}' outside any "
-             f"collective, {v.age_s:.0f} s in {v.beat.inside[len('code: '):]}" for v in sorted(stuck, key=lambda v: v.rank)[:8]]
+             f"collective, {v.age_s:.0f} s in {v.beat.inside.partition(': ')[2]}"
+             for v in sorted(stuck, key=lambda v: v.rank)[:8]]
     inside = sorted({v.beat.inside.partition(": ")[2] for v in waiting})
     ranks = [v.rank for v in waiting]
-    parts.append(f"{_ranks_text(ranks)} {'is' if len(ranks) == 1 else 'are'} waiting for it in a collective "
-                 f"({'; '.join(inside[:2])})")
+    parts.append(f"{_ranks_text(ranks)} {'is' if len(ranks) == 1 else 'are'} waiting for "
+                 f"{'it' if len(stuck) == 1 else 'them'} in a collective ({'; '.join(inside[:2])})")
     return "hang: " + "; ".join(parts)
 
 

@@ -282,7 +282,8 @@ class Trainer:
         start = time.perf_counter()
         batches = self.data.next_step()
         self.timer.add_data(time.perf_counter() - start)
-        self.beat("forward_backward")
+        first = self.step == self.start_step  # compiles and warms up: as slow as a checkpoint, not a hang
+        self.beat("forward_backward", timeout_s=max(1800.0, self.job.health.hang_timeout_s) if first else None)
         loss_sum, tokens = self.engine.forward_backward(batches)
         self.beat("optimizer")
         grad_norm = self.engine.clip_grad_norm(self.job.train.grad_clip) if self.job.train.grad_clip else None
