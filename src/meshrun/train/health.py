@@ -345,8 +345,8 @@ class HangWatchdog:
     message, e.g. to abort. Call :meth:`stop` before destroying the process group (its store goes with it).
 
     With ``end_job``, the observer's verdict ends the job: it is written to the store, and every rank's thread,
-    seeing it there within ``publish_every_s``, calls ``end`` (default :func:`end_process`: the verdict on stderr
-    and in torchelastic's error file, then exit code :data:`EXIT_HANG`). Ranks stuck in C++ with the GIL held
+    seeing it there within ``publish_every_s``, calls ``end`` (default :func:`end_process`: the verdict on rank 0's
+    stderr and in every rank's torchelastic error file, then exit code :data:`EXIT_HANG`). Ranks stuck in C++ with the GIL held
     cannot run their thread; they fail when the others are gone, or at ``dist.timeout_s``.
     """
 
@@ -355,7 +355,7 @@ class HangWatchdog:
                  log: Callable[[str], None] | None = None, on_hang: Callable[[str], None] | None = None,
                  end_job: bool = False, end: Callable[[str], None] | None = None):
         self.env, self.timeout_s, self.end_job = env, timeout_s, end_job
-        self.end = end or end_process
+        self.end = end or (lambda verdict: end_process(verdict, say=env.is_rank_zero))
         self._watched = threading.get_ident()  # the training thread: the one that creates the watchdog
         self.publish_every_s = publish_every_s or min(5.0, max(0.2, timeout_s / 4))
         self.check_all, self.stack_file, self.on_hang = check_all, stack_file, on_hang
@@ -499,12 +499,14 @@ EXIT_HANG = 124
 _VERDICT_KEY = "meshrun/health/verdict"
 
 
-def end_process(verdict: str) -> None:
-    """Print the verdict, leave it in torchelastic's error file for the launcher's summary, and exit at once.
+def end_process(verdict: str, *, say: bool = True) -> None:
+    """Print the verdict (``say``: rank 0 only, not once per rank), leave it in torchelastic's error file for the
+    launcher's summary, and exit at once.
 
     ``os._exit``: the training thread is stuck, so nothing else would ever return to the interpreter.
     """
-    print(verdict, file=sys.stderr, flush=True)
+    if say:
+        print(verdict, file=sys.stderr, flush=True)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
         try:
