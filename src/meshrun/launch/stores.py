@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
-from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters, rendezvous_handler_registry
+from torch.distributed.elastic.rendezvous import (RendezvousError, RendezvousHandler, RendezvousParameters,
+                                                  rendezvous_handler_registry)
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend, create_backend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
@@ -43,7 +44,11 @@ def create_bound_handler(params: RendezvousParameters) -> RendezvousHandler:
         _, store = create_backend(params)  # a client, or torch's own server (is_host unset)
     else:
         read_timeout = params.get_as_int("read_timeout", 60)
-        store = bound_tcp_store(addr, port, timeout=timedelta(seconds=read_timeout), multi_tenant=True)
+        try:
+            store = bound_tcp_store(addr, port, timeout=timedelta(seconds=read_timeout), multi_tenant=True)
+        except OSError as exc:
+            raise RendezvousError(f"cannot listen on {addr}:{port} ({exc.strerror}); another process holds the "
+                                  "port: choose another --rdzv-endpoint port") from None
     handler = create_handler(store, _NamedBackend(store, params.run_id), params)
     if hasattr(handler, "_create_tcp_store_server"):  # torch >= 2.5 shares a second store with the workers
         handler._create_tcp_store_server = _bound_shared_server
