@@ -244,7 +244,7 @@ def _describe_listeners(plan: LaunchPlan) -> None:
     where = "loopback (127.0.0.1) only: no other host can connect" if plan.single_host else \
         f"{plan.local_addr} only"
     if plan.backend == "c10d":
-        own = "rendezvous and workers' stores" if plan.store_here else "workers' store (on the node of rank 0)"
+        own = "rendezvous and workers' stores" if plan.store_here else "workers' store, if this node gets rank 0,"
         plan.listens = f"{own} on {where}"
         if plan.target.kind != "meshrun" and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" in plan.env_set:
             plan.listens = (f"rendezvous store on {where}; but rank 0 of your script hosts its own store with "
