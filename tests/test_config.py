@@ -75,6 +75,13 @@ def test_toml_then_overrides_with_types(tmp_path):
     ("--train.beta1=1", r"train.beta1=1.0 is out of range: AdamW's betas must be in \[0, 1\)"),
     ("--train.beta2=-0.9", r"train.beta2=-0.9 is out of range"),
     ("--train.grad_clip=-1", r"train.grad_clip=-1.0 is out of range: .*or 0 to disable clipping"),
+    ("--parallel.tp=0", r"parallel.tp=0 is out of range: give a degree of 1 or more, or -1"),
+    ("--parallel.dp_shard=-2", r"parallel.dp_shard=-2 is out of range"),
+    ("--parallel.pp=0", r"parallel.pp=0 is out of range"),
+    ("--parallel.pp_microbatches=-1", r"parallel.pp_microbatches=-1 is out of range"),
+    ("--parallel.pp_virtual_stages=0", r"parallel.pp_virtual_stages=0 is out of range"),
+    ("--checkpoint.signal_grace_s=-1", r"checkpoint.signal_grace_s=-1.0 is out of range"),
+    ("--health.hang_action=abort", r"health.hang_action='abort' is not one of exit, report"),
 ])
 def test_bad_values_name_the_option(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -83,7 +90,9 @@ def test_bad_values_name_the_option(override, message):
 
 @pytest.mark.parametrize("override", ["--health.straggler_threshold=0", "--health.straggler_threshold=1",
                                       "--health.hang_timeout_s=0", "--checkpoint.interval_steps=0",
-                                      "--checkpoint.keep_every=0", "--train.grad_clip=0", "--model.dim=0"])
+                                      "--checkpoint.keep_every=0", "--train.grad_clip=0", "--model.dim=0",
+                                      "--parallel.dp_shard=-1", "--parallel.pp_microbatches=0",
+                                      "--health.hang_action=report"])
 def test_edge_values_that_mean_off_or_default_are_accepted(override):
     load_config(None, [override])
 

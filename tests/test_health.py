@@ -106,6 +106,41 @@ def test_same_step_different_phase_and_silent_and_healthy_cases():
     assert "rank 1 has published no heartbeat in 70 s" in diagnose_hang(never, timeout_s=60)
 
 
+def test_rank_stuck_outside_a_collective_is_told_from_ranks_waiting_in_one():
+    def at(rank: int, inside: str) -> RankView:
+        beat = Heartbeat(rank=rank, host=f"h{rank}", step=5, phase="forward_backward", age_s=69, limit_s=60.0,
+                         seq=1, inside=inside)
+        return RankView(rank=rank, beat=beat, silent_s=1.0)
+
+    views = [at(0, "collective: wait (torch/distributed/distributed_c10d.py:3000)"),
+             at(1, "code: forward (models/gpt.py:160)"), at(2, "backward: _engine_run_backward (x)")]
+    assert diagnose_hang(views, timeout_s=60) == (
+        "hang: rank 1 (host h1) is stuck at step 5 'forward_backward' outside any collective, 70 s in forward "
+        "(models/gpt.py:160); ranks 0,2 are waiting for it in a collective (_engine_run_backward (x); wait "
+        "(torch/distributed/distributed_c10d.py:3000))")
+    # everyone in a collective, or nobody known to be: no rank is blamed
+    assert diagnose_hang([at(0, "collective: a"), at(1, "collective: b")], timeout_s=60).startswith("hang: all 2")
+    assert diagnose_hang([at(0, "code: f (x:1)"), at(1, "")], timeout_s=60).startswith("hang: all 2")
+
+
+def test_where_is_reads_another_threads_stack():
+    import threading
+
+    release = threading.Event()
+
+    def stuck_in_user_code() -> None:
+        release.wait(30)
+
+    thread = threading.Thread(target=stuck_in_user_code, daemon=True)
+    thread.start()
+    time.sleep(0.3)
+    try:
+        assert health.where_is(thread.ident).startswith("code: wait (")  # threading's Event.wait: not torch
+        assert health.where_is(None) == ""
+    finally:
+        release.set()
+
+
 def test_rank_lists_are_compact():
     assert health._ranks_text([3]) == "rank 3"
     assert health._ranks_text([0, 1, 2, 5, 7, 8]) == "ranks 0-2,5,7,8"

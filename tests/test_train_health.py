@@ -37,7 +37,9 @@ def test_trainer_names_a_rank_that_waits_for_data(tmp_path):
 
 @pytest.mark.slow
 def test_trainer_names_the_rank_that_stopped(tmp_path):
-    # rank 1 stalls 8 s before step 6; with a 2 s hang timeout rank 0's watchdog names it while it waits
+    # rank 1 stalls 8 s before step 6; with a 2 s hang timeout rank 0's watchdog names it while it waits, and
+    # (hang_action=report) the job runs on; ending the job is tests/faults/test_hang.py's
     logs = run_distributed(_slow_rank_worker, 2, tmp_path, 8.0, 5,
-                           ("--health.hang_timeout_s=2", "--health.straggler_threshold=0"))
+                           ("--health.hang_timeout_s=2", "--health.straggler_threshold=0",
+                            "--health.hang_action=report"))
     assert "hang: rank 1" in logs[0], logs[0][-3000:]

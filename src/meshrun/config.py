@@ -227,6 +227,9 @@ class HealthConfig:
     hang_timeout_s: float = 300.0
     """Report a rank that made no progress for this many seconds, naming it and where the others wait (0 disables;
     negative values are refused)."""
+    hang_action: str = "exit"
+    """After a hang report: exit (every rank ends with code 124, the verdict in the launcher's summary) or report
+    (log it and keep running until dist.timeout_s)."""
 
 
 @dataclass
@@ -306,6 +309,7 @@ class JobConfig:
             raise ConfigError(f"parallel.ddp_bucket_mb must be >= 1, got {self.parallel.ddp_bucket_mb}")
         _check_choice("parallel.data_parallel", self.parallel.data_parallel, ("auto", "ddp", "fsdp"))
         _check_choice("run.progress", self.run.progress, ("auto", "bar", "lines"))
+        _check_choice("health.hang_action", self.health.hang_action, ("exit", "report"))
         for name in ("steps", "micro_batch"):
             if getattr(self.train, name) < 1:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(self.train, name)}")
@@ -365,6 +369,12 @@ _RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("checkpoint.keep_every", lambda v: v >= 0, "give a step multiple to keep as milestones, or 0 for none"),
     ("checkpoint.timeout_s", lambda v: v > 0, "give a positive number of seconds, e.g. 1800"),
     ("health.hang_timeout_s", lambda v: v >= 0, "give a number of seconds, or 0 to disable hang reports"),
+    *((f"parallel.{name}", lambda v: v == -1 or v >= 1, "give a degree of 1 or more, or -1 to infer it from the "
+                                                        "world size") for name in ("dp_replicate", "dp_shard", "tp",
+                                                                                   "pp")),
+    ("parallel.pp_microbatches", lambda v: v >= 0, "give a number of micro-batches, or 0 for two per stage"),
+    ("parallel.pp_virtual_stages", lambda v: v >= 1, "give 1 or more stages per rank, e.g. 2"),
+    ("checkpoint.signal_grace_s", lambda v: v >= 0, "give a number of seconds, e.g. 30"),
     ("health.straggler_threshold", lambda v: v == 0 or v >= 1,
      "give a ratio of at least 1 (1.5 names a rank 50% slower than the median), or 0 to disable"),
 )

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from meshrun.config import ConfigError, DistConfig
+from meshrun.dist.store import bind_address, bound_tcp_store
 from meshrun.env import ClusterEnv
 
 if TYPE_CHECKING:
@@ -75,8 +76,10 @@ def init_distributed(env: ClusterEnv, cfg: DistConfig) -> DistContext:
     os.environ.update(env.export())  # env:// reads these; under torchrun they are already identical
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     try:
-        dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size,
-                                timeout=timedelta(seconds=cfg.init_timeout_s), **kwargs)
+        timeout = timedelta(seconds=cfg.init_timeout_s)
+        store = _own_store(env, timeout)
+        dist.init_process_group(backend, init_method=None if store else "env://", store=store, rank=env.rank,
+                                world_size=env.world_size, timeout=timeout, **kwargs)
         # note: a collective every rank must reach; it proves all ranks can talk before any training starts
         dist.barrier()
     except Exception as exc:  # noqa: BLE001 - re-raised with the address, the rank and the fix
@@ -89,6 +92,24 @@ def init_distributed(env: ClusterEnv, cfg: DistConfig) -> DistContext:
     _set_training_timeout(cfg.timeout_s)
     atexit.register(shutdown)  # a script that never calls shutdown()/Session.close() still exits cleanly
     return DistContext(env=env, device=device, backend=backend)
+
+
+def _own_store(env: ClusterEnv, timeout: timedelta) -> dist.Store | None:
+    """The job's TCPStore, with rank 0's server listening only on MASTER_ADDR; None where torch's env:// is right.
+
+    torch's env:// server listens on every interface. Under torchrun's agent with a shared store
+    (TORCHELASTIC_USE_AGENT_STORE=True) rank 0 hosts nothing, and env:// only connects. Elsewhere rank 0 hosts the
+    store here, bound to the address the other ranks connect to (loopback on one host), and the other ranks connect
+    to it here too (as env:// would, but without its key prefix, which must match on every rank).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None
+    addr = bind_address(env.master_addr) if env.rank == 0 else None
+    if addr is not None:
+        return bound_tcp_store(addr, env.master_port, timeout=timeout, world_size=env.world_size)
+    # other ranks; or rank 0 when MASTER_ADDR is not its own address (torch's server, on every interface)
+    return dist.TCPStore(env.master_addr, env.master_port, world_size=env.world_size, is_master=env.rank == 0,
+                         timeout=timeout)
 
 
 def _set_training_timeout(seconds: float, group: dist.ProcessGroup | None = None) -> None:

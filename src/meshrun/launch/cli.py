@@ -6,6 +6,7 @@ first failed worker's exit code (128+N for a worker killed by signal N, or for t
 
 from __future__ import annotations
 
+import os
 import sys
 
 from meshrun.launch.args import LaunchUsageError, parse_launch_args
@@ -26,7 +27,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"meshrun launch: {exc}", file=sys.stderr)
         return 2
     except LaunchError as exc:
-        print(f"meshrun launch: {exc}", file=sys.stderr)
+        print(f"meshrun launch: {exc}", file=sys.stderr, flush=True)
+        if exc.hard_exit:  # a store client thread is still blocked in torch; finalizing around it would abort
+            sys.stdout.flush()
+            os._exit(1)
         return 1
 
 

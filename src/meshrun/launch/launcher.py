@@ -12,7 +12,9 @@ import os
 import signal
 import socket
 import sys
+import time
 
+from torch.distributed import DistError
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
@@ -20,6 +22,8 @@ from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args
 
 from meshrun.ckpt.preemption import EXIT_PREEMPTED, PREEMPTION_SIGNALS, PreemptionFlag
+from meshrun.launch import stores
+from meshrun.launch.stores import StoreAnswer, probe_store
 from meshrun.launch.args import LaunchArgs, check_target
 from meshrun.launch.net import ProbeResult, probe_tcp
 from meshrun.launch.plan import LaunchPlan, apply_plan, format_plan, make_plan, parse_rdzv_conf
@@ -30,6 +34,11 @@ MIN_JOIN_TIMEOUT_S = 10
 
 class LaunchError(RuntimeError):
     """The job could not start or complete its rendezvous. The first line names host, endpoint and the fix."""
+
+    def __init__(self, message: str, *, hard_exit: bool = False):
+        super().__init__(message)
+        self.hard_exit = hard_exit
+        """A thread is still blocked inside torch: the caller must leave with os._exit after printing."""
 
 
 class _RestartNotice(logging.Filter):
@@ -64,22 +73,25 @@ def launch(largs: LaunchArgs) -> int:
     if largs.ns.dry_run:
         return 0
     if plan.probe_first:
-        result = probe_tcp(plan.endpoint_host, plan.endpoint_port, timeout_s=plan.timeout_s)
-        if not result.ok:
-            raise LaunchError(unreachable_message(plan, result))
-        print(f"  reached     {plan.endpoint} after {result.elapsed_s:.1f}s", file=sys.stderr, flush=True)
-        if plan.backend == "c10d" and "join_timeout" not in parse_rdzv_conf(_user_conf(largs)):
-            left = max(MIN_JOIN_TIMEOUT_S, int(plan.timeout_s - result.elapsed_s))
-            plan.rdzv_conf["join_timeout"] = str(left)  # --rdzv-timeout bounds probe and join together
+        _probe_endpoint(plan, largs)
     os.environ.update(plan.env_set)  # the agent copies its environment into every worker
     apply_plan(largs.ns, plan)
+    if plan.backend == "c10d":  # torch's c10d handler, its servers listening on one address (launch/stores.py)
+        stores.register()
+        largs.ns.rdzv_backend = stores.BACKEND
     config, entrypoint, entry_args = config_from_args(largs.ns)
     _announce_restarts()
     forwarding = _forward_preemption_signals()
+    started = time.monotonic()
     try:
         elastic_launch(config=config, entrypoint=entrypoint)(*entry_args)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
+        verdict = _hang_verdict(exc)
+        if verdict:
+            print(f"meshrun launch: the hang watchdog ended the job (seen from {_host(plan)}): {verdict}",
+                  file=sys.stderr, flush=True)
+            return _exit_code(failure.exitcode)
         print(f"meshrun launch: worker rank {rank} (local rank {failure.local_rank} on {_host(plan)}) failed with "
               f"exit code {failure.exitcode}; its output is above. {len(exc.failures)} worker(s) failed on this "
               "node.", file=sys.stderr, flush=True)
@@ -93,6 +105,12 @@ def launch(largs: LaunchArgs) -> int:
         print(f"meshrun launch: stopped by {name} on {_host(plan)}; workers were stopped.", file=sys.stderr,
               flush=True)
         return 128 + int(exc.sigval)
+    except DistError as exc:  # the static backend's store: unreachable, or gone
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise LaunchError(f"rendezvous at {plan.endpoint} failed on {_host(plan)} after "
+                          f"{time.monotonic() - started:.0f}s (--rdzv-timeout {plan.timeout_s}): "
+                          f"{type(exc).__name__}: {first[:300]}; check that {plan.endpoint_host} is "
+                          "the node-rank-0 host and that this node reaches it (`meshrun doctor`).") from None
     except RendezvousTimeoutError as exc:
         raise LaunchError(rendezvous_timeout_message(plan)) from exc
     except RendezvousError as exc:
@@ -102,6 +120,32 @@ def launch(largs: LaunchArgs) -> int:
     finally:
         forwarding.restore()
     return 0
+
+
+def _probe_endpoint(plan: LaunchPlan, largs: LaunchArgs) -> None:
+    """Wait for the endpoint to accept TCP, then for a store to answer there, within --rdzv-timeout together."""
+    result = probe_tcp(plan.endpoint_host, plan.endpoint_port, timeout_s=plan.timeout_s)
+    if not result.ok:
+        raise LaunchError(unreachable_message(plan, result))
+    answer = probe_store(plan.endpoint_host, plan.endpoint_port,
+                         timeout_s=max(1.0, plan.timeout_s - result.elapsed_s))
+    if not answer.ok:
+        raise LaunchError(not_a_store_message(plan, answer, result.elapsed_s), hard_exit=answer.abandoned)
+    elapsed = result.elapsed_s + answer.elapsed_s
+    print(f"  reached     {plan.endpoint} after {elapsed:.1f}s (a store answered)", file=sys.stderr, flush=True)
+    if plan.backend == "c10d" and "join_timeout" not in parse_rdzv_conf(_user_conf(largs)):
+        left = max(MIN_JOIN_TIMEOUT_S, int(plan.timeout_s - elapsed))
+        plan.rdzv_conf["join_timeout"] = str(left)  # --rdzv-timeout bounds probe and join together
+
+
+def _hang_verdict(exc: ChildFailedError) -> str:
+    """The hang watchdog's verdict, from the error file of any worker it ended ('' when none was)."""
+    for failure in exc.failures.values():
+        message = failure.message  # torch keeps the error file's {"message": ..., "extraInfo": ...} as it is
+        message = str(message.get("message", "")) if isinstance(message, dict) else str(message or "")
+        if "HangVerdict" in message and "hang:" in message:
+            return message[message.index("hang:"):]
+    return ""
 
 
 def _forward_preemption_signals() -> PreemptionFlag:
@@ -141,6 +185,12 @@ def unreachable_message(plan: LaunchPlan, result: ProbeResult) -> str:
     return (f"{_host(plan)} cannot reach the rendezvous endpoint {plan.endpoint}: {result.error} "
             f"(waited {result.elapsed_s:.0f}s, {result.attempts} attempts; --rdzv-timeout {plan.timeout_s}); "
             f"{fix}.")
+
+
+def not_a_store_message(plan: LaunchPlan, answer: StoreAnswer, tcp_s: float) -> str:
+    return (f"{_host(plan)}: rendezvous endpoint {plan.endpoint}: {answer.error} "
+            f"(waited {tcp_s + answer.elapsed_s:.0f}s; --rdzv-timeout {plan.timeout_s}); another program may hold "
+            f"port {plan.endpoint_port} there: check --rdzv-endpoint, or run `ss -ltnp` on {plan.endpoint_host}.")
 
 
 def rendezvous_timeout_message(plan: LaunchPlan) -> str:

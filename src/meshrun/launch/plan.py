@@ -59,6 +59,8 @@ class LaunchPlan:
     env_kept: dict[str, str] = field(default_factory=dict)
     slurm: SlurmPlacement | None = None
     notes: list[str] = field(default_factory=list)
+    listens: str = ""
+    """Which addresses this node's stores accept connections on, and what torch leaves open."""
 
     @property
     def endpoint(self) -> str:
@@ -112,6 +114,7 @@ def make_plan(largs: LaunchArgs, *, environ: Mapping[str, str]) -> LaunchPlan:
     _choose_socket_env(plan, environ)
     _choose_thread_env(plan, environ)
     _choose_store_sharing(plan, environ)
+    _describe_listeners(plan)
     return plan
 
 
@@ -236,6 +239,25 @@ def _choose_store_sharing(plan: LaunchPlan, environ: Mapping[str, str]) -> None:
         plan.env_set[var] = "1"
 
 
+def _describe_listeners(plan: LaunchPlan) -> None:
+    """Say truthfully who can connect to the stores (unauthenticated): meshrun binds the ones torch lets it bind."""
+    where = "loopback (127.0.0.1) only: no other host can connect" if plan.single_host else \
+        f"{plan.local_addr} only"
+    if plan.backend == "c10d":
+        own = "rendezvous and workers' stores" if plan.store_here else "workers' store, if this node gets rank 0,"
+        plan.listens = f"{own} on {where}"
+        if plan.target.kind != "meshrun" and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" in plan.env_set:
+            plan.listens = (f"rendezvous store on {where}; but rank 0 of your script hosts its own store with "
+                            "torch's env://, which listens on every interface (torch has no bind option there)")
+    elif plan.backend == "static":
+        plan.listens = (f"every interface: torch's static rendezvous store has no bind option; block port "
+                        f"{plan.endpoint_port} from other hosts (firewall), or use the c10d backend")
+    else:
+        plan.listens = f"decided by the {plan.backend} backend"
+    if not plan.single_host:
+        plan.listens += f"; gloo/NCCL sockets on {plan.iface or 'their own choice of interface'}"
+
+
 def parse_rdzv_conf(text: str) -> dict[str, str]:
     """'a=1,b=2' -> {'a': '1', 'b': '2'} (torchrun's --rdzv-conf syntax)."""
     conf: dict[str, str] = {}
@@ -272,6 +294,7 @@ def format_plan(plan: LaunchPlan) -> str:
              f"  target      {plan.target.describe()}",
              f"  rendezvous  {plan.backend} at {plan.endpoint} (id {plan.rdzv_id}), timeout {plan.timeout_s}s",
              f"  store       {store}: {plan.store_reason}",
+             f"  listens     {plan.listens}",
              f"  this node   {plan.local_addr} on {plan.iface or '?'} ({plan.local_reason})",
              f"  restarts    up to {plan.max_restarts}"]
     if plan.slurm is not None:

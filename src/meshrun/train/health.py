@@ -29,6 +29,7 @@ from typing import Callable, MutableMapping
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 from meshrun.diag.gpu_health import gemm_tflops, nvml_state
 from meshrun.env import ClusterEnv
@@ -264,6 +265,13 @@ class Heartbeat:
     index: int = 0
     """Beats since this step began: orders the phases of one step without comparing clocks."""
     done: bool = False
+    inside: str = ""
+    """Where the rank's training thread is, once its beat is old: 'collective: ...', 'backward: ...' (autograd's
+    engine, where gradient collectives of DDP wait) or 'code: ...' (not in any collective); '' while on time."""
+
+    @property
+    def in_collective(self) -> bool:
+        return self.inside.startswith(("collective:", "backward:"))
 
 
 @dataclass(frozen=True)
@@ -312,6 +320,10 @@ def diagnose_hang(views: list[RankView], *, timeout_s: float) -> str | None:
         behind += [v for v in seen if progress(v) < top]
         waiting = [v for v in seen if progress(v) == top]
     if not behind:
+        stuck = [v for v in waiting if v.beat.inside.startswith("code:")]
+        in_collective = [v for v in waiting if v.beat.in_collective]
+        if stuck and in_collective:
+            return _stuck_outside_collectives(stuck, in_collective)
         first = waiting[0].beat
         return (f"hang: all {len(waiting)} ranks stalled at step {first.step} '{first.phase}' for "
                 f"{min(v.age_s for v in waiting):.0f} s; no rank is behind, so suspect a deadlock or mismatched "
@@ -323,6 +335,52 @@ def diagnose_hang(views: list[RankView], *, timeout_s: float) -> str | None:
         parts.append(f"{_ranks_text([v.rank for v in group])} {'is' if len(group) == 1 else 'are'} waiting at "
                      f"step {step} '{phase}'")
     return "hang: " + "; ".join(parts)
+
+
+def _stuck_outside_collectives(stuck: list[RankView], waiting: list[RankView]) -> str:
+    """Same step and phase everywhere, but some ranks never reached the collective the others wait in."""
+    parts = [f"rank {v.rank} (host {v.beat.host}) is stuck at step {v.beat.step} '{v.beat.phase}' outside any "
+             f"collective, {v.age_s:.0f} s in {v.beat.inside.partition(': ')[2]}"
+             for v in sorted(stuck, key=lambda v: v.rank)[:8]]
+    inside = sorted({v.beat.inside.partition(": ")[2] for v in waiting})
+    ranks = [v.rank for v in waiting]
+    parts.append(f"{_ranks_text(ranks)} {'is' if len(ranks) == 1 else 'are'} waiting for "
+                 f"{'it' if len(stuck) == 1 else 'them'} in a collective ({'; '.join(inside[:2])})")
+    return "hang: " + "; ".join(parts)
+
+
+def where_is(thread_id: int | None) -> str:
+    """Where a thread is, in words (see Heartbeat.inside). Reads its Python stack; safe from another thread.
+
+    Only the innermost frames inside torch count: a collective waits at the top of the stack (``wait``,
+    ``all_reduce``, FSDP's reduce-scatter), while code that never reached one has its own frame on top.
+    """
+    frame = sys._current_frames().get(thread_id) if thread_id is not None else None
+    if frame is None:
+        return ""
+    innermost = _describe(frame)
+    while frame is not None and "/torch/" in _path(frame):
+        if "/torch/distributed/" in _path(frame):
+            return f"collective: {_describe(frame)}"
+        if "/torch/autograd/" in _path(frame):
+            return f"backward: {innermost} (C++ autograd; gradient hooks such as DDP's all-reduce wait there)"
+        frame = frame.f_back
+    return f"code: {innermost}"
+
+
+def _path(frame) -> str:
+    return frame.f_code.co_filename.replace("\\", "/")
+
+
+def _describe(frame) -> str:
+    return f"{frame.f_code.co_name} ({_short(_path(frame))}:{frame.f_lineno})"
+
+
+def _short(path: str) -> str:
+    for marker in ("/site-packages/", "/src/"):
+        if marker in path:
+            return path.split(marker, 1)[1]
+    return path.rsplit("/", 2)[-1] if path.count("/") > 2 else path
 
 
 def _by_position(views: list[RankView]) -> dict[tuple[int, str], list[RankView]]:
@@ -359,12 +417,20 @@ class HangWatchdog:
 
     Each stall is reported once (again after another ``timeout_s`` if it persists). ``on_hang`` receives the
     message, e.g. to abort. Call :meth:`stop` before destroying the process group (its store goes with it).
+
+    With ``end_job``, the observer's verdict ends the job: it is written to the store, and every rank's thread,
+    seeing it there within ``publish_every_s``, calls ``end`` (default :func:`end_process`: the verdict on rank 0's
+    stderr and in every rank's torchelastic error file, then exit code :data:`EXIT_HANG`). Ranks stuck in C++ with the GIL held
+    cannot run their thread; they fail when the others are gone, or at ``dist.timeout_s``.
     """
 
     def __init__(self, *, env: ClusterEnv, timeout_s: float, store=None, publish_every_s: float | None = None,
                  check_all: bool = False, stack_file: str | Path | None = None,
-                 log: Callable[[str], None] | None = None, on_hang: Callable[[str], None] | None = None):
-        self.env, self.timeout_s = env, timeout_s
+                 log: Callable[[str], None] | None = None, on_hang: Callable[[str], None] | None = None,
+                 end_job: bool = False, end: Callable[[str], None] | None = None):
+        self.env, self.timeout_s, self.end_job = env, timeout_s, end_job
+        self.end = end or (lambda verdict: end_process(verdict, say=env.is_rank_zero))
+        self._watched = threading.get_ident()  # the training thread: the one that creates the watchdog
         self.publish_every_s = publish_every_s or min(5.0, max(0.2, timeout_s / 4))
         self.check_all, self.stack_file, self.on_hang = check_all, stack_file, on_hang
         self.log = log or (lambda message: print(message, file=sys.stderr, flush=True))
@@ -411,14 +477,29 @@ class HangWatchdog:
             self._check_self()
             if self._store is not None and (self.check_all or self.env.is_rank_zero):
                 self._check_all_ranks()
+            if self.end_job and self._store is not None:
+                self._end_if_decided()
+
+    def _end_if_decided(self) -> None:
+        """Another rank's (or this rank's) verdict is in the store: end this process with it."""
+        try:
+            if not self._store.check([_VERDICT_KEY]):
+                return
+            verdict = self._store.get(_VERDICT_KEY).decode()
+        except Exception as exc:  # noqa: BLE001 - as in _publish
+            self._store_failed(exc)
+            return
+        self.end(verdict)
 
     def _publish(self, *, done: bool = False) -> None:
         if self._store is None:
             return
         step, phase, when, limit, index = self._beat
         self._seq += 1
-        beat = Heartbeat(rank=self.env.rank, host=self.host, step=step, phase=phase, age_s=time.monotonic() - when,
-                         limit_s=limit, seq=self._seq, index=index, done=done)
+        age = time.monotonic() - when
+        inside = where_is(self._watched) if age >= limit / 2 and not done else ""
+        beat = Heartbeat(rank=self.env.rank, host=self.host, step=step, phase=phase, age_s=age,
+                         limit_s=limit, seq=self._seq, index=index, done=done, inside=inside)
         try:
             self._store.set(_heartbeat_key(self.env.rank), json.dumps(beat.__dict__))
         except Exception as exc:  # noqa: BLE001 - the store is gone or slow; say so once and keep watching
@@ -441,6 +522,11 @@ class HangWatchdog:
         message = diagnose_hang(views, timeout_s=self.timeout_s)
         if message and self._due("all:" + ",".join(str(v.rank) for v in views if v.stalled(self.timeout_s))):
             self._emit(message, dump_stacks=False)
+            if self.end_job:
+                try:
+                    self._store.set(_VERDICT_KEY, f"{message}; ending the job (health.hang_action=exit)")
+                except Exception as exc:  # noqa: BLE001 - as in _publish
+                    self._store_failed(exc)
 
     def _read_views(self) -> list[RankView]:
         now = time.monotonic()
@@ -480,6 +566,32 @@ class HangWatchdog:
             self._store_error_logged = True
             self.log(f"hang watchdog on rank {self.env.rank}: cannot use the c10d store "
                      f"({type(exc).__name__}: {exc}); heartbeats of other ranks are not checked")
+
+
+EXIT_HANG = 124
+"""Exit code of every rank of a job ended by a hang verdict (as GNU timeout's)."""
+_VERDICT_KEY = "meshrun/health/verdict"
+
+
+def end_process(verdict: str, *, say: bool = True) -> None:
+    """Print the verdict (``say``: rank 0 only, not once per rank), leave it in torchelastic's error file for the
+    launcher's summary, and exit at once.
+
+    ``os._exit``: the training thread is stuck, so nothing else would ever return to the interpreter.
+    """
+    if say:
+        print(verdict, file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        try:
+            ErrorHandler().record_exception(HangVerdict(verdict))
+        except OSError:
+            pass
+    os._exit(EXIT_HANG)
+
+
+class HangVerdict(RuntimeError):
+    """What the hang watchdog concluded; recorded in the error file the launcher reads."""
 
 
 def _heartbeat_key(rank: int) -> str:

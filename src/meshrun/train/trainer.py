@@ -298,7 +298,8 @@ class Trainer:
         start = time.perf_counter()
         batches = self.data.next_step()
         self.timer.add_data(time.perf_counter() - start)
-        self.beat("forward_backward")
+        first = self.step == self.start_step  # compiles and warms up: as slow as a checkpoint, not a hang
+        self.beat("forward_backward", timeout_s=max(1800.0, self.job.health.hang_timeout_s) if first else None)
         loss_sum, tokens = self.engine.forward_backward(batches)
         self.beat("optimizer")
         clip = self.job.train.grad_clip or (float("inf") if self.guard.enabled else 0.0)  # inf: the norm alone
@@ -334,7 +335,7 @@ class Trainer:
         if self.env.is_distributed and self.job.health.hang_timeout_s:
             self.watchdog = HangWatchdog(env=self.env, timeout_s=self.job.health.hang_timeout_s,
                                          stack_file=self.run_dir / "logs" / f"stacks_rank_{self.env.rank:05d}.txt",
-                                         log=log.error).start()
+                                         log=log.error, end_job=self.job.health.hang_action == "exit").start()
         if self.profiler is not None:
             self.profiler.start()
         try:
