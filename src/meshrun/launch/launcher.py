@@ -67,7 +67,7 @@ def launch(largs: LaunchArgs) -> int:
         result = probe_tcp(plan.endpoint_host, plan.endpoint_port, timeout_s=plan.timeout_s)
         if not result.ok:
             raise LaunchError(unreachable_message(plan, result))
-        print(f"  reached     {plan.endpoint} after {result.elapsed_s:.1f}s", file=sys.stderr, flush=True)
+        print(f"{plan.label}  reached     {plan.endpoint} after {result.elapsed_s:.1f}s", file=sys.stderr, flush=True)
         if plan.backend == "c10d" and "join_timeout" not in parse_rdzv_conf(_user_conf(largs)):
             left = max(MIN_JOIN_TIMEOUT_S, int(plan.timeout_s - result.elapsed_s))
             plan.rdzv_conf["join_timeout"] = str(left)  # --rdzv-timeout bounds probe and join together
