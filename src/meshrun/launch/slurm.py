@@ -1,7 +1,7 @@
 """Derive the launcher's node layout from a SLURM allocation (one ``meshrun launch`` task per node).
 
-``srun -n $SLURM_NNODES --ntasks-per-node=1 meshrun launch --nproc-per-node 8 train`` should need nothing else: the node count,
-this node's index and the rendezvous host (the first host of the nodelist) come from SLURM, through
+``srun -n $SLURM_NNODES --ntasks-per-node=1 meshrun launch --nproc-per-node 8 train`` needs nothing else: the node
+count, this node's index and the rendezvous host (the first host of the nodelist) come from SLURM, through
 :class:`meshrun.env.ClusterEnv`, the one reader of the process layout.
 """
 
