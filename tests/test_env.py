@@ -146,3 +146,17 @@ def test_direct_slurm_init_refuses_a_loopback_master_before_joining(monkeypatch)
         monkeypatch.delenv(name)
     with pytest.raises(ValueError, match="'node01' .* resolves to 127.0.1.1"):
         init_distributed(two_node_env(), DistConfig(device="cpu", init_timeout_s=1.0))
+
+
+def test_srun_tasks_print_a_command_line_refusal_once(monkeypatch, capsys):
+    from meshrun.train.cli import main as train_main
+
+    step = {"SLURM_NTASKS": "2", "SLURM_NNODES": "2", "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+            "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0"}
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(key, raising=False)
+    for procid, printed in (("1", False), ("0", True)):
+        for key, value in dict(step, SLURM_PROCID=procid, SLURM_NODEID=procid).items():
+            monkeypatch.setenv(key, value)
+        assert train_main(["--train.stepz=3"]) == 2
+        assert ("meshrun train: error: " in capsys.readouterr().err) is printed
