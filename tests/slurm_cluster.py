@@ -193,8 +193,8 @@ MinJobAge=600
 InactiveLimit=0
 MpiDefault=none
 SlurmdParameters=config_overrides
-NodeName=n1 NodeAddr={net}.1 CPUs=4 RealMemory=1000 State=UNKNOWN
-NodeName=n2 NodeAddr={net}.2 CPUs=4 RealMemory=1000 State=UNKNOWN
+NodeName=n1 NodeAddr={net}.1 CPUs=8 RealMemory=1000 State=UNKNOWN
+NodeName=n2 NodeAddr={net}.2 CPUs=8 RealMemory=1000 State=UNKNOWN
 PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP
 """)
 

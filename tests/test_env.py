@@ -160,3 +160,15 @@ def test_srun_tasks_print_a_command_line_refusal_once(monkeypatch, capsys):
             monkeypatch.setenv(key, value)
         assert train_main(["--train.stepz=3"]) == 2
         assert ("meshrun train: error: " in capsys.readouterr().err) is printed
+
+
+def test_describe_nodes_for_even_and_uneven_nodes():
+    """8 + 4 + 4 = 16: the header must not claim nodes x this node's count."""
+    def env(world: int, local: int, nodes: int) -> ClusterEnv:
+        return ClusterEnv(rank=0, local_rank=0, world_size=world, local_world_size=local, node_rank=0,
+                          num_nodes=nodes, master_addr="a", master_port=1, source="slurm")
+
+    assert env(16, 8, 2).describe_nodes() == "2 node(s) x 8 process(es) = world size 16"
+    assert not env(16, 8, 2).nodes_differ
+    assert env(16, 8, 3).describe_nodes() == "3 node(s) of different sizes = world size 16 (8 process(es) on this node)"
+    assert env(16, 4, 3).nodes_differ
