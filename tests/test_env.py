@@ -172,3 +172,11 @@ def test_describe_nodes_for_even_and_uneven_nodes():
     assert not env(16, 8, 2).nodes_differ
     assert env(16, 8, 3).describe_nodes() == "3 node(s) of different sizes = world size 16 (8 process(es) on this node)"
     assert env(16, 4, 3).nodes_differ
+
+
+def test_job_ids_10000_apart_get_different_ports_below_the_ephemeral_range():
+    from meshrun.env import slurm_port
+
+    assert slurm_port("7") != slurm_port("10007") != slurm_port("20007")
+    assert slurm_port("123_4") == slurm_port("123")  # an array task's id
+    assert all(15000 <= slurm_port(str(job)) < 32768 for job in (0, 9999, 16383, 16384, 10**9))
