@@ -148,17 +148,18 @@ def check_train(request: SbatchRequest) -> None:
 
 
 def worker_command(request: SbatchRequest) -> list[str]:
-    """The srun line of the job step."""
+    """The srun line of the job step. It repeats --cpus-per-task: since Slurm 22.05 srun no longer inherits the
+    job's value, and a step would otherwise get one CPU per task (all of a node's workers on one core)."""
     target = list(request.target)
     python = target[0] == "-m" or target[0].endswith(".py")
+    cpus = [f"--cpus-per-task={request.cpus_per_task}"] if request.cpus_per_task else []
     if request.mode == "per-node":
         target = target if python or target[0] in WORKER_COMMANDS else ["--no-python", *target]
-        return ["srun", f"--nodes={request.nodes}", f"--ntasks={request.nodes}", "--ntasks-per-node=1",
-                "meshrun", "launch", "--nproc-per-node", str(request.workers_per_node),
-                *target]
+        return ["srun", f"--nodes={request.nodes}", f"--ntasks={request.nodes}", "--ntasks-per-node=1", *cpus,
+                "meshrun", "launch", "--nproc-per-node", str(request.workers_per_node), *target]
     direct = ["meshrun", *target] if target[0] in WORKER_COMMANDS else (["python", "-u", *target] if python else target)
     return ["srun", f"--nodes={request.nodes}", f"--ntasks={request.world_size}",
-            f"--ntasks-per-node={request.workers_per_node}", *direct]
+            f"--ntasks-per-node={request.workers_per_node}", *cpus, *direct]
 
 
 def sbatch_lines(request: SbatchRequest) -> list[str]:
