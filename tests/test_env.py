@@ -21,7 +21,7 @@ def test_slurm_variables_with_compressed_nodelist():
                              "SLURM_JOB_NODELIST": "gpu[07-08,11],gpu20", "SLURM_JOB_ID": "123456"})
     assert (env.rank, env.local_rank, env.world_size, env.local_world_size) == (13, 5, 32, 8)
     assert (env.node_rank, env.num_nodes, env.master_addr) == (1, 4, "gpu07")
-    assert env.master_port == 15000 + 3456 and env.source == "slurm"
+    assert env.master_port == 15000 + 123456 % 16384 and env.source == "slurm"
 
 
 def test_torchrun_wins_over_slurm():
@@ -146,3 +146,37 @@ def test_direct_slurm_init_refuses_a_loopback_master_before_joining(monkeypatch)
         monkeypatch.delenv(name)
     with pytest.raises(ValueError, match="'node01' .* resolves to 127.0.1.1"):
         init_distributed(two_node_env(), DistConfig(device="cpu", init_timeout_s=1.0))
+
+
+def test_srun_tasks_print_a_command_line_refusal_once(monkeypatch, capsys):
+    from meshrun.train.cli import main as train_main
+
+    step = {"SLURM_NTASKS": "2", "SLURM_NNODES": "2", "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+            "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0"}
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(key, raising=False)
+    for procid, printed in (("1", False), ("0", True)):
+        for key, value in dict(step, SLURM_PROCID=procid, SLURM_NODEID=procid).items():
+            monkeypatch.setenv(key, value)
+        assert train_main(["--train.stepz=3"]) == 2
+        assert ("meshrun train: error: " in capsys.readouterr().err) is printed
+
+
+def test_describe_nodes_for_even_and_uneven_nodes():
+    """8 + 4 + 4 = 16: the header must not claim nodes x this node's count."""
+    def env(world: int, local: int, nodes: int) -> ClusterEnv:
+        return ClusterEnv(rank=0, local_rank=0, world_size=world, local_world_size=local, node_rank=0,
+                          num_nodes=nodes, master_addr="a", master_port=1, source="slurm")
+
+    assert env(16, 8, 2).describe_nodes() == "2 node(s) x 8 process(es) = world size 16"
+    assert not env(16, 8, 2).nodes_differ
+    assert env(16, 8, 3).describe_nodes() == "3 node(s) of different sizes = world size 16 (8 process(es) on this node)"
+    assert env(16, 4, 3).nodes_differ
+
+
+def test_job_ids_10000_apart_get_different_ports_below_the_ephemeral_range():
+    from meshrun.env import slurm_port
+
+    assert slurm_port("7") != slurm_port("10007") != slurm_port("20007")
+    assert slurm_port("123_4") == slurm_port("123")  # an array task's id
+    assert all(15000 <= slurm_port(str(job)) < 32768 for job in (0, 9999, 16383, 16384, 10**9))

@@ -190,7 +190,7 @@ def test_multi_host_endpoint_on_own_nic_pins_socket_interfaces_unless_user_set_t
 # --- SLURM -------------------------------------------------------------------------------------------------------
 
 SLURM_TWO_NODES = {"SLURM_JOB_NODELIST": "localhost,node02", "SLURM_NODEID": "1", "SLURM_NNODES": "2",
-                   "SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "4242"}
+                   "SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0"}
 
 
 def test_slurm_allocation_gives_nodes_endpoint_and_id():
@@ -210,10 +210,61 @@ def test_slurm_is_ignored_when_flags_name_the_layout():
                          "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}) is None
 
 
-def test_slurm_with_one_task_per_gpu_is_refused():
-    environ = dict(SLURM_TWO_NODES, SLURM_NTASKS="16", SLURM_PROCID="9")
-    with pytest.raises(SlurmLayoutError, match="--ntasks-per-node=1"):
+def test_slurm_with_one_task_per_gpu_is_refused_with_an_srun_line_that_works_there(capsys):
+    environ = dict(SLURM_TWO_NODES, SLURM_NTASKS="4", SLURM_PROCID="3", SLURM_STEP_TASKS_PER_NODE="2(x2)")
+    with pytest.raises(SlurmLayoutError) as refused:
+        detect_slurm(environ, command="meshrun launch --nproc-per-node 2 train")
+    # srun inherits SLURM_NTASKS=4 in a --ntasks-per-node=2 allocation, so `srun --ntasks-per-node=1` alone fails
+    # the same way: the suggestion pins the task count
+    assert "runs 4 tasks on 2 nodes (tasks per node 2(x2))" in str(refused.value)
+    assert "Run `srun -n 2 --ntasks-per-node=1 meshrun launch --nproc-per-node 2 train`" in str(refused.value)
+    assert not refused.value.speaker  # task 3 of 4: only task 0 prints the refusal
+    plan_env = dict(environ, SLURM_PROCID="0")
+    assert detect_slurm_refusal(plan_env).speaker and detect_slurm_refusal(environ).speaker is False
+
+
+def detect_slurm_refusal(environ):
+    with pytest.raises(SlurmLayoutError) as refused:
         detect_slurm(environ)
+    return refused.value
+
+
+def test_launch_prints_a_slurm_refusal_once_per_step(monkeypatch, capsys):
+    environ = dict(SLURM_TWO_NODES, SLURM_NTASKS="4", SLURM_STEP_TASKS_PER_NODE="2(x2)")
+    for procid, printed in (("3", False), ("0", True)):
+        for key, value in dict(environ, SLURM_PROCID=procid).items():
+            monkeypatch.setenv(key, value)
+        assert main(["--nproc-per-node", "2", "train"]) == 2
+        err = capsys.readouterr().err
+        assert ("srun -n 2 --ntasks-per-node=1 meshrun launch --nproc-per-node 2 train" in err) is printed, err
+
+
+def test_launch_in_the_batch_script_of_a_multi_node_job_says_use_srun():
+    batch = {key: value for key, value in SLURM_TWO_NODES.items() if key != "SLURM_STEP_ID"}
+    batch.update(SLURM_NODEID="0", SLURM_PROCID="0")
+    with pytest.raises(SlurmLayoutError, match=r"batch script of job 4242 on 2 nodes, not a job step.*Use srun: "
+                                               r"`srun -n 2 --ntasks-per-node=1 meshrun launch"):
+        detect_slurm(batch)
+    assert detect_slurm(dict(batch, SLURM_NNODES="1", SLURM_NTASKS="1")) is None  # one node: a standalone launch
+
+
+def test_slurm_plan_block_is_prefixed_with_the_node(monkeypatch):
+    block = format_plan(plan_for(["--nproc-per-node", "8", "train"], SLURM_TWO_NODES))
+    assert all(line.startswith("[node 1 ") for line in block.splitlines()), block
+
+
+def test_slurm_node_0_refuses_a_port_another_job_holds(monkeypatch):
+    import socket as socketlib
+
+    with socketlib.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        environ = dict(SLURM_TWO_NODES, SLURM_NODEID="0", SLURM_PROCID="0", MASTER_PORT=str(port))
+        with pytest.raises(LaunchUsageError, match=f"SLURM job 4242: rendezvous port {port} on .* is already in use"):
+            plan_for(["--nproc-per-node", "1", "train"], environ)
+        joined = plan_for(["--nproc-per-node", "1", "train"], dict(environ, SLURM_NODEID="1", SLURM_PROCID="1"))
+        assert joined.store_here is False and "SLURM node 0 hosts it" in joined.store_reason
 
 
 # --- simulate-nodes ----------------------------------------------------------------------------------------------

@@ -56,6 +56,19 @@ class ClusterEnv:
         """How often torchrun's agent restarted this worker group (0 on first start)."""
         return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
+    @property
+    def nodes_differ(self) -> bool:
+        """The nodes run different numbers of processes (8 + 4 + 4): the world is not nodes x this node's count."""
+        return self.world_size != self.num_nodes * self.local_world_size
+
+    def describe_nodes(self) -> str:
+        """'2 node(s) x 8 process(es) = world size 16', or for nodes that differ
+        '3 node(s) of different sizes = world size 16 (8 process(es) on this node)'."""
+        if self.nodes_differ:
+            return (f"{self.num_nodes} node(s) of different sizes = world size {self.world_size} "
+                    f"({self.local_world_size} process(es) on this node)")
+        return f"{self.num_nodes} node(s) x {self.local_world_size} process(es) = world size {self.world_size}"
+
     def validate(self) -> None:
         """Raise a ValueError naming the variable when the layout is inconsistent."""
         if not 0 <= self.rank < self.world_size:
@@ -180,10 +193,21 @@ def _slurm_local_world_size(environ: Mapping[str, str], *, node_rank: int, world
     return _int(environ, "SLURM_NTASKS_PER_NODE", max(1, world_size // max(1, num_nodes)))
 
 
+SLURM_PORT_BASE = 15000
+SLURM_PORT_SPAN = 16384
+"""Ports derived from a job id lie in 15000..31383, below Linux's ephemeral range (32768 and up)."""
+
+
+def slurm_port(job_id: str) -> int:
+    """The rendezvous port of SLURM job ``job_id``, the same on every node: the whole id modulo 16384, so that jobs
+    sharing a first node collide only when their ids differ by a multiple of 16384 (the last four digits, as
+    Lightning uses, collide every 10000 jobs). ``meshrun launch`` refuses a busy port on node 0 by name."""
+    digits = job_id.split("_")[0]  # array tasks ('123_4') carry their own SLURM_JOB_ID; keep the number
+    return SLURM_PORT_BASE + int(digits) % SLURM_PORT_SPAN if digits.isdigit() else DEFAULT_MASTER_PORT
+
+
 def _slurm_default_port(environ: Mapping[str, str]) -> int:
-    # Derive the port from the job id so two jobs sharing a node do not collide (as Lightning does).
-    job_id = environ.get("SLURM_JOB_ID", "")
-    return 15000 + int(job_id[-4:]) if job_id[-4:].isdigit() else DEFAULT_MASTER_PORT
+    return slurm_port(environ.get("SLURM_JOB_ID", ""))
 
 
 def expand_tasks_per_node(value: str) -> list[int]:

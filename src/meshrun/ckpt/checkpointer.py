@@ -127,9 +127,10 @@ class Checkpointer:
             if signalled_all and not self.stop_requested:
                 self.stop_requested = True
                 if self.coord.rank == 0:
-                    log.warning("SIGTERM received (preemption): %s at step %d and stopping",
-                                "saving a final checkpoint" if self.cfg.final else "not saving (checkpoint.final "
-                                "is off)", step)
+                    log.warning("stop signal received (SIGTERM or SIGUSR1: preemption, time limit): %s at step "
+                                "%d and stopping",
+                                "saving a final checkpoint" if self.cfg.final else "not saving (checkpoint.final is off)",
+                                step)
         return by_steps or by_time or (self.stop_requested and self.cfg.final)
 
     # ------------------------------------------------------------------ save

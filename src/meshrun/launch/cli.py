@@ -23,7 +23,11 @@ def main(argv: list[str] | None = None) -> int:
         return simulate(largs) if largs.ns.simulate_nodes else launch(largs)
     except SystemExit as exc:  # argparse's --help and usage errors
         return exc.code if isinstance(exc.code, int) else 2
-    except (LaunchUsageError, EndpointError, SlurmLayoutError) as exc:
+    except SlurmLayoutError as exc:
+        if exc.speaker:  # every task of the step gets the same refusal; one says it
+            print(f"meshrun launch: {exc}", file=sys.stderr)
+        return 2
+    except (LaunchUsageError, EndpointError) as exc:
         print(f"meshrun launch: {exc}", file=sys.stderr)
         return 2
     except LaunchError as exc:

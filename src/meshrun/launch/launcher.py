@@ -132,7 +132,7 @@ def _probe_endpoint(plan: LaunchPlan, largs: LaunchArgs) -> None:
     if not answer.ok:
         raise LaunchError(not_a_store_message(plan, answer, result.elapsed_s), hard_exit=answer.abandoned)
     elapsed = result.elapsed_s + answer.elapsed_s
-    print(f"  reached     {plan.endpoint} after {elapsed:.1f}s (a store answered)", file=sys.stderr, flush=True)
+    print(f"{plan.label}  reached     {plan.endpoint} after {elapsed:.1f}s (a store answered)", file=sys.stderr, flush=True)
     if plan.backend == "c10d" and "join_timeout" not in parse_rdzv_conf(_user_conf(largs)):
         left = max(MIN_JOIN_TIMEOUT_S, int(plan.timeout_s - elapsed))
         plan.rdzv_conf["join_timeout"] = str(left)  # --rdzv-timeout bounds probe and join together

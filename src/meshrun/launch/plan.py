@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import shlex
+import socket
 import uuid
 from dataclasses import dataclass, field
 from typing import Mapping
@@ -67,6 +69,11 @@ class LaunchPlan:
         return format_endpoint(self.endpoint_host, self.endpoint_port)
 
     @property
+    def label(self) -> str:
+        """Prefix of this node's lines under SLURM, where srun interleaves every node's output: '[node 1 gpu08] '."""
+        return f"[node {self.slurm.node_rank} {socket.gethostname()}] " if self.slurm is not None else ""
+
+    @property
     def probe_first(self) -> bool:
         """Another host serves the store: check that it is reachable before joining."""
         return self.store_here is False
@@ -92,7 +99,8 @@ def make_plan(largs: LaunchArgs, *, environ: Mapping[str, str]) -> LaunchPlan:
     min_nodes, max_nodes = parse_nnodes(ns.nnodes)
     slurm = None
     if not given & {"nnodes", "node_rank", "rdzv_endpoint", "master_addr", "standalone"}:
-        slurm = detect_slurm(environ)
+        slurm = detect_slurm(environ, command=shlex.join(["meshrun", "launch", *largs.option_tokens,
+                                                          largs.target.name, *largs.target.args]))
         if slurm is not None:
             min_nodes = max_nodes = slurm.num_nodes
     rdzv = _rendezvous(ns, given, max_nodes=max_nodes, slurm=slurm)
@@ -178,6 +186,8 @@ def _choose_store_host(plan: LaunchPlan, route: Route) -> None:
             plan.store_reason = "from --rdzv-conf is_host"
         elif not route.dest_is_local:
             plan.store_here, plan.store_reason = False, f"{route.dest} is another host"
+        elif plan.slurm is not None:
+            _choose_slurm_store_host(plan, route)
         elif plan.endpoint_port and port_accepts(route.dest, plan.endpoint_port):
             if plan.max_nodes == 1:
                 raise LaunchUsageError(f"rendezvous port {plan.endpoint} is already in use on this host; choose "
@@ -198,6 +208,23 @@ def _choose_store_host(plan: LaunchPlan, route: Route) -> None:
                               "address of this host; other nodes will look for it there.")
     else:
         plan.store_reason = f"decided by the {plan.backend} backend"
+
+
+def _choose_slurm_store_host(plan: LaunchPlan, route: Route) -> None:
+    """SLURM, endpoint on this host: node 0 hosts (whichever launcher starts first), and a busy port there is
+    another job's store on a shared node, never one to join."""
+    slurm = plan.slurm
+    assert slurm is not None  # the caller checked
+    plan.store_here = slurm.node_rank == 0
+    if not plan.store_here:
+        plan.store_reason = f"SLURM node 0 hosts it (this is node {slurm.node_rank}; {route.dest} is on this host)"
+        return
+    if plan.endpoint_port and port_accepts(route.dest, plan.endpoint_port):
+        raise LaunchUsageError(
+            f"SLURM job {slurm.job_id or '?'}: rendezvous port {plan.endpoint_port} on {socket.gethostname()} is "
+            "already in use, probably by another job on this node (the port is derived from the job id); before "
+            "srun, export MASTER_PORT=<a free port> (the same for every node).")
+    plan.store_reason = f"SLURM node 0 hosts it ({route.dest} is this host's address)"
 
 
 def _choose_socket_env(plan: LaunchPlan, environ: Mapping[str, str]) -> None:
@@ -287,10 +314,15 @@ def apply_plan(ns: argparse.Namespace, plan: LaunchPlan) -> None:
 def format_plan(plan: LaunchPlan) -> str:
     """The short block printed at start: every decision and the reason for it."""
     nodes = str(plan.max_nodes) if plan.min_nodes == plan.max_nodes else f"{plan.min_nodes}..{plan.max_nodes}"
-    world = f" = {plan.max_nodes * int(plan.nproc)} workers" if plan.nproc.isdigit() else ""
+    if plan.max_nodes == 1:
+        size = f"{nodes} node(s) x {plan.nproc} proc(s)" + (f" = {plan.nproc} workers" if plan.nproc.isdigit() else "")
+    else:  # each node's agent brings its own --nproc-per-node; c10d adds them up (8 + 4 + 4 = 16)
+        same = (f", {plan.max_nodes * int(plan.nproc)} if every node runs {plan.nproc}" if plan.nproc.isdigit()
+                and plan.min_nodes == plan.max_nodes else "")
+        size = f"{nodes} node(s), {plan.nproc} proc(s) on this node (world size: the sum over nodes{same})"
     store = {True: "hosted here", False: "joined", None: "backend's choice"}[plan.store_here]
     node = ("node rank assigned at rendezvous" if plan.backend == "c10d" else f"node rank {plan.node_rank}")
-    lines = [f"meshrun launch: {nodes} node(s) x {plan.nproc} proc(s){world}; {node}",
+    lines = [f"meshrun launch: {size}; {node}",
              f"  target      {plan.target.describe()}",
              f"  rendezvous  {plan.backend} at {plan.endpoint} (id {plan.rdzv_id}), timeout {plan.timeout_s}s",
              f"  store       {store}: {plan.store_reason}",
@@ -305,7 +337,7 @@ def format_plan(plan: LaunchPlan) -> str:
     if plan.env_kept:
         lines.append(f"  env kept    {' '.join(f'{k}={v}' for k, v in plan.env_kept.items())} (yours)")
     lines += [f"  note        {note}" for note in plan.notes]
-    return "\n".join(lines)
+    return "\n".join(plan.label + line for line in lines)
 
 
 def _is_loopback(ip: str) -> bool:

@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.profile and not job.run.profile_steps:
             job.run.profile_steps = default_profile_steps(job.train.steps)
     except ConfigError as exc:
-        print(f"meshrun train: error: {exc}", file=sys.stderr)
+        if _first_of_the_step():
+            print(f"meshrun train: error: {exc}", file=sys.stderr)
         return 2
     if args.print_config:
         print(job.to_toml())
@@ -73,6 +74,17 @@ def main(argv: list[str] | None = None) -> int:
 
         return dry_run(job, world_size=args.world_size, gpus_per_node=args.gpus_per_node)
     return run(job)
+
+
+def _first_of_the_step() -> bool:
+    """Every task of `srun meshrun train ...` reads the same command line, so a command-line refusal is the same on
+    all of them: rank 0 says it once (any process whose layout cannot be read says it too)."""
+    from meshrun.env import ClusterEnv
+
+    try:
+        return ClusterEnv.detect().is_rank_zero
+    except ValueError:
+        return True
 
 
 def _first_line(exc: BaseException) -> str:

@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import random
+import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -265,17 +266,20 @@ class Trainer:
 
     def print_header(self) -> None:
         env, b, m = self.env, self.batch, self.model_cfg
+        log.info("rank %d of %d on %s: node %d of %d, local rank %d of %d (%s)", env.rank, env.world_size,
+                 socket.gethostname(), env.node_rank, env.num_nodes, env.local_rank, env.local_world_size, env.source)
         params = sum(p.numel() for p in {id(p): p for part in self.engine.model_parts
                                          for p in part.parameters()}.values())
-        per_node = env.local_world_size
+        per_node = (f"{env.num_nodes} node(s) of different sizes" if env.nodes_differ
+                    else f"{env.num_nodes} node(s) x {b.dp_size // max(1, env.num_nodes)} per node")
         lines = [
-            f"meshrun train | {env.source}: {env.num_nodes} node(s) x {per_node} process(es) = world size "
-            f"{env.world_size} | {self.ctx.backend or 'no process group'} on {self.device}",
+            f"meshrun train | {env.source}: {env.describe_nodes()} | {self.ctx.backend or 'no process group'} on "
+            f"{self.device}",
             f"model {self.job.model.name}: {params / 1e6:.2f}M parameters on this rank, {m.n_layers} layers, dim "
             f"{m.dim}, {m.n_heads} heads, seq {m.seq_len}, vocab {m.vocab_size}",
             f"data: {self.corpus.description}; fingerprint {self.corpus.fingerprint[:12]}",
             f"global batch {b.global_batch} = {b.micro_batch} per rank (B_local) x {b.dp_size} data-parallel ranks "
-            f"({env.num_nodes} node(s) x {b.dp_size // max(1, env.num_nodes)} per node) x {b.grad_accum} accumulation"
+            f"({per_node}) x {b.grad_accum} accumulation"
             f" (A)",
             f"tokens per step will be: {b.tokens_per_step:,} ({b.global_batch} x {m.seq_len}); epoch = "
             f"{self.data.sampler.steps_per_epoch:,} steps ({len(self.data.sampler.dataset) - self.data.sampler.usable}"
