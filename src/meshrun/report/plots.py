@@ -71,16 +71,25 @@ def plot_loss(runs: list[Run], out: Path) -> Path | None:
     return _save(fig, out / "loss.png")
 
 
-def plot_lr(runs: list[Run], out: Path) -> Path | None:
-    if not any(run.kind("train") for run in runs):
-        return None
+def _one_axes(runs: list[Run], out: Path, file: str, points, *, xlabel: str, ylabel: str, title: str,
+              style: str = "-", markers: bool = False) -> Path:
+    """One figure, one line per run: ``points(run)`` gives (xs, ys)."""
     plt, colors = _plt(), _colors(runs)
     fig, ax = plt.subplots(figsize=(5, 3.2))
     for run in runs:
-        ax.plot(*_series(run, "train", "lr"), color=colors[run.name], label=run.name)
-    ax.set(xlabel="step", ylabel="learning rate", title="learning rate")
+        ax.plot(*points(run), style, ms=3, color=colors[run.name], label=run.name)
+        if markers:
+            _markers(ax, run, colors[run.name], x="time")
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
     ax.legend(fontsize=8)
-    return _save(fig, out / "lr.png")
+    return _save(fig, out / file)
+
+
+def plot_lr(runs: list[Run], out: Path) -> Path | None:
+    if not any(run.kind("train") for run in runs):
+        return None
+    return _one_axes(runs, out, "lr.png", lambda run: _series(run, "train", "lr"), xlabel="step",
+                     ylabel="learning rate", title="learning rate")
 
 
 def plot_throughput(runs: list[Run], out: Path) -> Path | None:
@@ -103,35 +112,30 @@ def plot_throughput(runs: list[Run], out: Path) -> Path | None:
     return _save(fig, out / "throughput.png")
 
 
+def _peak_memory(run: Run) -> tuple[list[float], list[float]]:
+    rows = [r for r in run.kind("ranks") if r.get("peak_mem_gib")]
+    return [r["step"] for r in rows], [max(r["peak_mem_gib"]) for r in rows]
+
+
+def _progress(run: Run) -> tuple[list[float], list[float]]:
+    rows = run.kind("train")
+    return [(r["time"] - run.t0) / 60 for r in rows], [r["step"] for r in rows]
+
+
 def plot_memory(runs: list[Run], out: Path) -> Path | None:
     """Peak memory of the busiest rank (CUDA allocator peak on GPUs, peak resident set size on CPUs)."""
     if not any(run.kind("ranks") for run in runs):
         return None
-    plt, colors = _plt(), _colors(runs)
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    for run in runs:
-        rows = [r for r in run.kind("ranks") if r.get("peak_mem_gib")]
-        ax.plot([r["step"] for r in rows], [max(r["peak_mem_gib"]) for r in rows], color=colors[run.name],
-                label=run.name)
-    ax.set(xlabel="step", ylabel="GiB (highest rank)", title="peak memory")
-    ax.legend(fontsize=8)
-    return _save(fig, out / "memory.png")
+    return _one_axes(runs, out, "memory.png", _peak_memory, xlabel="step",
+                     ylabel="GiB (highest rank; host RSS on CPU)", title="peak memory")
 
 
 def plot_timeline(runs: list[Run], out: Path) -> Path | None:
     """Step against wall-clock minutes: gaps are downtime, dashed lines restarts, triangles checkpoints."""
     if not any(run.kind("train") for run in runs):
         return None
-    plt, colors = _plt(), _colors(runs)
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    for run in runs:
-        rows = run.kind("train")
-        ax.plot([(r["time"] - run.t0) / 60 for r in rows], [r["step"] for r in rows], ".-", ms=3,
-                color=colors[run.name], label=run.name)
-        _markers(ax, run, colors[run.name], x="time")
-    ax.set(xlabel="minutes since the first start", ylabel="step", title="progress over time")
-    ax.legend(fontsize=8)
-    return _save(fig, out / "timeline.png")
+    return _one_axes(runs, out, "timeline.png", _progress, xlabel="minutes since the first start", ylabel="step",
+                     title="progress over time", style=".-", markers=True)
 
 
 def rank_matrix(run: Run, key: str = "work_s") -> tuple[list[int], list[list[float]]]:
