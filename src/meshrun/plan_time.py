@@ -82,4 +82,7 @@ def estimate_lines(est: dict[str, Any], *, params_from: str) -> list[str]:
         lines += [f"  at {t:,.0f} tokens/s: {d:.3g} / {t:,.0f} = {est['seconds_at_throughput']:.3g} s = "
                   f"{human_time(est['seconds_at_throughput'])}",
                   f"    which is {100 * est['implied_mfu']:.1f}% MFU (6 x {n:.3g} x {t:,.0f} / {est['peak_flops']:.3g})"]
+        if est["implied_mfu"] > 1:
+            lines.append("    warning: above 100% MFU, so this throughput is impossible for N parameters on "
+                         f"{est['gpus']} GPUs; check --tokens-per-s, --params and the GPU count")
     return lines
