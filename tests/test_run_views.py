@@ -103,3 +103,13 @@ def test_tensorboard_gets_per_rank_step_times(tmp_path):
     events = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
     assert events.Scalars("ranks/work_s/rank_1")[0].value == pytest.approx(0.25)
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["work_s"] == [0.01, 0.25]
+
+
+def test_report_of_a_run_that_has_only_started(tmp_path):
+    pytest.importorskip("matplotlib", reason="meshrun report needs matplotlib (pip install -e '.[test]')")
+    from meshrun.report.cli import write_report
+
+    run = _write_run(tmp_path / "young", _records(restart_at=30)[:2])  # a start and one train record so far
+    page = write_report([run], tmp_path / "out").read_text()
+    assert 'src="loss.png"' in page and 'src="ranks_0.png"' not in page  # no per-rank record yet: no heatmap
+    assert '<td class="text status">running</td>' in page
