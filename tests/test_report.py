@@ -22,7 +22,7 @@ from meshrun.train.trainer import Trainer
 
 pytest.importorskip("matplotlib", reason="meshrun report needs matplotlib (pip install -e '.[test]')")
 
-SLOW_RANK_DELAY_S = 0.06
+SLOW_RANK_DELAY_S = 0.1
 TRAIN_ARGS = ["--train.steps=12", "--train.log_every=3", "--train.eval_every=6", "--train.eval_samples=32",
               "--data.max_bytes=200000", "--parallel.dp_shard=2", "--checkpoint.interval_steps=6",
               "--run.progress=lines", "--health.straggler_threshold=0"]
@@ -95,9 +95,13 @@ def test_per_rank_timing_shows_the_slow_rank(run_dir):
     assert all(len(r["work_s"]) == 2 and len(r["data_s"]) == 2 for r in ranks)
     steps, matrix = rank_matrix(load_run(run_dir))  # what the heatmap draws, ms per step
     assert steps == [3, 6, 9, 12]
-    for interval in range(1, 4):  # after the warm-up interval: rank 1's row is brighter by about its sleep
-        assert matrix[1][interval] - matrix[0][interval] > 0.7 * SLOW_RANK_DELAY_S * 1000, matrix
-        assert ranks[interval]["data_s"][1] >= SLOW_RANK_DELAY_S
+    # after the warm-up interval rank 1's row is the brighter one, by about its sleep on average (rank 0's forward
+    # time jitters by tens of ms on a loaded 2-core machine, so single cells are compared only by order)
+    later = range(1, 4)
+    assert all(matrix[1][i] > matrix[0][i] for i in later), matrix
+    gap_ms = sum(matrix[1][i] - matrix[0][i] for i in later) / len(later)
+    assert gap_ms > 0.5 * SLOW_RANK_DELAY_S * 1000, matrix
+    assert all(ranks[i]["data_s"][1] >= SLOW_RANK_DELAY_S > 10 * ranks[i]["data_s"][0] for i in later), ranks
 
 
 @pytest.mark.slow
