@@ -13,7 +13,8 @@ from meshrun.train.summary import compute_summary
 def _records(*, restart_at: int | None = None):
     """A small run as metrics.jsonl holds it: 2 ranks, 4 log intervals, evaluations and checkpoints."""
     t, out = 1000.0, [{"time": 1000.0, "kind": "start", "step": 0, "world_size": 2, "nodes": 1,
-                        "layout": "pp 1 x dp_replicate 2 x dp_shard 1 x tp 1 = 2 ranks | DDP", "global_batch": 16}]
+                        "layout": "pp 1 x dp_replicate 2 x dp_shard 1 x tp 1 = 2 ranks | DDP", "global_batch": 16,
+                        "tokens_per_step": 1024}]
     for i, step in enumerate((10, 20, 30, 40)):
         t += 10
         if restart_at == step:
@@ -35,6 +36,13 @@ def test_summary_numbers_from_the_records():
     assert s["tokens_per_s"] == 2100.0  # median after the first (warm-up) interval, not dragged down by it
     assert s["peak_mem_gib"] == 0.75 and s["restarts"] == 0 and s["last_checkpoint_step"] == 40
     assert compute_summary(_records(restart_at=30))["restarts"] == 1
+
+
+def test_validation_loss_against_tokens(tmp_path):
+    from meshrun.report.plots import _eval_by_tokens
+
+    run = load_run(_write_run(tmp_path / "a", _records()))
+    assert _eval_by_tokens(run) == ([20 * 1024, 40 * 1024], [2.5, 2.75])
 
 
 def _write_run(path, records, summary=None):

@@ -53,6 +53,19 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+def _eval_by_tokens(run: Run) -> tuple[list[float], list[float]]:
+    """Validation loss against tokens: an eval record's step times the tokens per step of the start before it
+    (the global batch is kept across resumes, so this is exact)."""
+    xs, ys, per_step = [], [], 0
+    for r in run.records:
+        if r.get("kind") == "start":
+            per_step = r.get("tokens_per_step", 0)
+        elif r.get("kind") == "eval" and per_step and isinstance(r.get("loss"), (int, float)):
+            xs.append(r["step"] * per_step)
+            ys.append(r["loss"])
+    return xs, ys
+
+
 def plot_loss(runs: list[Run], out: Path) -> Path | None:
     """Training (solid) and validation (dots) loss against step and against tokens."""
     if not any(run.kind("train") for run in runs):
@@ -65,8 +78,9 @@ def plot_loss(runs: list[Run], out: Path) -> Path | None:
         by_step.plot(*_series(run, "eval", "loss"), "o--", color=c, ms=4, label=f"{run.name} validation")
         _markers(by_step, run, c)
         by_tokens.plot(*_series(run, "train", "loss", x="tokens_seen"), color=c, label=run.name)
+        by_tokens.plot(*_eval_by_tokens(run), "o--", color=c, ms=4)
     by_step.set(xlabel="step (dashed line: restart/resume, triangle: checkpoint)", ylabel="loss", title="loss")
-    by_tokens.set(xlabel="tokens seen", ylabel="training loss", title="loss against tokens")
+    by_tokens.set(xlabel="tokens seen", ylabel="loss", title="loss against tokens")
     by_step.legend(fontsize=8)
     return _save(fig, out / "loss.png")
 
