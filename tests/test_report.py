@@ -29,6 +29,9 @@ TRAIN_ARGS = ["--train.steps=12", "--train.log_every=3", "--train.eval_every=6",
 
 
 def _train_worker(rank, world_size, run_dir):
+    import torch
+
+    torch.set_num_threads(1)  # 2 ranks on 2 cores, as `meshrun launch` sets OMP_NUM_THREADS=1
     trainer = Trainer(load_config(None, [f"--run.dir={run_dir}", *TRAIN_ARGS]))
     next_step = trainer.data.next_step
 
