@@ -4,6 +4,7 @@ checkpoint and exit code 143, never 0 and never a half-written save; the next ru
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -105,6 +106,9 @@ def assert_stopped_with_a_checkpoint(proc: subprocess.Popen, out: str, run_dir: 
     assert f"meshrun train: stopped at step {newest} of {STEPS} by {signal_name}" in out, out[-6000:]
     assert not list((run_dir / "checkpoints").glob("*.tmp*")), "a save was left half-written"
     assert ckpt_main(["verify", str(run_dir / "checkpoints" / f"step_{newest:07d}")]) == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "stopped early" and summary["exit_reason"].startswith(f"stopped by {signal_name}")
+    assert summary["last_checkpoint_step"] == newest and summary["steps"] <= newest
     return newest
 
 
@@ -130,6 +134,8 @@ def test_time_limit_burst_of_sigterms_under_launch_saves_exits_143_and_resumes(t
     out = finish(resumed, resumed_log)
     assert resumed.returncode == 0, out[-6000:]
     assert f"resumed at step {newest} " in out and complete_steps(run_dir)[-1] == STEPS, out[-6000:]
+    summary = json.loads((run_dir / "summary.json").read_text())  # the whole run: both starts, one restart
+    assert (summary["status"], summary["steps"], summary["restarts"]) == ("finished", STEPS, 1)
 
 
 @pytest.mark.slow

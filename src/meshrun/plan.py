@@ -22,7 +22,9 @@ from typing import Any
 
 from meshrun.config import BatchPlan, ConfigError, JobConfig, load_config, resolve_batch
 from meshrun.dist.mesh import ParallelDims
+from meshrun.models.build import count_params
 from meshrun.models.gpt import SIZES, GPTConfig
+from meshrun.plan_time import DEFAULT_PEAK_TFLOPS, estimate_lines, measured_tokens_per_s, parse_count, time_estimate
 
 GiB = 2**30
 ADAM_STATE_BYTES = 8  # two fp32 moments per parameter
@@ -35,6 +37,7 @@ examples:
   meshrun plan --nodes 8 --gpus-per-node 8 --model 1b --tp 4 --pp 2 --dp-replicate -1
   meshrun plan --nodes 64 --hidden 12288 --heads 96 --ffn 49152 --layers 96 --tp 8 --pp 8 --json
   meshrun plan --config job.toml --nodes 2 --gpus-per-node 8 --dry-run
+  meshrun plan --nodes 16 --tp 8 --pp 4 --model 1b --params 100B --tokens 1T --tokens-per-s 45000
 """
 
 
@@ -67,6 +70,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     b.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step (A)")
     b.add_argument("--global-batch", type=int, help="samples per optimizer step (derives A)")
     b.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="compute dtype (default bf16)")
+    t = p.add_argument_group("time for a token budget (6 x N x tokens FLOPs)")
+    t.add_argument("--tokens", help="token budget, e.g. 1T or 300B: prints the wall-clock estimate")
+    t.add_argument("--params", help="N for the FLOP count, e.g. 100B (default: the model's parameters)")
+    t.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilisation (default 0.4)")
+    t.add_argument("--peak-tflops", type=float, default=0.0,
+                   help="dense bf16 peak per GPU in TFLOP/s (default 989, an H100)")
+    t.add_argument("--tokens-per-s", type=float, help="throughput of the whole job, measured or expected")
+    t.add_argument("--from-run", help="take --tokens-per-s from this run directory's summary.json")
     o = p.add_argument_group("output")
     o.add_argument("--gpu-mem-gib", type=float, default=80.0, help="GPU memory for the fit check (default 80)")
     o.add_argument("--ranks", default="auto", help="rank table rows: auto (<= 64 ranks, else first two and last "
@@ -500,13 +511,33 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"meshrun plan: error: {exc}", file=sys.stderr)
         return 2
+    try:
+        estimate, params_from = plan_time_estimate(plan, args)
+    except ConfigError as exc:
+        print(f"meshrun plan: error: {exc}", file=sys.stderr)
+        return 2
     if args.json:
-        print(json.dumps(to_json(plan), indent=1))
+        print(json.dumps({**to_json(plan), **({"time_estimate": estimate} if estimate else {})}, indent=1))
     else:
-        print_plan(plan, ranks=args.ranks, console=Console(width=None if sys.stdout.isatty() else 160))
+        console = Console(width=None if sys.stdout.isatty() else 160)
+        print_plan(plan, ranks=args.ranks, console=console)
+        for line in estimate_lines(estimate, params_from=params_from) if estimate else []:
+            console.print(line, highlight=False)
     if args.dry_run:
         return run_dry_run(plan, args)
     return 0
+
+
+def plan_time_estimate(plan: Plan, args: argparse.Namespace) -> tuple[dict[str, Any] | None, str]:
+    """(estimate, where N came from) for --tokens, or (None, '') without it."""
+    if not args.tokens:
+        return None, ""
+    params, params_from = (parse_count(args.params, "--params"), "--params") if args.params else (
+        float(count_params(plan.model)), f"the model's {plan.job.model.name or 'custom'} size")
+    throughput = measured_tokens_per_s(args.from_run) if args.from_run else args.tokens_per_s
+    peak = (args.peak_tflops or DEFAULT_PEAK_TFLOPS) * 1e12
+    return time_estimate(params=params, tokens=parse_count(args.tokens, "--tokens"), gpus=plan.world_size,
+                         peak_flops=peak, mfu=args.mfu, tokens_per_s=throughput), params_from
 
 
 def run_dry_run(plan: Plan, args: argparse.Namespace) -> int:

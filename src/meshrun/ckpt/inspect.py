@@ -135,12 +135,24 @@ def export_model(path: Path, out: Path) -> dict[str, Any]:
     the model's own parameter names, in the dtype stored. The checkpoint is verified first."""
     from safetensors.torch import save_file
 
+    manifest, weights = load_model_weights(path, purpose="export")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.name + ".partial")
+    save_file(weights, str(partial), metadata={"format": "pt", "step": str(manifest["step"]), "source": str(path)})
+    os.replace(partial, out)
+    return {"step": manifest["step"], "tensors": len(weights), "bytes": out.stat().st_size,
+            "dtypes": sorted({str(t.dtype).removeprefix("torch.") for t in weights.values()})}
+
+
+def load_model_weights(path: Path, *, purpose: str = "load") -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(manifest, weights): checkpoint ``path`` verified, then its whole (unsharded) model weights read on one
+    process, keyed by the model's own parameter names, whatever layout saved them."""
     manifest, problems = verify(path)
     if problems:
-        raise CheckpointError(f"{path}: will not export a damaged checkpoint: {'; '.join(problems[:3])}")
+        raise CheckpointError(f"{path}: will not {purpose} a damaged checkpoint: {'; '.join(problems[:3])}")
     owners = [name for name, kind in manifest.get("state", {}).items() if kind == "ModelOptimState"]
     if len(owners) != 1:
-        raise CheckpointError(f"{path}: the manifest names {len(owners)} ModelOptimState entries; export needs one")
+        raise CheckpointError(f"{path}: the manifest names {len(owners)} ModelOptimState entries; {purpose} needs one")
     prefix = f"{owners[0]}.model."
     reader = SafeFileSystemReader(str(path))
     entries = {key: entry for key, entry in reader.read_metadata().state_dict_metadata.items()
@@ -149,15 +161,9 @@ def export_model(path: Path, out: Path) -> dict[str, Any]:
     if odd:  # a weight left out would load as the fresh model's random init: refuse, as resume does
         raise CheckpointError(f"{path}: model entry {odd[0]!r} is stored as a pickled object, not a tensor"
                               f"{f' (and {len(odd) - 1} more)' if len(odd) > 1 else ''}; meshrun never writes "
-                              "those and will not export a model without it (the checkpoint is foreign or crafted)")
+                              f"those and will not {purpose} a model without it (the checkpoint is foreign or crafted)")
     targets = {key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype) for key, entry in entries.items()}
     if not targets:
         raise CheckpointError(f"{path}: holds no model tensors under {prefix!r}")
     dcp.load(targets, storage_reader=reader, no_dist=True)
-    weights = {key[len(prefix):]: tensor for key, tensor in targets.items()}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(out.name + ".partial")
-    save_file(weights, str(partial), metadata={"format": "pt", "step": str(manifest["step"]), "source": str(path)})
-    os.replace(partial, out)
-    return {"step": manifest["step"], "tensors": len(weights), "bytes": out.stat().st_size,
-            "dtypes": sorted({str(t.dtype).removeprefix("torch.") for t in weights.values()})}
+    return manifest, {key[len(prefix):]: tensor for key, tensor in targets.items()}

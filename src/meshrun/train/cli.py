@@ -124,21 +124,25 @@ def run(job) -> int:
     from meshrun.train.nonfinite import NonFiniteError
     from meshrun.train.trainer import Trainer
 
-    trainer = None
+    trainer, ending = None, ("failed", "interrupted")
     try:
         trainer = Trainer(job)
         result = trainer.fit()
         if result.stopped_by:
+            ending = ("stopped early", f"stopped by {result.stopped_by} at step {result.step}")
             return _stopped(trainer, result)
+        ending = ("finished", f"reached train.steps={job.train.steps}")
         return 0
     except ConfigError as exc:
         print(f"meshrun train: error: {exc}", file=sys.stderr)
+        ending = ("failed", _first_line(exc))
         return 2
     except NonFiniteError as exc:  # the message says it all; no traceback
         print(f"meshrun train: error: {exc}", file=sys.stderr)
         return 1
     except Exception as exc:  # noqa: BLE001 - one clear line first, then the traceback
-        print(f"meshrun train: error: {_where(trainer)}{_first_line(exc)}", file=sys.stderr)
+        ending = ("failed", f"{_where(trainer)}{_first_line(exc)}")
+        print(f"meshrun train: error: {ending[1]}", file=sys.stderr)
         if trainer is not None and _is_peer_failure(exc):
             print("  a collective failed: another rank probably died or was killed first; the launcher's "
                   "'Root Cause' lines name it, and <run.dir>/logs/rank_*.log hold each rank's last steps",
@@ -148,4 +152,18 @@ def run(job) -> int:
     finally:
         if trainer is not None:
             trainer.close()
+            _write_summary(trainer, *ending)
         shutdown()
+
+
+def _write_summary(trainer, status: str, reason: str) -> None:
+    """Rank 0 writes <run.dir>/summary.json; a failure to write it is reported, never raised over the run's own
+    outcome."""
+    if not trainer.env.is_rank_zero:
+        return
+    from meshrun.train.summary import write_summary
+
+    try:
+        write_summary(trainer.run_dir, exit_reason=reason, status=status)
+    except OSError as exc:
+        print(f"meshrun train: warning: could not write {trainer.run_dir / 'summary.json'}: {exc}", file=sys.stderr)

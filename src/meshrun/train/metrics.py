@@ -69,16 +69,30 @@ class MetricsSink:
         self.writer = _tensorboard_writer(run_dir) if enabled and tensorboard else None
         self.start = time.perf_counter()
 
+    def record(self, record: dict[str, Any]) -> dict[str, Any]:
+        """Append ``record`` (stamped with the time) to metrics.jsonl and TensorBoard, without printing it.
+        Lists are per-rank values: TensorBoard gets one scalar per rank (``ranks/work_s/rank_3``)."""
+        record = {"time": round(time.time(), 3), **record}
+        if not self.enabled:
+            return record
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        if self.writer is not None and "step" in record:
+            kind = record.get("kind", "train")
+            for key, value in record.items():
+                if isinstance(value, bool) or key in ("step", "time"):
+                    continue
+                if isinstance(value, (int, float)):
+                    self.writer.add_scalar(f"{kind}/{key}", value, record["step"])
+                elif isinstance(value, list):
+                    for rank, item in enumerate(value):
+                        self.writer.add_scalar(f"{kind}/{key}/rank_{rank}", item, record["step"])
+        return record
+
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        record = {"time": round(time.time(), 3), **record}
-        self.jsonl.write(json.dumps(record) + "\n")
-        self.jsonl.flush()
-        if self.writer is not None:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key not in ("step", "time"):
-                    self.writer.add_scalar(f"{record.get('kind', 'train')}/{key}", value, record["step"])
+        record = self.record(record)
         if self.bar is not None and record.get("kind") == "train":
             self.bar.update(record)
         else:

@@ -43,6 +43,8 @@ from meshrun.train.health import HangWatchdog, StragglerDetector, enable_flight_
 from meshrun.train.metrics import MetricsSink, SumMetrics, peak_flops
 from meshrun.train.nonfinite import NonFiniteGuard
 from meshrun.train.profiling import StepProfiler, build_profiler
+from meshrun.train.rank_timing import gather_hosts, gather_rank_times
+from meshrun.train.runlog import start_record
 
 log = logging.getLogger("meshrun")
 
@@ -133,6 +135,7 @@ class Trainer:
                                              compute_device=self.device)
                            if self.env.is_distributed and job.health.straggler_threshold else None)
         self.print_header()
+        self.sink.record({**self.start_record(), "hosts": gather_hosts()})  # collective: every rank
         self.profiler: StepProfiler | None = build_profiler(
             job.run, rank=self.env.rank, world_size=self.env.world_size, device=self.device, run_dir=self.run_dir,
             start_step=self.step, say=self.sink.print)
@@ -261,8 +264,19 @@ class Trainer:
                        meta={"epoch": counters.epoch, "tokens_seen": self.tokens_seen,
                              "samples_in_epoch": counters.samples_in_epoch})
         how = "published" if final or not self.job.checkpoint.async_save else "staged; writing in the background"
-        self.sink.print(f"checkpoint step {self.step} -> {self.ckpt.folder} ({how}, "
-                        f"{time.perf_counter() - started:.2f} s)")
+        seconds = time.perf_counter() - started
+        self.sink.print(f"checkpoint step {self.step} -> {self.ckpt.folder} ({how}, {seconds:.2f} s)")
+        self.sink.record({"kind": "checkpoint", "step": self.step, "final": final, "seconds": round(seconds, 3)})
+
+    def start_record(self) -> dict[str, Any]:
+        """metrics.jsonl's ``start`` record: layout, batch and model as this process group trains them."""
+        env, b = self.env, self.batch
+        formula = (f"{b.global_batch} = {b.micro_batch} (B_local) x {b.dp_size // max(1, env.num_nodes)} (G) x "
+                   f"{env.num_nodes} (N) x {b.grad_accum} (A)")
+        return start_record(step=self.step, restart=env.restart_count, world_size=env.world_size,
+                            nodes=env.num_nodes, layout=describe_layout(self.dims), batch_formula=formula,
+                            global_batch=b.global_batch, tokens_per_step=b.tokens_per_step,
+                            model=self.job.model.name, params=count_params(self.model_cfg), device=str(self.device))
 
     def print_header(self) -> None:
         env, b, m = self.env, self.batch, self.model_cfg
@@ -369,7 +383,7 @@ class Trainer:
                 result.losses.append(record["loss"])
                 self.sink.log(record)
                 self.check_nonfinite()
-                self.check_stragglers(interval_steps)
+                self.check_stragglers(interval_steps, elapsed)
                 interval_start, interval_steps = time.perf_counter(), 0
             if job.train.eval_every and (self.step % job.train.eval_every == 0 or self.step == job.train.steps):
                 self.beat("evaluate")
@@ -412,9 +426,14 @@ class Trainer:
             self.sink.print(f"warning: {report}")
             log.warning("%s", report)
 
-    def check_stragglers(self, steps: int) -> None:
-        """Every rank's own working time (data + forward, before any blocking collective) compared across ranks."""
+    def check_stragglers(self, steps: int, elapsed: float) -> None:
+        """Every rank's own working time (data + forward, before any blocking collective) gathered into a ``ranks``
+        record and compared across ranks."""
         work_s, data_s = self.timer.take(steps)
+        ranks = gather_rank_times(step=self.step, work_s=work_s, data_s=data_s, step_s=elapsed / max(steps, 1),
+                                  device=self.device, is_rank_zero=self.env.is_rank_zero)  # collective: every rank
+        if ranks is not None:
+            self.sink.record(ranks)
         if self.stragglers is None or self.step <= self.start_step + self.job.train.log_every:
             return  # the first interval holds warm-up (compilation, allocator growth), not a rank's speed
         self.beat("straggler_check")

@@ -1,0 +1,1 @@
+"""Looking at runs: ``meshrun report`` (HTML page and PNGs), ``meshrun runs`` (one row per run directory)."""

@@ -1,0 +1,103 @@
+"""``meshrun sample CHECKPOINT``: print what the reference model writes after a prompt.
+
+Loads any checkpoint of the reference model on one process, whatever layout saved it (DDP, FSDP, TP, PP: the
+weights are read whole through DCP), with the model shape from the run's ``config.toml``. Byte-level text only
+(the standard library corpus and text files): the prompt's UTF-8 bytes are the tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from meshrun.ckpt.errors import CheckpointError
+from meshrun.config import ConfigError, JobConfig, load_config
+
+EPILOG = """\
+examples:
+  meshrun sample runs/default --prompt "def " --tokens 200
+  meshrun sample runs/default/checkpoints/step_0000300 --temperature 0 --prompt "import "
+CHECKPOINT may be a checkpoint directory, a checkpoints folder or a run directory (the newest complete one is used).
+"""
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="meshrun sample", description=__doc__.split("\n\n")[0], epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint", help="checkpoint directory, checkpoints folder or run directory")
+    p.add_argument("--prompt", default="def ", help="text to continue (default 'def ')")
+    p.add_argument("--tokens", type=int, default=200, help="tokens (bytes) to generate (default 200)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
+    p.add_argument("--seed", type=int, default=0, help="random seed of the sampling (default 0)")
+    p.add_argument("--config", help="the run's config.toml (default: found next to the checkpoints)")
+    return p.parse_args(argv)
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """A step directory from a step directory, a checkpoints folder or a run directory (newest complete)."""
+    from meshrun.ckpt.layout import complete_steps, scan, step_dir_name
+
+    if (path / "manifest.json").is_file():
+        return path
+    for folder in (path, path / "checkpoints"):
+        steps = complete_steps(scan(folder)) if folder.is_dir() else []
+        if steps:
+            return folder / step_dir_name(max(steps))
+    raise CheckpointError(f"{path}: no complete checkpoint here (looked for manifest.json, step_* directories and "
+                          "checkpoints/step_*); give a checkpoint directory, e.g. runs/default/checkpoints/step_0000300")
+
+
+def find_config(step_dir: Path, explicit: str | None) -> JobConfig:
+    """The run's config: --config, else config.toml in the run directory above the checkpoints folder."""
+    if explicit:
+        return load_config(explicit)
+    for folder in (step_dir.parent.parent, step_dir.parent, step_dir):
+        if (folder / "config.toml").is_file():
+            return load_config(folder / "config.toml")
+    raise ConfigError(f"{step_dir}: no config.toml in the run directory above it; pass --config RUN_DIR/config.toml")
+
+
+def load_model(step_dir: Path, job: JobConfig):
+    """The reference model with the checkpoint's weights, on the CPU, in fp32."""
+    from meshrun.ckpt.inspect import load_model_weights
+    from meshrun.models.build import model_config
+    from meshrun.models.gpt import GPT
+
+    cfg = model_config(job)
+    manifest, weights = load_model_weights(step_dir, purpose="sample from")
+    model = GPT(cfg)
+    try:
+        model.load_state_dict({k: v.float() for k, v in weights.items()}, strict=True)
+    except RuntimeError as exc:
+        raise CheckpointError(f"{step_dir}: its weights do not fit the model of the config found "
+                              f"({str(exc).splitlines()[0]}); pass the run's --config") from None
+    return model, manifest
+
+
+def main(argv: list[str] | None = None) -> int:
+    from meshrun.models.generate import generate
+
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        step_dir = resolve_checkpoint(Path(args.checkpoint))
+        job = find_config(step_dir, args.config)
+        if job.model.vocab_size and job.model.vocab_size > 256:
+            raise ConfigError(f"{step_dir}: model.vocab_size={job.model.vocab_size} is not byte-level text; "
+                              "meshrun sample decodes bytes only")
+        if args.tokens < 1:
+            raise ConfigError(f"--tokens {args.tokens}: give 1 or more")
+        model, manifest = load_model(step_dir, job)
+    except (CheckpointError, ConfigError) as exc:
+        print(f"meshrun sample: error: {exc}", file=sys.stderr)
+        return 2
+    prompt = list(args.prompt.encode()) or [10]  # an empty prompt starts after a newline
+    out = generate(model, prompt, tokens=args.tokens, temperature=args.temperature, top_k=args.top_k,
+                   generator=torch.Generator().manual_seed(args.seed))
+    print(f"# {step_dir} (step {manifest['step']}), temperature {args.temperature}, top-k {args.top_k or 'all'}",
+          file=sys.stderr)
+    print(args.prompt + bytes(out).decode("utf-8", errors="replace"))
+    return 0
