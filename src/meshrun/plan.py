@@ -22,7 +22,8 @@ from typing import Any
 
 from meshrun.config import BatchPlan, ConfigError, JobConfig, load_config, resolve_batch
 from meshrun.dist.mesh import ParallelDims
-from meshrun.models.gpt import SIZES, GPTConfig
+from meshrun.models.shape import ModelShape
+from meshrun.models.spec import ModelSpec
 
 GiB = 2**30
 ADAM_STATE_BYTES = 8  # two fp32 moments per parameter
@@ -35,6 +36,7 @@ examples:
   meshrun plan --nodes 8 --gpus-per-node 8 --model 1b --tp 4 --pp 2 --dp-replicate -1
   meshrun plan --nodes 64 --hidden 12288 --heads 96 --ffn 49152 --layers 96 --tp 8 --pp 8 --json
   meshrun plan --config job.toml --nodes 2 --gpus-per-node 8 --dry-run
+  meshrun plan --arch my_models:mlp_lm --model small --tp 2      (a model registered with meshrun.register_model)
 """
 
 
@@ -46,8 +48,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--config", help="TOML job config to start from (its [model], [parallel], [train] sections)")
     p.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (processes) per node (default 8)")
-    m = p.add_argument_group("model (a named size, then any of these overrides)")
-    m.add_argument("--model", help=f"named size: {', '.join(SIZES)} (default 124m, or the config's)")
+    m = p.add_argument_group("model (a registered model and its named size, then any of these overrides)")
+    m.add_argument("--arch", help="registered model (model.arch; 'module:name' imports module first; default gpt)")
+    m.add_argument("--model", help="named size of the model (gpt: tiny, small, 124m, 350m, 1b; default 124m, "
+                   "or the config's)")
     for flag, what in (("hidden", "hidden size (model.dim)"), ("layers", "transformer blocks"),
                        ("heads", "attention heads"), ("kv-heads", "key/value heads (GQA)"),
                        ("vocab", "vocabulary size"), ("seq", "sequence length"), ("ffn", "MLP hidden width")):
@@ -80,7 +84,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def job_from_args(args: argparse.Namespace) -> JobConfig:
     """The config file (if any), then every flag that was given."""
     overrides = []
-    flags = {"model.name": args.model, "model.dim": args.hidden, "model.n_layers": args.layers,
+    flags = {"model.arch": args.arch, "model.name": args.model, "model.dim": args.hidden,
+             "model.n_layers": args.layers,
              "model.n_heads": args.heads, "model.n_kv_heads": args.kv_heads, "model.vocab_size": args.vocab,
              "model.seq_len": args.seq, "model.ffn_dim": args.ffn,
              "model.tie_embeddings": False if args.untied else None,
@@ -93,7 +98,7 @@ def job_from_args(args: argparse.Namespace) -> JobConfig:
              "train.micro_batch": args.micro_batch, "train.grad_accum": args.grad_accum,
              "train.global_batch": args.global_batch}
     overrides = [f"{key}={value}" for key, value in flags.items() if value is not None]
-    if args.config is None and args.model is None:
+    if args.config is None and args.model is None and args.arch is None:
         overrides.insert(0, "model.name=124m")
     return load_config(args.config, overrides)
 
@@ -105,7 +110,8 @@ class Plan:
     nodes: int
     gpus_per_node: int
     world_size: int
-    model: GPTConfig
+    model: ModelShape
+    spec: ModelSpec
     dims: ParallelDims
     batch: BatchPlan
     job: JobConfig
@@ -136,17 +142,18 @@ def build_plan(job: JobConfig, *, nodes: int, gpus_per_node: int, gpu_mem_gib: f
     """Resolve and validate the layout and compute memory, traffic and warnings. Raises ConfigError."""
     if nodes < 1 or gpus_per_node < 1:
         raise ConfigError(f"--nodes {nodes} and --gpus-per-node {gpus_per_node} must both be >= 1")
-    from meshrun.models.build import model_config
+    from meshrun.models.build import model_config, model_spec
 
-    model = model_config(job)
+    model, spec = model_config(job), model_spec(job)
     if model.dim % model.n_heads:
         raise ConfigError(f"model.dim={model.dim} (--hidden) is not divisible by model.n_heads={model.n_heads}")
     world = nodes * gpus_per_node
-    dims = ParallelDims.from_config(job.parallel, world_size=world, gpus_per_node=gpus_per_node, model=model)
+    dims = ParallelDims.from_config(job.parallel, world_size=world, gpus_per_node=gpus_per_node, model=model,
+                                    spec=spec)
     batch = resolve_batch(job.train, dp_size=dims.dp_size, seq_len=model.seq_len)
     dims.validate_pipeline_batch(batch.micro_batch * batch.grad_accum)
-    plan = Plan(nodes=nodes, gpus_per_node=gpus_per_node, world_size=world, model=model, dims=dims, batch=batch,
-                job=job)
+    plan = Plan(nodes=nodes, gpus_per_node=gpus_per_node, world_size=world, model=model, spec=spec, dims=dims,
+                batch=batch, job=job)
     plan.memory = [stage_memory(plan, s, dtype_bytes=dtype_bytes) for s in range(dims.pp)]
     plan.comm = communication(plan, dtype_bytes=dtype_bytes)
     plan.warnings = layout_warnings(plan, gpu_mem_gib=gpu_mem_gib)
@@ -154,12 +161,6 @@ def build_plan(job: JobConfig, *, nodes: int, gpus_per_node: int, gpu_mem_gib: f
 
 
 # ---- parameter counts, memory ------------------------------------------------------------------------------------
-
-def layer_params(m: GPTConfig) -> tuple[int, int]:
-    """(matrix parameters of one block, norm parameters of one block)."""
-    q, kv = m.n_heads * m.head_dim, m.kv_heads * m.head_dim
-    return m.dim * q + 2 * m.dim * kv + q * m.dim + 3 * m.dim * m.hidden_dim, 2 * m.dim
-
 
 def pipeline_rank_layers(plan: Plan, pp_rank: int) -> list[int]:
     from meshrun.parallel.pipeline import layer_ranges, stage_ids
@@ -172,7 +173,7 @@ def pipeline_rank_layers(plan: Plan, pp_rank: int) -> list[int]:
 def rank_params(plan: Plan, pp_rank: int) -> tuple[int, int]:
     """(parameters of pipeline rank ``pp_rank``'s stages, its share on one TP rank)."""
     m, d = plan.model, plan.dims
-    mats, norms = layer_params(m)
+    mats, norms = plan.spec.block_params(m)
     layers = len(pipeline_rank_layers(plan, pp_rank))
     total, per_tp = layers * (mats + norms), layers * (mats // d.tp + norms)
     first, last = pp_rank == 0, pp_rank == d.pp - 1  # with interleaving, rank 0 runs stage 0, rank pp-1 the last
@@ -218,7 +219,7 @@ def stage_memory(plan: Plan, pp_rank: int, *, dtype_bytes: int) -> dict[str, Any
     m, d, b = plan.model, plan.dims, plan.batch
     total, per_tp = rank_params(plan, pp_rank)
     local = per_tp / d.dp_shard
-    mats, norms = layer_params(m)
+    mats, norms = plan.spec.block_params(m)
     fsdp_working = 2 * (mats // d.tp + norms) * dtype_bytes if d.dp_shard > 1 else 0  # 2 gathered blocks
     params = local * MASTER_BYTES + fsdp_working
     # FSDP keeps unsharded fp32 gradients between micro-batches while it skips the reduce-scatter (grad
