@@ -177,13 +177,12 @@ def rank_params(plan: Plan, pp_rank: int) -> tuple[int, int]:
     layers = len(pipeline_rank_layers(plan, pp_rank))
     total, per_tp = layers * (mats + norms), layers * (mats // d.tp + norms)
     first, last = pp_rank == 0, pp_rank == d.pp - 1  # with interleaving, rank 0 runs stage 0, rank pp-1 the last
-    embed = m.vocab_size * m.dim
-    tied = m.tie_embeddings and d.pp == 1
+    # (sharded by TP, replicated) parameters outside the blocks, first stage and last stage
+    (embed, embed_rep), (head, head_rep) = plan.spec.edge_params(m, tied=m.tie_embeddings and d.pp == 1)
     if first:
-        total, per_tp = total + embed, per_tp + embed // d.tp
+        total, per_tp = total + embed + embed_rep, per_tp + embed // d.tp + embed_rep
     if last:
-        head = 0 if tied else embed
-        total, per_tp = total + head + m.dim, per_tp + head // d.tp + m.dim
+        total, per_tp = total + head + head_rep, per_tp + head // d.tp + head_rep
     return total, per_tp
 
 

@@ -12,8 +12,9 @@ A :class:`ModelSpec` says, for one architecture:
 * ``tp_plan``: tensor parallelism, either a dict ``{module name or glob: "colwise" | "rowwise" | ParallelStyle}``
   or a function ``(part, tp_mesh, *, sequence_parallel, loss_parallel)`` applying it in place; None = no TP;
 * ``tie_weights``: re-tie shared parameters after ``to_empty`` (None when nothing is shared);
-* the formulas the planner and the trainer's MFU use: ``block_params`` (matrix and norm parameters of one block)
-  and ``flops_per_token``, by default those of a Llama-style block (see the functions below);
+* the formulas the planner and the trainer's MFU use: ``block_params`` (matrix and norm parameters of one block),
+  ``edge_params`` (embedding, head and final norm) and ``flops_per_token``, by default those of a Llama-style
+  model (see the functions below);
 * ``tp_checks``: the sizes tensor parallelism must divide (heads, widths, vocabulary) and ``validate``: any
   other check of a shape against a layout. Both raise ConfigError naming the option.
 
@@ -39,6 +40,13 @@ def transformer_block_params(m: ModelShape) -> tuple[int, int]:
     """(matrix parameters of one Llama-style block: q, k, v, o and a 3-matrix MLP; its two norms' parameters)."""
     q, kv = m.n_heads * m.head_dim, m.kv_heads * m.head_dim
     return m.dim * q + 2 * m.dim * kv + q * m.dim + 3 * m.dim * m.hidden_dim, 2 * m.dim
+
+
+def transformer_edge_params(m: ModelShape, *, tied: bool) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Parameters outside the blocks as ((TP-sharded, replicated) on the first stage, the same on the last): the
+    token embedding; the output head (none when tied to the embedding) and the final norm."""
+    embed = m.vocab_size * m.dim
+    return (embed, 0), (0 if tied else embed, m.dim)
 
 
 def transformer_flops_per_token(m: ModelShape) -> float:
@@ -93,6 +101,9 @@ class ModelSpec:
     """Re-share tied parameters after to_empty / TP (None when the model ties nothing)."""
     block_params: Callable[[ModelShape], tuple[int, int]] = transformer_block_params
     """(matrix, norm) parameters of one block: the planner's memory and traffic formulas."""
+    edge_params: Callable[..., tuple[tuple[int, int], tuple[int, int]]] = transformer_edge_params
+    """(shape, *, tied) -> ((TP-sharded, replicated) parameters of the first stage outside the blocks, the same for
+    the last stage): the planner's formulas."""
     flops_per_token: Callable[[ModelShape], float] = transformer_flops_per_token
     """Training FLOPs per token (the trainer's MFU)."""
     tp_checks: Callable[[ModelShape], list[tuple[str, int]]] = transformer_tp_checks
