@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import time
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -161,17 +161,19 @@ class Session:
     # ---- health ---------------------------------------------------------------------------------------------------
 
     def watch_health(self, model: nn.Module | None = None, *, hang_timeout_s: float = 300.0,
-                     straggler_threshold: float = 1.5, every: int = 10, stack_dir: str | None = None) -> None:
+                     straggler_threshold: float = 1.5, every: int = 10, stack_dir: str | None = None,
+                     on_hang: Callable[[str], None] | None = None) -> None:
         """Start the hang watchdog (a rank without a heartbeat for ``hang_timeout_s`` is named, with its host and
         where the others wait) and straggler reports every ``every`` heartbeats (a rank whose own work -- data wait
         and forward passes of ``model`` -- is ``straggler_threshold`` x the median's). No-op in one process.
-        Collective (it gathers host names)."""
+        ``on_hang`` receives each hang message (e.g. to abort). Collective (it gathers host names)."""
         if not self.env.is_distributed:
             return
         self._every = max(1, every)
         if hang_timeout_s:
             stack = Path(stack_dir) / f"stacks_rank_{self.rank:05d}.txt" if stack_dir else None
-            self._watchdog = HangWatchdog(env=self.env, timeout_s=hang_timeout_s, stack_file=stack).start()
+            self._watchdog = HangWatchdog(env=self.env, timeout_s=hang_timeout_s, stack_file=stack,
+                                          on_hang=on_hang).start()
         if straggler_threshold:
             self._stragglers = StragglerDetector(env=self.env, threshold=straggler_threshold, min_gap_s=0.01)
             self._timer = WorkTimer([self._module(model)] if model is not None else [], self.device)
@@ -187,6 +189,8 @@ class Session:
         if self._batches is not None:
             self._timer.add_data(self._batches.take_fetch_time())
         work_s, data_s = self._timer.take(self._every)
+        if step <= self._every:  # the first interval holds start-up costs (first batches, first kernels)
+            return None
         report = self._stragglers.observe(step, work_s, data_s)  # collective: every rank
         if report is not None:
             self.print(f"meshrun: {report}")
