@@ -3,7 +3,8 @@
 A plan is either a function ``(part, tp_mesh, *, sequence_parallel, loss_parallel)`` that shards the part in
 place (the built-in GPT's Megatron-style plan, meshrun.models.gpt_spec), or a dict from module names -- with
 ``*`` matching one name component, as in ``"layers.*.attention.wq"`` -- to a torch ``ParallelStyle`` or one of
-the words ``colwise`` / ``rowwise`` (the spelling Hugging Face configs use in ``base_model_tp_plan``). A module
+a word from :data:`STYLES` (``colwise``, ``rowwise``, ``colwise_rep``, ...: the spelling Hugging Face models use
+in ``tp_plan``). A module
 sharded by a dict plan must reshape with ``-1`` heads (``view(B, T, -1, head_dim)``): it sees n_heads / tp heads.
 Parameters of leaf modules the plan leaves alone become Replicate DTensors (see :func:`replicate_params`) so the
 optimizer's foreach kernels and the gradient norm see one kind of tensor; a parameter held directly by a module
@@ -21,8 +22,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-STYLES: dict[str, Callable[[], Any]] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-"""Plan words and the torch styles they stand for."""
+STYLES: dict[str, Callable[[], Any]] = {
+    "colwise": ColwiseParallel,
+    "rowwise": RowwiseParallel,
+    "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),  # e.g. an output head: gathered logits
+    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),  # vocabulary rows of an embedding
+}
+"""Plan words (Hugging Face's ``base_model_tp_plan`` / ``tp_plan`` spelling) and the torch styles they stand for."""
 
 
 def apply_tp(model: nn.Module, plan: Callable[..., None] | Mapping[str, Any], tp_mesh: DeviceMesh, *,
