@@ -169,4 +169,11 @@ def get_model_spec(arch: str) -> ModelSpec:
 
 
 def _load_builtin() -> None:
-    import meshrun.models.gpt_spec  # noqa: F401  (registers "gpt")
+    """Import every ``meshrun/models/*_spec.py`` (each registers its built-in model, e.g. gpt_spec -> "gpt")."""
+    import pkgutil
+
+    import meshrun.models
+
+    for module in pkgutil.iter_modules(meshrun.models.__path__):
+        if module.name.endswith("_spec"):
+            importlib.import_module(f"meshrun.models.{module.name}")
