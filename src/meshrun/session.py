@@ -26,7 +26,6 @@ from meshrun.train.health, as in ``meshrun train``.
 from __future__ import annotations
 
 import contextlib
-import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
@@ -177,7 +176,6 @@ class Session:
         if straggler_threshold:
             self._stragglers = StragglerDetector(env=self.env, threshold=straggler_threshold, min_gap_s=0.01)
             self._timer = WorkTimer([self._module(model)] if model is not None else [], self.device)
-        self._last_beat = time.perf_counter()
 
     def heartbeat(self, step: int) -> str | None:
         """Call once per step on every rank: tells the watchdog this rank made progress and, every ``every``
