@@ -199,3 +199,19 @@ def test_fsdp_checkpoint_resumes_at_another_world_size(two_ranks, world_size, mi
     assert all(len(b) == 6 for b in resumed["after"])
     for name, value in saved["weights"].items():
         assert torch.equal(resumed["weights"][name], value), name
+
+
+@pytest.mark.slow
+def test_meshrun_ckpt_verifies_and_exports_a_session_checkpoint(two_ranks, tmp_path):
+    from safetensors.torch import load_file
+
+    from meshrun.ckpt.cli import main as ckpt_main
+
+    saved, ckpt = two_ranks[0]["ckpt"], two_ranks[1]
+    step = f"{ckpt}/step_0000003"
+    assert ckpt_main(["verify", step]) == 0
+    assert ckpt_main(["export", step, "--to", str(tmp_path / "model.safetensors")]) == 0
+    exported = load_file(str(tmp_path / "model.safetensors"))
+    assert set(exported) == set(saved["weights"])
+    for name, value in saved["weights"].items():
+        assert torch.equal(exported[name], value), name
