@@ -30,7 +30,7 @@ def _worker(rank: int, world_size: int) -> dict:
     session = Session(seed=0)
     model = session.prepare_model(torch.nn.Linear(4, 1), layout="ddp")
     hangs: list[str] = []
-    session.watch_health(model, hang_timeout_s=1.5, straggler_threshold=1.5, every=2, on_hang=hangs.append)
+    session.watch_health(model, hang_timeout_s=1.0, straggler_threshold=1.5, every=2, on_hang=hangs.append)
     batches = session.step_batches(SlowOnRank1(rank), micro_batch=2)
     reports = []
     for step in range(1, 9):
@@ -38,7 +38,7 @@ def _worker(rank: int, world_size: int) -> dict:
             torch.nn.functional.mse_loss(model(x), y).backward()
         reports.append(session.heartbeat(step))
     if rank == 1:
-        time.sleep(4)  # stops before step 9: rank 0 waits for it in the all-reduce below
+        time.sleep(3)  # stops before step 9: rank 0 waits for it in the all-reduce below
     session.heartbeat(9)
     session.sum_metrics(done=1.0)  # collective: rank 0 blocks here until rank 1 arrives
     session.close()

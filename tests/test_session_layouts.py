@@ -6,7 +6,7 @@ of 16 tokens, from the weights a single process builds with the same seed. Toler
 layout tests (tests/test_parallel_layouts.py): loss per step atol 1e-5, every final parameter atol 1e-4 (one
 AdamW step moves a parameter by up to 1e-2, so a missing gradient sync or a wrong shard is far outside).
 
-Layouts: DDP, FSDP2 and TP 2 on 2 ranks; HSDP (2 replicas x 2 shards) and TP 2 x FSDP 2 on 4 ranks. The 2-rank
+Layouts: FSDP2 and TP 2 on 2 ranks (DDP: tests/test_examples.py); HSDP (2 replicas x 2 shards) and TP 2 x FSDP 2 on 4 ranks. The 2-rank
 spawn then saves a checkpoint with FSDP2 at step 3 through ``session.save`` (StepBatches data position, RNG,
 optimizer); it is resumed at 1 rank (this process) and at 3 ranks, which must continue with exactly the samples
 that follow (none repeated or skipped) and, at the same layout, bitwise-equal weights.
@@ -147,7 +147,7 @@ def ref():
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     ckpt = str(tmp_path_factory.mktemp("session_ckpt"))
-    layouts = [("ddp", {}), ("fsdp", {}), ("tp", {})]
+    layouts = [("fsdp", {}), ("tp", {})]  # DDP for a user's model is covered by tests/test_examples.py
     return run_distributed(run_layouts, 2, layouts, ckpt, init_pg=False)[0], ckpt
 
 
@@ -167,7 +167,7 @@ def assert_matches(result, ref) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["ddp", "fsdp", "tp"])
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
 def test_two_rank_layout_matches_one_process(two_ranks, ref, layout):
     assert_matches(two_ranks[0][layout], ref)
 
