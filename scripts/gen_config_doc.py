@@ -1,4 +1,5 @@
-"""Regenerate docs/config.md from the dataclasses and field docstrings in src/meshrun/config.py."""
+"""Regenerate docs/config.md from the dataclasses and field docstrings in src/meshrun/config.py (and the
+[model] shape fields in src/meshrun/models/shape.py)."""
 
 import ast
 from pathlib import Path
@@ -10,6 +11,8 @@ SECTIONS = {"ModelConfig": "model", "DataConfig": "data", "TrainConfig": "train"
 
 def main() -> None:
     tree = ast.parse((ROOT / "src/meshrun/config.py").read_text())
+    shape = next(node for node in ast.parse((ROOT / "src/meshrun/models/shape.py").read_text()).body
+                 if isinstance(node, ast.ClassDef) and node.name == "ModelShape")
     out = ["# Configuration", "",
            "Every option is `section.key`. Set them in a TOML file (`--config job.toml`, one `[section]` table "
            "each) and/or on the command line as `--section.key=value`, which wins. The resolved config is written "
@@ -21,7 +24,7 @@ def main() -> None:
             continue
         out += [f"## [{SECTIONS[node.name]}]", "", ast.get_docstring(node) or "", "",
                 "| option | default | meaning |", "|---|---|---|"]
-        body = node.body
+        body = node.body + (shape.body if node.name == "ModelConfig" else [])  # [model] = ModelShape + arch, name
         for i, item in enumerate(body):
             if isinstance(item, ast.AnnAssign):
                 doc = ""

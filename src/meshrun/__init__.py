@@ -1,7 +1,10 @@
 """meshrun: multi-node PyTorch training that is correct, fast and easy to diagnose.
 
 The Python API (see docs/api.md):
-  Session                     the pieces for your own script: layout, device, DDP, sharded batches, exact metrics
+  Session                     the pieces for your own script: layouts (DDP, FSDP2, HSDP, TP), sharded batches,
+                              exact metrics, checkpoints, health
+  ModelSpec, register_model   the model contract: register your model for meshrun train / plan / --dry-run
+  ModelShape                  the resolved transformer shape a ModelSpec builds from
   Trainer, load_config        the reference training job, from Python
   ClusterEnv                  the process layout (torchrun, SLURM or a single process)
   GlobalOrderSampler          a resumable, reshardable DistributedSampler
@@ -12,6 +15,9 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Session": "meshrun.session",
     "Trainer": "meshrun.train.trainer",
+    "ModelSpec": "meshrun.models.spec",
+    "register_model": "meshrun.models.spec",
+    "ModelShape": "meshrun.models.shape",
     "load_config": "meshrun.config",
     "JobConfig": "meshrun.config",
     "DistConfig": "meshrun.config",

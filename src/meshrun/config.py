@@ -20,6 +20,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
+from meshrun.models.shape import ModelShape
+
 
 ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math", "default")
 
@@ -29,33 +31,16 @@ class ConfigError(ValueError):
 
 
 @dataclass
-class ModelConfig:
-    """The reference decoder-only model (Llama-style block: RMSNorm, RoPE, SwiGLU, SDPA)."""
+class ModelConfig(ModelShape):
+    """Which registered model, which named size, and overrides of its shape.
 
+    The shape fields are ModelShape's (meshrun/models/shape.py, the one schema every registered transformer
+    builds from); here 0 means "the named size's value". meshrun.models.build resolves them by field name."""
+
+    arch: str = "gpt"
+    """Registered model (meshrun.register_model); 'module:name' imports module first. Built in: gpt."""
     name: str = "tiny"
-    """Named size: tiny, small, 124m, 350m, 1b. Fields left at 0 take the named size's value."""
-    dim: int = 0
-    """Hidden size."""
-    n_layers: int = 0
-    """Number of transformer blocks."""
-    n_heads: int = 0
-    """Attention heads."""
-    n_kv_heads: int = 0
-    """Key/value heads (grouped-query attention); 0 means n_heads."""
-    ffn_dim: int = 0
-    """Hidden width of the SwiGLU MLP; 0 derives it from dim."""
-    vocab_size: int = 0
-    """Embedding rows. Byte-level corpora use tokens 0..255; larger sizes only pad the embedding."""
-    seq_len: int = 0
-    """Tokens per sample (context length)."""
-    dropout: float = 0.0
-    """Dropout probability on attention output and MLP output."""
-    rope_theta: float = 10000.0
-    """RoPE base frequency."""
-    norm_eps: float = 1e-5
-    """RMSNorm epsilon."""
-    tie_embeddings: bool = True
-    """Share the token embedding with the output projection."""
+    """Named size of model.arch (gpt: tiny, small, 124m, 350m, 1b). Fields left at 0 take the named size's value."""
 
 
 @dataclass

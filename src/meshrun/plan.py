@@ -22,8 +22,8 @@ from typing import Any
 
 from meshrun.config import BatchPlan, ConfigError, JobConfig, load_config, resolve_batch
 from meshrun.dist.mesh import ParallelDims
-from meshrun.models.build import count_params
-from meshrun.models.gpt import SIZES, GPTConfig
+from meshrun.models.shape import ModelShape
+from meshrun.models.spec import ModelSpec
 from meshrun.plan_time import DEFAULT_PEAK_TFLOPS, estimate_lines, measured_tokens_per_s, parse_count, time_estimate
 
 GiB = 2**30
@@ -38,6 +38,7 @@ examples:
   meshrun plan --nodes 64 --hidden 12288 --heads 96 --ffn 49152 --layers 96 --tp 8 --pp 8 --json
   meshrun plan --config job.toml --nodes 2 --gpus-per-node 8 --dry-run
   meshrun plan --nodes 16 --tp 8 --pp 4 --model 1b --params 100B --tokens 1T --tokens-per-s 45000
+  meshrun plan --arch my_models:mlp_lm --model small --tp 2      (a model registered with meshrun.register_model)
 """
 
 
@@ -49,8 +50,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--config", help="TOML job config to start from (its [model], [parallel], [train] sections)")
     p.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (processes) per node (default 8)")
-    m = p.add_argument_group("model (a named size, then any of these overrides)")
-    m.add_argument("--model", help=f"named size: {', '.join(SIZES)} (default 124m, or the config's)")
+    m = p.add_argument_group("model (a registered model and its named size, then any of these overrides)")
+    m.add_argument("--arch", help="registered model (model.arch; 'module:name' imports module first; default gpt)")
+    m.add_argument("--model", help="named size of the model (gpt: tiny, small, 124m, 350m, 1b; default 124m, "
+                   "or the config's)")
     for flag, what in (("hidden", "hidden size (model.dim)"), ("layers", "transformer blocks"),
                        ("heads", "attention heads"), ("kv-heads", "key/value heads (GQA)"),
                        ("vocab", "vocabulary size"), ("seq", "sequence length"), ("ffn", "MLP hidden width")):
@@ -91,7 +94,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def job_from_args(args: argparse.Namespace) -> JobConfig:
     """The config file (if any), then every flag that was given."""
     overrides = []
-    flags = {"model.name": args.model, "model.dim": args.hidden, "model.n_layers": args.layers,
+    flags = {"model.arch": args.arch, "model.name": args.model, "model.dim": args.hidden,
+             "model.n_layers": args.layers,
              "model.n_heads": args.heads, "model.n_kv_heads": args.kv_heads, "model.vocab_size": args.vocab,
              "model.seq_len": args.seq, "model.ffn_dim": args.ffn,
              "model.tie_embeddings": False if args.untied else None,
@@ -104,7 +108,7 @@ def job_from_args(args: argparse.Namespace) -> JobConfig:
              "train.micro_batch": args.micro_batch, "train.grad_accum": args.grad_accum,
              "train.global_batch": args.global_batch}
     overrides = [f"{key}={value}" for key, value in flags.items() if value is not None]
-    if args.config is None and args.model is None:
+    if args.config is None and args.model is None and args.arch is None:
         overrides.insert(0, "model.name=124m")
     return load_config(args.config, overrides)
 
@@ -116,7 +120,8 @@ class Plan:
     nodes: int
     gpus_per_node: int
     world_size: int
-    model: GPTConfig
+    model: ModelShape
+    spec: ModelSpec
     dims: ParallelDims
     batch: BatchPlan
     job: JobConfig
@@ -147,17 +152,18 @@ def build_plan(job: JobConfig, *, nodes: int, gpus_per_node: int, gpu_mem_gib: f
     """Resolve and validate the layout and compute memory, traffic and warnings. Raises ConfigError."""
     if nodes < 1 or gpus_per_node < 1:
         raise ConfigError(f"--nodes {nodes} and --gpus-per-node {gpus_per_node} must both be >= 1")
-    from meshrun.models.build import model_config
+    from meshrun.models.build import model_config, model_spec
 
-    model = model_config(job)
+    model, spec = model_config(job), model_spec(job)
     if model.dim % model.n_heads:
         raise ConfigError(f"model.dim={model.dim} (--hidden) is not divisible by model.n_heads={model.n_heads}")
     world = nodes * gpus_per_node
-    dims = ParallelDims.from_config(job.parallel, world_size=world, gpus_per_node=gpus_per_node, model=model)
+    dims = ParallelDims.from_config(job.parallel, world_size=world, gpus_per_node=gpus_per_node, model=model,
+                                    spec=spec)
     batch = resolve_batch(job.train, dp_size=dims.dp_size, seq_len=model.seq_len)
     dims.validate_pipeline_batch(batch.micro_batch * batch.grad_accum)
-    plan = Plan(nodes=nodes, gpus_per_node=gpus_per_node, world_size=world, model=model, dims=dims, batch=batch,
-                job=job)
+    plan = Plan(nodes=nodes, gpus_per_node=gpus_per_node, world_size=world, model=model, spec=spec, dims=dims,
+                batch=batch, job=job)
     plan.memory = [stage_memory(plan, s, dtype_bytes=dtype_bytes) for s in range(dims.pp)]
     plan.comm = communication(plan, dtype_bytes=dtype_bytes)
     plan.warnings = layout_warnings(plan, gpu_mem_gib=gpu_mem_gib)
@@ -165,12 +171,6 @@ def build_plan(job: JobConfig, *, nodes: int, gpus_per_node: int, gpu_mem_gib: f
 
 
 # ---- parameter counts, memory ------------------------------------------------------------------------------------
-
-def layer_params(m: GPTConfig) -> tuple[int, int]:
-    """(matrix parameters of one block, norm parameters of one block)."""
-    q, kv = m.n_heads * m.head_dim, m.kv_heads * m.head_dim
-    return m.dim * q + 2 * m.dim * kv + q * m.dim + 3 * m.dim * m.hidden_dim, 2 * m.dim
-
 
 def pipeline_rank_layers(plan: Plan, pp_rank: int) -> list[int]:
     from meshrun.parallel.pipeline import layer_ranges, stage_ids
@@ -183,17 +183,16 @@ def pipeline_rank_layers(plan: Plan, pp_rank: int) -> list[int]:
 def rank_params(plan: Plan, pp_rank: int) -> tuple[int, int]:
     """(parameters of pipeline rank ``pp_rank``'s stages, its share on one TP rank)."""
     m, d = plan.model, plan.dims
-    mats, norms = layer_params(m)
+    mats, norms = plan.spec.block_params(m)
     layers = len(pipeline_rank_layers(plan, pp_rank))
     total, per_tp = layers * (mats + norms), layers * (mats // d.tp + norms)
     first, last = pp_rank == 0, pp_rank == d.pp - 1  # with interleaving, rank 0 runs stage 0, rank pp-1 the last
-    embed = m.vocab_size * m.dim
-    tied = m.tie_embeddings and d.pp == 1
+    # (sharded by TP, replicated) parameters outside the blocks, first stage and last stage
+    (embed, embed_rep), (head, head_rep) = plan.spec.edge_params(m, tied=m.tie_embeddings and d.pp == 1)
     if first:
-        total, per_tp = total + embed, per_tp + embed // d.tp
+        total, per_tp = total + embed + embed_rep, per_tp + embed // d.tp + embed_rep
     if last:
-        head = 0 if tied else embed
-        total, per_tp = total + head + m.dim, per_tp + head // d.tp + m.dim
+        total, per_tp = total + head + head_rep, per_tp + head // d.tp + head_rep
     return total, per_tp
 
 
@@ -229,7 +228,7 @@ def stage_memory(plan: Plan, pp_rank: int, *, dtype_bytes: int) -> dict[str, Any
     m, d, b = plan.model, plan.dims, plan.batch
     total, per_tp = rank_params(plan, pp_rank)
     local = per_tp / d.dp_shard
-    mats, norms = layer_params(m)
+    mats, norms = plan.spec.block_params(m)
     fsdp_working = 2 * (mats // d.tp + norms) * dtype_bytes if d.dp_shard > 1 else 0  # 2 gathered blocks
     params = local * MASTER_BYTES + fsdp_working
     # FSDP keeps unsharded fp32 gradients between micro-batches while it skips the reduce-scatter (grad
@@ -533,7 +532,7 @@ def plan_time_estimate(plan: Plan, args: argparse.Namespace) -> tuple[dict[str, 
     if not args.tokens:
         return None, ""
     params, params_from = (parse_count(args.params, "--params"), "--params") if args.params else (
-        float(count_params(plan.model)), f"the model's {plan.job.model.name or 'custom'} size")
+        float(plan.spec.count_params(plan.model)), f"the model's {plan.job.model.name or 'custom'} size")
     throughput = measured_tokens_per_s(args.from_run) if args.from_run else args.tokens_per_s
     peak = (args.peak_tflops or DEFAULT_PEAK_TFLOPS) * 1e12
     return time_estimate(params=params, tokens=parse_count(args.tokens, "--tokens"), gpus=plan.world_size,

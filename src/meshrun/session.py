@@ -1,44 +1,67 @@
 """meshrun's pieces for a user's own training script, with their own model and dataset.
 
-    session = meshrun.Session(seed=0)              # reads torchrun / meshrun launch / SLURM, starts the group
-    model = session.prepare_model(MyModel())       # on this rank's device, DDP-wrapped when world size > 1
+    session = meshrun.Session(seed=0, checkpoint="ckpt")    # reads torchrun / meshrun launch / SLURM, starts the group
+    model = session.prepare_model(MyModel(), layout="fsdp")  # or "ddp", "hsdp", "tp", "tp+fsdp"
+    optimizer = torch.optim.AdamW(model.parameters())
     batches = session.step_batches(dataset, micro_batch=32, global_batch=256)
-    for step in range(steps):
+    start = session.resume(model=model, optimizer=optimizer, batches=batches)   # 0 when nothing was saved
+    session.watch_health(hang_timeout_s=300)               # hang watchdog + straggler reports
+    for step in range(start + 1, steps + 1):
         for i, (x, y) in enumerate(batches.next_step()):
             with session.sync_gradients(model, last=i == batches.grad_accum - 1):
                 loss_fn(model(x), y).backward()
-        ...
-    totals = session.sum_metrics(correct=..., total=...)   # exact: summed over every rank
+        optimizer.step(); optimizer.zero_grad()
+        session.heartbeat(step)                             # one call per step
+        if step % 100 == 0:
+            session.save(step, model=model, optimizer=optimizer, batches=batches)
+    totals = session.sum_metrics(correct=..., total=...)   # exact: every sample counted once
     session.print(...)                                      # rank 0 only
 
-Runs unchanged as one process (``python train.py``) and under ``meshrun launch``/``torchrun``/``srun``.
+Runs unchanged as one process (``python train.py``) and under ``meshrun launch``/``torchrun``/``srun``. Layouts
+come from meshrun.parallel.module (the trainer's own parallelisation code), checkpoints from
+meshrun.ckpt.Checkpointer (manifest, checksums, COMPLETE, retention, async, RNG streams, data position) and health
+from meshrun.train.health, as in ``meshrun train``.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from meshrun.config import DistConfig, TrainConfig, resolve_batch
+from meshrun.config import CheckpointConfig, DistConfig, TrainConfig, resolve_batch
 from meshrun.data.loader import StepBatches
 from meshrun.dist.process_group import init_distributed, shutdown
 from meshrun.env import ClusterEnv
+from meshrun.parallel.module import ModuleLayout, prepare_module
+from meshrun.ckpt.script import SessionCheckpoints
+from meshrun.train.health import HangWatchdog, StragglerDetector, WorkTimer
 from meshrun.train.metrics import SumMetrics
 from meshrun.train.trainer import seed_rank_streams
 
 
 class Session:
-    """Process layout, device, data sharding and exact metrics for a user's script."""
+    """Process layout, device, parallel layouts, data sharding, exact metrics, checkpoints and health."""
 
-    def __init__(self, *, seed: int = 1234, dist_config: DistConfig | None = None, env: ClusterEnv | None = None):
+    def __init__(self, *, seed: int = 1234, dist_config: DistConfig | None = None, env: ClusterEnv | None = None,
+                 checkpoint: CheckpointConfig | str | None = None):
         self.env = env or ClusterEnv.detect()
         self.ctx = init_distributed(self.env, dist_config or DistConfig())
         self.device = self.ctx.device
         self.seed = seed
+        torch.manual_seed(seed)  # a model built next starts from the same weights on every rank
+        self.layout: ModuleLayout | None = None
+        cfg = CheckpointConfig(dir=checkpoint) if isinstance(checkpoint, str) else checkpoint
+        self.checkpoints = SessionCheckpoints(cfg, env=self.env, seed=seed) if cfg is not None else None
+        self._batches: StepBatches | None = None
+        self._watchdog: HangWatchdog | None = None
+        self._stragglers: StragglerDetector | None = None
+        self._timer: WorkTimer | None = None
+        self._every = 10
 
     @property
     def rank(self) -> int:
@@ -48,46 +71,138 @@ class Session:
     def world_size(self) -> int:
         return self.env.world_size
 
-    def prepare_model(self, model: nn.Module) -> nn.Module:
-        """Same initial weights everywhere, moved to this rank's device, DDP-wrapped when distributed.
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel rank (ranks of one TP group see the same data)."""
+        return self.layout.dims.dp_rank(self.rank) if self.layout else self.rank
 
-        Per-rank random streams (seed + rank) are set afterwards, for dropout and augmentation.
-        """
-        model = model.to(self.device)
-        if self.world_size > 1:
-            from torch.nn.parallel import DistributedDataParallel as DDP
+    @property
+    def dp_size(self) -> int:
+        return self.layout.dims.dp_size if self.layout else self.world_size
 
-            model = DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+    def prepare_model(self, model: nn.Module, layout: str = "ddp", *, tp: int = 0, dp_replicate: int = 0,
+                      blocks: str | None = None, tp_plan: Mapping[str, Any] | None = None,
+                      activation_checkpoint: str = "none", compute_dtype: torch.dtype | None = None) -> nn.Module:
+        """Apply ``layout`` (ddp, fsdp, hsdp, tp, tp+fsdp) on this rank's device; see meshrun.parallel.module.
+
+        FSDP2 shards each repeated block (``blocks``, a dotted path, or detected), then the root; TP follows
+        ``tp_plan`` (or the model's ``tp_plan`` attribute). Every rank starts from rank 0's weights. Per-rank
+        random streams (seed + rank) are set afterwards, for dropout and augmentation. Collective."""
+        prepared, self.layout = prepare_module(
+            model, layout if self.world_size > 1 else "none", device=self.device, world_size=self.world_size,
+            nodes=self.env.num_nodes, tp=tp, dp_replicate=dp_replicate, blocks=blocks, tp_plan=tp_plan,
+            activation_checkpoint=activation_checkpoint, compute_dtype=compute_dtype)
         seed_rank_streams(self.seed, self.rank)
-        return model
+        return prepared
 
     def step_batches(self, dataset: Dataset, *, micro_batch: int, global_batch: int = 0,
                      grad_accum: int = 0) -> StepBatches:
-        """This rank's micro-batches of each optimizer step; B_global = micro_batch x world size x accumulation."""
+        """This rank's micro-batches of each optimizer step; B_global = micro_batch x dp ranks x accumulation.
+        Call it after prepare_model, so TP ranks share their data."""
         plan = resolve_batch(TrainConfig(micro_batch=micro_batch, global_batch=global_batch, grad_accum=grad_accum),
-                             dp_size=self.world_size, seq_len=1)
-        return StepBatches(dataset, dp_rank=self.rank, dp_size=self.world_size, seed=self.seed,
-                           micro_batch=micro_batch, grad_accum=plan.grad_accum, device=self.device)
+                             dp_size=self.dp_size, seq_len=1)
+        self._batches = StepBatches(dataset, dp_rank=self.dp_rank, dp_size=self.dp_size, seed=self.seed,
+                                    micro_batch=micro_batch, grad_accum=plan.grad_accum, device=self.device)
+        return self._batches
 
     @contextlib.contextmanager
     def sync_gradients(self, model: nn.Module, *, last: bool) -> Iterator[None]:
-        """Skip DDP's gradient all-reduce on every micro-batch but the last of an optimizer step."""
-        if last or not hasattr(model, "no_sync"):
+        """Reduce gradients only on the last micro-batch of an optimizer step (DDP's no_sync, FSDP2's
+        set_requires_gradient_sync)."""
+        if hasattr(model, "set_requires_gradient_sync"):
+            model.set_requires_gradient_sync(last)
+            yield
+        elif last or not hasattr(model, "no_sync"):
             yield
         else:
             with model.no_sync():
                 yield
 
     def sum_metrics(self, **values: float | torch.Tensor) -> dict[str, float]:
-        """Sum each value over every rank (one all-reduce every rank must reach)."""
+        """Sum each value over the data-parallel ranks, counting a TP group once (one all-reduce every rank must
+        reach; the ranks of a TP group hold the same values)."""
         sums = SumMetrics(tuple(values), self.device)
         sums.add(**values)
-        return sums.reduce()  # collective: every rank
+        totals = sums.reduce()  # collective: every rank
+        tp = self.layout.dims.tp if self.layout else 1
+        return {k: v / tp for k, v in totals.items()} if tp > 1 else totals
+
+    # ---- checkpoints ----------------------------------------------------------------------------------------------
+
+    def save(self, step: int, *, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+             batches: StepBatches | None = None, scheduler: Any = None, extra: dict[str, float] | None = None,
+             final: bool = False) -> Path:
+        """Save a sharded checkpoint of step ``step`` (collective: every rank, same step); returns its folder."""
+        return self._checkpoints().save(step, module=self._module(model), optimizer=optimizer,
+                                        batches=batches or self._batches, scheduler=scheduler, extra=extra,
+                                        layout=self.layout, final=final)
+
+    def resume(self, *, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+               batches: StepBatches | None = None, scheduler: Any = None, extra: dict[str, float] | None = None,
+               path: str | None = None) -> int:
+        """Load the newest complete checkpoint (or ``path``) into the given objects, at any world size and layout;
+        ``batches`` continues from the saved data position and ``extra`` is updated in place. Returns the saved
+        step, or 0 when there is none. Collective."""
+        return self._checkpoints().resume(module=self._module(model), optimizer=optimizer,
+                                          batches=batches or self._batches, scheduler=scheduler, extra=extra,
+                                          layout=self.layout, path=path)
+
+    def _checkpoints(self) -> SessionCheckpoints:
+        if self.checkpoints is None:
+            raise ValueError("Session(checkpoint=...) is not set: give a folder, e.g. Session(checkpoint='ckpt'), "
+                             "or a CheckpointConfig")
+        return self.checkpoints
+
+    def _module(self, model: nn.Module) -> nn.Module:
+        """The module with its own parameter names (never the DDP wrapper)."""
+        return getattr(model, "module", model) if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+    # ---- health ---------------------------------------------------------------------------------------------------
+
+    def watch_health(self, model: nn.Module | None = None, *, hang_timeout_s: float = 300.0,
+                     straggler_threshold: float = 1.5, every: int = 10, stack_dir: str | None = None,
+                     on_hang: Callable[[str], None] | None = None) -> None:
+        """Start the hang watchdog (a rank without a heartbeat for ``hang_timeout_s`` is named, with its host and
+        where the others wait) and straggler reports every ``every`` heartbeats (a rank whose own work -- data wait
+        and forward passes of ``model`` -- is ``straggler_threshold`` x the median's). No-op in one process.
+        ``on_hang`` receives each hang message (e.g. to abort). Collective (it gathers host names)."""
+        if not self.env.is_distributed:
+            return
+        self._every = max(1, every)
+        if hang_timeout_s:
+            stack = Path(stack_dir) / f"stacks_rank_{self.rank:05d}.txt" if stack_dir else None
+            self._watchdog = HangWatchdog(env=self.env, timeout_s=hang_timeout_s, stack_file=stack,
+                                          on_hang=on_hang).start()
+        if straggler_threshold:
+            self._stragglers = StragglerDetector(env=self.env, threshold=straggler_threshold, min_gap_s=0.01)
+            self._timer = WorkTimer([self._module(model)] if model is not None else [], self.device)
+
+    def heartbeat(self, step: int) -> str | None:
+        """Call once per step on every rank: tells the watchdog this rank made progress and, every ``every``
+        steps, gathers the ranks' work times (collective); returns the straggler report on rank 0, else None."""
+        if self._watchdog is not None:
+            self._watchdog.beat(step, "step")
+        if self._stragglers is None or step % self._every:
+            return None
+        if self._batches is not None:
+            self._timer.add_data(self._batches.take_fetch_time())
+        work_s, data_s = self._timer.take(self._every)
+        if step <= self._every:  # the first interval holds start-up costs (first batches, first kernels)
+            return None
+        report = self._stragglers.observe(step, work_s, data_s)  # collective: every rank
+        if report is not None:
+            self.print(f"meshrun: {report}")
+        return str(report) if report is not None else None
 
     def print(self, *args, **kwargs) -> None:
         if self.env.is_rank_zero:
             print(*args, **kwargs, flush=True)
 
     def close(self) -> None:
-        """Destroy the process group (idempotent; also run at interpreter exit)."""
+        """Finish pending checkpoint writes, stop the watchdog and destroy the process group (idempotent)."""
+        if self.checkpoints is not None:
+            self.checkpoints.close()
+        if self._watchdog is not None:
+            self._watchdog.stop()  # before the process group (and its store) goes away
+            self._watchdog = None
         shutdown()

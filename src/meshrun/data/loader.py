@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Iterator
 
 import torch
@@ -32,6 +33,7 @@ class StepBatches:
                                  generator=torch.Generator().manual_seed(seed))
         self.position = DataPosition()
         self._iterator: Iterator[Batch] | None = None
+        self._fetch_s = 0.0
 
     def seek(self, position: DataPosition) -> None:
         """Continue from ``position`` (from a checkpoint); the next step takes the batch after it."""
@@ -40,6 +42,7 @@ class StepBatches:
 
     def next_step(self) -> list[Batch]:
         """The micro-batches of the next optimizer step, on the device."""
+        started = time.perf_counter()
         if self.position.consumed >= self.sampler.usable:
             self.position = DataPosition(self.position.epoch + 1, 0)
             self._iterator = None
@@ -50,7 +53,14 @@ class StepBatches:
         batches = [tuple(t.to(self.device, non_blocking=non_blocking) for t in next(self._iterator))
                    for _ in range(self.grad_accum)]
         self.position = DataPosition(self.position.epoch, self.position.consumed + self.global_batch)
+        self._fetch_s += time.perf_counter() - started
         return batches  # type: ignore[return-value]  # tuples of two tensors
+
+
+    def take_fetch_time(self) -> float:
+        """Seconds spent in next_step since the last call (straggler reports count them as this rank's work)."""
+        seconds, self._fetch_s = self._fetch_s, 0.0
+        return seconds
 
 
 def eval_batches(dataset: Dataset, *, dp_rank: int, dp_size: int, micro_batch: int, samples: int,

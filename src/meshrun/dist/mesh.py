@@ -27,7 +27,8 @@ from meshrun.config import ConfigError, ParallelConfig
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from meshrun.models.gpt import GPTConfig
+    from meshrun.models.shape import ModelShape
+    from meshrun.models.spec import ModelSpec
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 """Mesh dimension names, outermost first."""
@@ -81,7 +82,7 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, parallel: ParallelConfig, *, world_size: int, gpus_per_node: int = 0,
-                    model: GPTConfig | None = None) -> ParallelDims:
+                    model: ModelShape | None = None, spec: ModelSpec | None = None) -> ParallelDims:
         """Resolve -1 degrees against ``world_size`` and validate everything that can be checked without a model
         (and, when ``model`` is given, against the model's shapes). Raises ConfigError naming the option."""
         degrees = resolve_degrees({"dp_replicate": parallel.dp_replicate, "dp_shard": parallel.dp_shard,
@@ -100,7 +101,7 @@ class ParallelDims:
                    allow_tp_across_nodes=parallel.allow_tp_across_nodes)
         dims.validate()
         if model is not None:
-            dims.validate_model(model)
+            dims.validate_model(model, spec)
         return dims
 
     def validate(self) -> None:
@@ -132,11 +133,15 @@ class ParallelDims:
                 f"parallel.pp_microbatches={m} must be a multiple of parallel.pp={p} for interleaved1f1b; "
                 f"use {p * math.ceil(m / p)}")
 
-    def validate_model(self, model: GPTConfig) -> None:
-        """TP must divide heads and widths; PP needs at least one layer per stage."""
-        checks = [("model.n_heads", model.n_heads), ("model.n_kv_heads (key/value heads)", model.kv_heads),
-                  ("model.ffn_dim (MLP width)", model.hidden_dim), ("model.vocab_size", model.vocab_size)]
-        for option, value in checks:
+    def validate_model(self, model: ModelShape, spec: ModelSpec | None = None) -> None:
+        """Through the model's contract (the built-in GPT's when ``spec`` is None): TP must divide the sizes the
+        spec's ``tp_checks`` names (heads, widths, vocabulary); PP needs at least one block per stage; then the
+        spec's own ``validate``."""
+        if spec is None:
+            from meshrun.models.spec import get_model_spec
+
+            spec = get_model_spec("gpt")
+        for option, value in spec.tp_checks(model) if self.tp > 1 else ():
             if value % self.tp:
                 raise ConfigError(
                     f"parallel.tp={self.tp} does not divide {option}={value}; each tensor-parallel rank must hold "
@@ -147,6 +152,8 @@ class ParallelDims:
                                                if self.pp_virtual_stages > 1 else "")
             raise ConfigError(f"{what} = {stages} pipeline stages but the model has only model.n_layers="
                               f"{model.n_layers}; every stage needs at least one layer. Lower parallel.pp")
+        if spec.validate is not None:
+            spec.validate(model, self)
 
     def validate_pipeline_batch(self, samples_per_step: int) -> None:
         """With PP, a dp rank's samples per step (micro_batch x grad_accum) must split into the micro-batches."""

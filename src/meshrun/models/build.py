@@ -1,24 +1,36 @@
-"""From the job's [model] section to a model config (kept apart from gpt.py, which imports nothing of meshrun)."""
+"""From the job's [model] section to the selected model's spec and resolved shape (generic over registered models)."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from meshrun.config import ConfigError, JobConfig
-from meshrun.models.gpt import GPT, GPTConfig, gpt_config
+from meshrun.config import ConfigError, JobConfig, ModelConfig
+from meshrun.models.shape import ModelShape
+from meshrun.models.spec import ModelSpec, get_model_spec
+
+SHAPE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelShape))
+"""[model] options that are shape fields: a non-zero value overrides the named size's."""
 
 
-def model_config(job: JobConfig, corpus_vocab: int = 0) -> GPTConfig:
-    """The named size with the non-zero overrides of ``job.model``; checks shapes against each other and the
-    corpus's vocabulary, raising ConfigError naming the option."""
-    m = job.model
+def model_spec(job: JobConfig | ModelConfig) -> ModelSpec:
+    """The ModelSpec ``model.arch`` selects; ConfigError naming model.arch when there is none."""
+    section = job.model if isinstance(job, JobConfig) else job
     try:
-        cfg = gpt_config(m.name, dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
-                         ffn_dim=m.ffn_dim, vocab_size=m.vocab_size, seq_len=m.seq_len)
+        return get_model_spec(section.arch)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    cfg = dataclasses.replace(cfg, dropout=m.dropout, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
-                              tie_embeddings=m.tie_embeddings)
+
+
+def model_config(job: JobConfig, corpus_vocab: int = 0) -> ModelShape:
+    """The named size of ``model.arch`` with the non-zero overrides of ``job.model``; checks shapes against each
+    other and the corpus's vocabulary, raising ConfigError naming the option."""
+    m, spec = job.model, model_spec(job)
+    if m.name not in spec.sizes:
+        raise ConfigError(f"model.name={m.name!r} is not a named size of model.arch={m.arch!r}; choose one of "
+                          f"{', '.join(spec.sizes)}")
+    overrides = {name: getattr(m, name) for name in SHAPE_FIELDS
+                 if isinstance(getattr(m, name), bool) or getattr(m, name)}
+    cfg = dataclasses.replace(spec.sizes[m.name], **overrides)
     if cfg.dim % cfg.n_heads:
         raise ConfigError(f"model.dim={cfg.dim} is not divisible by model.n_heads={cfg.n_heads}")
     if cfg.n_heads % cfg.kv_heads:
@@ -29,16 +41,13 @@ def model_config(job: JobConfig, corpus_vocab: int = 0) -> GPTConfig:
     return cfg
 
 
-def record_resolved(job: JobConfig, cfg: GPTConfig) -> None:
+def record_resolved(job: JobConfig, cfg: ModelShape) -> None:
     """Write the named size's values back into the config, so the saved config.toml is the whole truth."""
-    for name in ("dim", "n_layers", "n_heads", "vocab_size", "seq_len"):
+    for name in SHAPE_FIELDS:
         setattr(job.model, name, getattr(cfg, name))
     job.model.n_kv_heads, job.model.ffn_dim = cfg.kv_heads, cfg.hidden_dim
 
 
-def count_params(cfg: GPTConfig) -> int:
+def count_params(cfg: ModelShape, arch: str = "gpt") -> int:
     """Unique parameters of the whole model, counted on the meta device (no memory)."""
-    import torch
-
-    with torch.device("meta"):
-        return GPT(cfg).num_params()
+    return get_model_spec(arch).count_params(cfg)

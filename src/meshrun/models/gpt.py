@@ -1,6 +1,6 @@
 """A decoder-only language model with a Llama-style block (RMSNorm, RoPE, SwiGLU, SDPA).
 
-This file holds no distributed code. Parallelisms are applied from outside (meshrun.parallel), which relies on:
+This file holds no distributed code and imports only the shape dataclass (meshrun.models.shape). Parallelisms are applied from outside (meshrun.parallel), which relies on:
 * separate q/k/v/o and w1/w2/w3 linears (column/row-parallel plans),
 * ``layers`` being a ModuleDict keyed by the layer index, so a pipeline stage can delete the layers it does not own
   and keep the original names (checkpoints then line up across layouts),
@@ -12,41 +12,17 @@ This file holds no distributed code. Parallelisms are applied from outside (mesh
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshrun.models.shape import ModelShape
 
-@dataclass(frozen=True)
-class GPTConfig:
-    dim: int
-    n_layers: int
-    n_heads: int
-    vocab_size: int
-    seq_len: int
-    n_kv_heads: int = 0
-    ffn_dim: int = 0
-    dropout: float = 0.0
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = True
 
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
-    def hidden_dim(self) -> int:
-        """SwiGLU width: 2/3 of 4*dim (same parameter count as a GELU MLP of 4*dim), rounded up to 256."""
-        if self.ffn_dim:
-            return self.ffn_dim
-        return 256 * math.ceil(int(8 * self.dim / 3) / 256)
+GPTConfig = ModelShape
+"""The GPT's config is the shared transformer shape (one schema for every registered transformer)."""
 
 
 # Named sizes. 124m and 1b match the reference DDP numbers' models in parameter count (tied embeddings,
@@ -199,15 +175,3 @@ class GPT(nn.Module):
             total -= self.tok_embeddings.weight.numel()
         return total
 
-
-def flops_per_token(cfg: GPTConfig) -> float:
-    """Training FLOPs per token: 6 N + 12 L d T (PaLM appendix B; nanoGPT's estimate_mfu).
-
-    N counts the matmul weights (blocks plus the output head, not the embedding lookup), and 12 L d T is the
-    attention score and value products over a context of T, forward and backward.
-    """
-    d, L, T = cfg.dim, cfg.n_layers, cfg.seq_len
-    attn = d * cfg.n_heads * cfg.head_dim + 2 * d * cfg.kv_heads * cfg.head_dim + cfg.n_heads * cfg.head_dim * d
-    mlp = 3 * d * cfg.hidden_dim
-    n_matmul = L * (attn + mlp) + d * cfg.vocab_size
-    return 6.0 * n_matmul + 12.0 * L * d * T

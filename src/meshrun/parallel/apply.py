@@ -1,16 +1,16 @@
-"""Build the engine for a layout: the reference model, parallelised from outside in one fixed order.
+"""Build the engine for a layout: the selected model (its ModelSpec), parallelised from outside in one fixed order.
 
 For every model part (the whole model, or each pipeline stage this rank runs):
 
 1. build on the meta device (no memory), and with PP cut out this rank's stage(s);
-2. tensor parallelism (column/row plans, optional sequence parallelism)      -- parallel/tp.py
+2. tensor parallelism, from the spec's plan (optional sequence parallelism) -- parallel/tp.py
    then, with train.float8, the blocks' linears become torchao Float8Linear -- parallel/float8.py
 3. activation checkpointing (none / selective / full)                      -- parallel/activation_checkpoint.py
 4. torch.compile of each block (in place: names keep no "_orig_mod."), and of the loss (engine.loss_function)
 5. data parallelism: FSDP2 ``fully_shard`` over dp_shard, HSDP over (dp_replicate, dp_shard) when both > 1,
    or, with TP/PP and only dp_replicate > 1, HSDP with a shard degree of 1 (pure replication); plain DDP only
    for a pure data-parallel layout                                          -- parallel/data_parallel.py
-6. materialise: ``to_empty`` on the device, then ``init_weights`` -- each rank allocates and initialises only its
+6. materialise: ``to_empty`` on the device, then the spec's ``init_weights`` -- each rank allocates and initialises only its
    own shards, so a model larger than one device never exists whole on one rank.
 
 Then the engine: LocalEngine (one process, or DDP), ShardedEngine (FSDP/HSDP/TP) or PipelineEngine (PP, with any
@@ -27,7 +27,9 @@ from torch import nn
 
 from meshrun.config import ConfigError, JobConfig, resolve_batch
 from meshrun.dist.mesh import ParallelDims
-from meshrun.models.gpt import GPT, GPTConfig
+from meshrun.models.build import model_spec
+from meshrun.models.shape import ModelShape
+from meshrun.models.spec import ModelSpec
 from meshrun.parallel.activation_checkpoint import apply_activation_checkpointing
 from meshrun.parallel.data_parallel import apply_ddp, apply_fsdp
 from meshrun.parallel.engine import Engine, LocalEngine, LossStep, loss_function
@@ -42,7 +44,7 @@ from meshrun.parallel.tp import apply_tp
 log = logging.getLogger("meshrun")
 
 
-def build_engine(*, job: JobConfig, model_cfg: GPTConfig, dims: ParallelDims, mesh, device: torch.device,
+def build_engine(*, job: JobConfig, model_cfg: ModelShape, dims: ParallelDims, mesh, device: torch.device,
                  compute_dtype: torch.dtype | None) -> Engine:
     """The engine for ``dims`` on this rank. Collective: every rank must call it (it may create process groups
     and, for DDP, broadcasts parameters). ``mesh`` is ``dims.build_mesh(...)`` (None for a single process);
@@ -52,11 +54,12 @@ def build_engine(*, job: JobConfig, model_cfg: GPTConfig, dims: ParallelDims, me
     weights as a single process with that seed; sharded layouts draw each shard from its own stream (so they start
     from different, equally distributed weights than a single process: start from a checkpoint to compare).
     """
+    spec = model_spec(job)
     cfg = effective_model_config(model_cfg, pp=dims.pp)
     if cfg is not model_cfg:
         log.warning("parallel.pp=%d: untying the embeddings (tok_embeddings on the first stage, output on the last); "
                     "set --model.tie_embeddings=false to make this explicit", dims.pp)
-    dims.validate_model(cfg)
+    dims.validate_model(cfg, spec)
     batch = resolve_batch(job.train, dp_size=dims.dp_size, seq_len=cfg.seq_len)
     dims.validate_pipeline_batch(batch.micro_batch * batch.grad_accum)
     if dims.world_size > 1 and mesh is None:
@@ -72,14 +75,14 @@ def build_engine(*, job: JobConfig, model_cfg: GPTConfig, dims: ParallelDims, me
         check_async_tp(device, tp=dims.tp, compiled=compiled)
         enable_async_tp(dims.get_mesh("tp"))
     if dims.pp == 1 and dims.tp == 1 and dims.dp_shard == 1:
-        return _local_engine(job, cfg, dims, device, rank=rank, autocast_dtype=None if fp32 else compute_dtype,
+        return _local_engine(job, spec, cfg, dims, device, rank=rank, autocast_dtype=None if fp32 else compute_dtype,
                              compiled=compiled)
     if job.train.loss == "chunked":
         raise ConfigError(f"train.loss=chunked runs for one process and DDP only, not for {layout_name(dims)}; "
                           "drop --train.loss=chunked (the other layouts compile the full loss, without fp32 logits)")
     ids = stage_ids(dims.coords(rank).pp, pp=dims.pp, virtual_stages=dims.pp_virtual_stages) if dims.pp > 1 else [0]
     parts = build_parts(cfg, dims, ids, job=job, compute_dtype=compute_dtype, compiled=compiled, device=device)
-    materialize(parts, device=device, seed=job.train.seed, dims=dims, rank=rank)
+    materialize(parts, device=device, seed=job.train.seed, dims=dims, rank=rank, spec=spec)
     sharded_dp = uses_fsdp(dims)
     autocast = None if fp32 or sharded_dp else compute_dtype  # FSDP casts itself (MixedPrecisionPolicy)
     coords = dims.coords(rank)
@@ -127,36 +130,42 @@ def use_loss_parallel(dims: ParallelDims) -> bool:
     return dims.tp > 1 and dims.pp == 1
 
 
-def build_parts(cfg: GPTConfig, dims: ParallelDims, ids: list[int], *, job: JobConfig,
+def build_parts(cfg: ModelShape, dims: ParallelDims, ids: list[int], *, job: JobConfig,
                 compute_dtype: torch.dtype | None, compiled: bool = False,
                 device: torch.device | None = None) -> list[nn.Module]:
     """Steps 1-5 of the fixed order, on the meta device: this rank's model parts, parallelised, not materialised."""
+    spec = model_spec(job)
     with torch.device("meta"):
-        whole = GPT(cfg)
-    parts = [split_stage(whole, i, dims.stages) for i in ids] if dims.pp > 1 else [whole]
+        whole = spec.build(cfg)
+    parts = [split_stage(whole, i, dims.stages, spec=spec) for i in ids] if dims.pp > 1 else [whole]
     for part in parts:
-        parallelize(part, dims, job=job, compute_dtype=compute_dtype, compiled=compiled, device=device)
+        parallelize(part, dims, job=job, compute_dtype=compute_dtype, compiled=compiled, device=device, spec=spec)
     return parts
 
 
 def parallelize(part: nn.Module, dims: ParallelDims, *, job: JobConfig, compute_dtype: torch.dtype | None,
-                compiled: bool = False, device: torch.device | None = None) -> None:
+                compiled: bool = False, device: torch.device | None = None, spec: ModelSpec | None = None) -> None:
     """TP -> float8 -> activation checkpointing -> compile -> FSDP/HSDP, in place (DDP is applied after
     materialising)."""
+    spec = spec or model_spec(job)
+    blocks = spec.block_modules(part)
     if dims.tp > 1:
-        apply_tp(part, dims.get_mesh("tp"), sequence_parallel=job.parallel.sequence_parallel,
+        if spec.tp_plan is None:
+            raise ConfigError(f"parallel.tp={dims.tp}: model.arch={spec.arch!r} has no tensor-parallel plan "
+                              "(ModelSpec.tp_plan); use --parallel.tp=1")
+        apply_tp(part, spec.tp_plan, dims.get_mesh("tp"), sequence_parallel=job.parallel.sequence_parallel,
                  loss_parallel=use_loss_parallel(dims))
     if job.train.float8:
-        convert_blocks_to_float8(part, fsdp=uses_fsdp(dims))
-    apply_activation_checkpointing(part, job.parallel.activation_checkpoint)
+        convert_blocks_to_float8(part, fsdp=uses_fsdp(dims), blocks_attr=spec.blocks)
+    apply_activation_checkpointing(part, job.parallel.activation_checkpoint, blocks=blocks)
     if compiled:
-        for block in part.layers.values():
+        for block in blocks:
             block.compile()  # in place: parameter names stay as they are (no "_orig_mod.")
     if uses_fsdp(dims):
         dp_mesh = dims.get_mesh("dp_shard") if dims.dp_replicate == 1 else dims.get_mesh(("dp_replicate", "dp_shard"))
         reshard = dims.pp == 1 and reshard_after_forward(job.parallel.fsdp_reshard_after_forward, part,
                                                          compute_dtype=compute_dtype, device=device)
-        apply_fsdp(part, dp_mesh, compute_dtype=compute_dtype, reshard_after_forward=reshard)
+        apply_fsdp(part, dp_mesh, compute_dtype=compute_dtype, reshard_after_forward=reshard, blocks=blocks)
 
 
 def reshard_after_forward(choice: str, part: nn.Module, *, compute_dtype: torch.dtype | None,
@@ -173,12 +182,14 @@ def reshard_after_forward(choice: str, part: nn.Module, *, compute_dtype: torch.
     return gathered > torch.cuda.get_device_properties(device).total_memory / 16
 
 
-def materialize(parts: list[nn.Module], *, device: torch.device, seed: int, dims: ParallelDims, rank: int) -> None:
-    """Allocate this rank's shards on ``device`` and initialise them (GPT.init_weights works on DTensor shards)."""
+def materialize(parts: list[nn.Module], *, device: torch.device, seed: int, dims: ParallelDims, rank: int,
+                spec: ModelSpec) -> None:
+    """Allocate this rank's shards on ``device`` and initialise them (the spec's init_weights works on DTensor
+    shards)."""
     seed_for_init(seed, dims=dims, rank=rank, device=device)
     for part in parts:
         part.to_empty(device=device)
-        part.init_weights(buffer_device=device)
+        spec.init_weights(part, device)
 
 
 def seed_for_init(seed: int, *, dims: ParallelDims, rank: int, device: torch.device) -> None:
@@ -198,7 +209,7 @@ def seed_for_init(seed: int, *, dims: ParallelDims, rank: int, device: torch.dev
         manual_seed(seed + c.pp, dims.mesh)
 
 
-def _local_engine(job: JobConfig, cfg: GPTConfig, dims: ParallelDims, device: torch.device, *, rank: int,
+def _local_engine(job: JobConfig, spec: ModelSpec, cfg: ModelShape, dims: ParallelDims, device: torch.device, *, rank: int,
                   autocast_dtype: torch.dtype | None, compiled: bool) -> LocalEngine:
     """One process, or DDP over dp_replicate: every rank holds the whole model, initialised like 1 process.
 
@@ -209,15 +220,15 @@ def _local_engine(job: JobConfig, cfg: GPTConfig, dims: ParallelDims, device: to
     bucket's all-reduce overlaps the rest of backward, at the price of fusion across the splits.
     """
     with torch.device("meta"):
-        model = GPT(cfg)
+        model = spec.build(cfg)
     if job.train.float8:
-        convert_blocks_to_float8(model, fsdp=False)
-    apply_activation_checkpointing(model, job.parallel.activation_checkpoint)
+        convert_blocks_to_float8(model, fsdp=False, blocks_attr=spec.blocks)
+    apply_activation_checkpointing(model, job.parallel.activation_checkpoint, blocks=spec.block_modules(model))
     model.to_empty(device=device)
-    if cfg.tie_embeddings:
-        model.output.weight = model.tok_embeddings.weight  # to_empty may have replaced the shared parameter
+    if spec.tie_weights is not None:
+        spec.tie_weights(model)  # to_empty may have replaced the shared parameter
     torch.manual_seed(job.train.seed)
-    model.init_weights(buffer_device=device)
+    spec.init_weights(model, device)
     step: nn.Module = LossStep(model, autocast_dtype, chunked=job.train.loss == "chunked")
     ddp = dims.dp_replicate > 1
     overlap = ddp and compiled and job.parallel.ddp_overlap

@@ -1,7 +1,7 @@
 """Data parallelism: FSDP2 (``fully_shard``) over the dp mesh, HSDP over (replicate, shard), or classic DDP.
 
-FSDP2 wraps each block, then the root (embedding, final norm and output head stay in the root's group, which keeps
-tied embeddings in one group). Parameter names do not change: FSDP2 swaps parameters for DTensors in place.
+FSDP2 wraps each repeated block (the ModelSpec's blocks, or those Session found), then the root (embedding, final
+norm and output head stay in the root's group, which keeps tied embeddings in one group). Parameter names do not change: FSDP2 swaps parameters for DTensors in place.
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ def mixed_precision(compute_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, compute_dtype: torch.dtype | None,
-               reshard_after_forward: bool) -> None:
+               reshard_after_forward: bool, blocks: list[nn.Module] | None = None) -> None:
     """Shard ``model`` over ``dp_mesh``: 1-D mesh = FSDP, 2-D (replicate, shard) mesh = HSDP.
 
     ``reshard_after_forward=False`` keeps gathered parameters until backward (used with pipeline parallelism,
     where each stage runs many micro-batches per step and re-gathering each time would multiply the traffic).
     """
     mp_policy = mixed_precision(compute_dtype)
-    blocks = list(model.layers.values())
+    blocks = list(model.layers.values()) if blocks is None else blocks
     for i, block in enumerate(blocks):
         # the last block's parameters are needed again first thing in backward: keep them gathered
         reshard = reshard_after_forward and i < len(blocks) - 1
@@ -43,8 +43,12 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, compute_dtype: torch.dt
                 module.set_force_sum_reduction_for_comms(True)
 
 
-def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device, *, bucket_mb: int = 25) -> nn.Module:
+def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device, *, bucket_mb: int = 25,
+              sync_buffers: bool = False) -> nn.Module:
     """Wrap in DistributedDataParallel over ``dp_mesh``'s group; returns the wrapper (the model keeps its names).
+
+    ``sync_buffers`` broadcasts rank 0's buffers before every forward (models with running statistics, such as
+    BatchNorm, need it; the trainer's models compute their buffers identically everywhere and skip it).
 
     Collective: every rank of the dp group must call this (DDP broadcasts rank 0's parameters).
     """
@@ -52,9 +56,9 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device, *, bu
 
     # The model's only buffer (the RoPE table) is computed identically everywhere: syncing it before every forward
     # would be a wasted collective per step. Newer torch renames the switch (the old name warns).
-    no_buffer_sync = ({"forward_sync_buffers": False}
+    no_buffer_sync = ({"forward_sync_buffers": sync_buffers}
                       if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-                      else {"broadcast_buffers": False})
+                      else {"broadcast_buffers": sync_buffers})
     return DistributedDataParallel(model, process_group=dp_mesh.get_group(),
                                    device_ids=[device.index] if device.type == "cuda" else None,
                                    gradient_as_bucket_view=True, bucket_cap_mb=bucket_mb, **no_buffer_sync)

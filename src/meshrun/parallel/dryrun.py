@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from meshrun.config import ConfigError, JobConfig
 from meshrun.dist.mesh import ParallelDims, RankCoords
-from meshrun.models.build import model_config
-from meshrun.models.gpt import GPTConfig
+from meshrun.models.build import model_config, model_spec
+from meshrun.models.shape import ModelShape
 from meshrun.parallel.pipeline import effective_model_config, layer_ranges, stage_ids
 
 
@@ -56,7 +56,7 @@ class RankLayout:
         return sum(p.local_bytes for p in self.params)
 
 
-def simulate_rank(job: JobConfig, model_cfg: GPTConfig, dims: ParallelDims, rank: int) -> RankLayout:
+def simulate_rank(job: JobConfig, model_cfg: ModelShape, dims: ParallelDims, rank: int) -> RankLayout:
     """Pretend to be ``rank``: fake process group, real mesh, real parallelisation on the meta device."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -72,7 +72,7 @@ def simulate_rank(job: JobConfig, model_cfg: GPTConfig, dims: ParallelDims, rank
         coords = dims.coords(rank)
         ids = stage_ids(coords.pp, pp=dims.pp, virtual_stages=dims.pp_virtual_stages) if dims.pp > 1 else [0]
         parts = build_parts(cfg, dims, ids, job=job, compute_dtype=None)
-        params = _shards(parts)
+        params = _shards(parts, blocks_attr=model_spec(job).blocks)
     finally:
         dist.destroy_process_group()
     ranges = layer_ranges(cfg.n_layers, dims.stages)
@@ -80,14 +80,14 @@ def simulate_rank(job: JobConfig, model_cfg: GPTConfig, dims: ParallelDims, rank
     return RankLayout(rank=rank, coords=coords, stages=ids, layers=layers, engine=layout_name(dims), params=params)
 
 
-def _shards(parts) -> list[ParamShard]:
+def _shards(parts, *, blocks_attr: str) -> list[ParamShard]:
     """One row per distinct parameter name, layers folded into '*'."""
     from torch.distributed.tensor import DTensor
 
     rows: dict[str, dict] = {}
     for part in parts:
         for name, param in part.named_parameters():
-            key = re.sub(r"^layers\.\d+\.", "layers.*.", name)
+            key = re.sub(rf"^{re.escape(blocks_attr)}\.\d+\.", f"{blocks_attr}.*.", name)
             local = param.to_local() if isinstance(param, DTensor) else param
             placements = _placements(param) if isinstance(param, DTensor) else "whole"
             row = rows.setdefault(key, {"layers": 0, "global": tuple(param.shape), "local": tuple(local.shape),
@@ -122,7 +122,7 @@ def dry_run(job: JobConfig, *, world_size: int, gpus_per_node: int = 8, ranks: l
         if world_size <= 0:
             raise ConfigError("--world-size N is needed with --dry-run (the number of ranks to simulate)")
         dims = ParallelDims.from_config(job.parallel, world_size=world_size, gpus_per_node=gpus_per_node,
-                                        model=model_cfg)
+                                        model=model_cfg, spec=model_spec(job))
         layouts = [simulate_rank(job, model_cfg, dims, r) for r in (ranks or default_ranks(dims))]
     except (ConfigError, ValueError) as exc:
         print(f"meshrun: error: {exc}", file=sys.stderr)

@@ -30,15 +30,16 @@ def check_float8(device: torch.device, *, tp: int) -> None:
             from None
 
 
-def convert_blocks_to_float8(model: nn.Module, *, fsdp: bool) -> int:
-    """Swap the linear layers inside ``model.layers`` for Float8Linear in place; returns how many were swapped."""
+def convert_blocks_to_float8(model: nn.Module, *, fsdp: bool, blocks_attr: str = "layers") -> int:
+    """Swap the linear layers inside the blocks (``model.<blocks_attr>``) for Float8Linear in place; returns how
+    many were swapped."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     config = Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp)
     swapped = []
 
     def wanted(module: nn.Module, fqn: str) -> bool:
-        ok = (fqn.startswith("layers.") and isinstance(module, nn.Linear)
+        ok = (fqn.startswith(blocks_attr + ".") and isinstance(module, nn.Linear)
               and module.in_features % 16 == 0 and module.out_features % 16 == 0)
         if ok:
             swapped.append(fqn)

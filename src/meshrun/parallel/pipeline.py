@@ -1,11 +1,12 @@
 """Pipeline parallelism with ``torch.distributed.pipelining``: stage splitting, schedules and the PipelineEngine.
 
 Splitting: the model's layers are cut into ``pp x virtual`` contiguous stages by layer count (earlier stages take
-one extra layer when it does not divide). Each stage is a copy of the full (meta-device) GPT with the layers it
-does not own deleted; ``layers`` is a ModuleDict keyed by the global layer index, so a stage's parameter names are
-the same as in the whole model ("layers.7.attention.wq.weight") and checkpoints line up across layouts. The first
-stage keeps ``tok_embeddings``, the last keeps ``norm`` and ``output``; elsewhere they are None. Tied embeddings
-cannot be shared between two stages, so pipeline layouts untie them (see :func:`effective_model_config`).
+one extra layer when it does not divide). Each stage is a copy of the full (meta-device) model with the blocks it
+does not own deleted; the blocks (the ModelSpec's ``blocks``, e.g. ``layers``) are a ModuleDict keyed by the global
+layer index, so a stage's parameter names are the same as in the whole model ("layers.7.attention.wq.weight") and
+checkpoints line up across layouts. The first stage keeps the spec's ``first_stage`` modules (the embedding), the
+last its ``last_stage`` modules (final norm and output head); elsewhere they are None. Tied embeddings cannot be
+shared between two stages, so pipeline layouts untie them (see :func:`effective_model_config`).
 
 Stages per rank: GPipe and 1F1B give each pp rank one stage; Interleaved1F1B gives rank r the stages
 r, r + pp, r + 2 pp, ... (``parallel.pp_virtual_stages`` of them).
@@ -23,15 +24,18 @@ import copy
 import inspect
 import math
 from dataclasses import replace
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshrun.models.gpt import GPTConfig
+from meshrun.models.shape import ModelShape
 from meshrun.parallel.engine import Batch, autocast, count_tensor, token_loss_sum
 from meshrun.parallel.grad_norm import clip_grad_norm
+
+if TYPE_CHECKING:
+    from meshrun.models.spec import ModelSpec
 
 
 def bubble_fraction(stages: int, microbatches: int, virtual_stages: int = 1) -> float:
@@ -42,7 +46,7 @@ def bubble_fraction(stages: int, microbatches: int, virtual_stages: int = 1) -> 
     return (stages - 1) / (virtual_stages * microbatches)
 
 
-def effective_model_config(cfg: GPTConfig, *, pp: int) -> GPTConfig:
+def effective_model_config(cfg: ModelShape, *, pp: int) -> ModelShape:
     """The model config a layout actually trains: with pp > 1, embeddings are untied (the first stage holds the
     embedding, the last the output head, and tying them across stages would need an extra all-reduce)."""
     return replace(cfg, tie_embeddings=False) if pp > 1 and cfg.tie_embeddings else cfg
@@ -64,18 +68,24 @@ def stage_ids(pp_rank: int, *, pp: int, virtual_stages: int) -> list[int]:
     return [pp_rank + v * pp for v in range(virtual_stages)]
 
 
-def split_stage(model: nn.Module, stage: int, n_stages: int) -> nn.Module:
-    """A copy of ``model`` (best on the meta device) holding only ``stage``'s layers, with the original names."""
+def split_stage(model: nn.Module, stage: int, n_stages: int, *, spec: ModelSpec | None = None) -> nn.Module:
+    """A copy of ``model`` (best on the meta device) holding only ``stage``'s blocks, with the original names.
+
+    ``spec`` names the blocks and the first/last-stage modules (the built-in GPT's when None)."""
+    if spec is None:
+        from meshrun.models.spec import get_model_spec
+
+        spec = get_model_spec("gpt")
     part = copy.deepcopy(model)
-    owned = {str(i) for i in layer_ranges(len(model.layers), n_stages)[stage]}
-    for name in list(part.layers.keys()):
+    blocks = spec.model_blocks(part)
+    owned = {str(i) for i in layer_ranges(len(blocks), n_stages)[stage]}
+    for name in list(blocks.keys()):
         if name not in owned:
-            del part.layers[name]
-    if stage != 0:
-        part.tok_embeddings = None
-    if stage != n_stages - 1:
-        part.norm = None
-        part.output = None
+            del blocks[name]
+    for name in spec.first_stage if stage != 0 else ():
+        setattr(part, name, None)
+    for name in spec.last_stage if stage != n_stages - 1 else ():
+        setattr(part, name, None)
     return part
 
 

@@ -1,82 +1,70 @@
-"""Tensor parallelism for the reference GPT (Megatron-style column/row plans on DTensor), applied from outside.
+"""Tensor parallelism applied from outside, through the model's plan (ModelSpec.tp_plan or a user's dict).
 
-Per block: wq/wk/wv and w1/w3 are column-parallel (each rank computes its share of the heads and of the MLP
-width), wo and w2 are row-parallel (each rank's partial product is summed by one all-reduce, or by a
-reduce-scatter under sequence parallelism). That is two all-reduces forward and two backward per block. The
-attention already reshapes with ``view(B, T, -1, head_dim)``, so it sees n_heads / tp heads unchanged.
-
-The token embedding is row-parallel over the vocabulary (each rank looks up its rows, the partial results are
-summed) and the output head column-parallel over the vocabulary. Both shard their weight along the vocabulary
-rows (``Shard(0)``), so tied embeddings stay tied: after the plan runs, ``output.weight`` is pointed at the same
-DTensor parameter as ``tok_embeddings.weight``.
-
-With ``loss_parallel`` the logits stay sharded over the vocabulary (``Shard(-1)``) and the cross-entropy is
-computed without gathering (B, T, V) logits on every rank; the engine wraps loss and backward in
-``torch.distributed.tensor.parallel.loss_parallel()``. Otherwise the logits are gathered (``Replicate``).
-
-With ``sequence_parallel`` the residual stream between blocks is sharded along the sequence (B, T/tp, C): norms
-and dropout run on 1/tp of the tokens and the all-reduces become all-gather + reduce-scatter (same volume).
+A plan is either a function ``(part, tp_mesh, *, sequence_parallel, loss_parallel)`` that shards the part in
+place (the built-in GPT's Megatron-style plan, meshrun.models.gpt_spec), or a dict from module names -- with
+``*`` matching one name component, as in ``"layers.*.attention.wq"`` -- to a torch ``ParallelStyle`` or one of
+a word from :data:`STYLES` (``colwise``, ``rowwise``, ``colwise_rep``, ...: the spelling Hugging Face models use
+in ``tp_plan``). A module
+sharded by a dict plan must reshape with ``-1`` heads (``view(B, T, -1, head_dim)``): it sees n_heads / tp heads.
+Parameters of leaf modules the plan leaves alone become Replicate DTensors (see :func:`replicate_params`) so the
+optimizer's foreach kernels and the gradient norm see one kind of tensor; a parameter held directly by a module
+with children stays a plain tensor (then build the optimizer with foreach=False).
 """
 
 from __future__ import annotations
 
+import fnmatch
+from typing import Any, Callable, Mapping
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, parallelize_module)
+from torch.distributed.tensor import DTensor, Replicate, distribute_module
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+STYLES: dict[str, Callable[[], Any]] = {
+    "colwise": ColwiseParallel,
+    "rowwise": RowwiseParallel,
+    "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),  # e.g. an output head: gathered logits
+    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),  # vocabulary rows of an embedding
+}
+"""Plan words (Hugging Face's ``base_model_tp_plan`` / ``tp_plan`` spelling) and the torch styles they stand for."""
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool) -> None:
-    """Shard ``model`` (a GPT, or a pipeline stage of one) over ``tp_mesh`` in place."""
-    seq = Shard(1) if sequence_parallel else Replicate()  # layout of the residual stream between blocks
-    top: dict[str, object] = {}
-    if model.tok_embeddings is not None:
-        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
-    if model.norm is not None and sequence_parallel:
-        top["norm"] = SequenceParallel()
-    if model.output is not None:
-        top["output"] = ColwiseParallel(input_layouts=seq,
-                                        output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                        use_local_output=not loss_parallel)
-    if top:
-        parallelize_module(model, tp_mesh, top)
-    for block in model.layers.values():
-        parallelize_module(block, tp_mesh, _block_plan(sequence_parallel))
-        if not sequence_parallel:
-            replicate_params(block.attention_norm, tp_mesh)
-            replicate_params(block.ffn_norm, tp_mesh)
-    if model.norm is not None and not sequence_parallel:
-        replicate_params(model.norm, tp_mesh)
-    tied = getattr(model.cfg, "tie_embeddings", False)
-    if tied and model.tok_embeddings is not None and model.output is not None:
-        # Both plans placed their copy as Shard(0) over the vocabulary; share the embedding's parameter again.
-        model.output.weight = model.tok_embeddings.weight
+def apply_tp(model: nn.Module, plan: Callable[..., None] | Mapping[str, Any], tp_mesh: DeviceMesh, *,
+             sequence_parallel: bool = False, loss_parallel: bool = False) -> None:
+    """Shard ``model`` (a whole model or a pipeline stage) over ``tp_mesh`` in place, following ``plan``."""
+    if callable(plan):
+        plan(model, tp_mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+        return
+    if sequence_parallel:
+        raise ValueError("parallel.sequence_parallel needs a plan function that places the norms; a dict plan "
+                         "shards linears only. Drop --parallel.sequence_parallel")
+    apply_tp_plan(model, plan, tp_mesh)
 
 
-def _block_plan(sequence_parallel: bool) -> dict[str, object]:
-    plan: dict[str, object] = {
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
-    }
-    if not sequence_parallel:
-        plan["attention.wo"] = RowwiseParallel()
-        plan["feed_forward.w2"] = RowwiseParallel()
-        return plan
-    plan.update({
-        "attention_norm": SequenceParallel(),
-        # gather the sequence before the column-parallel projections; the rope table (2nd arg) stays as is
-        "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-        "ffn_norm": SequenceParallel(),
-        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-    })
-    return plan
+def apply_tp_plan(model: nn.Module, plan: Mapping[str, Any], tp_mesh: DeviceMesh) -> list[str]:
+    """Shard the modules a dict plan names; replicate every other parameter. Returns the sharded module names."""
+    names = [name for name, _ in model.named_modules() if name]
+    resolved: dict[str, Any] = {}
+    for pattern, style in plan.items():
+        if isinstance(style, str):
+            if style not in STYLES:
+                raise ValueError(f"tensor-parallel plan entry {pattern!r}: {style!r} is not one of "
+                                 f"{', '.join(STYLES)} (or a torch ParallelStyle)")
+            style = STYLES[style]()
+        matches = [n for n in names if fnmatch.fnmatchcase(n, pattern) and n.count(".") == pattern.count(".")]
+        resolved.update({n: style for n in matches})
+    if not resolved:
+        raise ValueError(f"tensor-parallel plan names no module of {type(model).__name__} (patterns: "
+                         f"{', '.join(plan)}); give module names as in model.named_modules()")
+    parallelize_module(model, tp_mesh, resolved)
+    for name, module in model.named_modules():
+        leaf = next(module.children(), None) is None  # a parent's hooks would turn its children's inputs to DTensors
+        if leaf and name not in resolved and any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+            replicate_params(module, tp_mesh)
+    return sorted(resolved)
 
 
 def replicate_params(module: nn.Module, tp_mesh: DeviceMesh) -> None:

@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable, MutableMapping
+from typing import Any, Callable, MutableMapping
 
 import numpy as np
 import torch
@@ -660,3 +660,47 @@ def enable_flight_recorder(environ: MutableMapping[str, str], *, run_dir: str | 
     if any(name in applied for name in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")):
         os.makedirs(Path(trace_prefix).parent, exist_ok=True)
     return applied
+
+
+class WorkTimer:
+    """Time this rank spends on its own work: waiting for data, and running forward passes.
+
+    In synchronous data parallelism the wall-clock step is the same on every rank (all wait at the gradient
+    all-reduce), so stragglers show only in the time before the first blocking collective. Forward passes are timed
+    with CUDA events on GPU (no sync until ``take``) and with the host clock on CPU.
+    """
+
+    def __init__(self, parts: list[torch.nn.Module], device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.data_s, self.host_forward_s, self.events = 0.0, 0.0, []
+        self._start: Any = None
+        for part in parts:
+            part.register_forward_pre_hook(self._before)
+            part.register_forward_hook(self._after)
+
+    def _now(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _before(self, *_):
+        self._start = self._now()
+
+    def _after(self, *_):
+        end = self._now()
+        if self.cuda:
+            self.events.append((self._start, end))
+        else:
+            self.host_forward_s += end - self._start
+
+    def add_data(self, seconds: float) -> None:
+        self.data_s += seconds
+
+    def take(self, steps: int) -> tuple[float, float]:
+        """(work, data) seconds per step since the last call; syncs with the GPU."""
+        forward = self.host_forward_s + sum(a.elapsed_time(b) for a, b in self.events) / 1000.0
+        work, data = (self.data_s + forward) / max(steps, 1), self.data_s / max(steps, 1)
+        self.data_s, self.host_forward_s, self.events = 0.0, 0.0, []
+        return work, data

@@ -29,8 +29,7 @@ from meshrun.data.loader import StepBatches, eval_batches
 from meshrun.data.sampler import DataPosition, TokenWindows
 from meshrun.dist.process_group import DistContext, init_distributed, set_mesh_timeouts, wants_cuda
 from meshrun.env import ClusterEnv
-from meshrun.models.build import count_params, model_config, record_resolved
-from meshrun.models.gpt import flops_per_token
+from meshrun.models.build import model_config, model_spec, record_resolved
 from meshrun.parallel.apply import build_engine, describe_layout
 from meshrun.parallel.engine import Engine
 from meshrun.parallel.kernels import describe_speed
@@ -39,7 +38,7 @@ from meshrun.ckpt.preemption import install_sigterm_handler
 from meshrun.ckpt.state import CountersState, ModelOptimState, RNGState, SchedulerState
 from meshrun.diag.fingerprint import check_consistency
 from meshrun.dist.mesh import ParallelDims, choose_data_parallel
-from meshrun.train.health import HangWatchdog, StragglerDetector, enable_flight_recorder
+from meshrun.train.health import HangWatchdog, StragglerDetector, WorkTimer, enable_flight_recorder
 from meshrun.train.metrics import MetricsSink, SumMetrics, peak_flops
 from meshrun.train.nonfinite import NonFiniteGuard
 from meshrun.train.profiling import StepProfiler, build_profiler
@@ -85,19 +84,22 @@ def compute_dtype(job: JobConfig, device: torch.device) -> torch.dtype | None:
 
 
 class Trainer:
-    """Trains the reference model (or any GPT-shaped module) under the layout the config describes."""
+    """Trains the model ``model.arch`` selects (the built-in GPT or a registered ModelSpec) under the layout the
+    config describes."""
 
     def __init__(self, job: JobConfig, *, env: ClusterEnv | None = None, corpus: Corpus | None = None):
         job.validate()
         self.job = job
         self.env = env or ClusterEnv.detect()
         self.corpus = corpus or load_corpus(job.data)
+        self.spec = model_spec(job)
         self.model_cfg = model_config(job, self.corpus.vocab_size)
         record_resolved(job, self.model_cfg)
-        job.parallel, self.layout_note = choose_data_parallel(job.parallel, params=count_params(self.model_cfg),
-                                                              on_gpu=wants_cuda(job.dist))
+        job.parallel, self.layout_note = choose_data_parallel(
+            job.parallel, params=self.spec.count_params(self.model_cfg), on_gpu=wants_cuda(job.dist))
         self.dims = ParallelDims.from_config(job.parallel, world_size=self.env.world_size,
-                                             gpus_per_node=self.env.local_world_size, model=self.model_cfg)
+                                             gpus_per_node=self.env.local_world_size, model=self.model_cfg,
+                                             spec=self.spec)
         self.batch: BatchPlan = resolve_batch(job.train, dp_size=self.dims.dp_size, seq_len=self.model_cfg.seq_len)
         self.dims.validate_pipeline_batch(self.batch.micro_batch * self.batch.grad_accum)
         self.run_dir = Path(job.run.dir)
@@ -289,7 +291,8 @@ class Trainer:
         lines = [
             f"meshrun train | {env.source}: {env.describe_nodes()} | {self.ctx.backend or 'no process group'} on "
             f"{self.device}",
-            f"model {self.job.model.name}: {params / 1e6:.2f}M parameters on this rank, {m.n_layers} layers, dim "
+            f"model {self.job.model.arch} {self.job.model.name}: {params / 1e6:.2f}M parameters on this rank, "
+            f"{m.n_layers} layers, dim "
             f"{m.dim}, {m.n_heads} heads, seq {m.seq_len}, vocab {m.vocab_size}",
             f"data: {self.corpus.description}; fingerprint {self.corpus.fingerprint[:12]}",
             f"global batch {b.global_batch} = {b.micro_batch} per rank (B_local) x {b.dp_size} data-parallel ranks "
@@ -447,7 +450,7 @@ class Trainer:
         per_device = tokens_per_s / self.env.world_size
         peak = peak_flops(self.device)
         # MFU = achieved model FLOP/s per device / peak: (6N + 12 L d T) FLOPs per token (PaLM, appendix B).
-        mfu = flops_per_token(self.model_cfg) * per_device / peak if peak else None
+        mfu = self.spec.flops_per_token(self.model_cfg) * per_device / peak if peak else None
         return {"kind": "train", "step": self.step, "epoch": self.data.position.epoch,
                 "loss": totals["loss_sum"] / max(totals["tokens"], 1.0), "lr": self.scheduler.get_last_lr()[0],
                 "tokens_seen": self.tokens_seen, "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": per_device,
@@ -458,50 +461,6 @@ class Trainer:
     def close(self) -> None:
         self.ckpt.close()
         self.sink.close()
-
-
-class WorkTimer:
-    """Time this rank spends on its own work: waiting for data, and running forward passes.
-
-    In synchronous data parallelism the wall-clock step is the same on every rank (all wait at the gradient
-    all-reduce), so stragglers show only in the time before the first blocking collective. Forward passes are timed
-    with CUDA events on GPU (no sync until ``take``) and with the host clock on CPU.
-    """
-
-    def __init__(self, parts: list[torch.nn.Module], device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.data_s, self.host_forward_s, self.events = 0.0, 0.0, []
-        self._start: Any = None
-        for part in parts:
-            part.register_forward_pre_hook(self._before)
-            part.register_forward_hook(self._after)
-
-    def _now(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def _before(self, *_):
-        self._start = self._now()
-
-    def _after(self, *_):
-        end = self._now()
-        if self.cuda:
-            self.events.append((self._start, end))
-        else:
-            self.host_forward_s += end - self._start
-
-    def add_data(self, seconds: float) -> None:
-        self.data_s += seconds
-
-    def take(self, steps: int) -> tuple[float, float]:
-        """(work, data) seconds per step since the last call; syncs with the GPU."""
-        forward = self.host_forward_s + sum(a.elapsed_time(b) for a, b in self.events) / 1000.0
-        work, data = (self.data_s + forward) / max(steps, 1), self.data_s / max(steps, 1)
-        self.data_s, self.host_forward_s, self.events = 0.0, 0.0, []
-        return work, data
 
 
 def _setup_logging(run_dir: Path, env: ClusterEnv) -> None:

@@ -1,0 +1,104 @@
+"""Checkpoints of a user's own training script (``Session.save`` / ``Session.resume``), through the trainer's
+Checkpointer: the same folder layout, manifest, SHA-256 checksums, COMPLETE marker, retention, async option and
+resharding across world sizes and layouts, so ``meshrun ckpt ls/verify/export`` read them.
+
+What is saved: the model and optimizer (sharded, with DCP; FSDP2, HSDP, TP and DDP models all save under the
+model's own parameter names), the step and the data position of the script's StepBatches (epoch, samples consumed
+by all ranks: independent of the world size), every rank's RNG streams, an LR scheduler, and ``extra`` floats.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshrun.ckpt.checkpointer import Checkpointer
+from meshrun.ckpt.layout import step_dir_name
+from meshrun.ckpt.state import CountersState, MetricsState, ModelOptimState, RNGState, SchedulerState
+from meshrun.config import CheckpointConfig
+from meshrun.data.loader import StepBatches
+from meshrun.data.sampler import DataPosition
+from meshrun.env import ClusterEnv
+
+
+class SessionCheckpoints:
+    """One checkpoint folder of a user script; every method is a collective over all ranks."""
+
+    def __init__(self, cfg: CheckpointConfig, *, env: ClusterEnv, seed: int):
+        if not cfg.dir:
+            raise ValueError("Session checkpoint folder is empty: pass Session(checkpoint='DIR') or "
+                             "CheckpointConfig(dir='DIR')")
+        self.cfg, self.env, self.seed = cfg, env, seed
+        self._ckpt: Checkpointer | None = None
+
+    def _checkpointer(self, module: nn.Module, layout: Any, batches: StepBatches | None) -> Checkpointer:
+        if self._ckpt is None:  # collective: it creates the checkpointer's gloo groups
+            self._ckpt = Checkpointer(self.cfg, folder=self.cfg.dir, env=self.env, layout={},
+                                      config_fingerprint=model_fingerprint(module))
+        self._ckpt.layout = describe_layout(self.env, layout, batches)
+        return self._ckpt
+
+    def _state(self, module: nn.Module, optimizer: Any, scheduler: Any,
+               extra: dict[str, float] | None) -> dict[str, Any]:
+        state: dict[str, Any] = {"model_optim": ModelOptimState([module], [optimizer] if optimizer else []),
+                                 "trainer": CountersState(), "rng": RNGState(self.env, seed=self.seed)}
+        if scheduler is not None:
+            state["scheduler"] = SchedulerState(scheduler)
+        if extra is not None:
+            state["extra"] = MetricsState(extra)
+        return state
+
+    def save(self, step: int, *, module: nn.Module, optimizer: Any, batches: StepBatches | None, scheduler: Any,
+             extra: dict[str, float] | None, layout: Any, final: bool) -> Path:
+        ckpt = self._checkpointer(module, layout, batches)
+        state = self._state(module, optimizer, scheduler, extra)
+        counters: CountersState = state["trainer"]
+        counters.step = step
+        if batches is not None:
+            counters.epoch, counters.samples_in_epoch = batches.position.epoch, batches.position.consumed
+        ckpt.save(step, state, final=final, meta={"epoch": counters.epoch, "samples_in_epoch":
+                                                  counters.samples_in_epoch})
+        return Path(self.cfg.dir) / step_dir_name(step)
+
+    def resume(self, *, module: nn.Module, optimizer: Any, batches: StepBatches | None, scheduler: Any,
+               extra: dict[str, float] | None, layout: Any, path: str | None) -> int:
+        ckpt = self._checkpointer(module, layout, batches)
+        state = self._state(module, optimizer, scheduler, extra)
+        manifest = ckpt.load(state, resume=path)
+        if manifest is None:
+            return 0
+        counters: CountersState = state["trainer"]
+        if batches is not None:
+            saved = manifest.get("layout", {}).get("global_batch")
+            if saved and saved != batches.global_batch and self.env.is_rank_zero:
+                print(f"meshrun: the checkpoint's global batch was {saved}, this run's is {batches.global_batch}: "
+                      "the data order continues from the same sample, in steps of the new size", flush=True)
+            batches.seek(DataPosition(counters.epoch, counters.samples_in_epoch))
+        return counters.step
+
+    def close(self) -> None:
+        if self._ckpt is not None:
+            self._ckpt.close()
+
+
+def describe_layout(env: ClusterEnv, layout: Any, batches: StepBatches | None) -> dict[str, Any]:
+    """The manifest's layout entry: world, degrees, and the batch of the data position."""
+    dims = layout.dims if layout is not None else None
+    entry = {"world_size": env.world_size, "nodes": env.num_nodes,
+             "dp_replicate": dims.dp_replicate if dims else env.world_size, "dp_shard": dims.dp_shard if dims else 1,
+             "tp": dims.tp if dims else 1, "pp": 1}
+    if batches is not None:
+        entry.update(global_batch=batches.global_batch, micro_batch=batches.micro_batch,
+                     grad_accum=batches.grad_accum)
+    return entry
+
+
+def model_fingerprint(module: nn.Module) -> str:
+    """Parameter names and global shapes: a resume into a different model is reported."""
+    shapes = {name: list(p.shape) for name, p in module.state_dict().items() if isinstance(p, torch.Tensor)}
+    return hashlib.sha256(json.dumps(shapes, sort_keys=True).encode()).hexdigest()[:16]

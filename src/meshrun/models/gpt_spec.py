@@ -1,0 +1,101 @@
+"""The built-in GPT as a ModelSpec: how to build it, initialise it, split it into stages and shard it with TP.
+
+Kept apart from gpt.py, which holds no distributed code. The tensor-parallel plan is Megatron-style, on DTensor:
+
+Per block: wq/wk/wv and w1/w3 are column-parallel (each rank computes its share of the heads and of the MLP
+width), wo and w2 are row-parallel (each rank's partial product is summed by one all-reduce, or by a
+reduce-scatter under sequence parallelism). That is two all-reduces forward and two backward per block. The
+attention already reshapes with ``view(B, T, -1, head_dim)``, so it sees n_heads / tp heads unchanged.
+
+The token embedding is row-parallel over the vocabulary (each rank looks up its rows, the partial results are
+summed) and the output head column-parallel over the vocabulary. Both shard their weight along the vocabulary
+rows (``Shard(0)``), so tied embeddings stay tied: after the plan runs, ``output.weight`` is pointed at the same
+DTensor parameter as ``tok_embeddings.weight``.
+
+With ``loss_parallel`` the logits stay sharded over the vocabulary (``Shard(-1)``) and the cross-entropy is
+computed without gathering (B, T, V) logits on every rank; the engine wraps loss and backward in
+``torch.distributed.tensor.parallel.loss_parallel()``. Otherwise the logits are gathered (``Replicate``).
+
+With ``sequence_parallel`` the residual stream between blocks is sharded along the sequence (B, T/tp, C): norms
+and dropout run on 1/tp of the tokens and the all-reduces become all-gather + reduce-scatter (same volume).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from meshrun.models.gpt import GPT, SIZES
+from meshrun.models.spec import ModelSpec, register_model
+
+
+def gpt_tp_plan(model: nn.Module, tp_mesh, *, sequence_parallel: bool, loss_parallel: bool) -> None:
+    """Shard ``model`` (a GPT, or a pipeline stage of one) over ``tp_mesh`` in place."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+
+    from meshrun.parallel.tp import replicate_params
+
+    seq = Shard(1) if sequence_parallel else Replicate()  # layout of the residual stream between blocks
+    top: dict[str, object] = {}
+    if model.tok_embeddings is not None:
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if model.norm is not None and sequence_parallel:
+        top["norm"] = SequenceParallel()
+    if model.output is not None:
+        top["output"] = ColwiseParallel(input_layouts=seq,
+                                        output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                        use_local_output=not loss_parallel)
+    if top:
+        parallelize_module(model, tp_mesh, top)
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, _block_plan(sequence_parallel))
+        if not sequence_parallel:
+            replicate_params(block.attention_norm, tp_mesh)
+            replicate_params(block.ffn_norm, tp_mesh)
+    if model.norm is not None and not sequence_parallel:
+        replicate_params(model.norm, tp_mesh)
+    tie_gpt_weights(model)  # both plans placed their copy as Shard(0) over the vocabulary; share it again
+
+
+def _block_plan(sequence_parallel: bool) -> dict[str, object]:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+
+    plan: dict[str, object] = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+    if not sequence_parallel:
+        plan["attention.wo"] = RowwiseParallel()
+        plan["feed_forward.w2"] = RowwiseParallel()
+        return plan
+    plan.update({
+        "attention_norm": SequenceParallel(),
+        # gather the sequence before the column-parallel projections; the rope table (2nd arg) stays as is
+        "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+    })
+    return plan
+
+
+def tie_gpt_weights(model: nn.Module) -> None:
+    """Point the output head at the token embedding again (to_empty and TP each create a new parameter)."""
+    if model.cfg.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
+        model.output.weight = model.tok_embeddings.weight
+
+
+def _init(model: nn.Module, device) -> None:
+    model.init_weights(buffer_device=device)
+
+
+GPT_SPEC = register_model(ModelSpec(
+    arch="gpt", build=GPT, sizes=SIZES, init_weights=_init, blocks="layers", first_stage=("tok_embeddings",),
+    last_stage=("norm", "output"), tp_plan=gpt_tp_plan, tie_weights=tie_gpt_weights))

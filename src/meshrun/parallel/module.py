@@ -1,0 +1,122 @@
+"""Layouts for a user's own ``nn.Module`` (``Session.prepare_model``), through the trainer's own code.
+
+``layout`` is one word: ``ddp``, ``fsdp``, ``hsdp``, ``tp`` or ``tp+fsdp`` (``none`` for a single process). It
+resolves to a :class:`~meshrun.dist.mesh.ParallelDims` (the same DeviceMesh builder as the trainer) and the model
+is parallelised by :func:`meshrun.parallel.apply.parallelize`, the trainer's fixed order: TP (the model's plan)
+-> activation checkpointing -> FSDP2 / HSDP over each repeated block, then the root. DDP wraps the whole module.
+
+The repeated blocks are ``blocks`` when given (a dotted module path, e.g. ``"model.layers"``), else found: the
+ModuleList or ModuleDict with the most children that all share one class (at least two). A model without such a
+container is sharded as one FSDP unit (still correct, less overlap). The tensor-parallel plan is ``tp_plan`` when
+given, else the model's ``tp_plan`` attribute (a dict, see meshrun.parallel.tp).
+
+Unlike the trainer (which builds on the meta device), the user's model already exists: rank 0's weights are
+broadcast first, so every layout starts from the weights one process would have.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshrun.config import ConfigError, JobConfig
+from meshrun.dist.mesh import ParallelDims
+from meshrun.models.spec import ModelSpec
+
+LAYOUTS = ("none", "ddp", "fsdp", "hsdp", "tp", "tp+fsdp")
+
+
+@dataclass(frozen=True)
+class ModuleLayout:
+    """What prepare_model did: the degrees, the blocks it sharded and the module to checkpoint."""
+
+    dims: ParallelDims
+    name: str
+    blocks: str
+    """Dotted path of the repeated blocks ('' when none were found)."""
+    module: nn.Module
+    """The model itself (never a DDP wrapper), with its original parameter names."""
+
+
+def layout_dims(layout: str, *, world_size: int, nodes: int = 1, tp: int = 0, dp_replicate: int = 0) -> ParallelDims:
+    """The degrees a layout word means at ``world_size`` ranks (pure arithmetic; raises ConfigError)."""
+    if layout not in LAYOUTS:
+        raise ConfigError(f"layout={layout!r} is not one of {', '.join(LAYOUTS)}")
+    if layout == "none" and world_size > 1:
+        raise ConfigError(f"layout='none' runs one process, but the world size is {world_size}; use layout='ddp'")
+    tp = tp or (world_size if layout == "tp" else 2 if layout == "tp+fsdp" else 1)
+    if tp > 1 and layout not in ("tp", "tp+fsdp"):
+        raise ConfigError(f"tp={tp} needs layout='tp' or 'tp+fsdp', not {layout!r}")
+    if world_size % tp:
+        raise ConfigError(f"tp={tp} does not divide the world size {world_size}; choose a tp that divides it")
+    dp = world_size // tp
+    if layout == "hsdp":
+        dp_replicate = dp_replicate or (nodes if nodes > 1 else 1)
+        if dp % dp_replicate:
+            raise ConfigError(f"layout='hsdp': dp_replicate={dp_replicate} does not divide {dp} data-parallel "
+                              "ranks; pass dp_replicate= a divisor (replicas, usually the number of nodes)")
+        return ParallelDims(dp_replicate=dp_replicate, dp_shard=dp // dp_replicate, tp=tp, pp=1,
+                            world_size=world_size)
+    shard = layout in ("fsdp", "tp+fsdp")
+    return ParallelDims(dp_replicate=1 if shard else dp, dp_shard=dp if shard else 1, tp=tp, pp=1,
+                        world_size=world_size)
+
+
+def find_blocks(model: nn.Module) -> str:
+    """Dotted path of the largest ModuleList/ModuleDict whose children (two or more) share one class; '' if none."""
+    best, size = "", 1
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            continue
+        children = list(module.children())
+        if len(children) > size and len({type(c) for c in children}) == 1:
+            best, size = name, len(children)
+    return best
+
+
+def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world_size: int, nodes: int = 1,
+                   tp: int = 0, dp_replicate: int = 0, blocks: str | None = None,
+                   tp_plan: Mapping[str, Any] | None = None, activation_checkpoint: str = "none",
+                   compute_dtype: torch.dtype | None = None) -> tuple[nn.Module, ModuleLayout]:
+    """Apply ``layout`` to ``model`` (in place where possible); returns (the module to train, what was done).
+
+    Collective: every rank must call it (it builds the mesh and broadcasts rank 0's weights)."""
+    from meshrun.parallel.apply import layout_name, parallelize, uses_fsdp
+    from meshrun.parallel.data_parallel import apply_ddp
+
+    dims = layout_dims(layout, world_size=world_size, nodes=nodes, tp=tp, dp_replicate=dp_replicate)
+    blocks = find_blocks(model) if blocks is None else blocks
+    plan = tp_plan if tp_plan is not None else getattr(model, "tp_plan", None)
+    if dims.tp > 1 and not plan:
+        raise ConfigError(f"layout={layout!r}: {type(model).__name__} has no tensor-parallel plan; pass "
+                          "tp_plan={'module.glob': 'colwise' | 'rowwise', ...} or use layout='fsdp'")
+    model = model.to(device)
+    if world_size > 1:
+        dims.build_mesh(device.type)  # collective: every rank
+    _broadcast_from_rank0(model)
+    spec = ModelSpec(arch=type(model).__name__, build=_prebuilt, sizes={}, blocks=blocks, tp_plan=plan)
+    job = JobConfig()
+    job.parallel.activation_checkpoint = activation_checkpoint
+    job.parallel.sequence_parallel = False
+    parallelize(model, dims, job=job, compute_dtype=compute_dtype, device=device, spec=spec)
+    trained = model
+    if dims.dp_replicate > 1 and not uses_fsdp(dims):
+        trained = apply_ddp(model, dims.get_mesh("dp_replicate"), device, sync_buffers=True)
+    return trained, ModuleLayout(dims=dims, name=layout_name(dims), blocks=blocks, module=model)
+
+
+def _prebuilt(_shape) -> nn.Module:
+    raise TypeError("a model given to Session.prepare_model is already built")
+
+
+@torch.no_grad()
+def _broadcast_from_rank0(model: nn.Module) -> None:
+    """Every rank starts from rank 0's weights and buffers (one broadcast per tensor; every rank must reach it)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    for tensor in [*model.parameters(), *model.buffers()]:
+        dist.broadcast(tensor.data, src=0)
