@@ -213,7 +213,7 @@ def job_targets(args: argparse.Namespace) -> tuple[str | None, str | None, int]:
         job = load_config(args.config)
         data = data or (job.data.source if job.data.source != "stdlib" else None)
         folder = folder or job.checkpoint.dir or str(Path(job.run.dir) / "checkpoints")
-        needed = needed or count_params(model_config(job)) * storage.BYTES_PER_PARAM
+        needed = needed or count_params(model_config(job), job.model.arch) * storage.BYTES_PER_PARAM
     return data, folder, needed
 
 

@@ -278,7 +278,8 @@ class Trainer:
         return start_record(step=self.step, restart=env.restart_count, world_size=env.world_size,
                             nodes=env.num_nodes, layout=describe_layout(self.dims), batch_formula=formula,
                             global_batch=b.global_batch, tokens_per_step=b.tokens_per_step,
-                            model=self.job.model.name, params=count_params(self.model_cfg), device=str(self.device))
+                            model=self.job.model.name, params=self.spec.count_params(self.model_cfg),
+                            device=str(self.device))
 
     def print_header(self) -> None:
         env, b, m = self.env, self.batch, self.model_cfg
