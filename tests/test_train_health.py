@@ -43,3 +43,25 @@ def test_trainer_names_the_rank_that_stopped(tmp_path):
                            ("--health.hang_timeout_s=2", "--health.straggler_threshold=0",
                             "--health.hang_action=report"))
     assert "hang: rank 1" in logs[0], logs[0][-3000:]
+
+
+def _slow_forward_worker(rank, world_size, run_dir):
+    job = load_config(None, [f"--run.dir={run_dir}", "--train.steps=12", "--train.log_every=3", "--train.eval_every=0",
+                             "--data.max_bytes=200000", "--checkpoint.final=false", "--run.progress=lines",
+                             "--parallel.dp_shard=2", "--parallel.dp_replicate=1", "--health.straggler_threshold=1.5"])
+    trainer = Trainer(job)
+    first_block = trainer.engine.timed_modules[0]
+    first_block.register_forward_pre_hook(lambda *_: time.sleep(0.06) if rank == 1 else None)  # a slow GPU
+    trainer.fit()
+    trainer.close()
+    return (run_dir / "logs" / f"rank_{rank:05d}.log").read_text()
+
+
+@pytest.mark.slow
+def test_fsdp_straggler_in_forward_is_named_not_its_peer(tmp_path):
+    # under FSDP rank 0 waits for rank 1 in every all-gather; timing the blocks (after FSDP's own pre-forward
+    # hook, where that wait happens) keeps the wait out of rank 0's working time, so only rank 1 is named
+    logs = run_distributed(_slow_forward_worker, 2, tmp_path)
+    assert "rank 1 (host" in logs[0] and "is a straggler" in logs[0], logs[0][-3000:]
+    assert "rank 0 (host" not in logs[0].split("is a straggler")[0][-200:]
+    assert "waiting for data" not in logs[0].split("is a straggler")[1][:300]

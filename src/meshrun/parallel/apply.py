@@ -88,13 +88,31 @@ def build_engine(*, job: JobConfig, model_cfg: ModelShape, dims: ParallelDims, m
     coords = dims.coords(rank)
     loss_fn = loss_function(compiled and not use_loss_parallel(dims))
     if dims.pp > 1:
-        return PipelineEngine(parts, ids, n_stages=dims.stages, schedule=dims.pp_schedule,
-                              microbatches=dims.pp_microbatches, device=device,
-                              pp_group=dims.get_mesh("pp").get_group(), dp_rank=dims.dp_rank(rank),
-                              dp_size=dims.dp_size, tp_rank=coords.tp, autocast_dtype=autocast, loss_fn=loss_fn)
-    return ShardedEngine(parts[0], dp_rank=dims.dp_rank(rank), dp_size=dims.dp_size, reports_loss=coords.tp == 0,
-                         fsdp=sharded_dp, loss_parallel=use_loss_parallel(dims), autocast_dtype=autocast,
-                         loss_fn=loss_fn)
+        pipeline = PipelineEngine(parts, ids, n_stages=dims.stages, schedule=dims.pp_schedule,
+                                  microbatches=dims.pp_microbatches, device=device,
+                                  pp_group=dims.get_mesh("pp").get_group(), dp_rank=dims.dp_rank(rank),
+                                  dp_size=dims.dp_size, tp_rank=coords.tp, autocast_dtype=autocast, loss_fn=loss_fn)
+        pipeline.timed_modules = [m for part in parts for m in timed_modules(part, spec, dims=dims, compiled=compiled)]
+        return pipeline
+    engine = ShardedEngine(parts[0], dp_rank=dims.dp_rank(rank), dp_size=dims.dp_size, reports_loss=coords.tp == 0,
+                           fsdp=sharded_dp, loss_parallel=use_loss_parallel(dims), autocast_dtype=autocast,
+                           loss_fn=loss_fn)
+    engine.timed_modules = timed_modules(parts[0], spec, dims=dims, compiled=compiled)
+    return engine
+
+
+def timed_modules(part: nn.Module, spec, *, dims: ParallelDims, compiled: bool) -> list[nn.Module]:
+    """What the straggler timer hooks: modules whose forward is this rank's own work, without waiting for peers.
+
+    Under FSDP without TP the blocks: FSDP's pre-forward hook (registered first, so it runs before the timer's)
+    waits for the block's all-gather, so a block's own forward holds no wait. The root's forward would include
+    every all-gather, and a slow rank's delay would show on its peers. Compiled blocks are not hooked (a hook
+    would run inside the compiled region); nor are TP blocks, whose all-reduces are inside the forward: those keep
+    the whole part, waits included, and the straggler report says less about which rank is slow.
+    """
+    if dims.dp_shard > 1 and dims.tp == 1 and not compiled:
+        return list(spec.block_modules(part))
+    return [part]
 
 
 def describe_layout(dims: ParallelDims) -> str:

@@ -60,6 +60,8 @@ def loss_function(compiled: bool):
 
 class Engine(Protocol):
     model_parts: list[nn.Module]
+    timed_modules: list[nn.Module]
+    """Modules whose forward is this rank's own work: the trainer's straggler timer hooks them."""
     dp_rank: int
     dp_size: int
 

@@ -123,6 +123,7 @@ class PipelineEngine:
         from torch.distributed.pipelining import PipelineStage
 
         self.model_parts = parts
+        self.timed_modules = parts  # a stage's forward holds no collective: the schedule sends and receives
         self.stage_ids = ids
         self.n_stages = n_stages
         self.schedule_name = schedule

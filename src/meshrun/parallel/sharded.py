@@ -29,6 +29,7 @@ class ShardedEngine:
                  loss_parallel: bool, autocast_dtype: torch.dtype | None, loss_fn=token_loss_sum):
         self.model = model
         self.model_parts = [model]
+        self.timed_modules: list[nn.Module] = [model]  # build_engine narrows it to the blocks where it can
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.reports_loss = reports_loss
         """True on the one rank per data-parallel replica that returns non-zero loss sums."""

@@ -130,7 +130,7 @@ class Trainer:
         self.start_step = self.last_saved_step = self.step
         self.sink = MetricsSink(self.run_dir, total_steps=job.train.steps, progress=job.run.progress,
                                 tensorboard=job.run.tensorboard, enabled=self.env.is_rank_zero, start_step=self.step)
-        self.timer = WorkTimer(getattr(self.engine, "timed_modules", self.engine.model_parts), self.device)
+        self.timer = WorkTimer(self.engine.timed_modules, self.device)
         self.watchdog: HangWatchdog | None = None
         self.stragglers = (StragglerDetector(env=self.env, threshold=job.health.straggler_threshold,
                                              min_gap_s=0.01, gemm_check=job.health.straggler_gemm_check,
