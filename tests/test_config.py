@@ -124,3 +124,24 @@ def test_missing_config_file_is_named(tmp_path):
 
 def test_defaults_validate():
     JobConfig().validate()
+
+
+def test_choice_lists_are_defined_once_and_shared():
+    """The field annotation, validation and `meshrun plan`'s argparse choices all read one tuple per option."""
+    import typing
+
+    from meshrun import config as c
+    from meshrun.plan import parse_args
+
+    hints = typing.get_type_hints(c.ParallelConfig)
+    assert typing.get_args(hints["pp_schedule"]) == c.PIPELINE_SCHEDULES == ("gpipe", "1f1b", "interleaved1f1b")
+    assert typing.get_args(hints["activation_checkpoint"]) == c.ACTIVATION_CHECKPOINT_MODES
+    for schedule in c.PIPELINE_SCHEDULES:
+        assert parse_args(["--pp-schedule", schedule]).pp_schedule == schedule
+    for mode in c.ACTIVATION_CHECKPOINT_MODES:
+        assert parse_args(["--activation-checkpoint", mode]).activation_checkpoint == mode
+    with pytest.raises(SystemExit):
+        parse_args(["--pp-schedule", "zigzag"])
+    for option in ("parallel.pp_schedule=zigzag", "dist.backend=mpi", "data.format=csv", "train.dtype=fp16"):
+        with pytest.raises(ConfigError, match=option.split("=")[0]):
+            load_config(overrides=[f"--{option}"])

@@ -13,7 +13,7 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, get_type_hints
+from typing import Any, Callable, Literal, get_args, get_type_hints
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -23,7 +23,35 @@ else:  # pragma: no cover - exercised on 3.10 only
 from meshrun.models.shape import ModelShape
 
 
-ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math", "default")
+# The allowed values of every choice-valued option, defined once: the field annotations, JobConfig.validate, the
+# argparse choices of `meshrun plan` and the code that dispatches on them all read these.
+DataFormat = Literal["auto", "text", "tokens"]
+TokenDtype = Literal["uint16", "uint32"]
+NonfiniteMode = Literal["skip", "stop", "off"]
+TrainDtype = Literal["auto", "fp32", "bf16"]
+LossMode = Literal["full", "chunked"]
+AttentionBackend = Literal["auto", "cudnn", "flash", "efficient", "math", "default"]
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved1f1b"]
+DataParallelMode = Literal["auto", "ddp", "fsdp"]
+ActivationCheckpointMode = Literal["none", "selective", "full"]
+Backend = Literal["auto", "nccl", "gloo"]
+DeviceKind = Literal["auto", "cpu", "cuda"]
+HangAction = Literal["exit", "report"]
+ProgressMode = Literal["auto", "bar", "lines"]
+
+DATA_FORMATS: tuple[str, ...] = get_args(DataFormat)
+TOKEN_DTYPES: tuple[str, ...] = get_args(TokenDtype)
+NONFINITE_MODES: tuple[str, ...] = get_args(NonfiniteMode)
+TRAIN_DTYPES: tuple[str, ...] = get_args(TrainDtype)
+LOSS_MODES: tuple[str, ...] = get_args(LossMode)
+ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
+PIPELINE_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
+DATA_PARALLEL_MODES: tuple[str, ...] = get_args(DataParallelMode)
+ACTIVATION_CHECKPOINT_MODES: tuple[str, ...] = get_args(ActivationCheckpointMode)
+BACKENDS: tuple[str, ...] = get_args(Backend)
+DEVICE_KINDS: tuple[str, ...] = get_args(DeviceKind)
+HANG_ACTIONS: tuple[str, ...] = get_args(HangAction)
+PROGRESS_MODES: tuple[str, ...] = get_args(ProgressMode)
 
 
 class ConfigError(ValueError):
@@ -49,9 +77,9 @@ class DataConfig:
 
     source: str = "stdlib"
     """'stdlib' (the Python standard library's source, byte-level), a text file or folder, or a token file."""
-    format: str = "auto"
+    format: DataFormat = "auto"
     """'auto', 'text' (bytes as tokens) or 'tokens' (a flat uint16/uint32 array, memory-mapped)."""
-    token_dtype: str = "uint16"
+    token_dtype: TokenDtype = "uint16"
     """dtype of a token file: uint16 or uint32."""
     val_fraction: float = 0.02
     """Share of the corpus held out for validation (by file for text, by tail for token files)."""
@@ -85,14 +113,14 @@ class TrainConfig:
     """AdamW beta2."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables."""
-    nonfinite: str = "skip"
+    nonfinite: NonfiniteMode = "skip"
     """A step whose gradient norm is NaN or inf: skip (no update, a warning naming the step and rank), stop (no
     update, and the run ends with an error at the next log step), or off (no check)."""
     seed: int = 1234
     """Base seed. Data order depends only on it and the epoch; rank r's streams use seed + r."""
     deterministic: bool = False
     """Use deterministic algorithms only (slower; torch.use_deterministic_algorithms)."""
-    dtype: str = "auto"
+    dtype: TrainDtype = "auto"
     """Compute dtype: auto (bf16 on GPU, fp32 on CPU), fp32 or bf16."""
     compile: str = "auto"
     """torch.compile the model: auto (on for CUDA GPUs, off on CPU, where compiling costs more than it saves),
@@ -105,12 +133,12 @@ class TrainConfig:
     """Print and record metrics every N steps."""
     fused_optimizer: bool = True
     """Use the fused AdamW kernel where the device has one."""
-    loss: str = "full"
+    loss: LossMode = "full"
     """full (the logits of the whole micro-batch at once) or chunked (the output head and cross-entropy a few
     thousand tokens at a time: the B x T x V logits never exist whole; one process and DDP)."""
     float8: bool = False
     """Run the blocks' matmuls in float8 through torchao (Hopper or newer; the .[float8] extra)."""
-    attention: str = "auto"
+    attention: AttentionBackend = "auto"
     """Attention kernel: auto (cuDNN first on Hopper and newer GPUs, else torch's order), cudnn, flash, efficient,
     math, or default (torch's own order)."""
 
@@ -127,7 +155,7 @@ class ParallelConfig:
     """Tensor-parallel degree (innermost, inside a node)."""
     pp: int = 1
     """Pipeline stages (outermost, across nodes)."""
-    pp_schedule: str = "1f1b"
+    pp_schedule: PipelineSchedule = "1f1b"
     """Pipeline schedule: gpipe, 1f1b or interleaved1f1b."""
     pp_microbatches: int = 0
     """Pipeline micro-batches per step; 0 means one per pipeline stage times two."""
@@ -138,7 +166,7 @@ class ParallelConfig:
     async_tp: bool = False
     """Overlap TP's all-gathers and reduce-scatters with the matmuls they feed (inductor micro-pipelining over
     symmetric memory); needs parallel.sequence_parallel, compiled blocks and CUDA GPUs."""
-    data_parallel: str = "auto"
+    data_parallel: DataParallelMode = "auto"
     """How the default pure data-parallel layout runs (dp_replicate=-1 with dp_shard=1): ddp (every rank keeps the
     whole model and optimizer), fsdp (FSDP2 shards parameters, gradients and optimizer state over the ranks), or
     auto: fsdp on GPUs for models of 1B parameters or more, ddp otherwise. Explicit degrees always win."""
@@ -151,7 +179,7 @@ class ParallelConfig:
     backward (the graph is split at bucket boundaries), instead of one all-reduce after one backward graph."""
     ddp_bucket_mb: int = 25
     """DDP gradient bucket size in MiB (all-reduce granularity)."""
-    activation_checkpoint: str = "none"
+    activation_checkpoint: ActivationCheckpointMode = "none"
     """none, selective or full."""
     allow_tp_across_nodes: bool = False
     """Permit tp larger than the GPUs of one node."""
@@ -161,9 +189,9 @@ class ParallelConfig:
 class DistConfig:
     """Process group and device."""
 
-    backend: str = "auto"
+    backend: Backend = "auto"
     """auto (nccl with CUDA, else gloo), nccl or gloo."""
-    device: str = "auto"
+    device: DeviceKind = "auto"
     """auto, cpu or cuda."""
     init_timeout_s: float = 120.0
     """Seconds to wait for every rank at the first contact before failing with the address tried."""
@@ -212,7 +240,7 @@ class HealthConfig:
     hang_timeout_s: float = 300.0
     """Report a rank that made no progress for this many seconds, naming it and where the others wait (0 disables;
     negative values are refused)."""
-    hang_action: str = "exit"
+    hang_action: HangAction = "exit"
     """After a hang report: exit (every rank ends with code 124, the verdict in the launcher's summary) or report
     (log it and keep running until dist.timeout_s)."""
 
@@ -225,7 +253,7 @@ class RunConfig:
     """Run folder: resolved config, metrics.jsonl, rank logs, checkpoints, profiler traces."""
     tensorboard: bool = False
     """Also write TensorBoard event files (needs the tensorboard package)."""
-    progress: str = "auto"
+    progress: ProgressMode = "auto"
     """auto (a live bar on a terminal, log lines otherwise), bar, or lines."""
     profile_steps: str = ""
     """Optimizer steps to record with the torch profiler, e.g. 20-22 or 20 (counted from 1); empty = off."""
@@ -273,17 +301,17 @@ class JobConfig:
 
     def validate(self) -> None:
         """Static checks of fields against each other; raises ConfigError naming the option."""
-        _check_choice("train.dtype", self.train.dtype, ("auto", "fp32", "bf16"))
-        _check_choice("dist.backend", self.dist.backend, ("auto", "nccl", "gloo"))
-        _check_choice("dist.device", self.dist.device, ("auto", "cpu", "cuda"))
-        _check_choice("data.format", self.data.format, ("auto", "text", "tokens"))
-        _check_choice("data.token_dtype", self.data.token_dtype, ("uint16", "uint32"))
-        _check_choice("parallel.pp_schedule", self.parallel.pp_schedule, ("gpipe", "1f1b", "interleaved1f1b"))
+        _check_choice("train.dtype", self.train.dtype, TRAIN_DTYPES)
+        _check_choice("dist.backend", self.dist.backend, BACKENDS)
+        _check_choice("dist.device", self.dist.device, DEVICE_KINDS)
+        _check_choice("data.format", self.data.format, DATA_FORMATS)
+        _check_choice("data.token_dtype", self.data.token_dtype, TOKEN_DTYPES)
+        _check_choice("parallel.pp_schedule", self.parallel.pp_schedule, PIPELINE_SCHEDULES)
         _check_choice("parallel.activation_checkpoint", self.parallel.activation_checkpoint,
-                      ("none", "selective", "full"))
+                      ACTIVATION_CHECKPOINT_MODES)
         _check_choice("train.attention", self.train.attention, ATTENTION_BACKENDS)
-        _check_choice("train.loss", self.train.loss, ("full", "chunked"))
-        _check_choice("train.nonfinite", self.train.nonfinite, ("skip", "stop", "off"))
+        _check_choice("train.loss", self.train.loss, LOSS_MODES)
+        _check_choice("train.nonfinite", self.train.nonfinite, NONFINITE_MODES)
         self.train.compile = _tri_state("train.compile", self.train.compile)
         self.parallel.fsdp_reshard_after_forward = _tri_state("parallel.fsdp_reshard_after_forward",
                                                               self.parallel.fsdp_reshard_after_forward)
@@ -292,9 +320,9 @@ class JobConfig:
                               "parallelism; add --parallel.sequence_parallel=true")
         if self.parallel.ddp_bucket_mb < 1:
             raise ConfigError(f"parallel.ddp_bucket_mb must be >= 1, got {self.parallel.ddp_bucket_mb}")
-        _check_choice("parallel.data_parallel", self.parallel.data_parallel, ("auto", "ddp", "fsdp"))
-        _check_choice("run.progress", self.run.progress, ("auto", "bar", "lines"))
-        _check_choice("health.hang_action", self.health.hang_action, ("exit", "report"))
+        _check_choice("parallel.data_parallel", self.parallel.data_parallel, DATA_PARALLEL_MODES)
+        _check_choice("run.progress", self.run.progress, PROGRESS_MODES)
+        _check_choice("health.hang_action", self.health.hang_action, HANG_ACTIONS)
         for name in ("steps", "micro_batch"):
             if getattr(self.train, name) < 1:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(self.train, name)}")

@@ -20,7 +20,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshrun.config import BatchPlan, ConfigError, JobConfig, load_config, resolve_batch
+from meshrun.config import (ACTIVATION_CHECKPOINT_MODES, PIPELINE_SCHEDULES, TRAIN_DTYPES, BatchPlan, ConfigError,
+                            JobConfig, load_config, resolve_batch)
 from meshrun.dist.mesh import ParallelDims
 from meshrun.models.shape import ModelShape
 from meshrun.models.spec import ModelSpec
@@ -62,17 +63,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     d = p.add_argument_group("layout (-1 infers a degree from the world size)")
     for flag in ("dp-replicate", "dp-shard", "tp", "pp"):
         d.add_argument(f"--{flag}", type=int, help=f"parallel.{flag.replace('-', '_')}")
-    d.add_argument("--pp-schedule", choices=("gpipe", "1f1b", "interleaved1f1b"))
+    d.add_argument("--pp-schedule", choices=PIPELINE_SCHEDULES)
     d.add_argument("--pp-microbatches", type=int, help="pipeline micro-batches per step (0: 2 x pp)")
     d.add_argument("--pp-virtual-stages", type=int, help="stages per rank for interleaved1f1b")
     d.add_argument("--sequence-parallel", action="store_true", default=None, help="shard norms along the sequence")
-    d.add_argument("--activation-checkpoint", choices=("none", "selective", "full"))
+    d.add_argument("--activation-checkpoint", choices=ACTIVATION_CHECKPOINT_MODES)
     d.add_argument("--allow-tp-across-nodes", action="store_true", default=None)
     b = p.add_argument_group("batch")
     b.add_argument("--micro-batch", type=int, help="samples per micro-batch per data-parallel rank (B_local)")
     b.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step (A)")
     b.add_argument("--global-batch", type=int, help="samples per optimizer step (derives A)")
-    b.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="compute dtype (default bf16)")
+    b.add_argument("--dtype", choices=[d for d in TRAIN_DTYPES if d != "auto"], default="bf16", help="compute dtype (default bf16)")
     t = p.add_argument_group("time for a token budget (6 x N x tokens FLOPs)")
     t.add_argument("--tokens", help="token budget, e.g. 1T or 300B: prints the wall-clock estimate")
     t.add_argument("--params", help="N for the FLOP count, e.g. 100B (default: the model's parameters)")

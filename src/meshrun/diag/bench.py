@@ -26,6 +26,7 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
+from meshrun.config import BACKENDS
 from meshrun.diag import links
 from meshrun.diag.bench_ops import OPS, bus_factor, element_count, operation
 from meshrun.diag.timing import timed
@@ -67,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--iters", type=int, default=0, help="timed runs per size (default 20 on GPU, 5 on CPU)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed runs per size first (default 3)")
     parser.add_argument("--dtype", choices=DTYPES, help="element type (default bf16 on GPU, fp32 on CPU)")
-    parser.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
+    parser.add_argument("--backend", choices=BACKENDS, default="auto",
                         help="auto: nccl with CUDA, else gloo")
     parser.add_argument("--groups", default="world", metavar="LIST",
                         help="comma-separated: world (all ranks), intra (the ranks of each node), inter (one local "

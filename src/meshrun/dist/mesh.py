@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from meshrun.config import ConfigError, ParallelConfig
+from meshrun.config import PIPELINE_SCHEDULES, ConfigError, ParallelConfig
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -34,7 +34,6 @@ MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 """Mesh dimension names, outermost first."""
 FLAT_DIMS = {"dp": ("dp_replicate", "dp_shard")}
 """Flattened dimensions and the mesh dimensions they join."""
-SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 
 
 class RankCoords(NamedTuple):
@@ -87,8 +86,9 @@ class ParallelDims:
         (and, when ``model`` is given, against the model's shapes). Raises ConfigError naming the option."""
         degrees = resolve_degrees({"dp_replicate": parallel.dp_replicate, "dp_shard": parallel.dp_shard,
                                    "tp": parallel.tp, "pp": parallel.pp}, world_size=world_size)
-        if parallel.pp_schedule not in SCHEDULES:
-            raise ConfigError(f"parallel.pp_schedule={parallel.pp_schedule!r} is not one of {', '.join(SCHEDULES)}")
+        if parallel.pp_schedule not in PIPELINE_SCHEDULES:
+            raise ConfigError(f"parallel.pp_schedule={parallel.pp_schedule!r} is not one of "
+                              f"{', '.join(PIPELINE_SCHEDULES)}")
         interleaved = parallel.pp_schedule == "interleaved1f1b"
         virtual = parallel.pp_virtual_stages if interleaved and degrees["pp"] > 1 else 1
         if virtual < 1:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-MODES = ("none", "selective", "full")
+from meshrun.config import ACTIVATION_CHECKPOINT_MODES
 
 
 def _saved_ops() -> set:
@@ -36,8 +36,9 @@ def _selective_policy(saved: set, ctx, op, *args, **kwargs):
 
 def apply_activation_checkpointing(model: nn.Module, mode: str, *, blocks: list[nn.Module] | None = None) -> None:
     """Checkpoint every block (``blocks``, by default those of ``model.layers``) in place according to ``mode``."""
-    if mode not in MODES:
-        raise ValueError(f"parallel.activation_checkpoint={mode!r} is not one of {', '.join(MODES)}")
+    if mode not in ACTIVATION_CHECKPOINT_MODES:
+        raise ValueError(f"parallel.activation_checkpoint={mode!r} is not one of "
+                         f"{', '.join(ACTIVATION_CHECKPOINT_MODES)}")
     if mode == "none":
         return
     context_fn = None

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshrun.config import PipelineSchedule
 from meshrun.models.shape import ModelShape
 from meshrun.parallel.engine import Batch, autocast, count_tensor, token_loss_sum
 from meshrun.parallel.grad_norm import clip_grad_norm
@@ -89,7 +90,7 @@ def split_stage(model: nn.Module, stage: int, n_stages: int, *, spec: ModelSpec 
     return part
 
 
-def build_schedule(stages: list, *, schedule: str, microbatches: int, loss_fn, forward_only: bool = False):
+def build_schedule(stages: list, *, schedule: PipelineSchedule, microbatches: int, loss_fn, forward_only: bool = False):
     """The torch.distributed.pipelining schedule object for ``stages`` (this rank's stages)."""
     from torch.distributed import pipelining as pl
 

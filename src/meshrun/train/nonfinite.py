@@ -19,9 +19,6 @@ import socket
 import torch
 import torch.distributed as dist
 
-MODES = ("skip", "stop", "off")
-
-
 class NonFiniteError(RuntimeError):
     """Raised with train.nonfinite=stop; the message names the step, the ranks and what to change."""
 
