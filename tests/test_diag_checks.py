@@ -34,7 +34,7 @@ def test_checkpoint_folder_probe_files_and_the_not_shared_row(tmp_path):
              storage.FolderFacts(node=1, host="b", writable=True, error=None, free=10**6, seen=(1,)),
              storage.FolderFacts(node=2, host="c", writable=True, error=None, free=10**9, seen=(0, 2))]
     room, shared = storage.judge_folder("/ck", facts, needed=10**7)
-    assert room.status == FAIL and room.hosts == ("b",) and "node 1 (host b) has 1 MB free" in room.detail
+    assert room.status == FAIL and room.hosts == ("b",) and "node 1 (host b) has 976.6 KiB free" in room.detail
     assert shared.status == FAIL and shared.hosts == ("b",)
     assert "node 0 (host a), node 2 (host c) see the files of node(s) 0, 2; node 1 (host b) see the files of " \
            "node(s) 1" in shared.detail
@@ -134,7 +134,7 @@ def test_next_steps_put_failures_first_and_network_before_storage():
 
 def test_doctor_reads_the_jobs_data_checkpoint_folder_and_size_from_its_config(tmp_path):
     from meshrun.diag import doctor
-    from meshrun.models.build import count_params, model_config
+    from meshrun.models.build import model_config, model_spec
     from meshrun.config import load_config
 
     cfg = tmp_path / "job.toml"
@@ -142,7 +142,8 @@ def test_doctor_reads_the_jobs_data_checkpoint_folder_and_size_from_its_config(t
     args = doctor.build_parser().parse_args(["--config", str(cfg)])
     data, folder, needed = doctor.job_targets(args)
     assert (data, folder) == (f"{tmp_path}/tokens.bin", f"{tmp_path}/run/checkpoints")
-    assert needed == 12 * count_params(model_config(load_config(cfg))) > 0
+    job = load_config(cfg)
+    assert needed == 12 * model_spec(job).count_params(model_config(job)) > 0
     explicit = doctor.build_parser().parse_args(["--config", str(cfg), "--ckpt-dir", "/x", "--ckpt-bytes", "2G"])
     assert doctor.job_targets(explicit)[1:] == ("/x", 2 * 2**30)
 

@@ -183,7 +183,7 @@ def test_doctor_across_namespaces_names_the_node_with_each_injected_fault(two_ho
     assert "mrnode0" not in rows["fail socket interface"], report
     assert "node 1 (host mrnode1) is +5.0" in rows["warn clock skew"], report
     assert "mrnode0" not in rows["warn clock skew"], report
-    assert "node 1 (host mrnode1): 1 kB in 1 file(s); the others: 4.1 kB in 1 file(s)" in rows["fail dataset"]
+    assert "node 1 (host mrnode1): 1000 B in 1 file(s); the others: 4.0 KiB in 1 file(s)" in rows["fail dataset"]
     shared = rows["fail checkpoint folder"]
     assert "is not the same folder on every node: node 0 (host mrnode0) see the files of node(s) 0; " \
            "node 1 (host mrnode1) see the files of node(s) 1" in shared, report

@@ -25,6 +25,7 @@ from meshrun.config import (ACTIVATION_CHECKPOINT_MODES, PIPELINE_SCHEDULES, TRA
 from meshrun.dist.mesh import ParallelDims
 from meshrun.models.shape import ModelShape
 from meshrun.models.spec import ModelSpec
+from meshrun.units import format_bytes, format_ranks
 from meshrun.plan_time import DEFAULT_PEAK_TFLOPS, estimate_lines, measured_tokens_per_s, parse_count, time_estimate
 
 GiB = 2**30
@@ -303,12 +304,12 @@ def layout_warnings(plan: Plan, *, gpu_mem_gib: float) -> list[str]:
     comm = {row["dim"]: row for row in plan.comm}
     if "tp" in comm and comm["tp"]["crosses_nodes"]:
         out.append(f"TP groups span {comm['tp']['nodes_per_group']} nodes: {comm['tp']['what']} per step go over the "
-                   f"network ({_bytes(comm['tp']['bytes_per_step'])}/GPU). Keep tp <= {plan.gpus_per_node} "
+                   f"network ({format_bytes(comm['tp']['bytes_per_step'])}/GPU). Keep tp <= {plan.gpus_per_node} "
                    "(GPUs per node) and use pp or dp across nodes")
     in_node_shard = plan.gpus_per_node // d.tp
     if "dp_shard" in comm and comm["dp_shard"]["crosses_nodes"] and in_node_shard > 1:
         out.append(f"FSDP groups (dp_shard={d.dp_shard}) span {comm['dp_shard']['nodes_per_group']} nodes: parameter "
-                   f"all-gathers cross the network ({_bytes(comm['dp_shard']['bytes_per_step'])}/GPU per step). If "
+                   f"all-gathers cross the network ({format_bytes(comm['dp_shard']['bytes_per_step'])}/GPU per step). If "
                    f"memory allows, HSDP keeps them inside a node: --dp-shard {in_node_shard} --dp-replicate -1")
     if d.pp > 1:
         idle = bubble(plan)
@@ -321,7 +322,7 @@ def layout_warnings(plan: Plan, *, gpu_mem_gib: float) -> list[str]:
                        "point-to-point sends are the cheaper traffic to put on the network")
     worst = max(plan.memory, key=lambda row: row["total_bytes"])
     if worst["total_bytes"] > 0.9 * gpu_mem_gib * GiB:
-        out.append(f"estimated {_bytes(worst['total_bytes'])} per GPU on pipeline rank {worst['pp_rank']} exceeds 90% "
+        out.append(f"estimated {format_bytes(worst['total_bytes'])} per GPU on pipeline rank {worst['pp_rank']} exceeds 90% "
                    f"of {gpu_mem_gib:g} GiB: shard more (dp_shard, tp, pp), use activation checkpointing, or a "
                    "smaller micro-batch")
     return out
@@ -349,13 +350,6 @@ def batch_formula(plan: Plan) -> str:
                 f"= {b.global_batch}")
     return (f"B_global = B_local {b.micro_batch} x {d.dp_size} data-parallel ranks ({plan.world_size} GPUs / "
             f"(tp {d.tp} x pp {d.pp})) x A {b.grad_accum} = {b.global_batch}")
-
-
-def _bytes(value: float) -> str:
-    for unit, size in (("TiB", 2**40), ("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
-        if value >= size:
-            return f"{value / size:,.2f} {unit}"
-    return f"{value:,.0f} B"
 
 
 # ---- output ----------------------------------------------------------------------------------------------------------
@@ -393,16 +387,6 @@ def shown_ranks(plan: Plan, spec: str) -> list[int]:
     return list(range(2 * g)) + list(range(world - g, world))
 
 
-def compact(ranks: list[int]) -> str:
-    """[0, 1, 2, 3] -> '0-3'; [0, 4, 8, 12] -> '0,4,..,12'; short lists as they are."""
-    if len(ranks) <= 3:
-        return ",".join(map(str, ranks))
-    step = ranks[1] - ranks[0]
-    if all(b - a == step for a, b in zip(ranks, ranks[1:])):
-        return f"{ranks[0]}-{ranks[-1]}" if step == 1 else f"{ranks[0]},{ranks[1]},..,{ranks[-1]}"
-    return ",".join(map(str, ranks))
-
-
 def print_plan(plan: Plan, *, ranks: str, console) -> None:
 
     d, m = plan.dims, plan.model
@@ -433,7 +417,7 @@ def print_groups(plan: Plan, *, console) -> None:
     for name in group_dims(d):
         groups = d.groups(name)
         crosses, spans = crosses_nodes(plan, name)
-        table.add_row(name, str(d.degree(name)), str(len(groups)), "  ".join(f"[{compact(g)}]" for g in groups[:3]) +
+        table.add_row(name, str(d.degree(name)), str(len(groups)), "  ".join(f"[{format_ranks(g)}]" for g in groups[:3]) +
                       ("  ..." if len(groups) > 3 else ""), f"yes ({spans} nodes)" if crosses else "no")
     console.print(table)
 
@@ -453,7 +437,7 @@ def print_rank_table(plan: Plan, *, ranks: str, console) -> None:
             table.add_row("...", *[""] * (5 + len(names)))
         row = plan.rank_row(rank)
         table.add_row(str(rank), str(row["node"]), str(row["local_rank"]), str(row["pp"]), str(row["dp"]),
-                      str(row["tp"]), *[compact(row["groups"][n]) for n in names])
+                      str(row["tp"]), *[format_ranks(row["groups"][n]) for n in names])
         previous = rank
     console.print(table)
 
@@ -461,17 +445,16 @@ def print_rank_table(plan: Plan, *, ranks: str, console) -> None:
 def print_memory(plan: Plan, *, console) -> None:
     from rich.table import Table
 
-    from meshrun.parallel.dryrun import format_ranges
 
     table = Table(title="memory per GPU (estimate)", title_justify="left")
     for column in ("pp rank", "layers", "params/GPU", "params", "grads", "optimizer", "activations", "total"):
         table.add_column(column, justify="right")
     for row in plan.memory:
         layers = row["layers"]
-        table.add_row(str(row["pp_rank"]), format_ranges(layers) if layers else "-",
-                      f"{row['params_local'] / 1e6:,.1f}M", *[_bytes(row["bytes"][k]) for k in
+        table.add_row(str(row["pp_rank"]), format_ranks(layers) if layers else "-",
+                      f"{row['params_local'] / 1e6:,.1f}M", *[format_bytes(row["bytes"][k]) for k in
                                                               ("params", "grads", "optimizer", "activations")],
-                      _bytes(row["total_bytes"]))
+                      format_bytes(row["total_bytes"]))
     console.print(table)
 
 
@@ -494,7 +477,7 @@ def print_shards_and_comm(plan: Plan, *, console) -> None:
     for column in ("dimension", "degree", "what", "volume", "crosses nodes"):
         table.add_column(column)
     for row in plan.comm:
-        table.add_row(row["dim"], str(row["degree"]), row["what"], _bytes(row["bytes_per_step"]),
+        table.add_row(row["dim"], str(row["degree"]), row["what"], format_bytes(row["bytes_per_step"]),
                       f"yes ({row['nodes_per_group']} nodes/group)" if row["crosses_nodes"] else "no")
     console.print(table)
 

@@ -46,6 +46,7 @@ from meshrun.ckpt.space import check_room, describe_failure, payload_bytes
 from meshrun.ckpt.state import is_blob_key, walk
 from meshrun.config import CheckpointConfig
 from meshrun.env import ClusterEnv
+from meshrun.units import format_bytes
 
 try:  # DCP's own staging helpers (private, present since torch 2.4); without them staging allocates each time
     from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
@@ -298,8 +299,8 @@ class Checkpointer:
             write_durable(job.tmp / COMPLETE, f"manifest-sha256 {hashlib.sha256(payload).hexdigest()}\n".encode())
             fsync_dir(job.tmp)
             final_dir = self._rename_into_place(job)
-            log.info("saved step %d to %s (%.1f MB, %.2fs)", job.step, final_dir,
-                     sum(f["size"] for f in files.values()) / 1e6, time.perf_counter() - job.started)
+            log.info("saved step %d to %s (%s, %.2fs)", job.step, final_dir,
+                     format_bytes(sum(f["size"] for f in files.values())), time.perf_counter() - job.started)
             self._apply_retention(protect=(job.step,))
         except Exception as exc:  # noqa: BLE001 - returned so that every rank raises it
             return f"save of step {job.step}: publishing {job.tmp} failed: {type(exc).__name__}: {exc}"

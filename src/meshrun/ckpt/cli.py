@@ -16,6 +16,7 @@ from rich.console import Console
 
 from meshrun.ckpt import inspect
 from meshrun.ckpt.errors import CheckpointError
+from meshrun.units import format_bytes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,13 +69,13 @@ def _verify(args: argparse.Namespace) -> int:
         return 1
     checked = "sizes" if args.no_checksums else "sizes and sha256"
     total = sum(info["size"] for info in manifest["files"].values())
-    print(f"OK {path}: step {manifest['step']}, {len(manifest['files'])} files, {inspect.human_bytes(total)}, "
+    print(f"OK {path}: step {manifest['step']}, {len(manifest['files'])} files, {format_bytes(total)}, "
           f"{checked} match the manifest")
     return 0
 
 
 def _export(args: argparse.Namespace) -> int:
     summary = inspect.export_model(Path(args.path), args.to)
-    print(f"wrote {args.to}: {summary['tensors']} tensors, {inspect.human_bytes(summary['bytes'])}, "
+    print(f"wrote {args.to}: {summary['tensors']} tensors, {format_bytes(summary['bytes'])}, "
           f"{'/'.join(summary['dtypes'])}, from step {summary['step']}")
     return 0

@@ -22,6 +22,7 @@ from meshrun.ckpt.errors import CheckpointError
 from meshrun.ckpt.layout import scan
 from meshrun.ckpt.manifest import check_checksums, check_structure, read_manifest
 from meshrun.ckpt.safe_metadata import SafeFileSystemReader
+from meshrun.units import format_bytes
 
 DEFAULT_FOLDER = Path("runs/default/checkpoints")
 """Where checkpoints go with the default config (run.dir=runs/default, checkpoint.dir empty)."""
@@ -91,7 +92,7 @@ def render_table(rows: list[Row], folder: Path, *, now: float | None = None) -> 
     for row in rows:
         style = None if row.status == "complete" else "yellow"
         layout = " ".join(f"{k}={v}" for k, v in (row.layout or {}).items()) or "-"
-        table.add_row(str(row.step), row.status, human_bytes(row.size), _or_dash(row.world_size), layout,
+        table.add_row(str(row.step), row.status, format_bytes(row.size), _or_dash(row.world_size), layout,
                       _or_dash(row.epoch), _or_dash(row.tokens_seen), human_age(now - row.created) if row.created
                       else "-", row.path.name, style=style)
     return table
@@ -99,14 +100,6 @@ def render_table(rows: list[Row], folder: Path, *, now: float | None = None) -> 
 
 def _or_dash(value: Any) -> str:
     return "-" if value is None else f"{value:,}" if isinstance(value, int) else str(value)
-
-
-def human_bytes(size: int) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if size < 1000 or unit == "TB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1000
-    raise AssertionError("unreachable")
 
 
 def human_age(seconds: float) -> str:

@@ -15,7 +15,6 @@ import hashlib
 import json
 import os
 import stat
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 
 from meshrun.ckpt.errors import CheckpointError
 from meshrun.ckpt.layout import COMPLETE, MANIFEST
+from meshrun.gitstate import git_state
 
 FORMAT = "meshrun.checkpoint"
 FORMAT_VERSION = 1
@@ -106,16 +106,8 @@ def code_version(source: Path | None = None) -> dict[str, Any]:
     Cached per process: the code a process runs does not change under it (a later edit is not what it runs)."""
     root = source or Path(__file__).resolve().parents[1]
 
-    def git(*args: str) -> str | None:
-        try:
-            out = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        return out.stdout.strip() if out.returncode == 0 else None
-
-    commit = git("rev-parse", "HEAD")
-    dirty = git("status", "--porcelain", "--untracked-files=no") if commit else None
-    return {"git_commit": commit, "git_dirty": None if dirty is None else bool(dirty)}
+    state = git_state(root)
+    return {"git_commit": None if state is None else state.commit, "git_dirty": None if state is None else state.dirty}
 
 
 def build_manifest(*, step: int, files: dict[str, dict[str, Any]], world_size: int, layout: dict[str, Any],

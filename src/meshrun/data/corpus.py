@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from meshrun.config import ConfigError, DataConfig
+from meshrun.units import format_bytes
 
 TOKEN_SUFFIXES = {".bin", ".npy", ".tokens"}
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
@@ -98,7 +99,7 @@ def _text_corpus(files: list[Path], root: Path, cfg: DataConfig, what: str) -> C
         train, val = [joined[:cut]], [joined[cut:]]
     train_tokens = np.frombuffer(b"".join(train), dtype=np.uint8)
     val_tokens = np.frombuffer(b"".join(val), dtype=np.uint8)
-    desc = f"{what}: {len(files)} files, {total / 1e6:.1f} MB, {len(train_tokens):,} train / {len(val_tokens):,} val tokens"
+    desc = f"{what}: {len(files)} files, {format_bytes(total)}, {len(train_tokens):,} train / {len(val_tokens):,} val tokens"
     return Corpus(train=train_tokens, val=val_tokens, fingerprint=digest.hexdigest(), description=desc, vocab_size=256)
 
 

@@ -213,6 +213,7 @@ def _duration(us: float) -> str:
 
 
 def _human(nbytes: int) -> str:
+    """The message-size label in --sizes syntax (64K, 1G: exact, parse_size reads it back), not a rounded size."""
     for unit, scale in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
         if nbytes >= scale and nbytes % scale == 0:
             return f"{nbytes // scale}{unit}"

@@ -16,7 +16,6 @@ GPUs and versions.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 import socket
 import time
@@ -38,6 +37,7 @@ from meshrun.diag.fingerprint import (FieldDiff, Fingerprint, collect_fingerprin
                                       gather_fingerprints, mismatch_message)
 from meshrun.env import DEFAULT_MASTER_PORT, ClusterEnv
 from meshrun.launch import net
+from meshrun.units import format_ranks
 
 _ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_FR_", "TORCH_DISTRIBUTED_", "CUDA_VISIBLE_DEVICES",
                  "TORCH_CPP_LOG_LEVEL")
@@ -208,12 +208,12 @@ def job_targets(args: argparse.Namespace) -> tuple[str | None, str | None, int]:
     needed = parse_size(args.ckpt_bytes) if args.ckpt_bytes else 0
     if args.config:
         from meshrun.config import load_config
-        from meshrun.models.build import count_params, model_config
+        from meshrun.models.build import model_config, model_spec
 
         job = load_config(args.config)
         data = data or (job.data.source if job.data.source != "stdlib" else None)
         folder = folder or job.checkpoint.dir or str(Path(job.run.dir) / "checkpoints")
-        needed = needed or count_params(model_config(job), job.model.arch) * storage.BYTES_PER_PARAM
+        needed = needed or model_spec(job).count_params(model_config(job)) * storage.BYTES_PER_PARAM
     return data, folder, needed
 
 
@@ -294,7 +294,7 @@ def judge(report: DoctorReport) -> None:
     nodes = _node_leaders(report.facts)
     if len({f.host for f in nodes}) > 1:  # several nodes on one host (a test) may well talk over loopback
         for fact in nodes:
-            if ipaddress.ip_address(fact.address).is_loopback:
+            if net.is_loopback(fact.address):
                 report.problems.append(
                     f"node {fact.node_rank} (host {fact.host}) would be reached at loopback address {fact.address} "
                     f"({fact.address_why}); set MASTER_ADDR to a routable address or NCCL_SOCKET_IFNAME")
@@ -382,7 +382,7 @@ def _nodes_table(report: DoctorReport) -> Table:
         ranks = [f.rank for f in report.facts if f.node_rank == leader.node_rank]
         gpus = f"{len(leader.gpus)} x {leader.gpus[0]}" if leader.gpus else "none (CPU)"
         table.add_row(str(leader.node_rank), leader.host, f"{leader.address} ({leader.address_why})",
-                      f"{min(ranks)}-{max(ranks)}" if len(ranks) > 1 else str(ranks[0]), gpus)
+                      format_ranks(sorted(ranks)), gpus)
     return table
 
 

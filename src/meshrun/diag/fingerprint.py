@@ -13,7 +13,6 @@ import hashlib
 import importlib.metadata
 import platform
 import socket
-import subprocess
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ import torch.distributed as dist
 
 import meshrun
 from meshrun.env import ClusterEnv
+from meshrun.gitstate import git_state
 
 DEFAULT_PACKAGES = ("torch", "numpy", "triton", "transformers", "accelerate")
 """Packages whose versions are compared when installed (meshrun itself is compared by version and source hash)."""
@@ -72,7 +72,7 @@ def collect_fingerprint(*, env: ClusterEnv, script: str | Path | None = None,
     return Fingerprint(
         rank=env.rank, node_rank=env.node_rank, host=socket.gethostname(), python=platform.python_version(),
         meshrun=meshrun.__version__, meshrun_source=source_hash(Path(meshrun.__file__).parent),
-        git=git_state(Path.cwd() if cwd is None else Path(cwd)),
+        git=_git_text(Path.cwd() if cwd is None else Path(cwd)),
         script=file_hash(Path(script)) if script else None, torch_build=torch_build(),
         packages={name: package_version(name) for name in packages if name != "meshrun"})
 
@@ -93,25 +93,9 @@ def file_hash(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
-def git_state(cwd: Path) -> str | None:
-    """'<commit>' or '<commit> +dirty <diff hash>'; None outside a repository or without git."""
-    commit = _git(cwd, "rev-parse", "HEAD")
-    if not commit:
-        return None
-    diff = _git(cwd, "diff", "HEAD", "--no-ext-diff")
-    if diff is None:
-        return f"{commit[:12]} +dirty (diff not hashed)"
-    if not diff.strip():
-        return commit[:12]
-    return f"{commit[:12]} +dirty {hashlib.sha256(diff.encode()).hexdigest()[:8]}"
-
-
-def _git(cwd: Path, *args: str) -> str | None:
-    try:
-        done = subprocess.run(["git", "-C", str(cwd), *args], capture_output=True, text=True, timeout=5)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return done.stdout.strip() if done.returncode == 0 else None
+def _git_text(folder: Path) -> str | None:
+    state = git_state(folder)
+    return None if state is None else state.describe()
 
 
 def package_version(name: str) -> str | None:

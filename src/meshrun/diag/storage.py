@@ -27,17 +27,11 @@ from meshrun.ckpt.space import free_bytes
 from meshrun.diag.gather import gather_node_facts
 from meshrun.diag.rows import FAIL, PASS, CheckRow, node_label
 from meshrun.env import ClusterEnv
+from meshrun.units import format_bytes
 
 BYTES_PER_PARAM = 12
 """fp32 weights + AdamW's two fp32 moments: what a checkpoint holds per parameter (DCP writes each once)."""
 _PROBE = ".meshrun-doctor-{token}-node{node}"
-
-
-def human(n: int | float) -> str:
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{int(n)} B"
 
 
 # ---- dataset ---------------------------------------------------------------------------------------------------
@@ -87,13 +81,13 @@ def judge_data(path: str, facts: list[DataFacts]) -> CheckRow:
     odd = [f for f in present if key(f) != expected]
     if not missing and not odd:
         deep = f", sha256 {expected[2]}" if expected and expected[2] else ""
-        return CheckRow("dataset", PASS, f"{path}: {human(expected[0])} in {expected[1]} file(s) on all "
+        return CheckRow("dataset", PASS, f"{path}: {format_bytes(expected[0])} in {expected[1]} file(s) on all "
                                          f"{len(facts)} node(s){deep}")
     parts = [f"{node_label(f.node, f.host)}: {f.error or 'missing'}" for f in missing]
-    parts += [f"{node_label(f.node, f.host)}: {human(f.size)} in {f.files} file(s)"
+    parts += [f"{node_label(f.node, f.host)}: {format_bytes(f.size)} in {f.files} file(s)"
               + (f", sha256 {f.digest}" if f.digest else "") for f in odd]
     if expected is not None:
-        parts.append(f"the others: {human(expected[0])} in {expected[1]} file(s)"
+        parts.append(f"the others: {format_bytes(expected[0])} in {expected[1]} file(s)"
                      + (f", sha256 {expected[2]}" if expected[2] else ""))
     hosts = tuple(f.host for f in missing + odd)
     return CheckRow("dataset", FAIL, f"{path} differs across nodes: " + "; ".join(parts),
@@ -179,13 +173,13 @@ def judge_folder(folder: str, facts: list[FolderFacts], *, needed: int) -> list[
 def _room_row(folder: str, facts: list[FolderFacts], needed: int) -> CheckRow:
     short = [f for f in facts if f.free is not None and f.free < needed]
     if short:
-        return CheckRow("checkpoint folder", FAIL, f"{folder}: the next checkpoint needs about {human(needed)}; "
-                        + "; ".join(f"{node_label(f.node, f.host)} has {human(f.free)} free" for f in short),
+        return CheckRow("checkpoint folder", FAIL, f"{folder}: the next checkpoint needs about {format_bytes(needed)}; "
+                        + "; ".join(f"{node_label(f.node, f.host)} has {format_bytes(f.free)} free" for f in short),
                         fix="free space there, lower checkpoint.keep_last, or set checkpoint.dir to a larger "
                             "file system", next_command=f"df -h {folder}", hosts=tuple(f.host for f in short))
     known = [f.free for f in facts if f.free is not None]
-    room = f"at least {human(min(known))} free" if known else "free space unknown"
-    return CheckRow("checkpoint folder", PASS, f"{folder}: writable, {room} for about {human(needed)} per "
+    room = f"at least {format_bytes(min(known))} free" if known else "free space unknown"
+    return CheckRow("checkpoint folder", PASS, f"{folder}: writable, {room} for about {format_bytes(needed)} per "
                                                "checkpoint")
 
 

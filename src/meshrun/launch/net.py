@@ -84,7 +84,11 @@ def resolve(host: str) -> str:
 
 
 def is_loopback(ip: str) -> bool:
-    return ipaddress.ip_address(ip).is_loopback
+    """True for a loopback address (127.0.0.0/8, ::1) and for the name 'localhost'; False for other names."""
+    try:
+        return ipaddress.ip_address(ip).is_loopback
+    except ValueError:
+        return ip == "localhost"
 
 
 def is_local_address(ip: str) -> bool:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from meshrun.launch.args import LaunchArgs, LaunchUsageError, Target, apply_target, parse_nnodes
-from meshrun.launch.net import Route, interface_of, parse_endpoint, port_accepts, resolve, route_to
+from meshrun.launch.net import Route, interface_of, is_loopback, parse_endpoint, port_accepts, resolve, route_to
 from meshrun.launch.slurm import SlurmPlacement, detect_slurm
 
 C10D_DEFAULT_PORT = 29400
@@ -112,7 +112,7 @@ def make_plan(largs: LaunchArgs, *, environ: Mapping[str, str]) -> LaunchPlan:
                       backend=rdzv.backend, endpoint_host=rdzv.host, endpoint_port=rdzv.port, rdzv_id=rdzv.rdzv_id,
                       rdzv_conf=parse_rdzv_conf(ns.rdzv_conf), node_rank=rdzv.node_rank, origin=rdzv.origin,
                       store_here=None, store_reason="", local_addr=None, local_reason="", iface=None,
-                      single_host=max_nodes == 1 or _is_loopback(route.dest), timeout_s=ns.rdzv_timeout,
+                      single_host=max_nodes == 1 or is_loopback(route.dest), timeout_s=ns.rdzv_timeout,
                       max_restarts=ns.max_restarts, slurm=slurm)
     if plan.backend == "c10d" and "node_rank" in given:
         plan.notes.append(f"--node-rank {ns.node_rank} is ignored: c10d numbers nodes as they join "
@@ -168,10 +168,10 @@ def _choose_local_addr(plan: LaunchPlan, route: Route, ns: argparse.Namespace, g
         plan.iface = interface_of(resolve(ns.local_addr))
     else:
         plan.local_addr = route.source
-        plan.local_reason = ("loopback: every node is on this host" if _is_loopback(route.source)
+        plan.local_reason = ("loopback: every node is on this host" if is_loopback(route.source)
                              else f"source address of the route to {route.dest}")
         plan.iface = interface_of(route.source)
-    if plan.max_nodes > 1 and _is_loopback(route.dest) and not _is_ip(plan.endpoint_host):
+    if plan.max_nodes > 1 and is_loopback(route.dest) and not _is_ip(plan.endpoint_host):
         plan.notes.append(f"endpoint host {plan.endpoint_host!r} resolves to {route.dest} here, so other hosts "
                           "cannot be told where this node is; for several hosts give an address they reach.")
 
@@ -338,13 +338,6 @@ def format_plan(plan: LaunchPlan) -> str:
         lines.append(f"  env kept    {' '.join(f'{k}={v}' for k, v in plan.env_kept.items())} (yours)")
     lines += [f"  note        {note}" for note in plan.notes]
     return "\n".join(plan.label + line for line in lines)
-
-
-def _is_loopback(ip: str) -> bool:
-    try:
-        return ipaddress.ip_address(ip).is_loopback
-    except ValueError:
-        return ip == "localhost"
 
 
 def _is_ip(host: str) -> bool:

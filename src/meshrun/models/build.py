@@ -46,8 +46,3 @@ def record_resolved(job: JobConfig, cfg: ModelShape) -> None:
     for name in SHAPE_FIELDS:
         setattr(job.model, name, getattr(cfg, name))
     job.model.n_kv_heads, job.model.ffn_dim = cfg.kv_heads, cfg.hidden_dim
-
-
-def count_params(cfg: ModelShape, arch: str = "gpt") -> int:
-    """Unique parameters of the whole model, counted on the meta device (no memory)."""
-    return get_model_spec(arch).count_params(cfg)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 from meshrun.models.shape import ModelShape
 
@@ -34,6 +34,11 @@ from torch import nn
 
 if TYPE_CHECKING:
     import torch
+
+
+def count_unique_params(modules: Iterable[nn.Module]) -> int:
+    """Parameters of ``modules`` together, each tensor counted once (tied weights, modules shared between parts)."""
+    return sum(p.numel() for p in {id(p): p for module in modules for p in module.parameters()}.values())
 
 
 def transformer_block_params(m: ModelShape) -> tuple[int, int]:
@@ -129,7 +134,7 @@ class ModelSpec:
 
         with torch.device("meta"):
             model = self.build(shape)
-        return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+        return count_unique_params([model])
 
 
 _REGISTRY: dict[str, ModelSpec] = {}

@@ -23,6 +23,7 @@ from meshrun.dist.mesh import ParallelDims, RankCoords
 from meshrun.models.build import model_config, model_spec
 from meshrun.models.shape import ModelShape
 from meshrun.parallel.pipeline import effective_model_config, layer_ranges, stage_ids
+from meshrun.units import format_bytes, format_ranks
 
 
 @dataclass(frozen=True)
@@ -139,10 +140,10 @@ def print_rank_layout(console, layout: RankLayout, dims: ParallelDims, *, gpus_p
 
     c = layout.coords
     node, local = divmod(layout.rank, gpus_per_node) if gpus_per_node else (0, layout.rank)
-    layers = f"layers {format_ranges(layout.layers)}" if layout.layers else "no layers"
+    layers = f"layers {format_ranks(layout.layers)}" if layout.layers else "no layers"
     title = (f"rank {layout.rank} (node {node}, local {local}): pp {c.pp}, dp_replicate {c.dp_replicate}, "
              f"dp_shard {c.dp_shard}, tp {c.tp} | {layout.engine} | stage(s) {layout.stages}, {layers} | "
-             f"{layout.local_params / 1e6:,.2f}M params = {layout.local_bytes / 2**20:,.1f} MiB fp32 on this rank")
+             f"{layout.local_params / 1e6:,.2f}M params = {format_bytes(layout.local_bytes)} fp32 on this rank")
     table = Table(title=title, title_justify="left")
     for column in ("parameter", "x layers", "global shape", "local shard", "placements", "local MiB"):
         table.add_column(column, justify="right" if column in ("x layers", "local MiB") else "left")
@@ -156,13 +157,3 @@ def _shape(shape: tuple[int, ...]) -> str:
     return " x ".join(f"{d:,}" for d in shape)
 
 
-def format_ranges(values: list[int]) -> str:
-    """[0, 1, 2, 5, 6] -> '0-2, 5-6'."""
-    out, start = [], None
-    for i, v in enumerate(values):
-        if start is None:
-            start = v
-        if i == len(values) - 1 or values[i + 1] != v + 1:
-            out.append(f"{start}-{v}" if v != start else str(v))
-            start = None
-    return ", ".join(out)

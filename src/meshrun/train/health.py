@@ -33,6 +33,8 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 from meshrun.diag.gpu_health import gemm_tflops, nvml_state
 from meshrun.env import ClusterEnv
+from meshrun.units import format_ranks
+
 
 # ---- stragglers ------------------------------------------------------------------------------------------------
 
@@ -394,13 +396,7 @@ def _ranks_text(ranks: list[int]) -> str:
     """[0, 1, 2, 5] -> 'ranks 0-2,5'; [3] -> 'rank 3'."""
     if len(ranks) == 1:
         return f"rank {ranks[0]}"
-    spans, start = [], ranks[0]
-    for prev, cur in zip(ranks, ranks[1:] + [None]):
-        if cur != prev + 1:
-            spans.append(f"{start}-{prev}" if prev > start + 1 else
-                         (f"{start},{prev}" if prev == start + 1 else f"{start}"))
-            start = cur
-    return "ranks " + ",".join(spans)
+    return "ranks " + format_ranks(ranks)
 
 
 class HangWatchdog:

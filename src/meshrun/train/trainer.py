@@ -30,6 +30,7 @@ from meshrun.data.sampler import DataPosition, TokenWindows
 from meshrun.dist.process_group import DistContext, init_distributed, set_mesh_timeouts, wants_cuda
 from meshrun.env import ClusterEnv
 from meshrun.models.build import model_config, model_spec, record_resolved
+from meshrun.models.spec import count_unique_params
 from meshrun.parallel.apply import build_engine, describe_layout
 from meshrun.parallel.engine import Engine
 from meshrun.parallel.kernels import describe_speed
@@ -285,8 +286,7 @@ class Trainer:
         env, b, m = self.env, self.batch, self.model_cfg
         log.info("rank %d of %d on %s: node %d of %d, local rank %d of %d (%s)", env.rank, env.world_size,
                  socket.gethostname(), env.node_rank, env.num_nodes, env.local_rank, env.local_world_size, env.source)
-        params = sum(p.numel() for p in {id(p): p for part in self.engine.model_parts
-                                         for p in part.parameters()}.values())
+        params = count_unique_params(self.engine.model_parts)
         per_node = (f"{env.num_nodes} node(s) of different sizes" if env.nodes_differ
                     else f"{env.num_nodes} node(s) x {b.dp_size // max(1, env.num_nodes)} per node")
         lines = [
