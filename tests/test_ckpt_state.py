@@ -154,15 +154,3 @@ def test_optimizer_count_must_match_parts():
     with pytest.raises(ValueError, match="3 model parts and 2 optimizers"):
         ModelOptimState(linears, [torch.optim.SGD(linears[0].parameters(), lr=1),
                                   torch.optim.SGD(linears[1].parameters(), lr=1)])
-
-
-def test_grad_scaler_state_round_trip(tmp_path):
-    from meshrun.ckpt.state import GradScalerState
-
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=7)
-    scaler.load_state_dict({**scaler.state_dict(), "scale": 256.0, "_growth_tracker": 3})
-    checkpointer(tmp_path, ENV).save(1, {"scaler": GradScalerState(scaler)})
-    fresh = torch.amp.GradScaler("cpu")
-    checkpointer(tmp_path, ENV).load({"scaler": GradScalerState(fresh)})
-    assert fresh.state_dict() == scaler.state_dict()
-    assert fresh.state_dict()["scale"] == 256.0 and fresh.state_dict()["growth_interval"] == 7

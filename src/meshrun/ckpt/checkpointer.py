@@ -97,7 +97,6 @@ class Checkpointer:
         """Set (on every rank alike) by should_save once any rank got SIGTERM: save, then leave the loop."""
         self.notes: list[str] = []
         """What the last load reported: skipped or damaged checkpoints, world-size and config changes."""
-        self.last_timings: dict[str, float] = {}
         """Seconds of the last finished save on this rank: stall, write, hash, total."""
         self._started = time.time()
         self._last_save_time = time.monotonic()
@@ -260,7 +259,6 @@ class Checkpointer:
         if outcome is not None:
             raise CheckpointError(outcome)
         job.timings["total_s"] = time.perf_counter() - job.started
-        self.last_timings = dict(job.timings)
         self._last_step = job.step
 
     def _hash_own_files(self, tmp: Path) -> dict[str, dict[str, Any]]:

@@ -249,23 +249,6 @@ class MetricsState(Stateful):
         self.values.update({k: float(v) for k, v in from_json_blob(state_dict[BLOB_KEY]).items()})
 
 
-class GradScalerState(Stateful):
-    """torch.amp.GradScaler state (scale and growth tracker) as a JSON blob."""
-
-    replicated: ClassVar[bool] = True
-
-    def __init__(self, scaler: Any):
-        self.scaler = scaler
-
-    def state_dict(self) -> dict[str, Any]:
-        return {BLOB_KEY: json_blob(self.scaler.state_dict(), what="grad scaler state")}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        saved = from_json_blob(state_dict[BLOB_KEY])
-        if saved:
-            self.scaler.load_state_dict(saved)
-
-
 class RNGState(Stateful):
     """Every rank's random streams (Python, NumPy's global generator, torch CPU, CUDA of the current device),
     under per-rank keys ``rank_<r>``.

@@ -226,13 +226,6 @@ class StragglerDetector:
         return [{"rank": info.rank, "host": info.host, "median_step_s": float(np.median(steps[:, i])),
                  "max_step_s": float(np.max(steps[:, i]))} for i, info in enumerate(self.ranks)]
 
-    def summary_text(self) -> str:
-        rows = self.summary()
-        lines = [f"{'rank':>5} {'host':<20} {'median step s':>14} {'max step s':>11}"]
-        lines += [f"{r['rank']:>5} {r['host']:<20} {r['median_step_s']:>14.4f} {r['max_step_s']:>11.4f}"
-                  for r in rows]
-        return "\n".join(lines)
-
 
 def _gpu_clock(device: torch.device) -> list[float]:
     if device.type != "cuda":
