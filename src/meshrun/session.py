@@ -38,10 +38,10 @@ from meshrun.data.loader import StepBatches
 from meshrun.dist.process_group import init_distributed, shutdown
 from meshrun.env import ClusterEnv
 from meshrun.parallel.module import ModuleLayout, prepare_module
+from meshrun.rng import seed_rank_streams
 from meshrun.ckpt.script import SessionCheckpoints
 from meshrun.train.health import HangWatchdog, StragglerDetector, WorkTimer
 from meshrun.train.metrics import SumMetrics
-from meshrun.train.trainer import seed_rank_streams
 
 
 class Session:

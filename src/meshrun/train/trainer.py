@@ -11,7 +11,6 @@ import json
 import logging
 import math
 import os
-import random
 import socket
 import sys
 import time
@@ -19,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -31,6 +29,7 @@ from meshrun.dist.process_group import DistContext, init_distributed, set_mesh_t
 from meshrun.env import ClusterEnv
 from meshrun.models.build import model_config, model_spec, record_resolved
 from meshrun.models.spec import count_unique_params
+from meshrun.rng import seed_rank_streams
 from meshrun.parallel.apply import build_engine, describe_layout
 from meshrun.parallel.engine import Engine
 from meshrun.parallel.kernels import describe_speed
@@ -60,14 +59,6 @@ class TrainResult:
     run_dir: Path | None = None
     stopped_by: str | None = None
     """The signal that stopped the run before train.steps (e.g. 'SIGTERM'); None when it ran to the end."""
-
-
-def seed_rank_streams(base_seed: int, rank: int) -> None:
-    """Per-rank streams: seed = base seed + rank (dropout and augmentation differ per rank, reproducibly)."""
-    seed = base_seed + rank
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def use_deterministic_algorithms() -> None:
