@@ -63,7 +63,7 @@ def find_config(step_dir: Path, explicit: str | None) -> JobConfig:
 
 def load_model(step_dir: Path, job: JobConfig):
     """The reference model with the checkpoint's weights, on the CPU, in fp32."""
-    from meshrun.ckpt.inspect import load_model_weights
+    from meshrun.ckpt.reader import load_model_weights
     from meshrun.models.build import model_config
     from meshrun.models.gpt import GPT
 

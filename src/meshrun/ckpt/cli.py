@@ -1,4 +1,4 @@
-"""``meshrun ckpt``: list, verify and export checkpoints. Parsing and printing only; the work is in inspect.py.
+"""``meshrun ckpt``: list, verify and export checkpoints. Parsing and printing only; the work is in reader.py.
 
     meshrun ckpt ls [DIR]                          table of the checkpoints in DIR (or DIR/checkpoints)
     meshrun ckpt verify PATH [--no-checksums]      exit 1, naming each bad file, if PATH is not intact
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from meshrun.ckpt import inspect
+from meshrun.ckpt import reader
 from meshrun.ckpt.errors import CheckpointError
 from meshrun.units import format_bytes
 
@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshrun ckpt", description="List, verify and export checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{ls,verify,export}")
     ls = sub.add_parser("ls", help="list the checkpoints of a folder, complete or not")
-    ls.add_argument("dir", nargs="?", help=f"checkpoint folder or run folder (default: {inspect.DEFAULT_FOLDER})")
+    ls.add_argument("dir", nargs="?", help=f"checkpoint folder or run folder (default: {reader.DEFAULT_FOLDER})")
     ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
     verify = sub.add_parser("verify", help="check marker, manifest, sizes and SHA-256 of every file")
     verify.add_argument("path", help="a checkpoint directory (step_NNNNNNN)")
@@ -44,24 +44,24 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    folder = inspect.resolve_folder(args.dir)
+    folder = reader.resolve_folder(args.dir)
     if not folder.is_dir():
         print(f"meshrun ckpt ls: {folder} does not exist; give the checkpoint folder (checkpoint.dir) or the "
               "run folder (run.dir)", file=sys.stderr)
         return 2
-    rows = inspect.list_checkpoints(folder)
+    rows = reader.list_checkpoints(folder)
     if args.json:
         print(json.dumps([{**row.__dict__, "path": str(row.path)} for row in rows], indent=1))
     elif not rows:
         print(f"no checkpoints in {folder}")
     else:
-        Console(width=max(Console().width, 140)).print(inspect.render_table(rows, folder))
+        Console(width=max(Console().width, 140)).print(reader.render_table(rows, folder))
     return 0
 
 
 def _verify(args: argparse.Namespace) -> int:
     path = Path(args.path)
-    manifest, problems = inspect.verify(path, checksums=not args.no_checksums)
+    manifest, problems = reader.verify(path, checksums=not args.no_checksums)
     for problem in problems:
         print(f"FAILED {problem}")
     if problems:
@@ -75,7 +75,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    summary = inspect.export_model(Path(args.path), args.to)
+    summary = reader.export_model(Path(args.path), args.to)
     print(f"wrote {args.to}: {summary['tensors']} tensors, {format_bytes(summary['bytes'])}, "
           f"{'/'.join(summary['dtypes'])}, from step {summary['step']}")
     return 0
