@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MICRO = {"124m": (16, 1024), "1b": (4, 2048), "tiny": (8, 64), "small": (8, 256)}  # (micro-batch, seq)
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from train_bench import MICRO, attach_values, probe_device  # noqa: E402 - the harness's sizes and helpers
 SCHEDULES = {"1f1b": "1f1b", "gpipe": "gpipe", "interleaved": "interleaved1f1b"}
 DEGREE = re.compile(r"(dp|fsdp|tp|pp)(\d+)$")
 PLAN_FLAGS = {"dp_replicate": "--dp-replicate", "dp_shard": "--dp-shard", "tp": "--tp", "pp": "--pp"}
@@ -156,14 +157,6 @@ def fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else spec.format(value)
 
 
-def attach_extra(argv: list[str]) -> list[str]:
-    """`--extra --train.x=1` as `--extra=--train.x=1`: argparse takes a separate value starting with -- for an option."""
-    out, it = [], iter(argv)
-    for arg in it:
-        out.append(f"--extra={next(it, '')}" if arg == "--extra" else arg)
-    return out
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", default="1b", choices=list(MICRO))
@@ -174,7 +167,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--timeout", type=int, default=900, help="seconds for one layout's run")
     p.add_argument("--extra", action="append", default=[], help="meshrun overrides for every layout (several in one quoted value)")
     p.add_argument("--json", help="write the rows here (rewritten after each layout)")
-    args = p.parse_args(attach_extra(argv))
+    args = p.parse_args(attach_values(argv))
     if args.steps < 2 * args.log_every:
         p.error(f"--steps {args.steps}: needs at least two log intervals of --log-every {args.log_every}")
     try:
@@ -187,8 +180,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{os.environ.get('PYTHONPATH', '')}"}
-    probe = "import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')"
-    device = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True).stdout.strip()
+    device = probe_device(env)
     rows = []
     for layout in args.layouts:
         row = {**run_layout(layout, args, env, compile_=device != "cpu"), "size": args.size, "gpus": args.gpus,
