@@ -28,8 +28,9 @@ def _slow_rank_worker(rank, world_size, run_dir, delay_s, at_step, extra):
 
 @pytest.mark.slow
 def test_trainer_names_a_rank_that_waits_for_data(tmp_path):
-    # every step of rank 1 waits 80 ms for data; rank 0's log names it after the warm-up interval
-    logs = run_distributed(_slow_rank_worker, 2, tmp_path, 0.08, None, ("--health.straggler_threshold=1.5",))
+    # every step of rank 1 waits 300 ms for data; rank 0's log names it after the warm-up interval. The wait is
+    # several times a step of this model even with two test files running beside it on 2 cores (80 ms was not)
+    logs = run_distributed(_slow_rank_worker, 2, tmp_path, 0.3, None, ("--health.straggler_threshold=1.5",))
     assert "rank 1 (host" in logs[0] and "is a straggler" in logs[0], logs[0][-3000:]
     assert "waiting for data" in logs[0]
     assert "rank 0 (host" not in logs[0].split("is a straggler")[0][-200:]
@@ -51,7 +52,7 @@ def _slow_forward_worker(rank, world_size, run_dir):
                              "--parallel.dp_shard=2", "--parallel.dp_replicate=1", "--health.straggler_threshold=1.5"])
     trainer = Trainer(job)
     first_block = trainer.engine.timed_modules[0]
-    first_block.register_forward_pre_hook(lambda *_: time.sleep(0.06) if rank == 1 else None)  # a slow GPU
+    first_block.register_forward_pre_hook(lambda *_: time.sleep(0.2) if rank == 1 else None)  # a slow GPU
     trainer.fit()
     trainer.close()
     return (run_dir / "logs" / f"rank_{rank:05d}.log").read_text()
