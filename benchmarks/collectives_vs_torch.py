@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from meshrun.config import DistConfig
 from meshrun.diag import bench, gpu_health
-from meshrun.dist.process_group import init_distributed, shutdown
+from meshrun.comm.process_group import init_distributed, shutdown
 from meshrun.env import ClusterEnv
 
 # nccl-tests' bus-bandwidth factors, written out independently of meshrun.diag.bench_ops

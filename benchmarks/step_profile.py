@@ -47,7 +47,7 @@ def baseline_step(size: str, mb: int, seq: int, device: torch.device):
 
 def meshrun_step(size: str, mb: int, seq: int, device: torch.device, overrides: list[str]):
     from meshrun.config import load_config
-    from meshrun.dist.mesh import ParallelDims
+    from meshrun.comm.mesh import ParallelDims
     from meshrun.models.build import model_config
     from meshrun.parallel.apply import build_engine
     from meshrun.train.trainer import compute_dtype

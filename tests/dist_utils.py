@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from meshrun.dist.process_group import shutdown
+from meshrun.comm.process_group import shutdown
 
 
 def free_port() -> int:

@@ -3,7 +3,7 @@
 import pytest
 
 from meshrun.config import ConfigError, ParallelConfig
-from meshrun.dist.mesh import ParallelDims
+from meshrun.comm.mesh import ParallelDims
 from meshrun.env import ClusterEnv, expand_nodelist, expand_tasks_per_node
 
 
@@ -138,7 +138,7 @@ def test_master_host_check_passes_routable_addresses_user_choices_and_single_nod
 
 def test_direct_slurm_init_refuses_a_loopback_master_before_joining(monkeypatch):
     from meshrun.config import DistConfig
-    from meshrun.dist.process_group import init_distributed
+    from meshrun.comm.process_group import init_distributed
 
     monkeypatch.setattr("meshrun.env.resolve_ipv4_first", lambda host: "127.0.1.1")
     for name in ("MASTER_ADDR", "RANK", "WORLD_SIZE"):  # init_distributed exports them; keep this process clean

@@ -14,9 +14,10 @@ import torch.distributed as dist
 
 from dist_utils import run_distributed
 from meshrun.env import ClusterEnv
-from meshrun.train import health
-from meshrun.train.health import (Heartbeat, HangWatchdog, RankInfo, RankView, StragglerDetector, diagnose_hang,
-                                  enable_flight_recorder, find_stragglers)
+from meshrun.diag import hang, stragglers
+from meshrun.diag.flight_recorder import enable_flight_recorder
+from meshrun.diag.hang import Heartbeat, HangWatchdog, RankView, diagnose_hang
+from meshrun.diag.stragglers import RankInfo, StragglerDetector, find_stragglers
 
 
 def _ranks(n: int) -> list[RankInfo]:
@@ -69,7 +70,7 @@ def test_leave_one_out_median_matches_numpy():
     for n in (2, 3, 4, 7, 10):
         values = np.sort(rng.random(n))
         for i in range(n):
-            assert health._median_without(values, i) == pytest.approx(float(np.median(np.delete(values, i))))
+            assert stragglers._median_without(values, i) == pytest.approx(float(np.median(np.delete(values, i))))
 
 
 # ---- hangs: pure ---------------------------------------------------------------------------------------------
@@ -135,15 +136,15 @@ def test_where_is_reads_another_threads_stack():
     thread.start()
     time.sleep(0.3)
     try:
-        assert health.where_is(thread.ident).startswith("code: wait (")  # threading's Event.wait: not torch
-        assert health.where_is(None) == ""
+        assert hang.where_is(thread.ident).startswith("code: wait (")  # threading's Event.wait: not torch
+        assert hang.where_is(None) == ""
     finally:
         release.set()
 
 
 def test_rank_lists_are_compact():
-    assert health._ranks_text([3]) == "rank 3"
-    assert health._ranks_text([0, 1, 2, 5, 7, 8]) == "ranks 0-2,5,7,8"
+    assert hang._ranks_text([3]) == "rank 3"
+    assert hang._ranks_text([0, 1, 2, 5, 7, 8]) == "ranks 0-2,5,7,8"
 
 
 def test_watchdog_in_one_process_names_a_silent_peer_and_dumps_its_own_stacks(tmp_path):
@@ -151,7 +152,7 @@ def test_watchdog_in_one_process_names_a_silent_peer_and_dumps_its_own_stacks(tm
     env = ClusterEnv(rank=0, local_rank=0, world_size=2, local_world_size=2, node_rank=0, num_nodes=1,
                      master_addr="127.0.0.1", master_port=0, source="torchrun")
     peer = Heartbeat(rank=1, host="b", step=4, phase="forward", age_s=0.0, limit_s=0.6, seq=1)
-    store.set(health._heartbeat_key(1), json.dumps(peer.__dict__))  # then never again
+    store.set(hang._heartbeat_key(1), json.dumps(peer.__dict__))  # then never again
     stacks = tmp_path / "stacks.txt"
     logged: list[str] = []
     watchdog = HangWatchdog(env=env, timeout_s=0.6, store=store, publish_every_s=0.1, stack_file=stacks,

@@ -10,7 +10,7 @@ import pytest
 from meshrun.launch.args import LaunchUsageError, apply_target, check_target, parse_launch_args, parse_nnodes
 from meshrun.launch.cli import main
 from meshrun.launch.net import EndpointError
-from meshrun.launch.plan import apply_plan, format_plan, make_plan, parse_rdzv_conf
+from meshrun.launch.rendezvous import apply_plan, format_plan, make_plan, parse_rdzv_conf
 from meshrun.launch.simulate import agent_command, split_gpus
 from meshrun.launch.slurm import SlurmLayoutError, detect_slurm
 

@@ -9,7 +9,7 @@ import pytest
 import torch.distributed as dist
 
 from meshrun.config import ConfigError, ParallelConfig
-from meshrun.dist.mesh import MESH_DIMS, ParallelDims
+from meshrun.comm.mesh import MESH_DIMS, ParallelDims
 from meshrun.models.gpt import SIZES
 
 

@@ -11,7 +11,7 @@ import pytest
 import mlp_lm
 from meshrun import plan as planner
 from meshrun.config import ConfigError, load_config
-from meshrun.dist.mesh import ParallelDims
+from meshrun.comm.mesh import ParallelDims
 from meshrun.models.build import model_config, model_spec
 from meshrun.models.gpt import GPT
 from meshrun.models.spec import get_model_spec

@@ -13,7 +13,7 @@ import pytest
 from meshrun.launch import net
 from meshrun.launch.args import parse_launch_args
 from meshrun.launch.launcher import unreachable_message
-from meshrun.launch.plan import make_plan
+from meshrun.launch.rendezvous import make_plan
 
 
 def _own_ipv4() -> dict[str, str]:

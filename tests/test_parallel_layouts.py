@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from dist_utils import run_distributed
 from meshrun.config import JobConfig, load_config
-from meshrun.dist.mesh import ParallelDims
+from meshrun.comm.mesh import ParallelDims
 from meshrun.models.gpt import GPT, SIZES, GPTConfig
 from meshrun.parallel.apply import build_engine
 from meshrun.parallel.engine import LocalEngine

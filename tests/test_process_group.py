@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from meshrun.dist.process_group import shutdown
+from meshrun.comm.process_group import shutdown
 from dist_utils import free_port, run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,8 +78,8 @@ def test_a_session_script_that_never_calls_close_exits_cleanly(tmp_path):
 
 def _mesh_timeout_worker(rank, world_size):
     from meshrun.config import ParallelConfig
-    from meshrun.dist.mesh import ParallelDims
-    from meshrun.dist.process_group import set_mesh_timeouts
+    from meshrun.comm.mesh import ParallelDims
+    from meshrun.comm.process_group import set_mesh_timeouts
 
     dims = ParallelDims.from_config(ParallelConfig(dp_replicate=1, dp_shard=1, tp=2), world_size=world_size,
                                     gpus_per_node=world_size)

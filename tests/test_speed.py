@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from meshrun.config import ConfigError, ParallelConfig, load_config
-from meshrun.dist.mesh import choose_data_parallel
+from meshrun.comm.mesh import choose_data_parallel
 from meshrun.models.build import model_config, model_spec
 from meshrun.parallel.apply import reshard_after_forward
 from meshrun.parallel.engine import count_tensor, loss_function, token_loss_sum

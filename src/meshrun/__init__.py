@@ -25,7 +25,7 @@ _EXPORTS = {
     "ClusterEnv": "meshrun.env",
     "GlobalOrderSampler": "meshrun.data.sampler",
     "DataPosition": "meshrun.data.sampler",
-    "init_distributed": "meshrun.dist.process_group",
+    "init_distributed": "meshrun.comm.process_group",
 }
 
 

@@ -2,7 +2,7 @@
 
 Given nodes, GPUs per node, a model and the parallel degrees, it prints: the world size; the global batch in the
 terms B_global = B_local x (data-parallel ranks) x A; every rank's node, local rank and mesh coordinates with the
-members of its TP / DP / PP groups (the same arithmetic as :class:`meshrun.dist.mesh.ParallelDims`, so the
+members of its TP / DP / PP groups (the same arithmetic as :class:`meshrun.comm.mesh.ParallelDims`, so the
 table is what the job will build); per-GPU memory for parameters, gradients, optimizer state and activations;
 tensor-parallel shard sizes; the pipeline bubble; communication volume per optimizer step for each dimension and
 whether it crosses nodes; and warnings for layouts that put TP or heavy traffic on the network. ``--json`` prints
@@ -22,7 +22,7 @@ from typing import Any
 
 from meshrun.config import (ACTIVATION_CHECKPOINT_MODES, PIPELINE_SCHEDULES, TRAIN_DTYPES, BatchPlan, ConfigError,
                             JobConfig, load_config, resolve_batch)
-from meshrun.dist.mesh import ParallelDims
+from meshrun.comm.mesh import ParallelDims
 from meshrun.models.shape import ModelShape
 from meshrun.models.spec import ModelSpec
 from meshrun.units import format_bytes, format_ranks

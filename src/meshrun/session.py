@@ -20,7 +20,7 @@
 Runs unchanged as one process (``python train.py``) and under ``meshrun launch``/``torchrun``/``srun``. Layouts
 come from meshrun.parallel.module (the trainer's own parallelisation code), checkpoints from
 meshrun.ckpt.Checkpointer (manifest, checksums, COMPLETE, retention, async, RNG streams, data position) and health
-from meshrun.train.health, as in ``meshrun train``.
+from meshrun.diag.hang and meshrun.diag.stragglers, as in ``meshrun train``.
 """
 
 from __future__ import annotations
@@ -35,12 +35,13 @@ from torch.utils.data import Dataset
 
 from meshrun.config import CheckpointConfig, DistConfig, TrainConfig, resolve_batch
 from meshrun.data.loader import StepBatches
-from meshrun.dist.process_group import init_distributed, shutdown
+from meshrun.comm.process_group import init_distributed, shutdown
 from meshrun.env import ClusterEnv
 from meshrun.parallel.module import ModuleLayout, prepare_module
 from meshrun.rng import seed_rank_streams
 from meshrun.ckpt.script import SessionCheckpoints
-from meshrun.train.health import HangWatchdog, StragglerDetector, WorkTimer
+from meshrun.diag.hang import HangWatchdog
+from meshrun.diag.stragglers import StragglerDetector, WorkTimer
 from meshrun.train.metrics import SumMetrics
 
 

@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 from meshrun.config import DistConfig
-from meshrun.dist.process_group import init_distributed, shutdown
+from meshrun.comm.process_group import init_distributed, shutdown
 from meshrun.env import ClusterEnv
 
 folder = Path(sys.argv[1])

@@ -3,7 +3,6 @@ multi-host job's listen only on the address the other nodes use. Checked from a 
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time

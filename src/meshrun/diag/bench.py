@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"--groups {args.groups}: choose from {', '.join(GROUPS)}", markup=False)
         return 2
     from meshrun.config import DistConfig
-    from meshrun.dist.process_group import init_distributed, shutdown
+    from meshrun.comm.process_group import init_distributed, shutdown
 
     ctx = init_distributed(env, DistConfig(backend=args.backend, device="cuda" if args.backend == "nccl" else "auto"))
     try:
@@ -140,7 +140,7 @@ def bench_groups(names: list[str] | tuple[str, ...], *, env: ClusterEnv,
         skipped = {n: "nodes run different numbers of ranks" for n in ("intra", "inter") if n in names}
     mesh = None
     if uniform and {"intra", "inter"} & set(names) and env.world_size > 1:
-        from meshrun.dist.mesh import node_mesh
+        from meshrun.comm.mesh import node_mesh
 
         mesh = node_mesh(num_nodes=env.num_nodes, local_world_size=env.local_world_size, device_type=device.type)
     for name in names:

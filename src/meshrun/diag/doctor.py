@@ -151,7 +151,7 @@ class DoctorReport:
 def run_distributed(env: ClusterEnv, args: argparse.Namespace) -> DoctorReport:
     """All checks; every rank must call this and gets the same report. Starts and ends a gloo group."""
     from meshrun.config import DistConfig
-    from meshrun.dist.process_group import init_distributed, shutdown
+    from meshrun.comm.process_group import init_distributed, shutdown
 
     started_here = not dist.is_initialized()
     # a GLOO_SOCKET_IFNAME gloo refuses would stop doctor's own group from starting to report it

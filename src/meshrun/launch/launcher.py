@@ -1,4 +1,4 @@
-"""Run one node's elastic agent: torch's ``elastic_launch`` with the decisions of :mod:`meshrun.launch.plan`.
+"""Run one node's elastic agent: torch's ``elastic_launch`` with the decisions of :mod:`meshrun.launch.rendezvous`.
 
 meshrun starts no process itself here: torch's agent spawns, watches and restarts the workers, and serves the
 c10d rendezvous. What meshrun adds is before (the plan, a reachability probe with a deadline) and after (errors
@@ -26,7 +26,7 @@ from meshrun.launch import stores
 from meshrun.launch.stores import StoreAnswer, probe_store
 from meshrun.launch.args import LaunchArgs, check_target
 from meshrun.launch.net import ProbeResult, probe_tcp
-from meshrun.launch.plan import LaunchPlan, apply_plan, format_plan, make_plan, parse_rdzv_conf
+from meshrun.launch.rendezvous import LaunchPlan, apply_plan, format_plan, make_plan, parse_rdzv_conf
 
 MIN_JOIN_TIMEOUT_S = 10
 """Join time left to a node that spent most of --rdzv-timeout waiting for the endpoint to come up."""

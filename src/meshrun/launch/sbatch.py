@@ -20,7 +20,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from meshrun.config import ConfigError, JobConfig, load_config, resolve_batch
-from meshrun.dist.mesh import ParallelDims
+from meshrun.comm.mesh import ParallelDims
 from meshrun.launch.args import WORKER_COMMANDS
 
 MODES = ("per-node", "per-gpu")

@@ -21,7 +21,7 @@ from typing import IO
 import torch
 
 from meshrun.launch.args import LaunchArgs, LaunchUsageError, check_target, parse_nnodes
-from meshrun.launch.plan import parse_rdzv_conf
+from meshrun.launch.rendezvous import parse_rdzv_conf
 
 GRACE_S = 5.0
 """After one agent fails, how long the others get to finish on their own before being stopped. Survivors whose

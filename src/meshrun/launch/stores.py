@@ -3,7 +3,7 @@
 torch's c10d backend creates two TCPStore servers on the node that hosts the rendezvous: the rendezvous store
 (``--rdzv-endpoint``) and, since torch 2.5, the store it shares with the workers. Both would listen on every
 interface. :data:`BACKEND` is torch's own c10d rendezvous (``DynamicRendezvousHandler`` over
-``C10dRendezvousBackend``) whose servers are created by :func:`meshrun.dist.store.bound_tcp_store`: on the
+``C10dRendezvousBackend``) whose servers are created by :func:`meshrun.comm.store.bound_tcp_store`: on the
 endpoint's address, and on this node's ``--local-addr`` (loopback for a single-host job).
 """
 
@@ -24,7 +24,7 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from meshrun.dist.store import bind_address, bound_tcp_store
+from meshrun.comm.store import bind_address, bound_tcp_store
 
 BACKEND = "meshrun-c10d"
 """The name torch's launcher is given for this handler (the start-up block says c10d)."""

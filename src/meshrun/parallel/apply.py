@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from meshrun.config import ConfigError, JobConfig, resolve_batch
-from meshrun.dist.mesh import ParallelDims
+from meshrun.comm.mesh import ParallelDims
 from meshrun.models.build import model_spec
 from meshrun.models.shape import ModelShape
 from meshrun.models.spec import ModelSpec

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from meshrun.config import ConfigError, JobConfig
-from meshrun.dist.mesh import ParallelDims, RankCoords
+from meshrun.comm.mesh import ParallelDims, RankCoords
 from meshrun.models.build import model_config, model_spec
 from meshrun.models.shape import ModelShape
 from meshrun.parallel.pipeline import effective_model_config, layer_ranges, stage_ids

@@ -1,7 +1,7 @@
 """Layouts for a user's own ``nn.Module`` (``Session.prepare_model``), through the trainer's own code.
 
 ``layout`` is one word: ``ddp``, ``fsdp``, ``hsdp``, ``tp`` or ``tp+fsdp`` (``none`` for a single process). It
-resolves to a :class:`~meshrun.dist.mesh.ParallelDims` (the same DeviceMesh builder as the trainer) and the model
+resolves to a :class:`~meshrun.comm.mesh.ParallelDims` (the same DeviceMesh builder as the trainer) and the model
 is parallelised by :func:`meshrun.parallel.apply.parallelize`, the trainer's fixed order: TP (the model's plan)
 -> activation checkpointing -> FSDP2 / HSDP over each repeated block, then the root. DDP wraps the whole module.
 
@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshrun.config import ConfigError, JobConfig
-from meshrun.dist.mesh import ParallelDims
+from meshrun.comm.mesh import ParallelDims
 from meshrun.models.spec import ModelSpec
 
 LAYOUTS = ("none", "ddp", "fsdp", "hsdp", "tp", "tp+fsdp")

@@ -120,7 +120,7 @@ def _stopped(trainer, result) -> int:
 
 
 def run(job) -> int:
-    from meshrun.dist.process_group import shutdown
+    from meshrun.comm.process_group import shutdown
     from meshrun.train.nonfinite import NonFiniteError
     from meshrun.train.trainer import Trainer
 

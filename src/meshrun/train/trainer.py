@@ -25,7 +25,7 @@ from meshrun.config import BatchPlan, ConfigError, JobConfig, resolve_batch
 from meshrun.data.corpus import Corpus, load_corpus
 from meshrun.data.loader import StepBatches, eval_batches
 from meshrun.data.sampler import DataPosition, TokenWindows
-from meshrun.dist.process_group import DistContext, init_distributed, set_mesh_timeouts, wants_cuda
+from meshrun.comm.process_group import DistContext, init_distributed, set_mesh_timeouts, wants_cuda
 from meshrun.env import ClusterEnv
 from meshrun.models.build import model_config, model_spec, record_resolved
 from meshrun.models.spec import count_unique_params
@@ -37,8 +37,10 @@ from meshrun.ckpt.checkpointer import Checkpointer
 from meshrun.ckpt.preemption import install_sigterm_handler
 from meshrun.ckpt.state import CountersState, ModelOptimState, RNGState, SchedulerState
 from meshrun.diag.fingerprint import check_consistency
-from meshrun.dist.mesh import ParallelDims, choose_data_parallel
-from meshrun.train.health import HangWatchdog, StragglerDetector, WorkTimer, enable_flight_recorder
+from meshrun.comm.mesh import ParallelDims, choose_data_parallel
+from meshrun.diag.flight_recorder import enable_flight_recorder
+from meshrun.diag.hang import HangWatchdog
+from meshrun.diag.stragglers import StragglerDetector, WorkTimer
 from meshrun.train.metrics import MetricsSink, SumMetrics, peak_flops
 from meshrun.train.nonfinite import NonFiniteGuard
 from meshrun.train.profiling import StepProfiler, build_profiler

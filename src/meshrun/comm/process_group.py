@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from meshrun.config import ConfigError, DistConfig
-from meshrun.dist.store import bind_address, bound_tcp_store
+from meshrun.comm.store import bind_address, bound_tcp_store
 from meshrun.env import ClusterEnv
 
 if TYPE_CHECKING:

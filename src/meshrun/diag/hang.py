@@ -1,18 +1,12 @@
-"""Run-time health: stragglers, hangs, and the NCCL flight recorder.
+"""Hangs: a watchdog thread per rank that names the rank that stopped and where the others wait.
 
-* :class:`StragglerDetector` - every log interval, one all_gather of five floats per rank; rank 0 names the ranks
-  whose step time is well above the others' and says whether data loading, the GPU (clocks, temperature and a
-  GEMM re-run) or neither is to blame.
-* :class:`HangWatchdog` - a daemon thread per rank. The trainer's ``beat(step, phase)`` only stores a tuple; the
-  thread publishes it to the c10d store every few seconds, and names the rank(s) that stopped making progress,
-  where they were, and where the others wait. It also dumps this process's Python stacks when this rank stalls.
-* :func:`enable_flight_recorder` - environment defaults that make NCCL keep a ring buffer of recent collectives
-  and dump it on a timeout, so that a hang leaves a trace per rank in the run folder.
+:class:`HangWatchdog` - the trainer's ``beat(step, phase)`` only stores a tuple; the thread publishes it to the c10d
+store every few seconds, and names the rank(s) that stopped making progress, where they were, and where the others
+wait. It also dumps this process's Python stacks when this rank stalls.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import faulthandler
 import json
 import os
@@ -20,227 +14,18 @@ import socket
 import sys
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, MutableMapping
+from typing import Callable
 
-import numpy as np
-import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-from meshrun.diag.gpu_health import gemm_tflops, nvml_state
 from meshrun.env import ClusterEnv
 from meshrun.units import format_ranks
 
 
-# ---- stragglers ------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RankInfo:
-    rank: int
-    host: str
-    local_rank: int
-
-
-@dataclass(frozen=True)
-class Straggler:
-    """One slow rank: its mean step and data time over the window, against the median of the other ranks."""
-
-    who: RankInfo
-    step_s: float
-    data_s: float
-    median_s: float
-    gpu_state: str = ""
-    """Its GPU's SM clock and temperature from NVML when this interval was measured ('' without NVML)."""
-    gemm_tflops: float | None = None
-    """TFLOP/s of the GEMM re-run on this rank right after it was flagged (None when not re-run)."""
-    gemm_median: float | None = None
-    """Median TFLOP/s of the same GEMM over all ranks."""
-
-    @property
-    def ratio(self) -> float:
-        return self.step_s / self.median_s if self.median_s > 0 else float("inf")
-
-    @property
-    def data_share(self) -> float:
-        return self.data_s / self.step_s if self.step_s > 0 else 0.0
-
-    @property
-    def gemm_share(self) -> float | None:
-        if self.gemm_tflops is None or not self.gemm_median or np.isnan(self.gemm_tflops) or np.isnan(self.gemm_median):
-            return None  # not re-run, or the GEMM could not run (no memory left, say)
-        return self.gemm_tflops / self.gemm_median
-
-    def cause(self) -> str:
-        """Slow data (the loader), a slow GPU (the GEMM re-run is below the others'), or neither."""
-        if self.data_share >= 0.5:
-            return f"{self.data_share:.0%} of it waiting for data"
-        share = self.gemm_share
-        if share is not None and share < 1 - GEMM_SLOW_FRACTION:
-            return (f"its GPU is slow: a GEMM re-run gives {self.gemm_tflops:.3g} TFLOP/s, {share:.0%} of the ranks' "
-                    f"median {self.gemm_median:.3g}")
-        cause = f"compute dominates (data loading {self.data_share:.0%})"
-        if share is not None:
-            cause += (f"; its GPU runs a GEMM at {share:.0%} of the median, so not the GPU itself: look at uneven "
-                      "work, the host's CPU, or time spent in communication")
-        return cause
-
-    def describe(self) -> str:
-        gpu = f"; GPU {self.gpu_state}" if self.gpu_state else ""
-        return (f"rank {self.who.rank} (host {self.who.host}, local {self.who.local_rank}) is a straggler: "
-                f"step {self.step_s:.3g} s vs median {self.median_s:.3g} s ({self.ratio:.1f}x), {self.cause()}{gpu}")
-
-
-GEMM_SLOW_FRACTION = 0.15
-"""A flagged rank whose GEMM re-run is more than this fraction below the ranks' median has a slow GPU."""
-
-
-@dataclass(frozen=True)
-class StragglerReport:
-    step: int
-    stragglers: list[Straggler]
-
-    def __str__(self) -> str:
-        return "\n".join(f"step {self.step}: {s.describe()}" for s in self.stragglers)
-
-
-def find_stragglers(times: np.ndarray, ranks: list[RankInfo], *, threshold: float,
-                    min_gap_s: float) -> list[Straggler]:
-    """Ranks whose step time is at least ``threshold`` x the median of the other ranks. Pure logic.
-
-    ``times`` is (world, 2) [step_time_s, data_time_s] per rank, or (world, 5) with the GPU's SM clock, maximum
-    SM clock (MHz) and temperature (C) after them (NaN without NVML). The median leaves the rank itself out, so
-    that with two ranks the slow one is still compared against the fast one. Slowest first.
-    """
-    step = times[:, 0]
-    if len(step) < 2:
-        return []
-    order = np.argsort(step, kind="stable")
-    sorted_step = step[order]
-    found = []
-    for position, rank in enumerate(order):
-        median = _median_without(sorted_step, position)
-        if step[rank] >= threshold * median and step[rank] - median >= min_gap_s:
-            found.append(Straggler(who=ranks[rank], step_s=float(step[rank]), data_s=float(times[rank, 1]),
-                                   median_s=float(median), gpu_state=_gpu_state(times[rank])))
-    return sorted(found, key=lambda s: -s.step_s)
-
-
-def _gpu_state(row: np.ndarray) -> str:
-    if len(row) < 5 or np.isnan(row[2]):
-        return ""
-    return f"SM clock {row[2]:.0f}/{row[3]:.0f} MHz, {row[4]:.0f} C"
-
-
-def _median_without(sorted_values: np.ndarray, position: int) -> float:
-    """Median of ``sorted_values`` without the element at ``position``, in O(1)."""
-    remaining = len(sorted_values) - 1
-    at = lambda k: sorted_values[k] if k < position else sorted_values[k + 1]  # noqa: E731 - index shift
-    half = remaining // 2
-    return float(at(half) if remaining % 2 else (at(half - 1) + at(half)) / 2)
-
-
-class StragglerDetector:
-    """Names slow ranks every log interval, at the cost of one all_gather of 5 floats per rank.
-
-    What to pass: in synchronous data parallelism every rank's wall-clock step takes as long as the slowest
-    rank's, because all wait at the gradient all-reduce. So ``step_time_s`` should be the time this rank spent
-    working (data wait + compute measured before the first blocking collective, or CUDA-event compute time),
-    and ``data_time_s`` the part of it spent waiting for the next batch. Averages per step over the interval.
-    Each rank adds its GPU's SM clock and temperature (NVML, where ``nvidia-ml-py`` is importable). With
-    ``gemm_check``, when a straggler is found every rank re-runs a short GEMM on ``compute_device`` (a few ms on a
-    GPU) and the report says whether the flagged rank's GPU is itself slow.
-
-    Construction is a collective (it gathers host names); so is every :meth:`observe`. Every rank of
-    ``group`` must make the same calls in the same order.
-    """
-
-    def __init__(self, group=None, *, env: ClusterEnv, threshold: float = 1.5, window: int = 5,
-                 min_gap_s: float = 0.005, history: int = 512, device: torch.device | None = None,
-                 gemm_check: bool = False, compute_device: torch.device | None = None):
-        self.group, self.env, self.threshold, self.min_gap_s = group, env, threshold, min_gap_s
-        self.window = max(1, window)
-        self.device = device or _collective_device(group)
-        self.gemm_check = gemm_check
-        self.compute_device = compute_device or self.device
-        self._recent: deque[np.ndarray] = deque(maxlen=self.window)
-        self._history: deque[np.ndarray] = deque(maxlen=max(history, self.window))
-        self.ranks = self._gather_ranks()
-
-    def _gather_ranks(self) -> list[RankInfo]:
-        mine = RankInfo(rank=self.env.rank, host=socket.gethostname(), local_rank=self.env.local_rank)
-        if not dist.is_initialized():
-            return [mine]
-        gathered: list[RankInfo | None] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(gathered, mine, group=self.group)  # note: collective, every rank must reach it
-        return [info for info in gathered if info is not None]
-
-    def observe(self, step: int, step_time_s: float, data_time_s: float = 0.0) -> StragglerReport | None:
-        """Record this interval; on rank 0 return a report when some rank is a straggler (else None).
-
-        Every rank keeps the window and applies the same rule to the same gathered numbers, so all agree on
-        whether to re-run the GEMM (a collective) without another message."""
-        clock = _gpu_clock(self.compute_device)  # [sm MHz, max sm MHz, C], NaN without NVML
-        mine = torch.tensor([step_time_s, data_time_s, *clock], dtype=torch.float64, device=self.device)  # (5,)
-        times = self._gather(mine)  # (world, 5)
-        self._recent.append(times)
-        if self.env.is_rank_zero:
-            self._history.append(times)
-        mean = np.mean(np.stack(self._recent), axis=0)  # (world, 5): smooths a one-off hiccup
-        found = find_stragglers(mean, self.ranks, threshold=self.threshold, min_gap_s=self.min_gap_s)
-        if found and self.gemm_check:
-            found = self._rerun_gemm(found)  # collective: every rank found the same stragglers
-        if not self.env.is_rank_zero:
-            return None
-        return StragglerReport(step=step, stragglers=found) if found else None
-
-    def _gather(self, mine: torch.Tensor) -> np.ndarray:
-        if not dist.is_initialized():
-            return mine.cpu().numpy()[None, :]
-        parts = [torch.empty_like(mine) for _ in self.ranks]
-        dist.all_gather(parts, mine, group=self.group)  # note: collective, every rank must reach it
-        return torch.stack(parts).cpu().numpy()  # (world, k); note: a CPU-GPU sync point on CUDA
-
-    def _rerun_gemm(self, found: list[Straggler]) -> list[Straggler]:
-        """Every rank times the same GEMM now; the flagged ranks' TFLOP/s against the median of all ranks."""
-        gpu = self.compute_device.type == "cuda"
-        try:
-            tflops = gemm_tflops(self.compute_device, n=4096 if gpu else 128, iters=10 if gpu else 3)
-        except (RuntimeError, MemoryError):  # e.g. no room for 100 MB beside the model: still join the gather
-            tflops = float("nan")
-        values = self._gather(torch.tensor([tflops], dtype=torch.float64, device=self.device))[:, 0]  # (world,)
-        median = float(np.nanmedian(values)) if not np.isnan(values).all() else float("nan")
-        position = {info.rank: i for i, info in enumerate(self.ranks)}
-        return [dataclasses.replace(s, gemm_tflops=float(values[position[s.who.rank]]), gemm_median=median)
-                for s in found]
-
-    def summary(self) -> list[dict[str, float | int | str]]:
-        """Per rank (rank 0 only; empty elsewhere): median and max step time over the recorded intervals."""
-        if not self._history:
-            return []
-        steps = np.stack(self._history)[:, :, 0]  # (intervals, world)
-        return [{"rank": info.rank, "host": info.host, "median_step_s": float(np.median(steps[:, i])),
-                 "max_step_s": float(np.max(steps[:, i]))} for i, info in enumerate(self.ranks)]
-
-
-def _gpu_clock(device: torch.device) -> list[float]:
-    if device.type != "cuda":
-        return [float("nan")] * 3
-    state = nvml_state(device.index if device.index is not None else torch.cuda.current_device())
-    return [float(state.get(key, float("nan"))) for key in ("sm_clock_mhz", "max_sm_clock_mhz", "temperature_c")]
-
-
-def _collective_device(group) -> torch.device:
-    if dist.is_initialized() and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-# ---- hangs -----------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -613,83 +398,3 @@ def _dump_stacks(stack_file: str | Path | None) -> None:
             faulthandler.dump_traceback(file=handle, all_threads=True)
     except (OSError, ValueError, AttributeError):  # stderr without a file descriptor (captured): nothing to do
         pass
-
-
-def torch_at_least(major: int, minor: int) -> bool:
-    """Whether the installed torch release is at least major.minor (local suffixes such as +cu130 ignored)."""
-    parts = torch.__version__.split("+")[0].split(".")
-    return (int(parts[0]), int(parts[1])) >= (major, minor)
-
-
-# ---- NCCL flight recorder ------------------------------------------------------------------------------------
-
-
-def enable_flight_recorder(environ: MutableMapping[str, str], *, run_dir: str | Path,
-                           buffer_size: int = 2000, new_names: bool | None = None) -> dict[str, str]:
-    """Set flight-recorder defaults in ``environ`` unless the user set them; return what was set.
-
-    Must happen before the NCCL process group is created (the launcher sets it for workers, or the trainer
-    sets ``os.environ`` before ``init_process_group``). On a collective timeout each rank then writes its last
-    ``buffer_size`` collectives to ``<run_dir>/nccl_trace/rank_<N>``; read them with ``torchfrtrace``.
-    torch 2.9 and newer read the TORCH_FR_* names and warn about the older TORCH_NCCL_* ones, which torch 2.8
-    reads; only the names this torch reads are set (``new_names`` overrides the version check).
-    """
-    if new_names is None:
-        new_names = torch_at_least(2, 9)
-    trace_prefix = str(Path(run_dir) / "nccl_trace" / "rank_")
-    wanted = [(("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"), str(buffer_size)),
-              (("TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DUMP_ON_TIMEOUT"), "1"),
-              (("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"), trace_prefix)]
-    applied: dict[str, str] = {}
-    for names, value in wanted:
-        if any(name in environ for name in names):
-            continue  # the user chose (in either spelling); leave it alone
-        name = names[0] if new_names else names[1]
-        environ[name] = applied[name] = value
-    if any(name in applied for name in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")):
-        os.makedirs(Path(trace_prefix).parent, exist_ok=True)
-    return applied
-
-
-class WorkTimer:
-    """Time this rank spends on its own work: waiting for data, and running forward passes.
-
-    In synchronous data parallelism the wall-clock step is the same on every rank (all wait at the gradient
-    all-reduce), so stragglers show only in the time before the first blocking collective. Forward passes are timed
-    with CUDA events on GPU (no sync until ``take``) and with the host clock on CPU.
-    """
-
-    def __init__(self, parts: list[torch.nn.Module], device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.data_s, self.host_forward_s, self.events = 0.0, 0.0, []
-        self._start: Any = None
-        for part in parts:
-            part.register_forward_pre_hook(self._before)
-            part.register_forward_hook(self._after)
-
-    def _now(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def _before(self, *_):
-        self._start = self._now()
-
-    def _after(self, *_):
-        end = self._now()
-        if self.cuda:
-            self.events.append((self._start, end))
-        else:
-            self.host_forward_s += end - self._start
-
-    def add_data(self, seconds: float) -> None:
-        self.data_s += seconds
-
-    def take(self, steps: int) -> tuple[float, float]:
-        """(work, data) seconds per step since the last call; syncs with the GPU."""
-        forward = self.host_forward_s + sum(a.elapsed_time(b) for a, b in self.events) / 1000.0
-        work, data = (self.data_s + forward) / max(steps, 1), self.data_s / max(steps, 1)
-        self.data_s, self.host_forward_s, self.events = 0.0, 0.0, []
-        return work, data
