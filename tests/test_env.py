@@ -4,7 +4,8 @@ import pytest
 
 from meshrun.config import ConfigError, ParallelConfig
 from meshrun.comm.mesh import ParallelDims
-from meshrun.env import ClusterEnv, expand_nodelist, expand_tasks_per_node
+from meshrun.env import ClusterEnv
+from meshrun.placement.slurm_lists import expand_nodelist, expand_tasks_per_node
 
 
 def test_torchrun_variables():
@@ -175,7 +176,7 @@ def test_describe_nodes_for_even_and_uneven_nodes():
 
 
 def test_job_ids_10000_apart_get_different_ports_below_the_ephemeral_range():
-    from meshrun.env import slurm_port
+    from meshrun.placement.slurm_lists import slurm_port
 
     assert slurm_port("7") != slurm_port("10007") != slurm_port("20007")
     assert slurm_port("123_4") == slurm_port("123")  # an array task's id

@@ -12,7 +12,7 @@ from meshrun.launch.cli import main
 from meshrun.launch.net import EndpointError
 from meshrun.launch.rendezvous import apply_plan, format_plan, make_plan, parse_rdzv_conf
 from meshrun.launch.simulate import agent_command, split_gpus
-from meshrun.launch.slurm import SlurmLayoutError, detect_slurm
+from meshrun.placement.slurm import SlurmLayoutError, detect_slurm
 
 
 def plan_for(argv: list[str], environ: dict[str, str] | None = None):

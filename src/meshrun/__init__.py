@@ -6,7 +6,8 @@ The Python API (see docs/api.md):
   ModelSpec, register_model   the model contract: register your model for meshrun train / plan / --dry-run
   ModelShape                  the resolved transformer shape a ModelSpec builds from
   Trainer, load_config        the reference training job, from Python
-  ClusterEnv                  the process layout (torchrun, SLURM or a single process)
+  ClusterEnv                  the process layout (torchrun, SLURM, Open MPI or a single process)
+  ClusterEnvironment, register_environment   add a cluster environment (Kubernetes, LSF, ...) to that detection
   GlobalOrderSampler          a resumable, reshardable DistributedSampler
 """
 
@@ -23,6 +24,8 @@ _EXPORTS = {
     "DistConfig": "meshrun.config",
     "ConfigError": "meshrun.config",
     "ClusterEnv": "meshrun.env",
+    "ClusterEnvironment": "meshrun.placement",
+    "register_environment": "meshrun.placement",
     "GlobalOrderSampler": "meshrun.data.sampler",
     "DataPosition": "meshrun.data.sampler",
     "init_distributed": "meshrun.comm.process_group",

@@ -13,7 +13,7 @@ from meshrun.launch.args import LaunchUsageError, parse_launch_args
 from meshrun.launch.launcher import LaunchError, launch
 from meshrun.launch.net import EndpointError
 from meshrun.launch.simulate import simulate
-from meshrun.launch.slurm import SlurmLayoutError
+from meshrun.placement import PlacementError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
         return simulate(largs) if largs.ns.simulate_nodes else launch(largs)
     except SystemExit as exc:  # argparse's --help and usage errors
         return exc.code if isinstance(exc.code, int) else 2
-    except SlurmLayoutError as exc:
+    except PlacementError as exc:
         if exc.speaker:  # every task of the step gets the same refusal; one says it
             print(f"meshrun launch: {exc}", file=sys.stderr)
         return 2

@@ -1,6 +1,7 @@
 """What ``meshrun launch`` decides before it hands over to torch's elastic agent, and the block that shows it.
 
-The decisions, in order: where the rendezvous is (flags, SLURM, or a standalone store on loopback), which
+The decisions, in order: where the rendezvous is (flags, the cluster environment's placement of this node, e.g.
+SLURM, or a standalone store on loopback), which
 backend serves it, which local address and interface reach it, whether this node hosts the c10d store, and which
 socket variables the workers need. :func:`make_plan` makes them; :func:`apply_plan` writes them into torchrun's
 namespace; :func:`format_plan` prints them.
@@ -18,7 +19,7 @@ from typing import Mapping
 
 from meshrun.launch.args import LaunchArgs, LaunchUsageError, Target, apply_target, parse_nnodes
 from meshrun.launch.net import Route, interface_of, is_loopback, parse_endpoint, port_accepts, resolve, route_to
-from meshrun.launch.slurm import SlurmPlacement, detect_slurm
+from meshrun.placement import NodePlacement, detect_node_placement
 
 C10D_DEFAULT_PORT = 29400
 STATIC_DEFAULT_PORT = 29500
@@ -44,7 +45,7 @@ class LaunchPlan:
     node_rank: int
     """Only meaningful for the static backend; c10d assigns node ranks when nodes join."""
     origin: str
-    """Where the layout came from: 'standalone', 'flags' or 'slurm'."""
+    """Where the layout came from: 'standalone', 'flags', or the name of the placing environment ('slurm')."""
     store_here: bool | None
     """This node hosts the rendezvous store; None when the backend decides."""
     store_reason: str
@@ -59,7 +60,8 @@ class LaunchPlan:
     max_restarts: int
     env_set: dict[str, str] = field(default_factory=dict)
     env_kept: dict[str, str] = field(default_factory=dict)
-    slurm: SlurmPlacement | None = None
+    placement: NodePlacement | None = None
+    """Nodes, this node's index and the endpoint, from the cluster environment (SLURM); None under flags."""
     notes: list[str] = field(default_factory=list)
     listens: str = ""
     """Which addresses this node's stores accept connections on, and what torch leaves open."""
@@ -69,9 +71,14 @@ class LaunchPlan:
         return format_endpoint(self.endpoint_host, self.endpoint_port)
 
     @property
+    def slurm(self) -> NodePlacement | None:
+        """The former name of :attr:`placement`, from when SLURM was the only environment that placed nodes."""
+        return self.placement
+
+    @property
     def label(self) -> str:
-        """Prefix of this node's lines under SLURM, where srun interleaves every node's output: '[node 1 gpu08] '."""
-        return f"[node {self.slurm.node_rank} {socket.gethostname()}] " if self.slurm is not None else ""
+        """Prefix of this node's lines under a placement (srun interleaves every node's output): '[node 1 gpu08] '."""
+        return f"[node {self.placement.node_rank} {socket.gethostname()}] " if self.placement is not None else ""
 
     @property
     def probe_first(self) -> bool:
@@ -97,13 +104,13 @@ def make_plan(largs: LaunchArgs, *, environ: Mapping[str, str]) -> LaunchPlan:
     """Decide the rendezvous, addresses and environment. Looks at routes and local ports; starts nothing."""
     ns, given = largs.ns, largs.given
     min_nodes, max_nodes = parse_nnodes(ns.nnodes)
-    slurm = None
+    placement = None
     if not given & {"nnodes", "node_rank", "rdzv_endpoint", "master_addr", "standalone"}:
-        slurm = detect_slurm(environ, command=shlex.join(["meshrun", "launch", *largs.option_tokens,
-                                                          largs.target.name, *largs.target.args]))
-        if slurm is not None:
-            min_nodes = max_nodes = slurm.num_nodes
-    rdzv = _rendezvous(ns, given, max_nodes=max_nodes, slurm=slurm)
+        placement = detect_node_placement(environ, command=shlex.join(["meshrun", "launch", *largs.option_tokens,
+                                                                       largs.target.name, *largs.target.args]))
+        if placement is not None:
+            min_nodes = max_nodes = placement.num_nodes
+    rdzv = _rendezvous(ns, given, max_nodes=max_nodes, placement=placement)
     if rdzv.origin == "standalone":
         route = Route(dest="127.0.0.1", source="127.0.0.1", iface=None, dest_is_local=True)
     else:
@@ -113,7 +120,7 @@ def make_plan(largs: LaunchArgs, *, environ: Mapping[str, str]) -> LaunchPlan:
                       rdzv_conf=parse_rdzv_conf(ns.rdzv_conf), node_rank=rdzv.node_rank, origin=rdzv.origin,
                       store_here=None, store_reason="", local_addr=None, local_reason="", iface=None,
                       single_host=max_nodes == 1 or is_loopback(route.dest), timeout_s=ns.rdzv_timeout,
-                      max_restarts=ns.max_restarts, slurm=slurm)
+                      max_restarts=ns.max_restarts, placement=placement)
     if plan.backend == "c10d" and "node_rank" in given:
         plan.notes.append(f"--node-rank {ns.node_rank} is ignored: c10d numbers nodes as they join "
                           "(add --rdzv-backend static to fix node ranks, without elastic membership).")
@@ -127,14 +134,14 @@ def make_plan(largs: LaunchArgs, *, environ: Mapping[str, str]) -> LaunchPlan:
 
 
 def _rendezvous(ns: argparse.Namespace, given: frozenset[str], *, max_nodes: int,
-                slurm: SlurmPlacement | None) -> _Rendezvous:
-    """Backend, endpoint, id and node rank, from flags, else SLURM, else a standalone store on loopback."""
+                placement: NodePlacement | None) -> _Rendezvous:
+    """Backend, endpoint, id and node rank, from flags, else the placement, else a standalone store on loopback."""
     endpoint_given = bool(given & {"rdzv_endpoint", "master_addr", "master_port"})
     static_asked = "rdzv_backend" in given and ns.rdzv_backend == "static"
     if ns.standalone and max_nodes > 1:
         raise LaunchUsageError(f"--standalone runs a single-node job, but --nnodes is {ns.nnodes}; drop "
                                "--standalone and give --rdzv-endpoint HOST:PORT of one node.")
-    if ns.standalone or (not endpoint_given and slurm is None and not static_asked):
+    if ns.standalone or (not endpoint_given and placement is None and not static_asked):
         if max_nodes > 1:
             raise LaunchUsageError(f"--nnodes {ns.nnodes} needs a rendezvous endpoint: add --rdzv-endpoint HOST:PORT "
                                    "(an address of one node that all nodes reach), or --master-addr/--master-port.")
@@ -149,17 +156,17 @@ def _rendezvous(ns: argparse.Namespace, given: frozenset[str], *, max_nodes: int
     default_port = C10D_DEFAULT_PORT if backend == "c10d" else STATIC_DEFAULT_PORT
     if "rdzv_endpoint" in given:
         host, port = parse_endpoint(ns.rdzv_endpoint, default_port=default_port)
-    elif slurm is not None:  # (slurm is only consulted when --master-addr was not given)
-        host = slurm.endpoint_host
-        port = ns.master_port if "master_port" in given else slurm.endpoint_port
+    elif placement is not None:  # (the placement is only consulted when --master-addr was not given)
+        host = placement.endpoint_host
+        port = ns.master_port if "master_port" in given else placement.endpoint_port
     else:
         host, port = ns.master_addr.strip("[]"), ns.master_port or STATIC_DEFAULT_PORT
     rdzv_id = ns.rdzv_id
-    if "rdzv_id" not in given and slurm is not None and slurm.job_id:
-        rdzv_id = f"slurm-{slurm.job_id}"
-    node_rank = slurm.node_rank if slurm is not None and "node_rank" not in given else ns.node_rank
+    if "rdzv_id" not in given and placement is not None and placement.rdzv_id:
+        rdzv_id = placement.rdzv_id
+    node_rank = placement.node_rank if placement is not None and "node_rank" not in given else ns.node_rank
     return _Rendezvous(backend=backend, host=host, port=port, rdzv_id=rdzv_id, node_rank=node_rank,
-                       origin="slurm" if slurm is not None else "flags")
+                       origin=placement.source if placement is not None else "flags")
 
 
 def _choose_local_addr(plan: LaunchPlan, route: Route, ns: argparse.Namespace, given: frozenset[str]) -> None:
@@ -186,8 +193,8 @@ def _choose_store_host(plan: LaunchPlan, route: Route) -> None:
             plan.store_reason = "from --rdzv-conf is_host"
         elif not route.dest_is_local:
             plan.store_here, plan.store_reason = False, f"{route.dest} is another host"
-        elif plan.slurm is not None:
-            _choose_slurm_store_host(plan, route)
+        elif plan.placement is not None:
+            _choose_placed_store_host(plan, plan.placement, route)
         elif plan.endpoint_port and port_accepts(route.dest, plan.endpoint_port):
             if plan.max_nodes == 1:
                 raise LaunchUsageError(f"rendezvous port {plan.endpoint} is already in use on this host; choose "
@@ -210,21 +217,20 @@ def _choose_store_host(plan: LaunchPlan, route: Route) -> None:
         plan.store_reason = f"decided by the {plan.backend} backend"
 
 
-def _choose_slurm_store_host(plan: LaunchPlan, route: Route) -> None:
-    """SLURM, endpoint on this host: node 0 hosts (whichever launcher starts first), and a busy port there is
-    another job's store on a shared node, never one to join."""
-    slurm = plan.slurm
-    assert slurm is not None  # the caller checked
-    plan.store_here = slurm.node_rank == 0
+def _choose_placed_store_host(plan: LaunchPlan, placement: NodePlacement, route: Route) -> None:
+    """Placed by the cluster environment, endpoint on this host: node 0 hosts (whichever launcher starts first),
+    and a busy port there is another job's store on a shared node, never one to join."""
+    plan.store_here = placement.node_rank == 0
+    title = placement.title
     if not plan.store_here:
-        plan.store_reason = f"SLURM node 0 hosts it (this is node {slurm.node_rank}; {route.dest} is on this host)"
+        plan.store_reason = (f"{title} node 0 hosts it (this is node {placement.node_rank}; {route.dest} is on "
+                             "this host)")
         return
     if plan.endpoint_port and port_accepts(route.dest, plan.endpoint_port):
         raise LaunchUsageError(
-            f"SLURM job {slurm.job_id or '?'}: rendezvous port {plan.endpoint_port} on {socket.gethostname()} is "
-            "already in use, probably by another job on this node (the port is derived from the job id); before "
-            "srun, export MASTER_PORT=<a free port> (the same for every node).")
-    plan.store_reason = f"SLURM node 0 hosts it ({route.dest} is this host's address)"
+            f"{title} job {placement.job_id or '?'}: rendezvous port {plan.endpoint_port} on {socket.gethostname()} "
+            f"is already in use, probably by another job on this node: {placement.busy_port_fix}")
+    plan.store_reason = f"{title} node 0 hosts it ({route.dest} is this host's address)"
 
 
 def _choose_socket_env(plan: LaunchPlan, environ: Mapping[str, str]) -> None:
@@ -329,8 +335,8 @@ def format_plan(plan: LaunchPlan) -> str:
              f"  listens     {plan.listens}",
              f"  this node   {plan.local_addr} on {plan.iface or '?'} ({plan.local_reason})",
              f"  restarts    up to {plan.max_restarts}"]
-    if plan.slurm is not None:
-        lines.append(f"  from SLURM  {plan.slurm.describe()}")
+    if plan.placement is not None:
+        lines.append(f"  {'from ' + plan.placement.title:<11} {plan.placement.describe()}")
     env_set = " ".join(f"{k}={v}" for k, v in plan.env_set.items()) or "nothing"
     why = "; socket interfaces left to gloo/NCCL (single host)" if plan.single_host else ""
     lines.append(f"  env set     {env_set}{why}")
