@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from meshrun import plan as planner
+from meshrun import planner
 from meshrun.config import load_config
 from meshrun.models.gpt import GPT
 from meshrun.parallel.dryrun import dry_run
