@@ -125,3 +125,24 @@ def test_train_dry_run_entry_point(capsys):
     assert "TP + HSDP" in capsys.readouterr().out
     assert dry_run(job, world_size=6, gpus_per_node=8) == 2
     assert "world size 6 is not divisible" in capsys.readouterr().err
+
+
+def test_config_options_and_short_flags_give_the_same_plan(capsys, tmp_path):
+    dotted = run_json(capsys, "--parallel.tp=2", "--model.name=1b")
+    assert dotted == run_json(capsys, "--tp", "2", "--model", "1b")
+    assert dotted["parallel"]["tp"] == 2 and dotted["model"]["dim"] == 2048  # not the defaults
+    config = tmp_path / "job.toml"
+    config.write_text('[model]\nname = "small"\n[parallel]\ntp = 2\n[train]\nmicro_batch = 4\n')
+    out = run_json(capsys, "--config", str(config), "--train.micro_batch", "2", "--nodes", "2")
+    assert (out["parallel"]["tp"], out["batch"]["micro_batch"], out["batch"]["dp_size"]) == (2, 2, 8)
+    assert out == run_json(capsys, "--model", "small", "--tp", "2", "--micro-batch", "2", "--nodes", "2")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--parallel.tpp=2"], "unknown config option 'parallel.tpp' (did you mean 'parallel.tp'?)"),
+    (["--tp", "2", "--parallel.tp=4"], "--tp and --parallel.tp both set parallel.tp; give only one of them"),
+    (["--bogus"], "unexpected argument '--bogus'; options look like --section.key=value (see `meshrun plan"),
+])
+def test_bad_options_are_named_as_train_names_them(capsys, argv, message):
+    assert planner.main(argv) == 2
+    assert message in capsys.readouterr().err

@@ -28,18 +28,13 @@ from meshrun.planner.step_time import (DEFAULT_PEAK_TFLOPS, estimate_lines, meas
 def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
-    args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        job = job_from_args(args)
-        plan = build_plan(job, nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu_mem_gib=args.gpu_mem_gib,
-                          dtype_bytes=2 if args.dtype == "bf16" else 4)
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+        plan = build_plan(job_from_args(args), nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                          gpu_mem_gib=args.gpu_mem_gib)
         shown_ranks(plan, args.ranks)  # validates --ranks before printing anything
-    except (ConfigError, ValueError) as exc:
-        print(f"meshrun plan: error: {exc}", file=sys.stderr)
-        return 2
-    try:
         estimate, params_from = plan_time_estimate(plan, args)
-    except ConfigError as exc:
+    except (ConfigError, ValueError) as exc:
         print(f"meshrun plan: error: {exc}", file=sys.stderr)
         return 2
     if args.json:

@@ -50,8 +50,12 @@ def group_dims(dims: ParallelDims) -> list[str]:
 
 
 def build_plan(job: JobConfig, *, nodes: int, gpus_per_node: int, gpu_mem_gib: float = 80.0,
-               dtype_bytes: int = 2) -> Plan:
-    """Resolve and validate the layout and compute memory, traffic and warnings. Raises ConfigError."""
+               dtype_bytes: int | None = None) -> Plan:
+    """Resolve and validate the layout and compute memory, traffic and warnings. Raises ConfigError.
+
+    ``dtype_bytes`` is the compute dtype's size; by default train.dtype's on a GPU (auto and bf16: 2, fp32: 4)."""
+    if dtype_bytes is None:
+        dtype_bytes = 4 if job.train.dtype == "fp32" else 2
     if nodes < 1 or gpus_per_node < 1:
         raise ConfigError(f"--nodes {nodes} and --gpus-per-node {gpus_per_node} must both be >= 1")
     from meshrun.models.build import model_config, model_spec
