@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from meshrun import planner
-from meshrun.config import load_config
+from meshrun.comm.mesh import choose_data_parallel
+from meshrun.config import ParallelConfig, load_config
 from meshrun.models.gpt import GPT
 from meshrun.parallel.dryrun import dry_run
 from meshrun.parallel.pipeline import bubble_fraction
@@ -71,12 +72,30 @@ def test_parameter_counts_match_the_model():
 
 
 def test_sharding_divides_per_gpu_memory():
-    ddp = make_plan("--nodes", "1", "--model", "1b")
+    ddp = make_plan("--nodes", "1", "--model", "1b", "--parallel.data_parallel=ddp")
     fsdp = make_plan("--nodes", "1", "--model", "1b", "--dp-shard", "8", "--dp-replicate", "1")
     ratio = ddp.memory[0]["bytes"]["optimizer"] / fsdp.memory[0]["bytes"]["optimizer"]
     assert ratio == pytest.approx(8, rel=1e-3)
-    full = make_plan("--nodes", "1", "--model", "1b", "--activation-checkpoint", "full")
+    full = make_plan("--nodes", "1", "--model", "1b", "--parallel.data_parallel=ddp", "--activation-checkpoint", "full")
     assert full.memory[0]["bytes"]["activations"] < ddp.memory[0]["bytes"]["activations"] / 4
+
+
+def test_default_1b_plan_runs_fsdp2_as_the_trainer_does_on_gpus(capsys):
+    auto = make_plan("--nodes", "1", "--model", "1b")
+    ddp = make_plan("--nodes", "1", "--model", "1b", "--data-parallel", "ddp")
+    params = auto.spec.count_params(auto.model)
+    chosen, note = choose_data_parallel(ParallelConfig(), params=params, on_gpu=True)
+    assert (auto.dims.dp_replicate, auto.dims.dp_shard) == (chosen.dp_replicate, 8) == (1, 8)
+    assert auto.data_parallel == note and "1.03B parameters >= 1B on GPUs" in note
+    assert (ddp.dims.dp_replicate, ddp.dims.dp_shard) == (8, 1) and "DDP, 8 whole replicas" in ddp.data_parallel
+    state = [sum(p.memory[0]["bytes"][k] for k in ("params", "grads", "optimizer")) for p in (auto, ddp)]
+    assert state[0] < state[1] / 7  # 16 bytes per parameter over 8 ranks, plus two gathered blocks
+    assert auto.memory[0]["total_bytes"] < ddp.memory[0]["total_bytes"] - 12 * 2**30  # same activations
+    out = run_json(capsys, "--model", "1b")
+    assert out["data_parallel"]["mode"] == "fsdp" and out["parallel"]["dp_shard"] == 8
+    assert run_json(capsys, "--model", "124m")["data_parallel"]["mode"] == "ddp"  # 0.12B: below the threshold
+    assert planner.main(["--model", "1b", "--ranks", "1"]) == 0
+    assert "data parallelism: FSDP2 over every data-parallel rank (1.03B" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -3,11 +3,12 @@ and warnings. Formulas, not measurements: docs/plan.md gives each one."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshrun.config import BatchPlan, ConfigError, JobConfig, resolve_batch
-from meshrun.comm.mesh import ParallelDims
+from meshrun.config import BatchPlan, ConfigError, JobConfig, ParallelConfig, resolve_batch
+from meshrun.comm.mesh import FSDP_AUTO_PARAMS, ParallelDims, choose_data_parallel
 from meshrun.models.shape import ModelShape
 from meshrun.models.spec import ModelSpec
 from meshrun.units import format_bytes
@@ -27,6 +28,9 @@ class Plan:
     dims: ParallelDims
     batch: BatchPlan
     job: JobConfig
+    """The job as the trainer on GPUs runs it: parallel.data_parallel applied by comm.mesh.choose_data_parallel."""
+    data_parallel: str = ""
+    """One line: the data parallelism of the layout, and why (parallel.data_parallel, or the degrees given)."""
     memory: list[dict] = field(default_factory=list)
     comm: list[dict] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
@@ -64,16 +68,57 @@ def build_plan(job: JobConfig, *, nodes: int, gpus_per_node: int, gpu_mem_gib: f
     if model.dim % model.n_heads:
         raise ConfigError(f"model.dim={model.dim} (--hidden) is not divisible by model.n_heads={model.n_heads}")
     world = nodes * gpus_per_node
+    params = spec.count_params(model)
+    parallel, note = choose_data_parallel(job.parallel, params=params, on_gpu=True)  # as the trainer on GPUs
+    given, job = job.parallel, dataclasses.replace(job, parallel=parallel)
     dims = ParallelDims.from_config(job.parallel, world_size=world, gpus_per_node=gpus_per_node, model=model,
                                     spec=spec)
     batch = resolve_batch(job.train, dp_size=dims.dp_size, seq_len=model.seq_len)
     dims.validate_pipeline_batch(batch.micro_batch * batch.grad_accum)
     plan = Plan(nodes=nodes, gpus_per_node=gpus_per_node, world_size=world, model=model, spec=spec, dims=dims,
-                batch=batch, job=job)
+                batch=batch, job=job,
+                data_parallel=note or data_parallel_line(given, dims, params=params))
     plan.memory = [stage_memory(plan, s, dtype_bytes=dtype_bytes) for s in range(dims.pp)]
     plan.comm = communication(plan, dtype_bytes=dtype_bytes)
     plan.warnings = layout_warnings(plan, gpu_mem_gib=gpu_mem_gib)
     return plan
+
+
+def data_parallel_line(given: ParallelConfig, dims: ParallelDims, *, params: int) -> str:
+    """Why the data parallelism of ``dims`` is what it is, when choose_data_parallel left ``given`` as it was."""
+    if dims.dp_size == 1:
+        why = ""
+    elif (given.dp_replicate, given.dp_shard) != (-1, 1):
+        why = (f"the degrees given, parallel.dp_replicate={given.dp_replicate} and parallel.dp_shard="
+               f"{given.dp_shard}; parallel.data_parallel applies to the default -1 and 1 only")
+    elif given.data_parallel == "ddp":
+        why = "parallel.data_parallel=ddp"
+    elif given.tp > 1 or given.pp > 1:
+        why = "parallel.data_parallel=auto shards only layouts without tp and pp"
+    else:
+        why = (f"{params / 1e9:.2f}B parameters < {FSDP_AUTO_PARAMS / 1e9:g}B: parallel.data_parallel=auto shards "
+               "from there on GPUs; --parallel.data_parallel=fsdp shards anyway")
+    return f"data parallelism: {data_parallel_name(dims)}" + (f" ({why})" if why else "")
+
+
+def data_parallel_mode(dims: ParallelDims) -> str:
+    """none, ddp, fsdp, hsdp, or replicate (dp_replicate beside tp or pp: parallel/apply.py runs it as FSDP2 with a
+    shard degree of 1, whole replicas like DDP)."""
+    if dims.dp_size == 1:
+        return "none"
+    if dims.dp_shard > 1:
+        return "hsdp" if dims.dp_replicate > 1 else "fsdp"
+    return "ddp" if dims.tp == 1 and dims.pp == 1 else "replicate"
+
+
+_MODE_WORDS = {"none": "none, 1 data-parallel rank", "ddp": "DDP, {r} whole replicas",
+               "fsdp": "FSDP2 over {s} ranks", "hsdp": "HSDP, {r} replicas of FSDP2 over {s} ranks",
+               "replicate": "{r} whole replicas beside tp and pp, FSDP2 with a shard degree of 1"}
+
+
+def data_parallel_name(dims: ParallelDims) -> str:
+    """What replicates or shards the model over the data-parallel ranks, in the trainer's terms."""
+    return _MODE_WORDS[data_parallel_mode(dims)].format(r=dims.dp_replicate, s=dims.dp_shard)
 
 
 # ---- parameter counts, memory ------------------------------------------------------------------------------------

@@ -6,8 +6,8 @@ import dataclasses
 from typing import Any
 
 from meshrun.config import ConfigError
-from meshrun.planner.estimate import (Plan, batch_formula, bubble, crosses_nodes, group_dims, pipeline_rank_layers,
-                                      tp_shards)
+from meshrun.planner.estimate import (Plan, batch_formula, bubble, crosses_nodes, data_parallel_mode, group_dims,
+                                      pipeline_rank_layers, tp_shards)
 from meshrun.units import format_bytes, format_ranks
 
 def to_json(plan: Plan) -> dict[str, Any]:
@@ -18,6 +18,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
         "parallel": {"dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "tp": d.tp, "pp": d.pp,
                      "dp_size": d.dp_size, "pp_schedule": d.pp_schedule, "pp_microbatches": d.pp_microbatches,
                      "pp_virtual_stages": d.pp_virtual_stages},
+        "data_parallel": {"mode": data_parallel_mode(d), "note": plan.data_parallel},
         "batch": {"micro_batch": b.micro_batch, "dp_size": b.dp_size, "grad_accum": b.grad_accum,
                   "global_batch": b.global_batch, "tokens_per_step": b.tokens_per_step,
                   "formula": batch_formula(plan)},
@@ -51,6 +52,7 @@ def print_plan(plan: Plan, *, ranks: str, console) -> None:
     console.print(f"model: dim {m.dim}, {m.n_layers} layers, {m.n_heads} heads ({m.kv_heads} kv), MLP {m.hidden_dim}, "
                   f"vocab {m.vocab_size}, seq {m.seq_len}, {'tied' if m.tie_embeddings and d.pp == 1 else 'untied'}"
                   " embeddings")
+    console.print(plan.data_parallel, highlight=False)
     console.print(f"global batch: {batch_formula(plan)} samples = {plan.batch.tokens_per_step:,} tokens per step")
     print_rank_table(plan, ranks=ranks, console=console)
     if not group_dims(d):
