@@ -131,7 +131,7 @@ def test_choice_lists_are_defined_once_and_shared():
     import typing
 
     from meshrun import config as c
-    from meshrun.plan import parse_args
+    from meshrun.planner import parse_args
 
     hints = typing.get_type_hints(c.ParallelConfig)
     assert typing.get_args(hints["pp_schedule"]) == c.PIPELINE_SCHEDULES == ("gpipe", "1f1b", "interleaved1f1b")

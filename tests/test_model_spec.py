@@ -9,7 +9,7 @@ import json
 import pytest
 
 import mlp_lm
-from meshrun import plan as planner
+from meshrun import planner
 from meshrun.config import ConfigError, load_config
 from meshrun.comm.mesh import ParallelDims
 from meshrun.models.build import model_config, model_spec

@@ -8,8 +8,9 @@ import json
 import pytest
 import torch
 
-from meshrun import plan as planner
-from meshrun.config import load_config
+from meshrun import planner
+from meshrun.comm.mesh import choose_data_parallel
+from meshrun.config import ParallelConfig, load_config
 from meshrun.models.gpt import GPT
 from meshrun.parallel.dryrun import dry_run
 from meshrun.parallel.pipeline import bubble_fraction
@@ -71,12 +72,30 @@ def test_parameter_counts_match_the_model():
 
 
 def test_sharding_divides_per_gpu_memory():
-    ddp = make_plan("--nodes", "1", "--model", "1b")
+    ddp = make_plan("--nodes", "1", "--model", "1b", "--parallel.data_parallel=ddp")
     fsdp = make_plan("--nodes", "1", "--model", "1b", "--dp-shard", "8", "--dp-replicate", "1")
     ratio = ddp.memory[0]["bytes"]["optimizer"] / fsdp.memory[0]["bytes"]["optimizer"]
     assert ratio == pytest.approx(8, rel=1e-3)
-    full = make_plan("--nodes", "1", "--model", "1b", "--activation-checkpoint", "full")
+    full = make_plan("--nodes", "1", "--model", "1b", "--parallel.data_parallel=ddp", "--activation-checkpoint", "full")
     assert full.memory[0]["bytes"]["activations"] < ddp.memory[0]["bytes"]["activations"] / 4
+
+
+def test_default_1b_plan_runs_fsdp2_as_the_trainer_does_on_gpus(capsys):
+    auto = make_plan("--nodes", "1", "--model", "1b")
+    ddp = make_plan("--nodes", "1", "--model", "1b", "--data-parallel", "ddp")
+    params = auto.spec.count_params(auto.model)
+    chosen, note = choose_data_parallel(ParallelConfig(), params=params, on_gpu=True)
+    assert (auto.dims.dp_replicate, auto.dims.dp_shard) == (chosen.dp_replicate, 8) == (1, 8)
+    assert auto.data_parallel == note and "1.03B parameters >= 1B on GPUs" in note
+    assert (ddp.dims.dp_replicate, ddp.dims.dp_shard) == (8, 1) and "DDP, 8 whole replicas" in ddp.data_parallel
+    state = [sum(p.memory[0]["bytes"][k] for k in ("params", "grads", "optimizer")) for p in (auto, ddp)]
+    assert state[0] < state[1] / 7  # 16 bytes per parameter over 8 ranks, plus two gathered blocks
+    assert auto.memory[0]["total_bytes"] < ddp.memory[0]["total_bytes"] - 12 * 2**30  # same activations
+    out = run_json(capsys, "--model", "1b")
+    assert out["data_parallel"]["mode"] == "fsdp" and out["parallel"]["dp_shard"] == 8
+    assert run_json(capsys, "--model", "124m")["data_parallel"]["mode"] == "ddp"  # 0.12B: below the threshold
+    assert planner.main(["--model", "1b", "--ranks", "1"]) == 0
+    assert "data parallelism: FSDP2 over every data-parallel rank (1.03B" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -125,3 +144,24 @@ def test_train_dry_run_entry_point(capsys):
     assert "TP + HSDP" in capsys.readouterr().out
     assert dry_run(job, world_size=6, gpus_per_node=8) == 2
     assert "world size 6 is not divisible" in capsys.readouterr().err
+
+
+def test_config_options_and_short_flags_give_the_same_plan(capsys, tmp_path):
+    dotted = run_json(capsys, "--parallel.tp=2", "--model.name=1b")
+    assert dotted == run_json(capsys, "--tp", "2", "--model", "1b")
+    assert dotted["parallel"]["tp"] == 2 and dotted["model"]["dim"] == 2048  # not the defaults
+    config = tmp_path / "job.toml"
+    config.write_text('[model]\nname = "small"\n[parallel]\ntp = 2\n[train]\nmicro_batch = 4\n')
+    out = run_json(capsys, "--config", str(config), "--train.micro_batch", "2", "--nodes", "2")
+    assert (out["parallel"]["tp"], out["batch"]["micro_batch"], out["batch"]["dp_size"]) == (2, 2, 8)
+    assert out == run_json(capsys, "--model", "small", "--tp", "2", "--micro-batch", "2", "--nodes", "2")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--parallel.tpp=2"], "unknown config option 'parallel.tpp' (did you mean 'parallel.tp'?)"),
+    (["--tp", "2", "--parallel.tp=4"], "--tp and --parallel.tp both set parallel.tp; give only one of them"),
+    (["--bogus"], "unexpected argument '--bogus'; options look like --section.key=value (see `meshrun plan"),
+])
+def test_bad_options_are_named_as_train_names_them(capsys, argv, message):
+    assert planner.main(argv) == 2
+    assert message in capsys.readouterr().err

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from meshrun.plan_time import parse_count, time_estimate
+from meshrun.planner.step_time import parse_count, time_estimate
 from meshrun.report.load import load_run, status_of
 from meshrun.train.summary import compute_summary
 
@@ -88,7 +88,7 @@ def test_time_estimate_for_100b_parameters_and_1t_tokens():
 
 
 def test_plan_prints_the_arithmetic(capsys):
-    from meshrun.plan import main
+    from meshrun.planner import main
 
     assert main(["--nodes", "2", "--model", "124m", "--ranks", "1", "--params", "100B", "--tokens", "1T",
                  "--tokens-per-s", "45000"]) == 0

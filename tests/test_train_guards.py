@@ -144,3 +144,15 @@ def test_without_clipping_the_guard_reads_the_norm_and_leaves_gradients_alone():
     assert LocalEngine(model).clip_grad_norm(math.inf) == pytest.approx(float(expected))
     assert clip_grad_norm(model.parameters(), math.inf) == pytest.approx(float(expected))
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))  # not scaled, not rewritten
+
+
+def test_the_engine_is_built_with_the_trainers_batch_plan(tmp_path, monkeypatch):
+    import meshrun.parallel.apply as apply
+
+    def resolved_again(*args, **kwargs):
+        raise AssertionError("build_engine resolved the batch again instead of taking the trainer's")
+
+    monkeypatch.setattr(apply, "resolve_batch", resolved_again)
+    trainer = tiny_trainer(tmp_path, "--train.micro_batch=4", "--train.grad_accum=2")
+    assert (trainer.batch.micro_batch, trainer.batch.grad_accum, trainer.batch.global_batch) == (4, 2, 8)
+    trainer.close()

@@ -13,7 +13,7 @@ COMMANDS = {
     "train": ("meshrun.train.cli", "train the reference model (or check a layout with --dry-run)"),
     "launch": ("meshrun.launch.cli", "start workers like torchrun, with the network worked out for you"),
     "slurm": ("meshrun.launch.sbatch_cli", "write (and --submit) the sbatch script of a multi-node job"),
-    "plan": ("meshrun.plan", "offline: rank layout, groups, memory and traffic of a layout; time for a token budget"),
+    "plan": ("meshrun.planner.cli", "offline: rank layout, groups, memory and traffic of a layout; time for a token budget"),
     "ckpt": ("meshrun.ckpt.cli", "list, verify and export checkpoints"),
     "doctor": ("meshrun.diag.doctor", "check nodes before training: network, versions, clocks, GPUs and their speed, storage, data"),
     "bench": ("meshrun.diag.bench", "measure collective bandwidth and training throughput"),

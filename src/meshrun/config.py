@@ -444,6 +444,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return config
 
 
+def join_overrides(rest: list[str], *, command: str) -> list[str]:
+    """The ``--section.key=value`` items of a command line that its own parser left over, accepting ``--a.b c`` as
+    ``--a.b=c``; anything else is refused naming ``command``'s help."""
+    overrides, i = [], 0
+    while i < len(rest):
+        item = rest[i]
+        if not item.startswith("--") or "." not in item.split("=", 1)[0]:
+            raise ConfigError(f"unexpected argument {item!r}; options look like --section.key=value "
+                              f"(see `{command} --help`)")
+        if "=" not in item and i + 1 < len(rest) and not rest[i + 1].startswith("--"):
+            item, i = f"{item}={rest[i + 1]}", i + 1
+        overrides.append(item)
+        i += 1
+    return overrides
+
+
 def set_option(config: JobConfig, dotted: str, value: Any) -> None:
     """Set ``section.key`` on ``config``, converting strings to the field's type."""
     section_name, _, key = dotted.partition(".")

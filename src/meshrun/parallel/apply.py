@@ -25,7 +25,7 @@ import logging
 import torch
 from torch import nn
 
-from meshrun.config import ConfigError, JobConfig, resolve_batch
+from meshrun.config import BatchPlan, ConfigError, JobConfig, resolve_batch
 from meshrun.comm.mesh import ParallelDims
 from meshrun.models.build import model_spec
 from meshrun.models.shape import ModelShape
@@ -45,10 +45,11 @@ log = logging.getLogger("meshrun")
 
 
 def build_engine(*, job: JobConfig, model_cfg: ModelShape, dims: ParallelDims, mesh, device: torch.device,
-                 compute_dtype: torch.dtype | None) -> Engine:
+                 compute_dtype: torch.dtype | None, batch: BatchPlan | None = None) -> Engine:
     """The engine for ``dims`` on this rank. Collective: every rank must call it (it may create process groups
     and, for DDP, broadcasts parameters). ``mesh`` is ``dims.build_mesh(...)`` (None for a single process);
-    ``compute_dtype`` is None or torch.float32 for fp32, torch.bfloat16 for bf16 compute.
+    ``compute_dtype`` is None or torch.float32 for fp32, torch.bfloat16 for bf16 compute. ``batch`` is the caller's
+    resolved batch (the trainer's); without it, it is resolved from ``job.train`` here.
 
     Initial weights: ``job.train.seed`` seeds ``init_weights``. Without sharding every rank holds the same
     weights as a single process with that seed; sharded layouts draw each shard from its own stream (so they start
@@ -60,7 +61,8 @@ def build_engine(*, job: JobConfig, model_cfg: ModelShape, dims: ParallelDims, m
         log.warning("parallel.pp=%d: untying the embeddings (tok_embeddings on the first stage, output on the last); "
                     "set --model.tie_embeddings=false to make this explicit", dims.pp)
     dims.validate_model(cfg, spec)
-    batch = resolve_batch(job.train, dp_size=dims.dp_size, seq_len=cfg.seq_len)
+    if batch is None:
+        batch = resolve_batch(job.train, dp_size=dims.dp_size, seq_len=cfg.seq_len)
     dims.validate_pipeline_batch(batch.micro_batch * batch.grad_accum)
     if dims.world_size > 1 and mesh is None:
         raise ValueError(f"build_engine: world size {dims.world_size} needs the mesh from dims.build_mesh()")

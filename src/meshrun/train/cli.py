@@ -6,7 +6,7 @@ import argparse
 import sys
 import traceback
 
-from meshrun.config import ConfigError, load_config
+from meshrun.config import ConfigError, join_overrides, load_config
 
 EPILOG = """\
 Options are set as --section.key=value (or --section.key value), on top of an optional TOML file, e.g.
@@ -30,22 +30,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         "--run.profile_steps=10-12 unless that is set; on --run.profile_ranks (default 0); traces "
                         "and op tables go to <run.dir>/profile (docs/training.md)")
     args, rest = parser.parse_known_args(argv)
-    return args, _join_overrides(rest)
-
-
-def _join_overrides(rest: list[str]) -> list[str]:
-    """Accept both --a.b=c and --a.b c."""
-    overrides, i = [], 0
-    while i < len(rest):
-        item = rest[i]
-        if not item.startswith("--") or "." not in item.split("=", 1)[0]:
-            raise ConfigError(f"unexpected argument {item!r}; options look like --section.key=value "
-                              "(see `meshrun train --help`)")
-        if "=" not in item and i + 1 < len(rest) and not rest[i + 1].startswith("--"):
-            item, i = f"{item}={rest[i + 1]}", i + 1
-        overrides.append(item)
-        i += 1
-    return overrides
+    return args, join_overrides(rest, command="meshrun train")
 
 
 def default_profile_steps(total_steps: int) -> str:

@@ -94,8 +94,7 @@ class Trainer:
         self.dims = ParallelDims.from_config(job.parallel, world_size=self.env.world_size,
                                              gpus_per_node=self.env.local_world_size, model=self.model_cfg,
                                              spec=self.spec)
-        self.batch: BatchPlan = resolve_batch(job.train, dp_size=self.dims.dp_size, seq_len=self.model_cfg.seq_len)
-        self.dims.validate_pipeline_batch(self.batch.micro_batch * self.batch.grad_accum)
+        self.batch: BatchPlan = self.plan_batch()
         self.run_dir = Path(job.run.dir)
         if job.train.deterministic:
             use_deterministic_algorithms()
@@ -109,7 +108,8 @@ class Trainer:
         self.mesh = self.dims.build_mesh(self.device.type)  # collective: every rank
         set_mesh_timeouts(self.dims.all_meshes(), job.dist.timeout_s)
         self.engine: Engine = build_engine(job=job, model_cfg=self.model_cfg, dims=self.dims, mesh=self.mesh,
-                                           device=self.device, compute_dtype=compute_dtype(job, self.device))
+                                           device=self.device, compute_dtype=compute_dtype(job, self.device),
+                                           batch=self.batch)
         seed_rank_streams(job.train.seed, self.env.rank)
         self.data, self.val = self.build_data()
         self.optimizer = self.build_optimizer()
@@ -137,6 +137,13 @@ class Trainer:
             start_step=self.step, say=self.sink.print)
 
     # ---- construction -------------------------------------------------------------------------------------------
+
+    def plan_batch(self) -> BatchPlan:
+        """train.micro_batch, grad_accum and global_batch over this world's data-parallel ranks; with PP, checked
+        against parallel.pp_microbatches. The engine and the data loaders use this one plan."""
+        batch = resolve_batch(self.job.train, dp_size=self.dims.dp_size, seq_len=self.model_cfg.seq_len)
+        self.dims.validate_pipeline_batch(batch.micro_batch * batch.grad_accum)
+        return batch
 
     def build_run_dir(self) -> None:
         try:
@@ -237,7 +244,7 @@ class Trainer:
                               " or start a new run with --checkpoint.resume=none")
         before = self.batch
         self.job.train.global_batch, self.job.train.grad_accum = saved, 0
-        self.batch = resolve_batch(self.job.train, dp_size=self.dims.dp_size, seq_len=self.model_cfg.seq_len)
+        self.batch = self.plan_batch()
         self.data, self.val = self.build_data()
         self.ckpt.layout.update(global_batch=self.batch.global_batch, grad_accum=self.batch.grad_accum)
         message = (f"keeping the checkpoint's global batch {saved}: {before.dp_size} -> {self.batch.dp_size} "

@@ -1,0 +1,83 @@
+"""``meshrun plan``: an offline look at a parallel layout before any GPU is allocated.
+
+Given nodes, GPUs per node, a model and the parallel degrees, it prints: the world size; the global batch in the
+terms B_global = B_local x (data-parallel ranks) x A; every rank's node, local rank and mesh coordinates with the
+members of its TP / DP / PP groups (the same arithmetic as :class:`meshrun.comm.mesh.ParallelDims`, so the
+table is what the job will build); per-GPU memory for parameters, gradients, optimizer state and activations;
+tensor-parallel shard sizes; the pipeline bubble; communication volume per optimizer step for each dimension and
+whether it crosses nodes; and warnings for layouts that put TP or heavy traffic on the network. ``--json`` prints
+the same as JSON; ``--dry-run`` also applies the layout on a fake process group (see meshrun.parallel.dryrun).
+
+All numbers are estimates from formulas (see docs/plan.md), not measurements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from meshrun.config import ConfigError
+from meshrun.planner.args import job_from_args, parse_args
+from meshrun.planner.estimate import Plan, build_plan
+from meshrun.planner.render import print_plan, shown_ranks, to_json
+from meshrun.planner.step_time import (DEFAULT_PEAK_TFLOPS, estimate_lines, measured_tokens_per_s, parse_count,
+                                       time_estimate)
+
+def main(argv: list[str] | None = None) -> int:
+    from rich.console import Console
+
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+        plan = build_plan(job_from_args(args), nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                          gpu_mem_gib=args.gpu_mem_gib)
+        shown_ranks(plan, args.ranks)  # validates --ranks before printing anything
+        estimate, params_from = plan_time_estimate(plan, args)
+    except (ConfigError, ValueError) as exc:
+        print(f"meshrun plan: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({**to_json(plan), **({"time_estimate": estimate} if estimate else {})}, indent=1))
+    else:
+        console = Console(width=None if sys.stdout.isatty() else 160)
+        print_plan(plan, ranks=args.ranks, console=console)
+        for line in estimate_lines(estimate, params_from=params_from) if estimate else []:
+            console.print(line, highlight=False)
+    if args.dry_run:
+        return run_dry_run(plan, args)
+    return 0
+
+
+def plan_time_estimate(plan: Plan, args: argparse.Namespace) -> tuple[dict[str, Any] | None, str]:
+    """(estimate, where N came from) for --tokens, or (None, '') without it."""
+    if not args.tokens:
+        return None, ""
+    params, params_from = (parse_count(args.params, "--params"), "--params") if args.params else (
+        float(plan.spec.count_params(plan.model)), f"the model's {plan.job.model.name or 'custom'} size")
+    throughput = measured_tokens_per_s(args.from_run) if args.from_run else args.tokens_per_s
+    peak = (args.peak_tflops or DEFAULT_PEAK_TFLOPS) * 1e12
+    return time_estimate(params=params, tokens=parse_count(args.tokens, "--tokens"), gpus=plan.world_size,
+                         peak_flops=peak, mfu=args.mfu, tokens_per_s=throughput), params_from
+
+
+def run_dry_run(plan: Plan, args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from meshrun.parallel.dryrun import default_ranks, print_rank_layout, simulate_rank
+
+    try:
+        ranks = [int(r) for r in args.dry_run_ranks.split(",") if r.strip()] or default_ranks(plan.dims)
+    except ValueError:
+        print(f"meshrun plan: error: --dry-run-ranks {args.dry_run_ranks!r} must be comma-separated ranks",
+              file=sys.stderr)
+        return 2
+    console = Console(width=None if sys.stdout.isatty() else 160, stderr=args.json)
+    for rank in ranks:
+        if not 0 <= rank < plan.world_size:
+            print(f"meshrun plan: error: --dry-run-ranks {rank} is outside world size {plan.world_size}",
+                  file=sys.stderr)
+            return 2
+        layout = simulate_rank(plan.job, plan.model, plan.dims, rank)
+        print_rank_layout(console, layout, plan.dims, gpus_per_node=plan.gpus_per_node)
+    return 0

@@ -1,0 +1,302 @@
+"""The plan of a layout: the resolved mesh and batch, and estimates of memory, communication, the pipeline bubble,
+and warnings. Formulas, not measurements: docs/plan.md gives each one."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshrun.config import BatchPlan, ConfigError, JobConfig, ParallelConfig, resolve_batch
+from meshrun.comm.mesh import FSDP_AUTO_PARAMS, ParallelDims, choose_data_parallel
+from meshrun.models.shape import ModelShape
+from meshrun.models.spec import ModelSpec
+from meshrun.units import format_bytes
+
+GiB = 2**30
+ADAM_STATE_BYTES = 8  # two fp32 moments per parameter
+MASTER_BYTES = 4  # fp32 parameters (FSDP's sharded master copy, or the DDP/TP parameters)
+GRAD_BYTES = 4  # fp32 gradients (FSDP reduces in fp32)
+
+@dataclass
+class Plan:
+    nodes: int
+    gpus_per_node: int
+    world_size: int
+    model: ModelShape
+    spec: ModelSpec
+    dims: ParallelDims
+    batch: BatchPlan
+    job: JobConfig
+    """The job as the trainer on GPUs runs it: parallel.data_parallel applied by comm.mesh.choose_data_parallel."""
+    data_parallel: str = ""
+    """One line: the data parallelism of the layout, and why (parallel.data_parallel, or the degrees given)."""
+    memory: list[dict] = field(default_factory=list)
+    comm: list[dict] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.gpus_per_node
+
+    def rank_row(self, rank: int) -> dict[str, Any]:
+        c = self.dims.coords(rank)
+        return {"rank": rank, "node": self.node_of(rank), "local_rank": rank % self.gpus_per_node, "pp": c.pp,
+                "dp": self.dims.dp_rank(rank), "dp_replicate": c.dp_replicate, "dp_shard": c.dp_shard, "tp": c.tp,
+                "groups": {name: self.dims.group(name, rank) for name in group_dims(self.dims)}}
+
+
+def group_dims(dims: ParallelDims) -> list[str]:
+    """The dimensions worth listing (degree > 1): tp, dp (and its parts when both are > 1), pp."""
+    names = ["tp", "dp"]
+    if dims.dp_replicate > 1 and dims.dp_shard > 1:
+        names += ["dp_replicate", "dp_shard"]
+    return [name for name in names + ["pp"] if dims.degree(name) > 1]
+
+
+def build_plan(job: JobConfig, *, nodes: int, gpus_per_node: int, gpu_mem_gib: float = 80.0,
+               dtype_bytes: int | None = None) -> Plan:
+    """Resolve and validate the layout and compute memory, traffic and warnings. Raises ConfigError.
+
+    ``dtype_bytes`` is the compute dtype's size; by default train.dtype's on a GPU (auto and bf16: 2, fp32: 4)."""
+    if dtype_bytes is None:
+        dtype_bytes = 4 if job.train.dtype == "fp32" else 2
+    if nodes < 1 or gpus_per_node < 1:
+        raise ConfigError(f"--nodes {nodes} and --gpus-per-node {gpus_per_node} must both be >= 1")
+    from meshrun.models.build import model_config, model_spec
+
+    model, spec = model_config(job), model_spec(job)
+    if model.dim % model.n_heads:
+        raise ConfigError(f"model.dim={model.dim} (--hidden) is not divisible by model.n_heads={model.n_heads}")
+    world = nodes * gpus_per_node
+    params = spec.count_params(model)
+    parallel, note = choose_data_parallel(job.parallel, params=params, on_gpu=True)  # as the trainer on GPUs
+    given, job = job.parallel, dataclasses.replace(job, parallel=parallel)
+    dims = ParallelDims.from_config(job.parallel, world_size=world, gpus_per_node=gpus_per_node, model=model,
+                                    spec=spec)
+    batch = resolve_batch(job.train, dp_size=dims.dp_size, seq_len=model.seq_len)
+    dims.validate_pipeline_batch(batch.micro_batch * batch.grad_accum)
+    plan = Plan(nodes=nodes, gpus_per_node=gpus_per_node, world_size=world, model=model, spec=spec, dims=dims,
+                batch=batch, job=job,
+                data_parallel=note or data_parallel_line(given, dims, params=params))
+    plan.memory = [stage_memory(plan, s, dtype_bytes=dtype_bytes) for s in range(dims.pp)]
+    plan.comm = communication(plan, dtype_bytes=dtype_bytes)
+    plan.warnings = layout_warnings(plan, gpu_mem_gib=gpu_mem_gib)
+    return plan
+
+
+def data_parallel_line(given: ParallelConfig, dims: ParallelDims, *, params: int) -> str:
+    """Why the data parallelism of ``dims`` is what it is, when choose_data_parallel left ``given`` as it was."""
+    if dims.dp_size == 1:
+        why = ""
+    elif (given.dp_replicate, given.dp_shard) != (-1, 1):
+        why = (f"the degrees given, parallel.dp_replicate={given.dp_replicate} and parallel.dp_shard="
+               f"{given.dp_shard}; parallel.data_parallel applies to the default -1 and 1 only")
+    elif given.data_parallel == "ddp":
+        why = "parallel.data_parallel=ddp"
+    elif given.tp > 1 or given.pp > 1:
+        why = "parallel.data_parallel=auto shards only layouts without tp and pp"
+    else:
+        why = (f"{params / 1e9:.2f}B parameters < {FSDP_AUTO_PARAMS / 1e9:g}B: parallel.data_parallel=auto shards "
+               "from there on GPUs; --parallel.data_parallel=fsdp shards anyway")
+    return f"data parallelism: {data_parallel_name(dims)}" + (f" ({why})" if why else "")
+
+
+def data_parallel_mode(dims: ParallelDims) -> str:
+    """none, ddp, fsdp, hsdp, or replicate (dp_replicate beside tp or pp: parallel/apply.py runs it as FSDP2 with a
+    shard degree of 1, whole replicas like DDP)."""
+    if dims.dp_size == 1:
+        return "none"
+    if dims.dp_shard > 1:
+        return "hsdp" if dims.dp_replicate > 1 else "fsdp"
+    return "ddp" if dims.tp == 1 and dims.pp == 1 else "replicate"
+
+
+_MODE_WORDS = {"none": "none, 1 data-parallel rank", "ddp": "DDP, {r} whole replicas",
+               "fsdp": "FSDP2 over {s} ranks", "hsdp": "HSDP, {r} replicas of FSDP2 over {s} ranks",
+               "replicate": "{r} whole replicas beside tp and pp, FSDP2 with a shard degree of 1"}
+
+
+def data_parallel_name(dims: ParallelDims) -> str:
+    """What replicates or shards the model over the data-parallel ranks, in the trainer's terms."""
+    return _MODE_WORDS[data_parallel_mode(dims)].format(r=dims.dp_replicate, s=dims.dp_shard)
+
+
+# ---- parameter counts, memory ------------------------------------------------------------------------------------
+
+def pipeline_rank_layers(plan: Plan, pp_rank: int) -> list[int]:
+    from meshrun.parallel.pipeline import layer_ranges, stage_ids
+
+    d = plan.dims
+    ranges = layer_ranges(plan.model.n_layers, d.stages)
+    return [i for s in stage_ids(pp_rank, pp=d.pp, virtual_stages=d.pp_virtual_stages) for i in ranges[s]]
+
+
+def rank_params(plan: Plan, pp_rank: int) -> tuple[int, int]:
+    """(parameters of pipeline rank ``pp_rank``'s stages, its share on one TP rank)."""
+    m, d = plan.model, plan.dims
+    mats, norms = plan.spec.block_params(m)
+    layers = len(pipeline_rank_layers(plan, pp_rank))
+    total, per_tp = layers * (mats + norms), layers * (mats // d.tp + norms)
+    first, last = pp_rank == 0, pp_rank == d.pp - 1  # with interleaving, rank 0 runs stage 0, rank pp-1 the last
+    # (sharded by TP, replicated) parameters outside the blocks, first stage and last stage
+    (embed, embed_rep), (head, head_rep) = plan.spec.edge_params(m, tied=m.tie_embeddings and d.pp == 1)
+    if first:
+        total, per_tp = total + embed + embed_rep, per_tp + embed // d.tp + embed_rep
+    if last:
+        total, per_tp = total + head + head_rep, per_tp + head // d.tp + head_rep
+    return total, per_tp
+
+
+def activation_bytes_per_token_layer(plan: Plan, dtype_bytes: int) -> float:
+    """Saved activations of one block for one token (see docs/plan.md for the list)."""
+    m, d = plan.model, plan.dims
+    h, kv, f, t = m.dim, m.kv_heads * m.head_dim, m.hidden_dim, d.tp
+    sp = plan.job.parallel.sequence_parallel and t > 1
+    mode = plan.job.parallel.activation_checkpoint
+    if mode == "full":
+        elements = h / t if sp else h  # the block input only
+    elif mode == "selective":
+        elements = (h / t if sp else h) + (2 * h + 2 * kv + 2 * f) / t  # input + matmul/attention outputs
+    else:
+        outside = 4 * h  # two norm inputs (residual stream) and two norm outputs
+        inside = 3 * h + 3 * kv + 4 * f  # q,k,v; rotated q,k; attention output; w1, w3, silu, product
+        elements = (outside / t if sp else outside) + inside / t
+    return elements * dtype_bytes
+
+
+def inflight_microbatches(plan: Plan, pp_rank: int) -> int:
+    """Pipeline micro-batches whose activations one rank holds at the peak."""
+    d = plan.dims
+    if d.pp == 1:
+        return 1
+    if d.pp_schedule == "gpipe":
+        return d.pp_microbatches
+    return min(d.pp_microbatches, d.pp - pp_rank)  # 1F1B warm-up depth (interleaved: about the same)
+
+
+def stage_memory(plan: Plan, pp_rank: int, *, dtype_bytes: int) -> dict[str, Any]:
+    """Per-GPU memory estimate of the ranks of pipeline rank ``pp_rank`` (bytes)."""
+    m, d, b = plan.model, plan.dims, plan.batch
+    total, per_tp = rank_params(plan, pp_rank)
+    local = per_tp / d.dp_shard
+    mats, norms = plan.spec.block_params(m)
+    fsdp_working = 2 * (mats // d.tp + norms) * dtype_bytes if d.dp_shard > 1 else 0  # 2 gathered blocks
+    params = local * MASTER_BYTES + fsdp_working
+    # FSDP keeps unsharded fp32 gradients between micro-batches while it skips the reduce-scatter (grad
+    # accumulation, and every pipeline step, which runs several micro-batches)
+    grads = (per_tp if d.dp_shard > 1 and (b.grad_accum > 1 or d.pp > 1) else local) * GRAD_BYTES
+    optimizer = local * ADAM_STATE_BYTES
+    samples = b.micro_batch if d.pp == 1 else b.micro_batch * b.grad_accum / d.pp_microbatches
+    tokens = samples * m.seq_len
+    layers = len(pipeline_rank_layers(plan, pp_rank))
+    acts = activation_bytes_per_token_layer(plan, dtype_bytes) * tokens * layers * inflight_microbatches(plan, pp_rank)
+    if pp_rank == d.pp - 1:
+        vocab = m.vocab_size / d.tp if d.tp > 1 and d.pp == 1 else m.vocab_size  # loss_parallel only without PP
+        acts += tokens * vocab * (dtype_bytes + 4)  # logits, and their fp32 copy in the loss
+    return {"pp_rank": pp_rank, "layers": pipeline_rank_layers(plan, pp_rank), "params_total": total,
+            "params_local": int(local), "bytes": {"params": params, "grads": grads, "optimizer": optimizer,
+                                                  "activations": acts},
+            "total_bytes": params + grads + optimizer + acts}
+
+
+# ---- communication -------------------------------------------------------------------------------------------------
+
+def crosses_nodes(plan: Plan, name: str) -> tuple[bool, int]:
+    """(whether any group along ``name`` spans nodes, the most nodes one group spans)."""
+    if plan.dims.degree(name) == 1:
+        return False, 1
+    spans = max(len({plan.node_of(r) for r in group}) for group in plan.dims.groups(name))
+    return spans > 1, spans
+
+
+def communication(plan: Plan, *, dtype_bytes: int) -> list[dict[str, Any]]:
+    """Bytes each GPU sends per optimizer step along each dimension (ring algorithms; see docs/plan.md)."""
+    m, d, b = plan.model, plan.dims, plan.batch
+    _, per_tp = rank_params(plan, 0)
+    step_tokens = b.micro_batch * b.grad_accum * m.seq_len  # tokens each dp rank processes per step
+    act = step_tokens * m.dim * dtype_bytes  # one (tokens, hidden) activation tensor
+    rows = []
+    if d.tp > 1:
+        layers = len(pipeline_rank_layers(plan, 0))
+        per_layer = 6 if plan.job.parallel.activation_checkpoint == "full" else 4  # recompute repeats forward's 2
+        collectives = per_layer * layers + 2
+        rows.append(_row(plan, "tp", f"{collectives} all-reduces (or all-gather + reduce-scatter) of activations",
+                         collectives * 2 * (d.tp - 1) / d.tp * act))
+    if d.dp_shard > 1:
+        n = d.dp_shard
+        gathers = (1 if d.pp > 1 else 2 * b.grad_accum)  # forward + backward per micro-batch; once with PP
+        volume = (n - 1) / n * per_tp * (gathers * dtype_bytes + GRAD_BYTES)
+        rows.append(_row(plan, "dp_shard", f"FSDP: {gathers} parameter all-gather(s) + 1 gradient reduce-scatter",
+                         volume))
+    if d.dp_replicate > 1:
+        n, shard = d.dp_replicate, per_tp / d.dp_shard
+        what = "gradient all-reduce" if d.dp_shard == 1 else "HSDP all-reduce of gradient shards"
+        rows.append(_row(plan, "dp_replicate", what, 2 * (n - 1) / n * shard * GRAD_BYTES))
+    if d.pp > 1:
+        sp = plan.job.parallel.sequence_parallel and d.tp > 1
+        volume = 2 * act * d.pp_virtual_stages / (d.tp if sp else 1)  # activations forward + gradients backward
+        rows.append(_row(plan, "pp", f"point-to-point: {d.pp_microbatches} micro-batches x "
+                                     f"{d.pp_virtual_stages} stage(s) each way", volume))
+    return rows
+
+
+def _row(plan: Plan, name: str, what: str, volume: float) -> dict[str, Any]:
+    crosses, spans = crosses_nodes(plan, name)
+    return {"dim": name, "degree": plan.dims.degree(name), "what": what, "bytes_per_step": volume,
+            "crosses_nodes": crosses, "nodes_per_group": spans}
+
+
+# ---- warnings --------------------------------------------------------------------------------------------------------
+
+def layout_warnings(plan: Plan, *, gpu_mem_gib: float) -> list[str]:
+    d, out = plan.dims, []
+    comm = {row["dim"]: row for row in plan.comm}
+    if "tp" in comm and comm["tp"]["crosses_nodes"]:
+        out.append(f"TP groups span {comm['tp']['nodes_per_group']} nodes: {comm['tp']['what']} per step go over the "
+                   f"network ({format_bytes(comm['tp']['bytes_per_step'])}/GPU). Keep tp <= {plan.gpus_per_node} "
+                   "(GPUs per node) and use pp or dp across nodes")
+    in_node_shard = plan.gpus_per_node // d.tp
+    if "dp_shard" in comm and comm["dp_shard"]["crosses_nodes"] and in_node_shard > 1:
+        out.append(f"FSDP groups (dp_shard={d.dp_shard}) span {comm['dp_shard']['nodes_per_group']} nodes: parameter "
+                   f"all-gathers cross the network ({format_bytes(comm['dp_shard']['bytes_per_step'])}/GPU per step). If "
+                   f"memory allows, HSDP keeps them inside a node: --dp-shard {in_node_shard} --dp-replicate -1")
+    if d.pp > 1:
+        idle = bubble(plan)
+        if idle > 0.25:
+            out.append(f"pipeline bubble {idle:.0%}: raise --pp-microbatches (now {d.pp_microbatches}) to 4 x pp "
+                       "or more, or use interleaved1f1b")
+        if not crosses_nodes(plan, "pp")[0] and plan.nodes > 1 and "dp_replicate" in comm and \
+                comm["dp_replicate"]["crosses_nodes"]:
+            out.append("pipeline stages sit inside one node while data-parallel groups cross nodes; PP's small "
+                       "point-to-point sends are the cheaper traffic to put on the network")
+    worst = max(plan.memory, key=lambda row: row["total_bytes"])
+    if worst["total_bytes"] > 0.9 * gpu_mem_gib * GiB:
+        out.append(f"estimated {format_bytes(worst['total_bytes'])} per GPU on pipeline rank {worst['pp_rank']} exceeds 90% "
+                   f"of {gpu_mem_gib:g} GiB: shard more (dp_shard, tp, pp), use activation checkpointing, or a "
+                   "smaller micro-batch")
+    return out
+
+
+def bubble(plan: Plan) -> float:
+    from meshrun.parallel.pipeline import bubble_fraction
+
+    d = plan.dims
+    return bubble_fraction(d.pp, d.pp_microbatches, d.pp_virtual_stages) if d.pp > 1 else 0.0
+
+
+def tp_shards(plan: Plan) -> dict[str, int]:
+    m, t = plan.model, plan.dims.tp
+    return {"tp": t, "heads_per_gpu": m.n_heads // t, "kv_heads_per_gpu": m.kv_heads // t,
+            "head_dim": m.head_dim, "attention_width_per_gpu": m.n_heads * m.head_dim // t,
+            "mlp_width": m.hidden_dim, "mlp_width_per_gpu": m.hidden_dim // t,
+            "vocab_rows_per_gpu": m.vocab_size // t}
+
+
+def batch_formula(plan: Plan) -> str:
+    b, d = plan.batch, plan.dims
+    if d.dp_size == plan.world_size:
+        return (f"B_global = B_local {b.micro_batch} x G {plan.gpus_per_node} x N {plan.nodes} x A {b.grad_accum} "
+                f"= {b.global_batch}")
+    return (f"B_global = B_local {b.micro_batch} x {d.dp_size} data-parallel ranks ({plan.world_size} GPUs / "
+            f"(tp {d.tp} x pp {d.pp})) x A {b.grad_accum} = {b.global_batch}")
+
