@@ -5,8 +5,8 @@ import pytest
 from meshrun.config import ConfigError, JobConfig, TrainConfig, load_config, resolve_batch
 
 
-def test_seeds_global_batch_example():
-    # seeds: 8 per GPU x 8 GPUs per node x 4 nodes x 2 accumulation steps = 512
+def test_global_batch_is_b_local_x_ranks_x_accumulation():
+    # 8 per GPU x 8 GPUs per node x 4 nodes x 2 accumulation steps = 512
     plan = resolve_batch(TrainConfig(micro_batch=8, grad_accum=2), dp_size=8 * 4, seq_len=1024)
     assert plan.global_batch == 512
     assert plan.tokens_per_step == 512 * 1024

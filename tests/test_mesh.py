@@ -70,7 +70,7 @@ def test_pipeline_batch_must_split_into_microbatches():
     assert dims_for(2, dp_replicate=1, pp=2).pp_microbatches == 4  # default: 2 per stage
 
 
-def test_seeds_64_gpu_dp8_tp4_pp2_groups():
+def test_64_gpu_dp8_tp4_pp2_groups():
     """A 64-GPU layout: DP 8 x TP 4 x PP 2 on 8 nodes of 8 GPUs."""
     dims = dims_for(64, dp_replicate=8, tp=4, pp=2)
     assert dims.coords(0) == (0, 0, 0, 0)

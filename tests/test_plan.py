@@ -26,7 +26,7 @@ def run_json(capsys, *argv: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-def test_seeds_global_batch_4_nodes_of_8():
+def test_global_batch_of_4_nodes_of_8():
     plan = make_plan("--nodes", "4", "--gpus-per-node", "8", "--micro-batch", "8", "--grad-accum", "2")
     assert plan.world_size == 32 and plan.dims.dp_size == 32
     assert plan.batch.global_batch == 512
@@ -34,7 +34,7 @@ def test_seeds_global_batch_4_nodes_of_8():
     assert make_plan("--nodes", "4", "--micro-batch", "8", "--global-batch", "512").batch.grad_accum == 2
 
 
-def test_seeds_64_gpu_dp8_tp4_pp2_groups(capsys):
+def test_64_gpu_dp8_tp4_pp2_groups(capsys):
     out = run_json(capsys, "--nodes", "8", "--gpus-per-node", "8", "--dp-replicate", "8", "--tp", "4", "--pp", "2")
     assert out["world_size"] == 64 and len(out["ranks"]) == 64
     rank = out["ranks"][37]
@@ -48,7 +48,7 @@ def test_seeds_64_gpu_dp8_tp4_pp2_groups(capsys):
     assert "0,4,..,28" in text and "36-39" in text and "5,37" in text  # readable group members
 
 
-def test_seeds_bubble_4_stages_32_microbatches(capsys):
+def test_bubble_of_4_stages_and_32_microbatches(capsys):
     assert bubble_fraction(4, 32) == pytest.approx(0.09375)
     assert bubble_fraction(4, 32, virtual_stages=2) == pytest.approx(3 / 64)
     assert planner.main(["--nodes", "4", "--model", "1b", "--pp", "4", "--tp", "8", "--pp-microbatches", "32",
@@ -56,7 +56,7 @@ def test_seeds_bubble_4_stages_32_microbatches(capsys):
     assert "bubble (4 - 1) / 32 = 9.4%" in capsys.readouterr().out
 
 
-def test_seeds_tp8_shards_of_a_12288_hidden_96_head_model(capsys):
+def test_tp8_shards_of_a_12288_hidden_96_head_model(capsys):
     out = run_json(capsys, "--nodes", "1", "--hidden", "12288", "--heads", "96", "--ffn", "49152", "--layers", "8",
                    "--tp", "8", "--micro-batch", "1")
     shards = out["tp_shards"]
