@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import replace
 
 import pytest
@@ -128,3 +129,44 @@ def test_get_mesh_raises_and_get_optional_mesh_returns_none_for_degree_one():
         assert dims.get_mesh("dp").size() == 4
     finally:
         dist.destroy_process_group()
+
+
+
+@contextmanager
+def fake_world(world_size: int, rank: int = 0):
+    """A fake process group of ``world_size`` ranks (this process is ``rank``); yields torch's group counter."""
+    from torch.distributed import distributed_c10d as c10d
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield lambda: c10d._world.group_count  # new_group calls so far, for every rank's groups
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world, parallel, names, groups", [
+    # Building all four dimensions created 6 groups for 2-rank DDP (pp, dp_shard, tp: one per rank each).
+    (2, {"dp_replicate": -1}, ("dp_replicate",), 0),
+    (4, {"dp_replicate": 2, "dp_shard": 2}, ("dp_replicate", "dp_shard"), 4),  # 2 + 2; "dp" is the default group
+    (8, {"dp_replicate": 2, "tp": 4}, ("dp_replicate", "dp_shard", "tp"), 14),  # FSDP2 replication keeps dp_shard=1
+    (1, {}, (), 0),
+])
+def test_build_mesh_makes_groups_only_for_dimensions_above_one(world, parallel, names, groups):
+    dims = dims_for(world, gpus_per_node=world, **parallel)
+    with fake_world(world) as group_count:
+        before = group_count()
+        mesh = dims.build_mesh("cpu")
+        assert dims.mesh_dim_names() == names and group_count() - before == groups
+        if not names:
+            assert mesh is None and dims.all_meshes() == [] and dims.get_optional_mesh("dp") is None
+            return
+        assert mesh.mesh_dim_names == names and tuple(mesh.shape) == tuple(dims.degree(n) for n in names)
+        for name in ("dp", "dp_replicate", "dp_shard", "tp", "pp"):
+            sub = dims.get_optional_mesh(name)
+            assert (sub is None) == (dims.degree(name) == 1), name
+            assert sub is None or sub.mesh.flatten().tolist() == dims.group(name, 0), name
+        hsdp = dims.get_optional_mesh(("dp_replicate", "dp_shard"))
+        assert hsdp.mesh.flatten().tolist() == dims.group("dp", 0)
+        assert hsdp.ndim == (2 if dims.dp_shard > 1 or dims.fsdp_replicates else 1)
+        assert group_count() - before == groups, "slicing sub-meshes must create no group"

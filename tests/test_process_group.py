@@ -76,21 +76,24 @@ def test_a_session_script_that_never_calls_close_exits_cleanly(tmp_path):
         assert "sum 2.0" in outputs[0]
 
 
-def _mesh_timeout_worker(rank, world_size):
+def _mesh_timeout_worker(rank, world_size, parallel):
     from meshrun.config import ParallelConfig
     from meshrun.comm.mesh import ParallelDims
     from meshrun.comm.process_group import set_mesh_timeouts
 
-    dims = ParallelDims.from_config(ParallelConfig(dp_replicate=1, dp_shard=1, tp=2), world_size=world_size,
-                                    gpus_per_node=world_size)
+    dims = ParallelDims.from_config(ParallelConfig(**parallel), world_size=world_size, gpus_per_node=world_size)
+    member_groups = len(dist.distributed_c10d._world.pg_map)
     dims.build_mesh("cpu")
+    member_groups = len(dist.distributed_c10d._world.pg_map) - member_groups
     count = set_mesh_timeouts(dims.all_meshes(), 42.0)
     groups = {id(g): g for m in dims.all_meshes() for g in m.get_all_groups()}
-    return count, {g._get_backend(torch.device("cpu")).options._timeout for g in groups.values()}
+    return member_groups, count, {g._get_backend(torch.device("cpu")).options._timeout for g in groups.values()}
 
 
 @pytest.mark.slow
-def test_every_mesh_group_gets_the_training_timeout():
-    # without it, the tp and dp groups would keep torch's 30-minute gloo default whatever dist.timeout_s says
-    for count, timeouts in run_distributed(_mesh_timeout_worker, 2):
-        assert count >= 4 and timeouts == {timedelta(seconds=42)}
+def test_a_data_parallel_mesh_creates_no_group_and_gets_the_training_timeout():
+    # DDP on 2 ranks: building every mesh dimension made this rank a member of 3 new groups (pp, dp_shard and tp
+    # of one rank each; 6 new_group calls in all); only the dimensions above 1 now, and that one is the default
+    # group. Without set_mesh_timeouts mesh groups would keep torch's 30-minute gloo default.
+    for made, count, timeouts in run_distributed(_mesh_timeout_worker, 2, {"dp_replicate": -1}):
+        assert made == 0 and count == 1 and timeouts == {timedelta(seconds=42)}

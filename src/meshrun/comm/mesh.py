@@ -6,9 +6,11 @@ The mesh has four named dimensions, outermost first::
 
 so that a global rank is ``((pp * dp_replicate + r) * dp_shard + s) * tp + t``. TP is innermost: with
 ``tp`` dividing the GPUs of a node, every TP group lies inside one node (NVLink). PP is outermost: its groups cross
-nodes, where point-to-point traffic is cheapest. ``dp_replicate x dp_shard`` is also flattened into "dp" (the
-data-parallel rank the sampler uses). Every dimension exists even when its degree is 1, so names and coordinates
-are the same for every layout; :meth:`ParallelDims.get_optional_mesh` returns None for a degree of 1.
+nodes, where point-to-point traffic is cheapest. The coordinates (:meth:`ParallelDims.coords`) and group
+arithmetic always use all four dimensions, so they read the same for every layout. The DeviceMesh, though, has
+only the dimensions of degree > 1 (:meth:`ParallelDims.mesh_dim_names`), as torchtitan's: a dimension of degree 1
+would cost one process group per rank for nothing. ``dp_replicate x dp_shard`` is flattened into "dp" when both are
+enabled (otherwise "dp" is the one that is). :meth:`ParallelDims.get_optional_mesh` returns None for a degree of 1.
 
 Everything except :meth:`ParallelDims.build_mesh` (and :func:`node_mesh`, the 2-D node x local mesh that
 ``meshrun bench`` measures links with) is pure arithmetic (no process group), so the planner uses the
@@ -67,7 +69,8 @@ class ParallelDims:
     gpus_per_node: int = 0
     """GPUs (processes) per node; 0 when unknown (then TP-across-nodes is not checked)."""
     allow_tp_across_nodes: bool = False
-    _meshes: dict[str, Any] = field(default_factory=dict, repr=False)
+    _meshes: dict[str | tuple[str, ...], Any] = field(default_factory=dict, repr=False)
+    _mesh_built: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         product = self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
@@ -239,36 +242,59 @@ class ParallelDims:
 
     # ---- the DeviceMesh ---------------------------------------------------------------------------------------
 
-    def build_mesh(self, device_type: str) -> DeviceMesh | None:
-        """Create the DeviceMesh and its named sub-meshes; None for a single process without a process group.
+    @property
+    def fsdp_replicates(self) -> bool:
+        """FSDP2 (not DDP) replicates over dp_replicate without sharding: with TP or PP the parameters are DTensors
+        or pipeline stages, which DDP does not take."""
+        return self.dp_replicate > 1 and self.dp_shard == 1 and (self.tp > 1 or self.pp > 1)
 
-        Collective: every rank must call this (it creates one process group per mesh dimension and per flattened
-        dimension). This module is the only place in meshrun that creates a DeviceMesh.
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        """The dimensions the DeviceMesh has, outermost first: those of degree > 1, plus ``dp_shard`` of degree 1
+        when :attr:`fsdp_replicates` (FSDP2 replicates only through a 2-D (replicate, shard) mesh). Empty for one
+        rank."""
+        names = [name for name in MESH_DIMS if self.degree(name) > 1]
+        if self.fsdp_replicates:
+            names.insert(names.index("dp_replicate") + 1, "dp_shard")
+        return tuple(names)
+
+    def build_mesh(self, device_type: str) -> DeviceMesh | None:
+        """Create the DeviceMesh of :meth:`mesh_dim_names` and its named sub-meshes; None for one rank.
+
+        Collective: every rank must call this (it creates one process group per mesh dimension, and one for "dp"
+        when both dp_replicate and dp_shard are enabled; a group of every rank is the default group, not a new
+        one). This module is the only place in meshrun that creates a DeviceMesh.
         """
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
+        self._meshes, self._mesh_built = {}, True
         if self.world_size == 1 and not dist.is_initialized():
             return None
         if dist.get_world_size() != self.world_size:
             raise ConfigError(f"the process group has {dist.get_world_size()} ranks but the layout was resolved "
                               f"for world size {self.world_size}")
-        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIMS)
-        self._meshes = {"world": mesh}
-        for name in MESH_DIMS:
-            self._meshes[name] = mesh[name]
+        names = self.mesh_dim_names()
+        if not names:  # one rank: every degree is 1
+            return None
+        mesh = init_device_mesh(device_type, tuple(self.degree(n) for n in names), mesh_dim_names=names)
+        self._meshes["world"] = mesh
+        for name in names:
+            self._meshes[name] = mesh if len(names) == 1 else mesh[name]
         for flat, joined in FLAT_DIMS.items():
-            self._meshes[joined] = mesh[joined]
-            self._meshes[flat] = mesh[joined]._flatten(flat)  # kept here: slicing flat dims from the root is deprecated
+            enabled = tuple(name for name in joined if self.degree(name) > 1)
+            if len(enabled) == 1:
+                self._meshes[flat] = self._meshes[enabled[0]]
+            elif enabled:  # kept here: slicing flat dims from the root is deprecated
+                self._meshes[flat] = self._submesh(enabled)._flatten(flat)
         return mesh
 
     def all_meshes(self) -> list[DeviceMesh]:
-        """The root mesh and every named sub-mesh built so far (empty before :meth:`build_mesh`)."""
-        return list(self._meshes.values())
+        """The root mesh and every named sub-mesh built so far (empty before :meth:`build_mesh` and for one rank)."""
+        return list({id(mesh): mesh for mesh in self._meshes.values()}.values())
 
     @property
     def mesh(self) -> DeviceMesh:
-        """The whole 4-D mesh (after :meth:`build_mesh`)."""
+        """The whole mesh, of the enabled dimensions (after :meth:`build_mesh`)."""
         return self.get_mesh("world")
 
     def get_mesh(self, name: str | tuple[str, ...]) -> DeviceMesh:
@@ -279,24 +305,37 @@ class ParallelDims:
         mesh = self.get_optional_mesh(name)
         if mesh is None:
             names = name if isinstance(name, tuple) else (name,)
-            sizes = ", ".join(f"{n}={self.degree(n)}" for n in names)
+            sizes = ", ".join(f"{n}={self.world_size if n == 'world' else self.degree(n)}" for n in names)
             raise ValueError(f"mesh dimension {name!r} is not enabled ({sizes}); use get_optional_mesh to allow that")
         return mesh
 
     def get_optional_mesh(self, name: str | tuple[str, ...]) -> DeviceMesh | None:
-        """Like :meth:`get_mesh`, but None when the dimension(s) have degree 1."""
-        if not self._meshes:
+        """Like :meth:`get_mesh`, but None when the dimension(s) have degree 1 (so the mesh lacks them).
+
+        A tuple leaves out its dimensions of degree 1 that the mesh lacks: ("dp_replicate", "dp_shard") is the 1-D
+        dp_shard mesh when dp_replicate is 1, and the 2-D HSDP mesh when :meth:`mesh_dim_names` has both.
+        """
+        if not self._mesh_built:
             raise RuntimeError("ParallelDims.build_mesh(device_type) must run before the mesh is used")
         key = name[0] if isinstance(name, tuple) and len(name) == 1 else name
         if key == "world":
-            return self._meshes[key]
+            return self._meshes.get(key)
         names = key if isinstance(key, tuple) else (key,)
-        if key not in self._meshes:
-            if not isinstance(key, tuple) or not set(key) <= set(MESH_DIMS):
-                raise ValueError(f"unknown mesh {name!r}; known: world, {', '.join(MESH_DIMS + tuple(FLAT_DIMS))} "
-                                 "or a tuple of mesh dimensions in mesh order")
-            self._meshes[key] = self._meshes["world"][key]
-        return self._meshes[key] if math.prod(self.degree(n) for n in names) > 1 else None
+        known = set(MESH_DIMS) if isinstance(key, tuple) else set(MESH_DIMS) | set(FLAT_DIMS)
+        if not set(names) <= known:
+            raise ValueError(f"unknown mesh {name!r}; known: world, {', '.join(MESH_DIMS + tuple(FLAT_DIMS))} "
+                             "or a tuple of mesh dimensions in mesh order")
+        if math.prod(self.degree(n) for n in names) == 1:
+            return None
+        if key not in self._meshes:  # a tuple: slicing reuses the root's groups and creates none
+            self._meshes[key] = self._submesh(tuple(n for n in names if n in self.mesh_dim_names()))
+        return self._meshes[key]
+
+    def _submesh(self, names: tuple[str, ...]) -> DeviceMesh:
+        root = self._meshes["world"]
+        if names == tuple(root.mesh_dim_names):
+            return root
+        return self._meshes[names[0]] if len(names) == 1 else root[names]
 
 
 FSDP_AUTO_PARAMS = 1_000_000_000

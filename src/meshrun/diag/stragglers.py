@@ -1,6 +1,7 @@
 """Stragglers: which rank is slow, and why.
 
-:class:`StragglerDetector` - every log interval, one all_gather of five floats per rank; rank 0 names the ranks whose
+:class:`StragglerDetector` - every log interval, one all_gather of five floats per rank (or none of its own: the trainer
+hands it the columns of its one per-rank gather, see :meth:`StragglerDetector.observe_table`); rank 0 names the ranks whose
 step time is well above the others' and says whether data loading, the GPU (clocks, temperature and a GEMM re-run)
 or neither is to blame. :class:`WorkTimer` measures the per-rank time it compares.
 """
@@ -138,13 +139,15 @@ class StragglerDetector:
     ``gemm_check``, when a straggler is found every rank re-runs a short GEMM on ``compute_device`` (a few ms on a
     GPU) and the report says whether the flagged rank's GPU is itself slow.
 
-    Construction is a collective (it gathers host names); so is every :meth:`observe`. Every rank of
-    ``group`` must make the same calls in the same order.
+    Construction is a collective (it gathers host names) unless ``ranks`` (from :func:`gather_rank_infos`) is
+    given; every :meth:`observe` and :meth:`observe_table` is one too. Every rank of ``group`` must make the same
+    calls in the same order.
     """
 
     def __init__(self, group=None, *, env: ClusterEnv, threshold: float = 1.5, window: int = 5,
                  min_gap_s: float = 0.005, history: int = 512, device: torch.device | None = None,
-                 gemm_check: bool = False, compute_device: torch.device | None = None):
+                 gemm_check: bool = False, compute_device: torch.device | None = None,
+                 ranks: list[RankInfo] | None = None):
         self.group, self.env, self.threshold, self.min_gap_s = group, env, threshold, min_gap_s
         self.window = max(1, window)
         self.device = device or _collective_device(group)
@@ -152,24 +155,25 @@ class StragglerDetector:
         self.compute_device = compute_device or self.device
         self._recent: deque[np.ndarray] = deque(maxlen=self.window)
         self._history: deque[np.ndarray] = deque(maxlen=max(history, self.window))
-        self.ranks = self._gather_ranks()
+        self.ranks = ranks if ranks is not None else gather_rank_infos(env, group)
 
-    def _gather_ranks(self) -> list[RankInfo]:
-        mine = RankInfo(rank=self.env.rank, host=socket.gethostname(), local_rank=self.env.local_rank)
-        if not dist.is_initialized():
-            return [mine]
-        gathered: list[RankInfo | None] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(gathered, mine, group=self.group)  # note: collective, every rank must reach it
-        return [info for info in gathered if info is not None]
+    def gpu_clock(self) -> list[float]:
+        """This rank's GPU: [SM clock MHz, max SM clock MHz, temperature C], NaN without NVML or a GPU."""
+        return _gpu_clock(self.compute_device)
 
     def observe(self, step: int, step_time_s: float, data_time_s: float = 0.0) -> StragglerReport | None:
         """Record this interval; on rank 0 return a report when some rank is a straggler (else None).
+        Collective: gathers [step_time_s, data_time_s, *gpu_clock()] from every rank."""
+        mine = torch.tensor([step_time_s, data_time_s, *self.gpu_clock()], dtype=torch.float64,
+                            device=self.device)  # (5,)
+        return self.observe_table(step, self._gather(mine))
+
+    def observe_table(self, step: int, times: np.ndarray) -> StragglerReport | None:
+        """:meth:`observe` for numbers already gathered: ``times`` is (world, 5), each rank's
+        [step_time_s, data_time_s, *gpu_clock()] in rank order, the same on every rank.
 
         Every rank keeps the window and applies the same rule to the same gathered numbers, so all agree on
-        whether to re-run the GEMM (a collective) without another message."""
-        clock = _gpu_clock(self.compute_device)  # [sm MHz, max sm MHz, C], NaN without NVML
-        mine = torch.tensor([step_time_s, data_time_s, *clock], dtype=torch.float64, device=self.device)  # (5,)
-        times = self._gather(mine)  # (world, 5)
+        whether to re-run the GEMM (a collective, with ``gemm_check``) without another message."""
         self._recent.append(times)
         if self.env.is_rank_zero:
             self._history.append(times)
@@ -208,6 +212,17 @@ class StragglerDetector:
         steps = np.stack(self._history)[:, :, 0]  # (intervals, world)
         return [{"rank": info.rank, "host": info.host, "median_step_s": float(np.median(steps[:, i])),
                  "max_step_s": float(np.max(steps[:, i]))} for i, info in enumerate(self.ranks)]
+
+
+def gather_rank_infos(env: ClusterEnv, group=None) -> list[RankInfo]:
+    """Every rank's rank, host name and local rank, in rank order. Collective: every rank of ``group`` must call it
+    (gather once and hand the list to :class:`StragglerDetector` and whatever else names hosts)."""
+    mine = RankInfo(rank=env.rank, host=socket.gethostname(), local_rank=env.local_rank)
+    if not dist.is_initialized():
+        return [mine]
+    gathered: list[RankInfo | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)  # note: collective, every rank must reach it
+    return [info for info in gathered if info is not None]
 
 
 def _gpu_clock(device: torch.device) -> list[float]:

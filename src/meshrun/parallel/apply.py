@@ -142,7 +142,7 @@ def layout_name(dims: ParallelDims) -> str:
 
 def uses_fsdp(dims: ParallelDims) -> bool:
     """FSDP2 handles data parallelism whenever parameters are sharded or are DTensors/pipeline stages anyway."""
-    return dims.dp_shard > 1 or (dims.dp_replicate > 1 and (dims.tp > 1 or dims.pp > 1))
+    return dims.dp_shard > 1 or dims.fsdp_replicates
 
 
 def use_loss_parallel(dims: ParallelDims) -> bool:

@@ -24,8 +24,11 @@ class NonFiniteError(RuntimeError):
 
 
 class NonFiniteGuard:
-    def __init__(self, mode: str, *, device: torch.device, rank: int, fused_optimizer: bool):
-        self.mode, self.rank, self.device, self.fused = mode, rank, device, fused_optimizer
+    def __init__(self, mode: str, *, device: torch.device, rank: int, fused_optimizer: bool,
+                 hosts: list[str] | None = None):
+        """``hosts``: every rank's host name in rank order, when the caller has gathered them already (the
+        trainer's start does); otherwise a report gathers them."""
+        self.mode, self.rank, self.device, self.fused, self.hosts = mode, rank, device, fused_optimizer, hosts
         zero = torch.zeros((), dtype=torch.int64, device=device)
         self.count, self.first_step, self.first_local_step = zero.clone(), zero.clone(), zero.clone()
         self.reported = 0  # steps already reported
@@ -69,14 +72,27 @@ class NonFiniteGuard:
         return f"{what}; training goes on (train.nonfinite=skip)"
 
     def _first_bad_ranks(self, world_size: int) -> str:
-        """'rank 1 (host h1)' for the ranks whose own loss went non-finite at the earliest step, or ''."""
-        mine = [self.rank, int(self.first_local_step), socket.gethostname()]
-        everyone = [mine]
+        """'rank 1 (host h1)' for the ranks whose own loss went non-finite at the earliest step, or ''.
+        Collective when distributed: one all_gather of an int per rank (and of host names without ``hosts``)."""
+        firsts = {self.rank: int(self.first_local_step)}
         if world_size > 1 and dist.is_initialized():
-            everyone = [None] * world_size
-            dist.all_gather_object(everyone, mine)
-        bad = [r for r in everyone if r[1] > 0]
+            parts = [torch.empty(1, dtype=torch.int64, device=self.device) for _ in range(world_size)]
+            dist.all_gather(parts, self.first_local_step.reshape(1))  # note: collective, every rank must reach it
+            firsts = dict(enumerate(torch.cat(parts).tolist()))
+        bad = {rank: first for rank, first in firsts.items() if first > 0}
         if not bad:
             return ""
-        earliest = min(r[1] for r in bad)
-        return ", ".join(f"rank {r[0]} (host {r[2]})" for r in bad if r[1] == earliest) + f" at step {earliest}"
+        hosts = self._hosts(world_size)
+        earliest = min(bad.values())
+        return ", ".join(f"rank {rank} (host {hosts[rank]})" for rank, first in bad.items()
+                         if first == earliest) + f" at step {earliest}"
+
+    def _hosts(self, world_size: int) -> dict[int, str]:
+        """Host name by rank: the ones given, else gathered (collective when distributed)."""
+        if self.hosts is not None:
+            return dict(enumerate(self.hosts))
+        if world_size > 1 and dist.is_initialized():
+            hosts: list = [None] * world_size
+            dist.all_gather_object(hosts, socket.gethostname())  # note: collective, every rank must reach it
+            return {rank: str(host) for rank, host in enumerate(hosts)}
+        return {self.rank: socket.gethostname()}

@@ -2,16 +2,17 @@
 
 Each rank contributes, per step averaged over the interval: its own working time (data wait + forward passes, the
 time the straggler detector compares), the data wait alone, the rest of the wall-clock step (backward, optimizer and
-waiting in collectives for the slowest rank), and its peak memory so far. One all_gather of 4 floats per rank per
-log interval: no rank writes a file of its own.
+waiting in collectives for the slowest rank), and its peak memory so far. One all_gather per log interval of these 4
+floats per rank, to which the trainer adds the straggler detector's GPU-clock columns, so the detector gathers
+nothing of its own: no rank writes a file of its own.
 """
 
 from __future__ import annotations
 
 import resource
-import socket
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -31,30 +32,24 @@ def _collective_device(device: torch.device) -> torch.device:
     return torch.device("cpu")
 
 
-def gather_hosts() -> list[str]:
-    """Every rank's host name, in rank order. Collective: every rank must call it."""
-    mine = socket.gethostname()
+def timing_row(*, work_s: float, data_s: float, step_s: float, device: torch.device) -> list[float]:
+    """This rank's :data:`FIELDS` for the interval (seconds per step, averaged over it)."""
+    return [work_s, data_s, max(step_s - work_s, 0.0), peak_memory_gib(device)]
+
+
+def gather_rows(row: list[float], device: torch.device) -> np.ndarray:
+    """(world, len(row)) float64: every rank's ``row`` in rank order, on every rank. Collective: every rank must
+    call it at the same step with a row of the same length."""
+    mine = torch.tensor(row, dtype=torch.float64, device=_collective_device(device))  # (k,)
     if not dist.is_initialized():
-        return [mine]
-    hosts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(hosts, mine)  # note: collective, every rank must reach it
-    return [str(h) for h in hosts]
+        return mine.cpu().numpy()[None, :]
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, mine)  # note: collective, every rank must reach it
+    return torch.stack(parts).cpu().numpy()  # (world, k); note: a CPU-GPU sync point on CUDA
 
 
-def gather_rank_times(*, step: int, work_s: float, data_s: float, step_s: float,
-                      device: torch.device, is_rank_zero: bool) -> dict[str, Any] | None:
-    """The ``ranks`` record for this interval on rank 0 (None elsewhere). Collective: every rank must call it at
-    the same step. Times are seconds per step, averaged over the interval."""
-    mine = torch.tensor([work_s, data_s, max(step_s - work_s, 0.0), peak_memory_gib(device)],
-                        dtype=torch.float64, device=_collective_device(device))  # (4,)
-    if dist.is_initialized():
-        parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, mine)  # note: collective, every rank must reach it
-        table = torch.stack(parts).cpu()  # (world, 4); note: a CPU-GPU sync point on CUDA
-    else:
-        table = mine.cpu()[None, :]
-    if not is_rank_zero:
-        return None
+def ranks_record(table: np.ndarray, *, step: int, step_s: float) -> dict[str, Any]:
+    """The ``ranks`` record of metrics.jsonl from a gathered table whose first columns are :data:`FIELDS`."""
     record: dict[str, Any] = {"kind": "ranks", "step": step, "step_s": step_s}
     for i, name in enumerate(FIELDS):
         record[name] = [round(v, 6) for v in table[:, i].tolist()]

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -40,11 +41,11 @@ from meshrun.diag.fingerprint import check_consistency
 from meshrun.comm.mesh import ParallelDims, choose_data_parallel
 from meshrun.diag.flight_recorder import enable_flight_recorder
 from meshrun.diag.hang import HangWatchdog
-from meshrun.diag.stragglers import StragglerDetector, WorkTimer
+from meshrun.diag.stragglers import StragglerDetector, WorkTimer, gather_rank_infos
 from meshrun.train.metrics import MetricsSink, SumMetrics, peak_flops
 from meshrun.train.nonfinite import NonFiniteGuard
 from meshrun.train.profiling import StepProfiler, build_profiler
-from meshrun.train.rank_timing import gather_hosts, gather_rank_times
+from meshrun.train.rank_timing import FIELDS as TIMING_FIELDS, gather_rows, ranks_record, timing_row
 from meshrun.train.runlog import start_record
 
 log = logging.getLogger("meshrun")
@@ -114,8 +115,10 @@ class Trainer:
         self.data, self.val = self.build_data()
         self.optimizer = self.build_optimizer()
         self.scheduler = self.build_scheduler()
+        self.rank_infos = gather_rank_infos(self.env)  # collective: every rank; host names, gathered once
         self.guard = NonFiniteGuard(job.train.nonfinite, device=self.device, rank=self.env.rank,
-                                    fused_optimizer=bool(self.optimizer.param_groups[0].get("fused")))
+                                    fused_optimizer=bool(self.optimizer.param_groups[0].get("fused")),
+                                    hosts=[info.host for info in self.rank_infos])
         self.step = 0
         self.tokens_seen = 0
         self.ckpt, self.app_state = self.build_checkpointer()
@@ -128,10 +131,10 @@ class Trainer:
         self.watchdog: HangWatchdog | None = None
         self.stragglers = (StragglerDetector(env=self.env, threshold=job.health.straggler_threshold,
                                              min_gap_s=0.01, gemm_check=job.health.straggler_gemm_check,
-                                             compute_device=self.device)
+                                             compute_device=self.device, ranks=self.rank_infos)
                            if self.env.is_distributed and job.health.straggler_threshold else None)
         self.print_header()
-        self.sink.record({**self.start_record(), "hosts": gather_hosts()})  # collective: every rank
+        self.sink.record({**self.start_record(), "hosts": [info.host for info in self.rank_infos]})
         self.profiler: StepProfiler | None = build_profiler(
             job.run, rank=self.env.rank, world_size=self.env.world_size, device=self.device, run_dir=self.run_dir,
             start_step=self.step, say=self.sink.print)
@@ -431,17 +434,23 @@ class Trainer:
             log.warning("%s", report)
 
     def check_stragglers(self, steps: int, elapsed: float) -> None:
-        """Every rank's own working time (data + forward, before any blocking collective) gathered into a ``ranks``
-        record and compared across ranks."""
+        """Every rank's own working time (data + forward, before any blocking collective), peak memory and, for the
+        straggler detector, GPU clock, in one gather: the ``ranks`` record, and the numbers compared across ranks."""
         work_s, data_s = self.timer.take(steps)
-        ranks = gather_rank_times(step=self.step, work_s=work_s, data_s=data_s, step_s=elapsed / max(steps, 1),
-                                  device=self.device, is_rank_zero=self.env.is_rank_zero)  # collective: every rank
-        if ranks is not None:
-            self.sink.record(ranks)
-        if self.stragglers is None or self.step <= self.start_step + self.job.train.log_every:
-            return  # the first interval holds warm-up (compilation, allocator growth), not a rank's speed
+        step_s = elapsed / max(steps, 1)
+        # the first interval holds warm-up (compilation, allocator growth), not a rank's speed
+        observe = self.stragglers is not None and self.step > self.start_step + self.job.train.log_every
+        row = timing_row(work_s=work_s, data_s=data_s, step_s=step_s, device=self.device)
+        if observe:
+            row += self.stragglers.gpu_clock()
+        table = gather_rows(row, self.device)  # collective: every rank; (world, 4), or (world, 7) with the clock
+        if self.env.is_rank_zero:
+            self.sink.record(ranks_record(table, step=self.step, step_s=step_s))
+        if not observe:
+            return
         self.beat("straggler_check")
-        report = self.stragglers.observe(self.step, work_s, data_s)  # collective: every rank
+        times = np.concatenate([table[:, :2], table[:, len(TIMING_FIELDS):]], axis=1)  # (world, 5): work, data, clock
+        report = self.stragglers.observe_table(self.step, times)  # collective when the GEMM is re-run
         if report is not None:
             self.sink.print(f"warning: {report}")
             log.info("%s", report)
