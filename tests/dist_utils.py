@@ -90,3 +90,24 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
         codes = {r: procs[r].exitcode for r in missing}
         raise AssertionError(f"ranks {missing} returned nothing within {timeout:.0f}s (exit codes {codes})")
     return [results[r] for r in range(world_size)]
+
+
+def mesh_group_timeouts(parallel: dict, timeout_s: float) -> tuple[int, int, set[timedelta]]:
+    """Build the mesh of ``parallel`` on this gloo world and give its groups ``timeout_s`` (collective).
+
+    Returns (process groups this rank joined while the mesh was built, groups set_mesh_timeouts changed, the
+    distinct timeouts of every mesh group afterwards)."""
+    import torch
+
+    from meshrun.comm.mesh import ParallelDims
+    from meshrun.comm.process_group import set_mesh_timeouts
+    from meshrun.config import ParallelConfig
+
+    world = dist.get_world_size()
+    dims = ParallelDims.from_config(ParallelConfig(**parallel), world_size=world, gpus_per_node=world)
+    before = len(dist.distributed_c10d._world.pg_map)
+    dims.build_mesh("cpu")
+    made = len(dist.distributed_c10d._world.pg_map) - before
+    count = set_mesh_timeouts(dims.all_meshes(), timeout_s)
+    groups = {id(g): g for m in dims.all_meshes() for g in m.get_all_groups()}
+    return made, count, {g._get_backend(torch.device("cpu")).options._timeout for g in groups.values()}

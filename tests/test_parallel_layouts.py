@@ -21,13 +21,14 @@ every parameter arrives bit for bit.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from dist_utils import run_distributed
+from dist_utils import mesh_group_timeouts, run_distributed
 from meshrun.config import JobConfig, load_config
 from meshrun.comm.mesh import ParallelDims
 from meshrun.models.gpt import GPT, SIZES, GPTConfig
@@ -163,7 +164,8 @@ def run_layout(layout: Layout, initial: dict, *, device: torch.device = torch.de
 
 def _four_rank_worker(rank: int, world_size: int, layouts: dict[str, Layout], initials: dict, ckpt: str) -> dict:
     out = {name: run_layout(layout, initials[layout.model]) for name, layout in layouts.items()}
-    return {"layouts": out, "checkpoint": save_and_reshard(f"{ckpt}/fsdp4", f"{ckpt}/tp2xdp2")}
+    return {"layouts": out, "checkpoint": save_and_reshard(f"{ckpt}/fsdp4", f"{ckpt}/tp2xdp2"),
+            "hsdp_mesh_timeouts": mesh_group_timeouts({"dp_replicate": 2, "dp_shard": 2}, 600.0)}
 
 
 def _two_rank_worker(rank: int, world_size: int, layouts: dict[str, Layout], initials: dict, ckpt: str) -> dict:
@@ -223,7 +225,8 @@ def _spawn(worker, layouts: dict[str, Layout], world: int, references, ckpt: str
     initials = {model: ref["initial"] for model, ref in references.items()}
     per_rank = run_distributed(worker, world, layouts, initials, ckpt, timeout=420)
     results = {name: [per_rank[r]["layouts"][name] for r in range(world)] for name in layouts}
-    return results | {"checkpoint": [per_rank[r]["checkpoint"] for r in range(world)]}
+    return results | {"checkpoint": [per_rank[r]["checkpoint"] for r in range(world)],
+                      "hsdp_mesh_timeouts": [per_rank[r].get("hsdp_mesh_timeouts") for r in range(world)]}
 
 
 def assert_matches_reference(name: str, ranks: list[dict], reference: dict) -> None:
@@ -373,3 +376,11 @@ def test_pipelines_untie_embeddings_only_when_split():
     tied = model_config(tied=True)
     assert effective_model_config(tied, pp=1) is tied
     assert effective_model_config(tied, pp=2).tie_embeddings is False
+
+
+@pytest.mark.slow
+def test_every_group_of_a_two_dimensional_mesh_gets_the_training_timeout(four_rank_results):
+    # HSDP 2 x 2 makes its own replicate and shard groups (two per rank); without set_mesh_timeouts they would keep
+    # torch's 30-minute gloo default whatever dist.timeout_s says
+    for rank, (made, count, timeouts) in enumerate(four_rank_results["hsdp_mesh_timeouts"]):
+        assert made >= 2 and count >= 2 and timeouts == {timedelta(seconds=600)}, (rank, made, count, timeouts)

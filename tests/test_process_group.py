@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from meshrun.comm.process_group import shutdown
-from dist_utils import free_port, run_distributed
+from dist_utils import free_port, mesh_group_timeouts, run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 CYCLES = 20
@@ -77,17 +77,7 @@ def test_a_session_script_that_never_calls_close_exits_cleanly(tmp_path):
 
 
 def _mesh_timeout_worker(rank, world_size, parallel):
-    from meshrun.config import ParallelConfig
-    from meshrun.comm.mesh import ParallelDims
-    from meshrun.comm.process_group import set_mesh_timeouts
-
-    dims = ParallelDims.from_config(ParallelConfig(**parallel), world_size=world_size, gpus_per_node=world_size)
-    member_groups = len(dist.distributed_c10d._world.pg_map)
-    dims.build_mesh("cpu")
-    member_groups = len(dist.distributed_c10d._world.pg_map) - member_groups
-    count = set_mesh_timeouts(dims.all_meshes(), 42.0)
-    groups = {id(g): g for m in dims.all_meshes() for g in m.get_all_groups()}
-    return member_groups, count, {g._get_backend(torch.device("cpu")).options._timeout for g in groups.values()}
+    return mesh_group_timeouts(parallel, 42.0)
 
 
 @pytest.mark.slow
