@@ -94,8 +94,8 @@ class ModelSpec:
     init_weights: Callable[[nn.Module, Any], None] = _default_init
     """(model or pipeline stage, device) -> None: initialise every parameter and buffer in place."""
     blocks: str = "layers"
-    """Attribute (or dotted path) of the repeated blocks: an nn.ModuleDict keyed by layer index (needed for
-    pipeline stages), or an nn.ModuleList for the other layouts."""
+    """Attribute (or dotted path) of the repeated blocks: an nn.ModuleDict keyed by layer index, or an
+    nn.ModuleList (a pipeline stage sets the other stages' entries to None: ``forward`` must skip them)."""
     first_stage: tuple[str, ...] = ()
     """Modules only the first pipeline stage keeps (e.g. the token embedding)."""
     last_stage: tuple[str, ...] = ()
