@@ -9,7 +9,8 @@ parameter atol 1e-4 (one AdamW step moves a parameter by up to 1e-2, so a lost g
 or a stage trained on the wrong activations is far outside). AdamW's eps is 1e-6, not 1e-8: with 1e-8 one hidden
 unit whose gradients are near zero turned the rounding of micro-batch sums into a 3e-4 difference (m / sqrt(v)
 amplifies it); with 1e-6 the largest difference seen is 1e-5. The same spawn saves at step 3 and resumes into a
-fresh pipelined model, which must continue bit for bit.
+fresh pipelined model, which must continue bit for bit; last, a model whose forward does not skip the modules a
+stage lacks gets an error saying so.
 """
 
 from __future__ import annotations
@@ -84,8 +85,28 @@ def pipelined(rank: int, world_size: int, ckpt: str) -> dict:
     out["resumed_step"] = session.resume(model=fresh, optimizer=optimizer)
     out["resumed_losses"] = train(fresh, optimizer, range(SAVE_AT, STEPS))
     out["resumed_params"] = params(fresh)
+    out["unaware"] = step_error(session)  # last: it breaks the pipeline's connections
     session.close()
     return out
+
+
+class Unaware(MLPLM):
+    """A forward that does not skip what a stage lacks (the first stage has no head)."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens) + self.pos(torch.arange(tokens.shape[1]))
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+def step_error(session) -> str:
+    pipe = session.prepare_model(Unaware(), layout="pp")
+    try:
+        pipe.step(*step_batch(0))
+    except Exception as exc:  # noqa: BLE001 - the test reads its first line
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+    return "no error"
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +143,12 @@ def test_pp2_checkpoint_resumes_bitwise_at_the_same_layout(two_stages):
         assert rank["resumed_losses"] == rank["losses"][SAVE_AT:]
         for name, value in rank["params"].items():
             assert torch.equal(rank["resumed_params"][name], value), name
+
+
+@pytest.mark.slow
+def test_a_forward_that_calls_a_missing_module_is_explained(two_stages):
+    first = two_stages[0][0]["unaware"]
+    assert first.startswith("ConfigError: layout='pp': Unaware.forward called a module") and "skip None" in first
 
 
 @pytest.mark.slow

@@ -99,7 +99,13 @@ class PipelinedModule:
             return loss.detach()
         self._check_batch(inputs)
         device = self.engine.device
-        loss_sum, count = self.engine.forward_backward([(inputs.to(device), targets.to(device))])
+        try:
+            loss_sum, count = self.engine.forward_backward([(inputs.to(device), targets.to(device))])
+        except Exception as exc:
+            explained = _explained(exc, self.parts[0])
+            if explained is None:
+                raise
+            raise explained from exc
         return loss_sum / count if self.is_last else None
 
     @torch.no_grad()
@@ -123,6 +129,18 @@ class PipelinedModule:
             raise ConfigError(f"PipelineOptions.microbatches={m} does not divide the batch of {inputs.shape[0]} "
                               f"samples given to step(); pass a batch that is a multiple of {m} or change "
                               "microbatches")
+
+
+def _explained(exc: Exception, part: nn.Module) -> ConfigError | None:
+    """A forward that called a module this stage does not hold (None) gets an error saying what to change."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, TypeError) and "'NoneType' object is not callable" in str(cause):
+            return ConfigError(f"layout='pp': {type(part).__name__}.forward called a module or block that this "
+                               "pipeline stage does not hold (None); make forward skip None modules and blocks "
+                               "(docs/api.md, 'Pipeline parallelism for your own model')")
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 def pipeline_dims(layout: str, options: PipelineOptions, *, world_size: int, nodes: int, pp: int) -> ParallelDims:
