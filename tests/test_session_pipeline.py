@@ -203,3 +203,19 @@ def test_a_model_or_option_that_cannot_be_pipelined_is_named(model, kwargs, name
         dims = pipeline_dims("pp", options, world_size=kwargs.pop("world_size", 2), nodes=1, pp=kwargs.pop("pp", 0))
         stage_spec(model, kwargs.get("blocks", find_blocks(model)), options, dims=dims)
     assert names in str(err.value).splitlines()[0]
+
+
+def test_pipeline_layout_words_mean_these_degrees():
+    from meshrun.parallel.module import layout_dims
+
+    def degrees(layout, **kw):
+        d = layout_dims(layout, world_size=4, **kw)
+        return d.pp, d.dp_replicate, d.dp_shard, d.tp
+
+    assert degrees("pp") == (4, 1, 1, 1)
+    assert degrees("pp", pp=2) == (2, 2, 1, 1)  # the ranks left over replicate each stage
+    assert degrees("pp+fsdp") == (2, 1, 2, 1)  # ... or shard it
+    with pytest.raises(ConfigError, match="pp=2 needs layout='pp' or 'pp\\+fsdp', not 'fsdp'"):
+        layout_dims("fsdp", world_size=4, pp=2)
+    with pytest.raises(ConfigError, match="pp=3 does not divide the world size 4"):
+        layout_dims("pp", world_size=4, pp=3)

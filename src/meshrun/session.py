@@ -103,6 +103,8 @@ class Session:
                 blocks=blocks, options=pipeline, activation_checkpoint=activation_checkpoint,
                 compute_dtype=compute_dtype)
         else:
+            if pp or pipeline is not None:
+                raise ConfigError(f"pp={pp} / pipeline= need layout='pp' or 'pp+fsdp', not {layout!r}")
             prepared, self.layout = prepare_module(
                 model, layout if self.world_size > 1 else "none", device=self.device, world_size=self.world_size,
                 nodes=self.env.num_nodes, tp=tp, dp_replicate=dp_replicate, blocks=blocks, tp_plan=tp_plan,
