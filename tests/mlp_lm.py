@@ -1,7 +1,7 @@
 """A small language model that is not the built-in GPT, for the Session and model-contract tests.
 
 Learned positions, pre-LayerNorm GELU MLP blocks without attention (an nn.ModuleList, as most user models have),
-an untied output head with a bias. Its ``tp_plan`` shards each block's MLP Megatron-style (up column-parallel,
+an untied output head with a bias; ``forward`` skips the parts a pipeline stage does not hold. Its ``tp_plan`` shards each block's MLP Megatron-style (up column-parallel,
 down row-parallel: the GELU between them is elementwise, so each rank applies it to its own columns).
 """
 
@@ -44,10 +44,17 @@ class MLPLM(nn.Module):
             if hasattr(module, "reset_parameters"):
                 module.reset_parameters()
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.embed(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))  # (B, T, C)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Tokens (B, T) -> logits (B, T, V). As a pipeline stage it skips what the stage does not hold: later
+        stages take the hidden states (B, T, C) instead of tokens, earlier ones return them."""
+        h = x
+        if self.embed is not None:
+            h = self.embed(x) + self.pos(torch.arange(x.shape[1], device=x.device))  # (B, T, C)
         for block in self.blocks:
-            h = block(h)
+            if block is not None:
+                h = block(h)
+        if self.head is None:
+            return h
         return self.head(self.norm(h))  # (B, T, V)
 
 

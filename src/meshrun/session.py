@@ -1,7 +1,7 @@
 """meshrun's pieces for a user's own training script, with their own model and dataset.
 
     session = meshrun.Session(seed=0, checkpoint="ckpt")    # reads torchrun / meshrun launch / SLURM, starts the group
-    model = session.prepare_model(MyModel(), layout="fsdp")  # or "ddp", "hsdp", "tp", "tp+fsdp"
+    model = session.prepare_model(MyModel(), layout="fsdp")  # or "ddp", "hsdp", "tp", "tp+fsdp" ("pp": step())
     optimizer = torch.optim.AdamW(model.parameters())
     batches = session.step_batches(dataset, micro_batch=32, global_batch=256)
     start = session.resume(model=model, optimizer=optimizer, batches=batches)   # 0 when nothing was saved
@@ -33,13 +33,14 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from meshrun.config import CheckpointConfig, DistConfig, TrainConfig, resolve_batch
+from meshrun.config import CheckpointConfig, ConfigError, DistConfig, TrainConfig, resolve_batch
 from meshrun.data.loader import StepBatches
 from meshrun.comm.process_group import init_distributed, shutdown
 from meshrun.env import ClusterEnv
 from meshrun.parallel.module import ModuleLayout, prepare_module
+from meshrun.parallel.module_pipeline import PipelinedModule, PipelineOptions, prepare_pipeline
 from meshrun.rng import seed_rank_streams
-from meshrun.ckpt.script import SessionCheckpoints
+from meshrun.ckpt.script import SessionCheckpoints, model_fingerprint
 from meshrun.diag.hang import HangWatchdog
 from meshrun.diag.stragglers import StragglerDetector, WorkTimer
 from meshrun.train.metrics import SumMetrics
@@ -82,17 +83,32 @@ class Session:
         return self.layout.dims.dp_size if self.layout else self.world_size
 
     def prepare_model(self, model: nn.Module, layout: str = "ddp", *, tp: int = 0, dp_replicate: int = 0,
-                      blocks: str | None = None, tp_plan: Mapping[str, Any] | None = None,
-                      activation_checkpoint: str = "none", compute_dtype: torch.dtype | None = None) -> nn.Module:
-        """Apply ``layout`` (ddp, fsdp, hsdp, tp, tp+fsdp) on this rank's device; see meshrun.parallel.module.
+                      pp: int = 0, blocks: str | None = None, tp_plan: Mapping[str, Any] | None = None,
+                      pipeline: PipelineOptions | None = None, activation_checkpoint: str = "none",
+                      compute_dtype: torch.dtype | None = None) -> nn.Module | PipelinedModule:
+        """Apply ``layout`` (ddp, fsdp, hsdp, tp, tp+fsdp, pp, pp+fsdp) on this rank's device; see
+        meshrun.parallel.module and, for pp, meshrun.parallel.module_pipeline.
 
         FSDP2 shards each repeated block (``blocks``, a dotted path, or detected), then the root; TP follows
-        ``tp_plan`` (or the model's ``tp_plan`` attribute). Every rank starts from rank 0's weights. Per-rank
-        random streams (seed + rank) are set afterwards, for dropout and augmentation. Collective."""
-        prepared, self.layout = prepare_module(
-            model, layout if self.world_size > 1 else "none", device=self.device, world_size=self.world_size,
-            nodes=self.env.num_nodes, tp=tp, dp_replicate=dp_replicate, blocks=blocks, tp_plan=tp_plan,
-            activation_checkpoint=activation_checkpoint, compute_dtype=compute_dtype)
+        ``tp_plan`` (or the model's ``tp_plan`` attribute). ``pp`` cuts the blocks into pipeline stages and returns
+        a PipelinedModule (train it with ``step(inputs, targets)``; ``pipeline`` sets schedule, micro-batches and
+        loss). Every rank starts from rank 0's weights. Per-rank random streams (seed + rank) are set afterwards,
+        for dropout and augmentation. Collective."""
+        if layout.startswith("pp"):
+            if tp or dp_replicate or tp_plan:
+                raise ConfigError(f"layout={layout!r} takes no tp, dp_replicate or tp_plan (pipelines here combine "
+                                  "with DDP-style replication ('pp') or FSDP2 ('pp+fsdp') only); drop them")
+            prepared, self.layout = prepare_pipeline(
+                model, layout, device=self.device, world_size=self.world_size, nodes=self.env.num_nodes, pp=pp,
+                blocks=blocks, options=pipeline, activation_checkpoint=activation_checkpoint,
+                compute_dtype=compute_dtype)
+        else:
+            if pp or pipeline is not None:
+                raise ConfigError(f"pp={pp} / pipeline= need layout='pp' or 'pp+fsdp', not {layout!r}")
+            prepared, self.layout = prepare_module(
+                model, layout if self.world_size > 1 else "none", device=self.device, world_size=self.world_size,
+                nodes=self.env.num_nodes, tp=tp, dp_replicate=dp_replicate, blocks=blocks, tp_plan=tp_plan,
+                activation_checkpoint=activation_checkpoint, compute_dtype=compute_dtype)
         seed_rank_streams(self.seed, self.rank)
         return prepared
 
@@ -130,23 +146,23 @@ class Session:
 
     # ---- checkpoints ----------------------------------------------------------------------------------------------
 
-    def save(self, step: int, *, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+    def save(self, step: int, *, model: nn.Module | PipelinedModule, optimizer: torch.optim.Optimizer | None = None,
              batches: StepBatches | None = None, scheduler: Any = None, extra: dict[str, float] | None = None,
              final: bool = False) -> Path:
         """Save a sharded checkpoint of step ``step`` (collective: every rank, same step); returns its folder."""
-        return self._checkpoints().save(step, module=self._module(model), optimizer=optimizer,
-                                        batches=batches or self._batches, scheduler=scheduler, extra=extra,
-                                        layout=self.layout, final=final)
+        return self._checkpoints().save(step, parts=self._parts(model), fingerprint=self._fingerprint(model),
+                                        optimizer=optimizer, batches=batches or self._batches, scheduler=scheduler,
+                                        extra=extra, layout=self.layout, final=final)
 
-    def resume(self, *, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+    def resume(self, *, model: nn.Module | PipelinedModule, optimizer: torch.optim.Optimizer | None = None,
                batches: StepBatches | None = None, scheduler: Any = None, extra: dict[str, float] | None = None,
                path: str | None = None) -> int:
         """Load the newest complete checkpoint (or ``path``) into the given objects, at any world size and layout;
         ``batches`` continues from the saved data position and ``extra`` is updated in place. Returns the saved
         step, or 0 when there is none. Collective."""
-        return self._checkpoints().resume(module=self._module(model), optimizer=optimizer,
-                                          batches=batches or self._batches, scheduler=scheduler, extra=extra,
-                                          layout=self.layout, path=path)
+        return self._checkpoints().resume(parts=self._parts(model), fingerprint=self._fingerprint(model),
+                                          optimizer=optimizer, batches=batches or self._batches,
+                                          scheduler=scheduler, extra=extra, layout=self.layout, path=path)
 
     def _checkpoints(self) -> SessionCheckpoints:
         if self.checkpoints is None:
@@ -154,13 +170,20 @@ class Session:
                              "or a CheckpointConfig")
         return self.checkpoints
 
-    def _module(self, model: nn.Module) -> nn.Module:
-        """The module with its own parameter names (never the DDP wrapper)."""
-        return getattr(model, "module", model) if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    def _parts(self, model: nn.Module | PipelinedModule) -> list[nn.Module]:
+        """The modules with their own parameter names: this rank's pipeline stages, or the model (never the DDP
+        wrapper)."""
+        if isinstance(model, PipelinedModule):
+            return model.parts
+        return [model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model]
+
+    def _fingerprint(self, model: nn.Module | PipelinedModule) -> str:
+        """The whole model's parameter names and shapes (a pipeline stage holds only some of them)."""
+        return model.fingerprint if isinstance(model, PipelinedModule) else model_fingerprint(self._parts(model)[0])
 
     # ---- health ---------------------------------------------------------------------------------------------------
 
-    def watch_health(self, model: nn.Module | None = None, *, hang_timeout_s: float = 300.0,
+    def watch_health(self, model: nn.Module | PipelinedModule | None = None, *, hang_timeout_s: float = 300.0,
                      straggler_threshold: float = 1.5, every: int = 10, stack_dir: str | None = None,
                      on_hang: Callable[[str], None] | None = None) -> None:
         """Start the hang watchdog (a rank without a heartbeat for ``hang_timeout_s`` is named, with its host and
@@ -176,7 +199,7 @@ class Session:
                                           on_hang=on_hang).start()
         if straggler_threshold:
             self._stragglers = StragglerDetector(env=self.env, threshold=straggler_threshold, min_gap_s=0.01)
-            self._timer = WorkTimer([self._module(model)] if model is not None else [], self.device)
+            self._timer = WorkTimer(self._parts(model) if model is not None else [], self.device)
 
     def heartbeat(self, step: int) -> str | None:
         """Call once per step on every rank: tells the watchdog this rank made progress and, every ``every``

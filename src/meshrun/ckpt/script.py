@@ -2,8 +2,8 @@
 Checkpointer: the same folder layout, manifest, SHA-256 checksums, COMPLETE marker, retention, async option and
 resharding across world sizes and layouts, so ``meshrun ckpt ls/verify/export`` read them.
 
-What is saved: the model and optimizer (sharded, with DCP; FSDP2, HSDP, TP and DDP models all save under the
-model's own parameter names), the step and the data position of the script's StepBatches (epoch, samples consumed
+What is saved: the model and optimizer (sharded, with DCP; FSDP2, HSDP, TP, DDP models and pipeline stages all
+save under the model's own parameter names), the step and the data position of the script's StepBatches (epoch, samples consumed
 by all ranks: independent of the world size), every rank's RNG streams, an LR scheduler, and ``extra`` floats.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -36,16 +36,16 @@ class SessionCheckpoints:
         self.cfg, self.env, self.seed = cfg, env, seed
         self._ckpt: Checkpointer | None = None
 
-    def _checkpointer(self, module: nn.Module, layout: Any, batches: StepBatches | None) -> Checkpointer:
+    def _checkpointer(self, fingerprint: str, layout: Any, batches: StepBatches | None) -> Checkpointer:
         if self._ckpt is None:  # collective: it creates the checkpointer's gloo groups
             self._ckpt = Checkpointer(self.cfg, folder=self.cfg.dir, env=self.env, layout={},
-                                      config_fingerprint=model_fingerprint(module))
+                                      config_fingerprint=fingerprint)
         self._ckpt.layout = describe_layout(self.env, layout, batches)
         return self._ckpt
 
-    def _state(self, module: nn.Module, optimizer: Any, scheduler: Any,
+    def _state(self, parts: Sequence[nn.Module], optimizer: Any, scheduler: Any,
                extra: dict[str, float] | None) -> dict[str, Any]:
-        state: dict[str, Any] = {"model_optim": ModelOptimState([module], [optimizer] if optimizer else []),
+        state: dict[str, Any] = {"model_optim": ModelOptimState(parts, [optimizer] if optimizer else []),
                                  "trainer": CountersState(), "rng": RNGState(self.env, seed=self.seed)}
         if scheduler is not None:
             state["scheduler"] = SchedulerState(scheduler)
@@ -53,10 +53,13 @@ class SessionCheckpoints:
             state["extra"] = MetricsState(extra)
         return state
 
-    def save(self, step: int, *, module: nn.Module, optimizer: Any, batches: StepBatches | None, scheduler: Any,
-             extra: dict[str, float] | None, layout: Any, final: bool) -> Path:
-        ckpt = self._checkpointer(module, layout, batches)
-        state = self._state(module, optimizer, scheduler, extra)
+    def save(self, step: int, *, parts: Sequence[nn.Module], fingerprint: str, optimizer: Any,
+             batches: StepBatches | None, scheduler: Any, extra: dict[str, float] | None, layout: Any,
+             final: bool) -> Path:
+        """``parts``: this rank's model parts (one module, or its pipeline stages); ``fingerprint``: the whole
+        model's (:func:`model_fingerprint`)."""
+        ckpt = self._checkpointer(fingerprint, layout, batches)
+        state = self._state(parts, optimizer, scheduler, extra)
         counters: CountersState = state["trainer"]
         counters.step = step
         if batches is not None:
@@ -65,10 +68,10 @@ class SessionCheckpoints:
                                                   counters.samples_in_epoch})
         return Path(self.cfg.dir) / step_dir_name(step)
 
-    def resume(self, *, module: nn.Module, optimizer: Any, batches: StepBatches | None, scheduler: Any,
-               extra: dict[str, float] | None, layout: Any, path: str | None) -> int:
-        ckpt = self._checkpointer(module, layout, batches)
-        state = self._state(module, optimizer, scheduler, extra)
+    def resume(self, *, parts: Sequence[nn.Module], fingerprint: str, optimizer: Any, batches: StepBatches | None,
+               scheduler: Any, extra: dict[str, float] | None, layout: Any, path: str | None) -> int:
+        ckpt = self._checkpointer(fingerprint, layout, batches)
+        state = self._state(parts, optimizer, scheduler, extra)
         manifest = ckpt.load(state, resume=path)
         if manifest is None:
             return 0
@@ -91,7 +94,7 @@ def describe_layout(env: ClusterEnv, layout: Any, batches: StepBatches | None) -
     dims = layout.dims if layout is not None else None
     entry = {"world_size": env.world_size, "nodes": env.num_nodes,
              "dp_replicate": dims.dp_replicate if dims else env.world_size, "dp_shard": dims.dp_shard if dims else 1,
-             "tp": dims.tp if dims else 1, "pp": 1}
+             "tp": dims.tp if dims else 1, "pp": dims.pp if dims else 1}
     if batches is not None:
         entry.update(global_batch=batches.global_batch, micro_batch=batches.micro_batch,
                      grad_accum=batches.grad_accum)

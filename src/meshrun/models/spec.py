@@ -94,8 +94,8 @@ class ModelSpec:
     init_weights: Callable[[nn.Module, Any], None] = _default_init
     """(model or pipeline stage, device) -> None: initialise every parameter and buffer in place."""
     blocks: str = "layers"
-    """Attribute (or dotted path) of the repeated blocks: an nn.ModuleDict keyed by layer index (needed for
-    pipeline stages), or an nn.ModuleList for the other layouts."""
+    """Attribute (or dotted path) of the repeated blocks: an nn.ModuleDict keyed by layer index, or an
+    nn.ModuleList (a pipeline stage sets the other stages' entries to None: ``forward`` must skip them)."""
     first_stage: tuple[str, ...] = ()
     """Modules only the first pipeline stage keeps (e.g. the token embedding)."""
     last_stage: tuple[str, ...] = ()
@@ -122,11 +122,13 @@ class ModelSpec:
         return model.get_submodule(self.blocks)
 
     def block_modules(self, model: nn.Module) -> list[nn.Module]:
-        """The repeated blocks themselves, in order (from a ModuleDict or a ModuleList); none when ``blocks`` is ''."""
+        """The repeated blocks themselves, in order (from a ModuleDict or a ModuleList); none when ``blocks`` is ''.
+        A pipeline stage's ModuleList holds None for the blocks of other stages: those are left out."""
         if not self.blocks:
             return []
         container = self.model_blocks(model)
-        return list(container.values()) if isinstance(container, nn.ModuleDict) else list(container)
+        found = container.values() if isinstance(container, nn.ModuleDict) else container
+        return [block for block in found if block is not None]
 
     def count_params(self, shape: ModelShape) -> int:
         """Unique parameters of the whole model, counted on the meta device (no memory)."""

@@ -27,7 +27,7 @@ from meshrun.config import ConfigError, JobConfig
 from meshrun.comm.mesh import ParallelDims
 from meshrun.models.spec import ModelSpec
 
-LAYOUTS = ("none", "ddp", "fsdp", "hsdp", "tp", "tp+fsdp")
+LAYOUTS = ("none", "ddp", "fsdp", "hsdp", "tp", "tp+fsdp", "pp", "pp+fsdp")
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,12 @@ class ModuleLayout:
     """The model itself (never a DDP wrapper), with its original parameter names."""
 
 
-def layout_dims(layout: str, *, world_size: int, nodes: int = 1, tp: int = 0, dp_replicate: int = 0) -> ParallelDims:
-    """The degrees a layout word means at ``world_size`` ranks (pure arithmetic; raises ConfigError)."""
+def layout_dims(layout: str, *, world_size: int, nodes: int = 1, tp: int = 0, dp_replicate: int = 0,
+                pp: int = 0) -> ParallelDims:
+    """The degrees a layout word means at ``world_size`` ranks (pure arithmetic; raises ConfigError).
+
+    Like ``tp`` for 'tp', ``pp`` defaults to every rank for 'pp' and to 2 for 'pp+fsdp'; ranks left over replicate
+    ('pp') or shard ('pp+fsdp') each stage."""
     if layout not in LAYOUTS:
         raise ConfigError(f"layout={layout!r} is not one of {', '.join(LAYOUTS)}")
     if layout == "none" and world_size > 1:
@@ -51,9 +55,13 @@ def layout_dims(layout: str, *, world_size: int, nodes: int = 1, tp: int = 0, dp
     tp = tp or (world_size if layout == "tp" else 2 if layout == "tp+fsdp" else 1)
     if tp > 1 and layout not in ("tp", "tp+fsdp"):
         raise ConfigError(f"tp={tp} needs layout='tp' or 'tp+fsdp', not {layout!r}")
-    if world_size % tp:
-        raise ConfigError(f"tp={tp} does not divide the world size {world_size}; choose a tp that divides it")
-    dp = world_size // tp
+    pp = pp or (world_size if layout == "pp" else 2 if layout == "pp+fsdp" else 1)
+    if pp > 1 and layout not in ("pp", "pp+fsdp"):
+        raise ConfigError(f"pp={pp} needs layout='pp' or 'pp+fsdp', not {layout!r}")
+    if world_size % (tp * pp):
+        what = f"tp={tp}" if pp == 1 else f"pp={pp}"
+        raise ConfigError(f"{what} does not divide the world size {world_size}; choose a {what[:2]} that divides it")
+    dp = world_size // (tp * pp)
     if layout == "hsdp":
         dp_replicate = dp_replicate or (nodes if nodes > 1 else 1)
         if dp % dp_replicate:
@@ -61,8 +69,8 @@ def layout_dims(layout: str, *, world_size: int, nodes: int = 1, tp: int = 0, dp
                               "ranks; pass dp_replicate= a divisor (replicas, usually the number of nodes)")
         return ParallelDims(dp_replicate=dp_replicate, dp_shard=dp // dp_replicate, tp=tp, pp=1,
                             world_size=world_size)
-    shard = layout in ("fsdp", "tp+fsdp")
-    return ParallelDims(dp_replicate=1 if shard else dp, dp_shard=dp if shard else 1, tp=tp, pp=1,
+    shard = layout in ("fsdp", "tp+fsdp", "pp+fsdp")
+    return ParallelDims(dp_replicate=1 if shard else dp, dp_shard=dp if shard else 1, tp=tp, pp=pp,
                         world_size=world_size)
 
 
@@ -89,6 +97,9 @@ def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world
     from meshrun.parallel.data_parallel import apply_ddp
 
     dims = layout_dims(layout, world_size=world_size, nodes=nodes, tp=tp, dp_replicate=dp_replicate)
+    if dims.pp > 1:
+        raise ConfigError(f"layout={layout!r} cuts the model into stages: use meshrun.parallel.module_pipeline."
+                          "prepare_pipeline (Session.prepare_model does)")
     blocks = find_blocks(model) if blocks is None else blocks
     plan = tp_plan if tp_plan is not None else getattr(model, "tp_plan", None)
     if dims.tp > 1 and not plan:
@@ -98,7 +109,7 @@ def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world
     if world_size > 1:
         dims.build_mesh(device.type)  # collective: every rank
     _broadcast_from_rank0(model)
-    spec = ModelSpec(arch=type(model).__name__, build=_prebuilt, sizes={}, blocks=blocks, tp_plan=plan)
+    spec = ModelSpec(arch=type(model).__name__, build=prebuilt, sizes={}, blocks=blocks, tp_plan=plan)
     job = JobConfig()
     job.parallel.activation_checkpoint = activation_checkpoint
     job.parallel.sequence_parallel = False
@@ -109,7 +120,8 @@ def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world
     return trained, ModuleLayout(dims=dims, name=layout_name(dims), blocks=blocks, module=model)
 
 
-def _prebuilt(_shape) -> nn.Module:
+def prebuilt(_shape) -> nn.Module:
+    """The ModelSpec ``build`` of a model that the user built already (never called)."""
     raise TypeError("a model given to Session.prepare_model is already built")
 
 

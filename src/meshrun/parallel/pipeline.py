@@ -72,6 +72,8 @@ def stage_ids(pp_rank: int, *, pp: int, virtual_stages: int) -> list[int]:
 def split_stage(model: nn.Module, stage: int, n_stages: int, *, spec: ModelSpec | None = None) -> nn.Module:
     """A copy of ``model`` (best on the meta device) holding only ``stage``'s blocks, with the original names.
 
+    Blocks in an nn.ModuleDict are deleted; in an nn.ModuleList they become None (``forward`` must skip them).
+
     ``spec`` names the blocks and the first/last-stage modules (the built-in GPT's when None)."""
     if spec is None:
         from meshrun.models.spec import get_model_spec
@@ -80,13 +82,17 @@ def split_stage(model: nn.Module, stage: int, n_stages: int, *, spec: ModelSpec 
     part = copy.deepcopy(model)
     blocks = spec.model_blocks(part)
     owned = {str(i) for i in layer_ranges(len(blocks), n_stages)[stage]}
-    for name in list(blocks.keys()):
-        if name not in owned:
+    for name in list(blocks._modules):
+        if name in owned:
+            continue
+        if isinstance(blocks, nn.ModuleList):
+            blocks[int(name)] = None  # the slot stays, so the other blocks keep their indices (and names)
+        else:
             del blocks[name]
-    for name in spec.first_stage if stage != 0 else ():
-        setattr(part, name, None)
-    for name in spec.last_stage if stage != n_stages - 1 else ():
-        setattr(part, name, None)
+    dropped = (spec.first_stage if stage != 0 else ()) + (spec.last_stage if stage != n_stages - 1 else ())
+    for name in dropped:  # a dotted name ("model.norm") is set on its parent module
+        parent, _, attr = name.rpartition(".")
+        setattr(part.get_submodule(parent), attr, None)
     return part
 
 
