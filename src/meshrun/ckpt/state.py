@@ -157,13 +157,15 @@ def union_of_parts(parts: Sequence[nn.Module]) -> nn.Module:
         return parts[0]
     root = nn.Module()
     for part in parts:
-        for name, tensor in list(part._parameters.items()) + list(part._buffers.items()):
-            if tensor is None or name in part._non_persistent_buffers_set:  # never saved; may repeat (rope)
+        saved = {key for key in part.state_dict(keep_vars=True) if "." not in key}  # the part's own entries
+        parameters = dict(part.named_parameters(recurse=False))
+        for name, tensor in [*parameters.items(), *part.named_buffers(recurse=False)]:
+            if name not in saved:  # a non-persistent buffer: never saved; may repeat (rope)
                 continue
             if hasattr(root, name):
                 raise ValueError(f"ModelOptimState: {name!r} is held by two model parts; each parameter must "
                                  "belong to exactly one part")
-            if name in part._parameters:
+            if name in parameters:
                 root.register_parameter(name, tensor)
             else:
                 root.register_buffer(name, tensor)

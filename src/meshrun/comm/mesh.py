@@ -259,7 +259,9 @@ class ParallelDims:
             self._meshes[name] = mesh[name]
         for flat, joined in FLAT_DIMS.items():
             self._meshes[joined] = mesh[joined]
-            self._meshes[flat] = mesh[joined]._flatten(flat)  # kept here: slicing flat dims from the root is deprecated
+            # private: DeviceMesh has no public flatten (2.8 to 2.13; torchtitan uses the same); kept here: slicing
+            # flat dims from the root is deprecated
+            self._meshes[flat] = mesh[joined]._flatten(flat)
         return mesh
 
     def all_meshes(self) -> list[DeviceMesh]:
