@@ -71,6 +71,9 @@ def test_checkpoint_with_the_position_under_trainer_still_loads(tmp_path):
     checkpointer(tmp_path).load({"trainer": progress, "data": data})
     assert (progress.step, progress.tokens_seen) == (9, 900)
     assert (data.position.epoch, data.position.consumed) == (1, 2 * GLOBAL_BATCH)
+    counters, beside = CountersState(), batches()  # a loop that keeps CountersState and adds its StepBatches
+    checkpointer(tmp_path).load({"trainer": counters, "data": beside})
+    assert counters == old and (beside.position.epoch, beside.position.consumed) == (1, 2 * GLOBAL_BATCH)
     expected = batches()
     for _ in range(6 + 2):  # one epoch of 6 steps, then two steps into the next
         samples(expected)

@@ -32,7 +32,7 @@ from meshrun.ckpt.errors import CheckpointError
 from meshrun.ckpt.layout import scan
 from meshrun.ckpt.manifest import check_checksums, check_structure, share_of_files
 from meshrun.ckpt.safe_metadata import SafeFileSystemReader
-from meshrun.ckpt.state import MOVED_KEYS, is_blob_key
+from meshrun.ckpt.state import MOVED_KEYS, is_blob_key, walk
 
 log = logging.getLogger("meshrun.ckpt")
 
@@ -135,7 +135,7 @@ def load_into(coord: Coordinator, state: dict[str, Any], path: Path) -> None:
     optional = {name for name, obj in state.items() if getattr(obj, "missing_ok", False)}
     tree = {name: obj.state_dict() if isinstance(obj, Stateful) else obj for name, obj in state.items()}
     missing: list[str] = []
-    moved: dict[str, torch.Tensor] = {}
+    moved: dict[str, _Moved] = {}
     targets = {name: _prepare(sub, name + ".", saved, path=path, optional=name in optional, missing=missing,
                               moved=moved)
                if isinstance(sub, dict) else sub for name, sub in tree.items()}
@@ -145,8 +145,14 @@ def load_into(coord: Coordinator, state: dict[str, Any], path: Path) -> None:
     to_load: dict[str, Any] = {name: _Targets(obj, targets[name]) if isinstance(obj, Stateful) else targets[name]
                                for name, obj in state.items()}
     # An entry an older checkpoint holds under another key is read from there: a top-level key "trainer.epoch"
-    # flattens to the same DCP key as {"trainer": {"epoch": ...}}.
-    to_load.update(moved)
+    # flattens to the same DCP key as {"trainer": {"epoch": ...}}. Where another entry loads that key too (a
+    # CountersState beside the StepBatches), both share its tensor.
+    loaded_too = dict(walk({name: _drop_moved(sub) for name, sub in targets.items() if isinstance(sub, dict)}))
+    for source, target in moved.items():
+        if source in loaded_too:
+            target.tensor = loaded_too[source]
+        else:
+            to_load[source] = target.tensor
     dcp.load(to_load, storage_reader=reader, process_group=coord.io)
 
 
@@ -181,7 +187,7 @@ def _with_moved(node: dict[str, Any]) -> dict[str, Any]:
 
 
 def _prepare(node: dict[str, Any], prefix: str, saved: dict[str, Any], *, path: Path, optional: bool,
-             missing: list[str], moved: dict[str, torch.Tensor]) -> dict[str, Any]:
+             missing: list[str], moved: dict[str, _Moved]) -> dict[str, Any]:
     """The load targets under ``node``: blobs sized from the checkpoint, absent optional entries dropped, entries
     an older checkpoint holds under another key marked ``_Moved`` (and listed in ``moved`` by that key)."""
     out: dict[str, Any] = {}
@@ -209,6 +215,5 @@ def _prepare(node: dict[str, Any], prefix: str, saved: dict[str, Any], *, path: 
         else:
             out[key] = value
         if source != dotted:
-            moved[source] = out[key]
-            out[key] = _Moved(out[key])
+            out[key] = moved[source] = _Moved(out[key])
     return out
