@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from meshrun.ckpt.checkpointer import Checkpointer
-from meshrun.ckpt.state import CountersState, ModelOptimState, RNGState
+from meshrun.ckpt.state import ModelOptimState, RNGState, TrainProgress
 from meshrun.config import CheckpointConfig
 from meshrun.env import ClusterEnv
 from meshrun.models.gpt import GPT, gpt_config
@@ -60,7 +60,7 @@ def build_state(args: argparse.Namespace, env: ClusterEnv, device: torch.device)
     for param in model.parameters():
         param.grad = torch.zeros_like(param)
     optimizer.step()
-    state = {"model_optim": ModelOptimState([model], [optimizer]), "trainer": CountersState(), "rng": RNGState(env)}
+    state = {"model_optim": ModelOptimState([model], [optimizer]), "trainer": TrainProgress(), "rng": RNGState(env)}
     params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     return state, params
 

@@ -48,11 +48,6 @@ from meshrun.config import CheckpointConfig
 from meshrun.env import ClusterEnv
 from meshrun.units import format_bytes
 
-try:  # DCP's own staging helpers (private, present since torch 2.4); without them staging allocates each time
-    from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
-except ImportError:  # pragma: no cover - a future torch that moved them
-    _copy_state_dict = _create_cpu_state_dict = None
-
 log = logging.getLogger("meshrun.ckpt")
 _SHARD_RE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
@@ -234,7 +229,7 @@ class Checkpointer:
 
     def _staging_writer(self) -> _StagingWriter:
         if self._writer is None:
-            # Pinned staging buffers kept between saves where CUDA can pin them; CPU-only builds cannot.
+            # DCP's pinned staging buffers, kept between saves, where CUDA can pin them; CPU-only builds cannot.
             self._writer = _StagingWriter(str(self.folder), sync_files=True, thread_count=self.io_threads,
                                           cache_staged_state_dict=torch.cuda.is_available())
         return self._writer
@@ -424,33 +419,23 @@ def _materialize(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]
 
 
 class _StagingWriter(dcp.FileSystemWriter):
-    """FileSystemWriter whose async staging (the copy the training stalls for) keeps its buffers between saves.
+    """FileSystemWriter whose async staging (the copy the training stalls for) is DCP's own, minus the JSON blobs.
 
-    JSON blobs are left out of the copy: they are fresh CPU tensors already, and keeping them out lets a staging
-    cache, whose layout is fixed by its first use, survive blobs that change length from save to save. With CUDA,
-    DCP's own cache of pinned buffers is used (``cache_staged_state_dict``); CPU-only builds cannot pin, so the
-    buffers are cached here instead, which turns each stall from page-faulting fresh memory into a plain copy.
+    With CUDA, DCP keeps its pinned staging buffers between saves (``cache_staged_state_dict``); their layout is
+    fixed by the first save, so the blobs, fresh CPU tensors already that may change length from save to save, are
+    left out of the copy. Should the layout change all the same, the cache is dropped and built again.
     """
-
-    _cpu_cache: dict[str, Any] | None = None
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         bulk, blobs = _split_blobs(state_dict)
         try:
-            staged = self._stage_bulk(bulk)
+            staged = super().stage(bulk)
         except (RuntimeError, KeyError, ValueError, TypeError):
-            if self._cpu_cache is None and getattr(self, "state_dict_cache", None) is None:
+            if getattr(self, "state_dict_cache", None) is None:
                 raise
-            self._cpu_cache = self.state_dict_cache = None  # the state's layout changed since the cache was built
-            staged = self._stage_bulk(bulk)
+            self.state_dict_cache = None  # the state's layout changed since the cache was built
+            staged = super().stage(bulk)
         return _merge(staged, blobs)
-
-    def _stage_bulk(self, bulk: dict[str, Any]) -> dict[str, Any]:
-        if self.cache_staged_state_dict or _copy_state_dict is None:
-            return super().stage(bulk)
-        if self._cpu_cache is None:
-            self._cpu_cache = _create_cpu_state_dict(bulk)
-        return _copy_state_dict(bulk, self._cpu_cache)
 
 
 def _split_blobs(tree: dict[str, Any], prefix: str = "") -> tuple[dict[str, Any], dict[str, Any]]:

@@ -11,8 +11,9 @@ Choosing (collective on the checkpointer's ctl group):
 
 Loading reads DCP's own ``.metadata`` (checked against the manifest first, and unpickled by a restricted
 unpickler that refuses any global DCP's metadata does not use, see :mod:`meshrun.ckpt.safe_metadata`) to size the
-JSON blobs, drops the optional entries the checkpoint lacks (RNG streams of ranks that did not exist), and refuses
-entries stored as pickled objects: DCP then only reads tensors, with ``torch.load(weights_only=True)``.
+JSON blobs, drops the optional entries the checkpoint lacks (RNG streams of ranks that did not exist), reads
+entries an older checkpoint holds under another key from there (``MOVED_KEYS``), and refuses entries stored as
+pickled objects: DCP then only reads tensors, with ``torch.load(weights_only=True)``, into the Stateful entries.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from meshrun.ckpt.errors import CheckpointError
 from meshrun.ckpt.layout import scan
 from meshrun.ckpt.manifest import check_checksums, check_structure, share_of_files
 from meshrun.ckpt.safe_metadata import SafeFileSystemReader
-from meshrun.ckpt.state import is_blob_key
+from meshrun.ckpt.state import MOVED_KEYS, is_blob_key, walk
 
 log = logging.getLogger("meshrun.ckpt")
 
@@ -119,7 +120,11 @@ def _verify_shares(coord: Coordinator, path: Path, manifest: dict[str, Any], thr
 
 
 def load_into(coord: Coordinator, state: dict[str, Any], path: Path) -> None:
-    """Collective. Load the checkpoint at ``path`` into ``state`` (Stateful helpers or dicts of tensors)."""
+    """Collective. Load the checkpoint at ``path`` into ``state`` (Stateful helpers or dicts of tensors).
+
+    The Stateful entries go to ``dcp.load`` as Stateful objects: DCP fills their tensors in place and calls their
+    ``load_state_dict``, so the trainer's progress and data position are restored where they live.
+    """
     seen = coord.all_gather((path / ".metadata").is_file())
     blind = [r for r, ok in enumerate(seen) if not ok]
     if blind:
@@ -130,41 +135,85 @@ def load_into(coord: Coordinator, state: dict[str, Any], path: Path) -> None:
     optional = {name for name, obj in state.items() if getattr(obj, "missing_ok", False)}
     tree = {name: obj.state_dict() if isinstance(obj, Stateful) else obj for name, obj in state.items()}
     missing: list[str] = []
-    targets = {name: _prepare(sub, name + ".", saved, path=path, optional=name in optional, missing=missing)
+    moved: dict[str, _Moved] = {}
+    targets = {name: _prepare(sub, name + ".", saved, path=path, optional=name in optional, missing=missing,
+                              moved=moved)
                if isinstance(sub, dict) else sub for name, sub in tree.items()}
     if missing:
         raise CheckpointError(f"{path}: has no entry for {len(missing)} key(s) this run needs, e.g. {missing[:4]}; "
                               "it was saved from a different model, optimizer or state dict")
-    dcp.load(targets, storage_reader=reader, process_group=coord.io)
-    for name, obj in state.items():
-        if isinstance(obj, Stateful):
-            obj.load_state_dict(targets[name])
+    to_load: dict[str, Any] = {name: _Targets(obj, targets[name]) if isinstance(obj, Stateful) else targets[name]
+                               for name, obj in state.items()}
+    # An entry an older checkpoint holds under another key is read from there: a top-level key "trainer.epoch"
+    # flattens to the same DCP key as {"trainer": {"epoch": ...}}. Where another entry loads that key too (a
+    # CountersState beside the StepBatches), both share its tensor.
+    loaded_too = dict(walk({name: _drop_moved(sub) for name, sub in targets.items() if isinstance(sub, dict)}))
+    for source, target in moved.items():
+        if source in loaded_too:
+            target.tensor = loaded_too[source]
+        else:
+            to_load[source] = target.tensor
+    dcp.load(to_load, storage_reader=reader, process_group=coord.io)
+
+
+class _Targets(Stateful):
+    """A Stateful entry as DCP loads it: tensors sized from the checkpoint (blobs) and without the keys the
+    checkpoint lacks or holds elsewhere; DCP fills them in place, then hands all of them to the entry."""
+
+    def __init__(self, obj: Stateful, targets: dict[str, Any]):
+        self.obj, self.targets = obj, targets
+
+    def state_dict(self) -> dict[str, Any]:
+        return _drop_moved(self.targets)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.obj.load_state_dict(_with_moved(self.targets))
+
+
+class _Moved:
+    """A target tensor the checkpoint holds under an older key (see MOVED_KEYS); read from there."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+def _drop_moved(node: dict[str, Any]) -> dict[str, Any]:
+    return {k: _drop_moved(v) if isinstance(v, dict) else v for k, v in node.items() if not isinstance(v, _Moved)}
+
+
+def _with_moved(node: dict[str, Any]) -> dict[str, Any]:
+    return {k: _with_moved(v) if isinstance(v, dict) else v.tensor if isinstance(v, _Moved) else v
+            for k, v in node.items()}
 
 
 def _prepare(node: dict[str, Any], prefix: str, saved: dict[str, Any], *, path: Path, optional: bool,
-             missing: list[str]) -> dict[str, Any]:
-    """The load targets under ``node``: blobs sized from the checkpoint, absent optional entries dropped."""
+             missing: list[str], moved: dict[str, _Moved]) -> dict[str, Any]:
+    """The load targets under ``node``: blobs sized from the checkpoint, absent optional entries dropped, entries
+    an older checkpoint holds under another key marked ``_Moved`` (and listed in ``moved`` by that key)."""
     out: dict[str, Any] = {}
     for key, value in node.items():
         dotted = f"{prefix}{key}"
         if isinstance(value, dict):
-            sub = _prepare(value, dotted + ".", saved, path=path, optional=optional, missing=missing)
+            sub = _prepare(value, dotted + ".", saved, path=path, optional=optional, missing=missing, moved=moved)
             if sub or not value:  # a branch emptied by dropped optional entries is absent, as in the checkpoint
                 out[key] = sub
             continue
-        entry = saved.get(dotted)
+        source = dotted if dotted in saved or MOVED_KEYS.get(dotted) not in saved else MOVED_KEYS[dotted]
+        entry = saved.get(source)
         if entry is None:
             if not optional:
                 missing.append(dotted)
             continue
         if isinstance(entry, BytesStorageMetadata) or not isinstance(entry, TensorStorageMetadata):
-            raise CheckpointError(f"{path}: entry {dotted!r} is stored as a pickled object; meshrun never writes "
+            raise CheckpointError(f"{path}: entry {source!r} is stored as a pickled object; meshrun never writes "
                                   "those and refuses to unpickle one (the checkpoint is foreign or crafted)")
         if is_blob_key(dotted):
             out[key] = torch.empty(tuple(entry.size), dtype=torch.uint8)
-            continue
-        if tuple(entry.size) != tuple(value.shape):
-            raise CheckpointError(f"{path}: {dotted} has shape {tuple(entry.size)} in the checkpoint but "
+        elif tuple(entry.size) != tuple(value.shape):
+            raise CheckpointError(f"{path}: {source} has shape {tuple(entry.size)} in the checkpoint but "
                                   f"{tuple(value.shape)} in this run; the model configuration differs")
-        out[key] = value
+        else:
+            out[key] = value
+        if source != dotted:
+            out[key] = moved[source] = _Moved(out[key])
     return out

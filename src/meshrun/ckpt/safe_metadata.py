@@ -25,6 +25,7 @@ from meshrun.ckpt.errors import CheckpointError
 METADATA_FILE = ".metadata"
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+# Names DCP's pickled .metadata refers to (some private to torch): matched as text, never called by meshrun.
 _ALLOWED = {
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),  # maps a layout's name to torch's own layout object

@@ -3,8 +3,9 @@ Checkpointer: the same folder layout, manifest, SHA-256 checksums, COMPLETE mark
 resharding across world sizes and layouts, so ``meshrun ckpt ls/verify/export`` read them.
 
 What is saved: the model and optimizer (sharded, with DCP; FSDP2, HSDP, TP, DDP models and pipeline stages all
-save under the model's own parameter names), the step and the data position of the script's StepBatches (epoch, samples consumed
-by all ranks: independent of the world size), every rank's RNG streams, an LR scheduler, and ``extra`` floats.
+save under the model's own parameter names), the step, the script's StepBatches itself (a Stateful entry: its data
+position, epoch and samples consumed by all ranks, independent of the world size, restored in place), every rank's
+RNG streams, an LR scheduler, and ``extra`` floats.
 """
 
 from __future__ import annotations
@@ -19,10 +20,9 @@ from torch import nn
 
 from meshrun.ckpt.checkpointer import Checkpointer
 from meshrun.ckpt.layout import step_dir_name
-from meshrun.ckpt.state import CountersState, MetricsState, ModelOptimState, RNGState, SchedulerState
+from meshrun.ckpt.state import MetricsState, ModelOptimState, RNGState, SchedulerState, TrainProgress
 from meshrun.config import CheckpointConfig
 from meshrun.data.loader import StepBatches
-from meshrun.data.sampler import DataPosition
 from meshrun.env import ClusterEnv
 
 
@@ -43,10 +43,12 @@ class SessionCheckpoints:
         self._ckpt.layout = describe_layout(self.env, layout, batches)
         return self._ckpt
 
-    def _state(self, parts: Sequence[nn.Module], optimizer: Any, scheduler: Any,
-               extra: dict[str, float] | None) -> dict[str, Any]:
+    def _state(self, parts: Sequence[nn.Module], optimizer: Any, batches: StepBatches | None, scheduler: Any,
+               extra: dict[str, float] | None, step: int = 0) -> dict[str, Any]:
         state: dict[str, Any] = {"model_optim": ModelOptimState(parts, [optimizer] if optimizer else []),
-                                 "trainer": CountersState(), "rng": RNGState(self.env, seed=self.seed)}
+                                 "trainer": TrainProgress(step=step), "rng": RNGState(self.env, seed=self.seed)}
+        if batches is not None:
+            state["data"] = batches
         if scheduler is not None:
             state["scheduler"] = SchedulerState(scheduler)
         if extra is not None:
@@ -59,30 +61,23 @@ class SessionCheckpoints:
         """``parts``: this rank's model parts (one module, or its pipeline stages); ``fingerprint``: the whole
         model's (:func:`model_fingerprint`)."""
         ckpt = self._checkpointer(fingerprint, layout, batches)
-        state = self._state(parts, optimizer, scheduler, extra)
-        counters: CountersState = state["trainer"]
-        counters.step = step
-        if batches is not None:
-            counters.epoch, counters.samples_in_epoch = batches.position.epoch, batches.position.consumed
-        ckpt.save(step, state, final=final, meta={"epoch": counters.epoch, "samples_in_epoch":
-                                                  counters.samples_in_epoch})
+        state = self._state(parts, optimizer, batches, scheduler, extra, step=step)
+        meta = {"epoch": batches.position.epoch, "samples_in_epoch": batches.position.consumed} if batches else {}
+        ckpt.save(step, state, final=final, meta=meta)
         return Path(self.cfg.dir) / step_dir_name(step)
 
     def resume(self, *, parts: Sequence[nn.Module], fingerprint: str, optimizer: Any, batches: StepBatches | None,
                scheduler: Any, extra: dict[str, float] | None, layout: Any, path: str | None) -> int:
         ckpt = self._checkpointer(fingerprint, layout, batches)
-        state = self._state(parts, optimizer, scheduler, extra)
-        manifest = ckpt.load(state, resume=path)
+        state = self._state(parts, optimizer, batches, scheduler, extra)
+        manifest = ckpt.load(state, resume=path)  # restores batches' data position in place
         if manifest is None:
             return 0
-        counters: CountersState = state["trainer"]
-        if batches is not None:
-            saved = manifest.get("layout", {}).get("global_batch")
-            if saved and saved != batches.global_batch and self.env.is_rank_zero:
-                print(f"meshrun: the checkpoint's global batch was {saved}, this run's is {batches.global_batch}: "
-                      "the data order continues from the same sample, in steps of the new size", flush=True)
-            batches.seek(DataPosition(counters.epoch, counters.samples_in_epoch))
-        return counters.step
+        saved = manifest.get("layout", {}).get("global_batch")
+        if batches is not None and saved and saved != batches.global_batch and self.env.is_rank_zero:
+            print(f"meshrun: the checkpoint's global batch was {saved}, this run's is {batches.global_batch}: "
+                  "the data order continues from the same sample, in steps of the new size", flush=True)
+        return state["trainer"].step
 
     def close(self) -> None:
         if self._ckpt is not None:

@@ -3,10 +3,15 @@
     state = {
         "model_optim": ModelOptimState(engine.model_parts, optimizers),
         "scheduler": SchedulerState(schedulers),
-        "trainer": CountersState(),
+        "trainer": trainer.progress,             # TrainProgress: the trainer counts on it directly
+        "data": trainer.data,                    # StepBatches: its global data position
         "rng": RNGState(env, seed=cfg.train.seed),
         "metrics": MetricsState(accumulators),
     }
+
+As torchtitan puts its ``train_state`` and ``dataloader`` into the state handed to DCP, the objects that hold the
+progress are themselves the Stateful entries: a save reads them and a load restores them in place, with nothing
+copied in or out by hand.
 
 Everything is stored as tensors, so that loading never unpickles:
 
@@ -152,13 +157,15 @@ def union_of_parts(parts: Sequence[nn.Module]) -> nn.Module:
         return parts[0]
     root = nn.Module()
     for part in parts:
-        for name, tensor in list(part._parameters.items()) + list(part._buffers.items()):
-            if tensor is None or name in part._non_persistent_buffers_set:  # never saved; may repeat (rope)
+        saved = {key for key in part.state_dict(keep_vars=True) if "." not in key}  # the part's own entries
+        parameters = dict(part.named_parameters(recurse=False))
+        for name, tensor in [*parameters.items(), *part.named_buffers(recurse=False)]:
+            if name not in saved:  # a non-persistent buffer: never saved; may repeat (rope)
                 continue
             if hasattr(root, name):
                 raise ValueError(f"ModelOptimState: {name!r} is held by two model parts; each parameter must "
                                  "belong to exactly one part")
-            if name in part._parameters:
+            if name in parameters:
                 root.register_parameter(name, tensor)
             else:
                 root.register_buffer(name, tensor)
@@ -212,18 +219,10 @@ class SchedulerState(Stateful):
 
 
 @dataclass
-class CountersState(Stateful):
-    """Where training stands, as plain ints (int64 scalars in the checkpoint).
-
-    The data position is (epoch, samples_in_epoch): samples consumed from this epoch's global order, summed over
-    data-parallel ranks, so it does not depend on the world size and a resharded resume continues the same order.
-    """
+class IntFields(Stateful):
+    """A dataclass of int fields, each saved as an int64 scalar under its own name, equal on every rank."""
 
     replicated: ClassVar[bool] = True
-    step: int = 0
-    epoch: int = 0
-    tokens_seen: int = 0
-    samples_in_epoch: int = 0
 
     def state_dict(self) -> dict[str, Any]:
         return {f.name: torch.tensor(getattr(self, f.name), dtype=torch.int64) for f in dataclasses.fields(self)}
@@ -231,6 +230,38 @@ class CountersState(Stateful):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for f in dataclasses.fields(self):
             setattr(self, f.name, int(state_dict[f.name].item()))
+
+
+@dataclass
+class TrainProgress(IntFields):
+    """How far training has gone: the trainer advances this object itself, and checkpoints save and restore it."""
+
+    step: int = 0
+    """Optimizer steps completed."""
+    tokens_seen: int = 0
+    """Tokens of all ranks trained on so far."""
+
+
+@dataclass
+class CountersState(IntFields):
+    """Step, tokens and data position in one record, for a hand-written loop that keeps its counters here.
+
+    The data position is (epoch, samples_in_epoch): samples consumed from this epoch's global order, summed over
+    data-parallel ranks, so it does not depend on the world size and a resharded resume continues the same order.
+    The trainer and Session save :class:`TrainProgress` under ``trainer`` and their StepBatches under ``data``;
+    checkpoints written with CountersState (``trainer.epoch``, ``trainer.samples_in_epoch``) still load into them
+    (see :data:`MOVED_KEYS`).
+    """
+
+    step: int = 0
+    epoch: int = 0
+    tokens_seen: int = 0
+    samples_in_epoch: int = 0
+
+
+MOVED_KEYS = {"data.epoch": "trainer.epoch", "data.samples_in_epoch": "trainer.samples_in_epoch"}
+"""Keys that checkpoints written before the data position became its own entry hold elsewhere: new key -> old key.
+Loading reads the old key when the checkpoint lacks the new one."""
 
 
 class MetricsState(Stateful):

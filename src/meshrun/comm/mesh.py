@@ -284,7 +284,8 @@ class ParallelDims:
             enabled = tuple(name for name in joined if self.degree(name) > 1)
             if len(enabled) == 1:
                 self._meshes[flat] = self._meshes[enabled[0]]
-            elif enabled:  # kept here: slicing flat dims from the root is deprecated
+            elif enabled:  # kept here: slicing flat dims from the root is deprecated; private: DeviceMesh has no public
+                # flatten (2.8 to 2.13; torchtitan uses the same)
                 self._meshes[flat] = self._submesh(enabled)._flatten(flat)
         return mesh
 

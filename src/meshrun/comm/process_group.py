@@ -113,13 +113,19 @@ def _own_store(env: ClusterEnv, timeout: timedelta) -> dist.Store | None:
 
 
 def _set_training_timeout(seconds: float, group: dist.ProcessGroup | None = None) -> None:
-    """Set ``group``'s collective timeout (default group: switch from the init timeout to the training timeout).
-    torch has no public setter; its ``_set_pg_timeout`` is used, guarded."""
-    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
-    if setter is None:  # pragma: no cover - older torch: the init timeout stays in force
-        return
+    """Set ``group``'s collective timeout (default group: switch from the init timeout to the training timeout),
+    with the public ``ProcessGroup.set_timeout``."""
+    group = group if group is not None else dist.group.WORLD
     try:
-        setter(timedelta(seconds=seconds), group)
+        group.set_timeout(timedelta(seconds=seconds))
+        return
+    except (AttributeError, RuntimeError):  # pragma: no cover - a torch or backend without the public setter
+        pass
+    # private: the only other setter torch has (it sets each backend's default timeout)
+    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    try:
+        if setter is not None:
+            setter(timedelta(seconds=seconds), group)
     except (RuntimeError, TypeError, ValueError):  # pragma: no cover - backends that do not support it
         pass
 

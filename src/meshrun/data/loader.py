@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import time
-from typing import Iterator
+from typing import Any, ClassVar, Iterator
 
 import torch
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import DataLoader, Dataset
 
 from meshrun.data.sampler import DataPosition, GlobalOrderSampler
@@ -13,12 +14,16 @@ from meshrun.data.sampler import DataPosition, GlobalOrderSampler
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-class StepBatches:
+class StepBatches(Stateful):
     """Hands out the ``grad_accum`` micro-batches of each optimizer step and rolls over epochs.
 
     The position (epoch, samples consumed by all ranks) advances by one global batch per step, so it can be saved
-    and restored at any world size (see sampler.py).
+    and restored at any world size (see sampler.py). As a Stateful checkpoint entry it saves that position as two
+    int64 scalars, ``epoch`` and ``samples_in_epoch``, equal on every rank; loading one moves it there in place.
     """
+
+    replicated: ClassVar[bool] = True
+    """The position is global: every rank holds the same one, and a checkpoint stores it once."""
 
     def __init__(self, dataset: Dataset, *, dp_rank: int, dp_size: int, seed: int, micro_batch: int,
                  grad_accum: int, device: torch.device, num_workers: int = 0):
@@ -40,6 +45,13 @@ class StepBatches:
         self.position = DataPosition(position.epoch, position.consumed)
         self._iterator = None
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": torch.tensor(self.position.epoch, dtype=torch.int64),
+                "samples_in_epoch": torch.tensor(self.position.consumed, dtype=torch.int64)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.seek(DataPosition(int(state_dict["epoch"].item()), int(state_dict["samples_in_epoch"].item())))
+
     def next_step(self) -> list[Batch]:
         """The micro-batches of the next optimizer step, on the device."""
         started = time.perf_counter()
@@ -55,7 +67,6 @@ class StepBatches:
         self.position = DataPosition(self.position.epoch, self.position.consumed + self.global_batch)
         self._fetch_s += time.perf_counter() - started
         return batches  # type: ignore[return-value]  # tuples of two tensors
-
 
     def take_fetch_time(self) -> float:
         """Seconds spent in next_step since the last call (straggler reports count them as this rank's work)."""

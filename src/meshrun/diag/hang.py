@@ -375,6 +375,8 @@ def _heartbeat_key(rank: int) -> str:
 def _thread_store(store, *, timeout_s: float):
     """A store this thread may use while the main thread uses its own (a clone: separate connection)."""
     if store is None and dist.is_available() and dist.is_initialized():
+        # private: torch has no public accessor for the default group's store (2.8 to 2.13), and rebuilding it
+        # would repeat torch's rendezvous (agent store, per-attempt prefix)
         store = dist.distributed_c10d._get_default_store()
     if store is None:
         return None

@@ -188,6 +188,7 @@ def check_reachability(*, env: ClusterEnv, store=None, group=None, timeout_s: fl
     Every rank of the default group must call this (one store exchange and one all_gather_object).
     ``tag`` must differ between calls in one job. Local rank 0 of each node listens and probes.
     """
+    # private: torch has no public accessor for the default group's store (2.8 to 2.13)
     store = store if store is not None else dist.distributed_c10d._get_default_store()
     listener = Listener(advertised_address(env)[0]) if env.local_rank == 0 else None
     try:

@@ -50,6 +50,7 @@ def create_bound_handler(params: RendezvousParameters) -> RendezvousHandler:
             raise RendezvousError(f"cannot listen on {addr}:{port} ({exc.strerror}); another process holds the "
                                   "port: choose another --rdzv-endpoint port") from None
     handler = create_handler(store, _NamedBackend(store, params.run_id), params)
+    # private: torch's handler has no public way to choose where the store it shares with the workers listens
     if hasattr(handler, "_create_tcp_store_server"):  # torch >= 2.5 shares a second store with the workers
         handler._create_tcp_store_server = _bound_shared_server
     return handler

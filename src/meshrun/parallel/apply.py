@@ -223,6 +223,7 @@ def seed_for_init(seed: int, *, dims: ParallelDims, rank: int, device: torch.dev
     torch.manual_seed(seed + c.pp)
     if dims.tp > 1 or dims.dp_shard > 1 or dims.dp_replicate > 1:
         try:  # a tracker without the rank-0 broadcast, which would erase the per-stage seeds
+            # private: DTensor's RNG tracker has no public seeding function (2.8 to 2.13)
             from torch.distributed.tensor._random import manual_seed
         except ImportError:  # pragma: no cover - older layout of the module
             return

@@ -33,6 +33,7 @@ def check_async_tp(device: torch.device, *, tp: int, compiled: bool) -> None:
 
 def enable_async_tp(tp_mesh: DeviceMesh) -> None:
     """Turn on inductor's micro-pipelined TP for blocks compiled after this call, over ``tp_mesh``'s group."""
+    # private: async TP is switched on only through these (as torchtitan does); no public API in 2.8 to 2.13
     import torch._inductor.config as inductor_config
     from torch.distributed import _symmetric_memory
 

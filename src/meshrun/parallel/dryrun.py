@@ -59,6 +59,7 @@ class RankLayout:
 
 def simulate_rank(job: JobConfig, model_cfg: ModelShape, dims: ParallelDims, rank: int) -> RankLayout:
     """Pretend to be ``rank``: fake process group, real mesh, real parallelisation on the meta device."""
+    # private: the fake backend is torch test tooling with no public home; importing it also registers "fake"
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from meshrun.parallel.apply import build_parts, layout_name

@@ -97,7 +97,8 @@ def autocast(device_type: str, dtype: torch.dtype | None):
 
 
 def _is_compiled(module: nn.Module) -> bool:
-    return hasattr(module, "_orig_mod")  # what torch.compile(module) returns
+    # private: what torch.compile(module) returns (OptimizedModule) has no public type or test in 2.8 to 2.13
+    return hasattr(module, "_orig_mod")
 
 
 class LocalEngine:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from meshrun.config import BatchPlan, ConfigError, JobConfig, resolve_batch
 from meshrun.data.corpus import Corpus, load_corpus
 from meshrun.data.loader import StepBatches, eval_batches
-from meshrun.data.sampler import DataPosition, TokenWindows
+from meshrun.data.sampler import TokenWindows
 from meshrun.comm.process_group import DistContext, init_distributed, set_mesh_timeouts, wants_cuda
 from meshrun.env import ClusterEnv
 from meshrun.models.build import model_config, model_spec, record_resolved
@@ -36,7 +36,7 @@ from meshrun.parallel.engine import Engine
 from meshrun.parallel.kernels import describe_speed
 from meshrun.ckpt.checkpointer import Checkpointer
 from meshrun.ckpt.preemption import install_sigterm_handler
-from meshrun.ckpt.state import CountersState, ModelOptimState, RNGState, SchedulerState
+from meshrun.ckpt.state import ModelOptimState, RNGState, SchedulerState, TrainProgress
 from meshrun.diag.fingerprint import check_consistency
 from meshrun.comm.mesh import ParallelDims, choose_data_parallel
 from meshrun.diag.flight_recorder import enable_flight_recorder
@@ -119,8 +119,7 @@ class Trainer:
         self.guard = NonFiniteGuard(job.train.nonfinite, device=self.device, rank=self.env.rank,
                                     fused_optimizer=bool(self.optimizer.param_groups[0].get("fused")),
                                     hosts=[info.host for info in self.rank_infos])
-        self.step = 0
-        self.tokens_seen = 0
+        self.progress = TrainProgress()
         self.ckpt, self.app_state = self.build_checkpointer()
         self.resume_notes = self.resume()
         self.write_config()  # resuming at another world size may have re-derived the batch
@@ -138,6 +137,15 @@ class Trainer:
         self.profiler: StepProfiler | None = build_profiler(
             job.run, rank=self.env.rank, world_size=self.env.world_size, device=self.device, run_dir=self.run_dir,
             start_step=self.step, say=self.sink.print)
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps completed (held by ``progress``, which checkpoints save and restore)."""
+        return self.progress.step
+
+    @property
+    def tokens_seen(self) -> int:
+        return self.progress.tokens_seen
 
     # ---- construction -------------------------------------------------------------------------------------------
 
@@ -202,8 +210,9 @@ class Trainer:
         return torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
 
     def build_checkpointer(self) -> tuple[Checkpointer, dict[str, Any]]:
-        """The checkpointer and the state it saves: model+optimizer (sharded, via DCP), schedule, counters and
-        data position, every rank's RNG streams. Collective: every rank (it creates gloo groups)."""
+        """The checkpointer and the state it saves: model+optimizer (sharded, via DCP), schedule, this trainer's
+        progress and its data loader's position (the live objects: loading restores them in place), every rank's RNG
+        streams. Collective: every rank (it creates gloo groups)."""
         cfg = self.job.checkpoint
         folder = Path(cfg.dir) if cfg.dir else self.run_dir / "checkpoints"
         preemption = install_sigterm_handler(grace_s=cfg.signal_grace_s) if cfg.final else None
@@ -214,7 +223,7 @@ class Trainer:
         ckpt = Checkpointer(cfg, folder=folder, env=self.env, layout=layout, config_fingerprint=self.fingerprint(),
                             preemption=preemption)
         state = {"model_optim": ModelOptimState(self.engine.model_parts, [self.optimizer]),
-                 "scheduler": SchedulerState(self.scheduler), "trainer": CountersState(),
+                 "scheduler": SchedulerState(self.scheduler), "trainer": self.progress, "data": self.data,
                  "rng": RNGState(self.env, seed=self.job.train.seed)}
         return ckpt, state
 
@@ -228,15 +237,12 @@ class Trainer:
 
     def resume(self) -> list[str]:
         """Load the checkpoint that checkpoint.resume names (newest valid by default); collective."""
-        manifest = self.ckpt.load(self.app_state)
+        manifest = self.ckpt.load(self.app_state)  # restores self.progress and self.data's position in place
         if manifest is None:
             return self.ckpt.notes
-        counters: CountersState = self.app_state["trainer"]
-        self.step, self.tokens_seen = counters.step, counters.tokens_seen
         saved_batch = manifest.get("layout", {}).get("global_batch", self.batch.global_batch)
         if saved_batch != self.batch.global_batch:
             self.keep_global_batch(saved_batch)
-        self.data.seek(DataPosition(counters.epoch, counters.samples_in_epoch))
         return self.ckpt.notes
 
     def keep_global_batch(self, saved: int) -> None:
@@ -248,7 +254,10 @@ class Trainer:
         before = self.batch
         self.job.train.global_batch, self.job.train.grad_accum = saved, 0
         self.batch = self.plan_batch()
+        position = self.data.position  # global: the new per-rank batches continue from it
         self.data, self.val = self.build_data()
+        self.data.seek(position)
+        self.app_state["data"] = self.data
         self.ckpt.layout.update(global_batch=self.batch.global_batch, grad_accum=self.batch.grad_accum)
         message = (f"keeping the checkpoint's global batch {saved}: {before.dp_size} -> {self.batch.dp_size} "
                    f"data-parallel ranks, accumulation {before.grad_accum} -> {self.batch.grad_accum}")
@@ -260,15 +269,12 @@ class Trainer:
         if self.step == self.last_saved_step:
             return
         self.last_saved_step = self.step
-        counters: CountersState = self.app_state["trainer"]
-        counters.step, counters.tokens_seen = self.step, self.tokens_seen
-        counters.epoch, counters.samples_in_epoch = self.data.position.epoch, self.data.position.consumed
         # a save may take up to checkpoint.timeout_s: not a hang until then
         self.beat("checkpoint", timeout_s=max(self.job.checkpoint.timeout_s, self.job.health.hang_timeout_s))
         started = time.perf_counter()
         self.ckpt.save(self.step, self.app_state, final=final,
-                       meta={"epoch": counters.epoch, "tokens_seen": self.tokens_seen,
-                             "samples_in_epoch": counters.samples_in_epoch})
+                       meta={"epoch": self.data.position.epoch, "tokens_seen": self.tokens_seen,
+                             "samples_in_epoch": self.data.position.consumed})
         how = "published" if final or not self.job.checkpoint.async_save else "staged; writing in the background"
         seconds = time.perf_counter() - started
         self.sink.print(f"checkpoint step {self.step} -> {self.ckpt.folder} ({how}, {seconds:.2f} s)")
@@ -333,8 +339,8 @@ class Trainer:
             self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        self.tokens_seen += self.batch.tokens_per_step
+        self.progress.step += 1
+        self.progress.tokens_seen += self.batch.tokens_per_step
         return loss_sum, tokens, grad_norm
 
     @torch.no_grad()
