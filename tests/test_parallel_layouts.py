@@ -178,6 +178,8 @@ def _two_rank_worker(rank: int, world_size: int, layouts: dict[str, Layout], ini
 TWO_RANKS = {
     "ddp2": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 2}),
     "fsdp2": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 1, "dp_shard": 2}),
+    "fsdp2_units2": Layout(tied=True, grad_accum=1, parallel={"dp_replicate": 1, "dp_shard": 2,
+                                                            "fsdp_unit_blocks": 2}),
     "tp2": Layout(tied=True, grad_accum=1, parallel={"dp_replicate": 1, "tp": 2}),
     "tp2_sequence_parallel": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 1, "tp": 2,
                                                                         "sequence_parallel": "true"}),

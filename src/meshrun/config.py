@@ -174,6 +174,10 @@ class ParallelConfig:
     """Free each block's gathered parameters after its forward (true) or keep them for backward (false: one
     all-gather per step instead of two, at the memory of the whole model in the compute dtype). auto keeps them
     when they take at most 1/16 of the GPU's memory."""
+    fsdp_unit_blocks: int = 1
+    """Consecutive blocks FSDP2 shards as one unit: one all-gather and one reduce-scatter per unit instead of per
+    block. Fewer, larger collectives suit small models, whose per-block collectives are latency-bound; the cost is
+    the gathered parameters of a whole unit in memory at once."""
     ddp_overlap: bool = False
     """With compile: compile the DDP-wrapped step, so each gradient bucket's all-reduce overlaps the rest of
     backward (the graph is split at bucket boundaries), instead of one all-reduce after one backward graph."""
@@ -318,6 +322,9 @@ class JobConfig:
         if self.parallel.async_tp and not self.parallel.sequence_parallel:
             raise ConfigError("parallel.async_tp=true overlaps the all-gathers and reduce-scatters of sequence "
                               "parallelism; add --parallel.sequence_parallel=true")
+        if self.parallel.fsdp_unit_blocks < 1:
+            raise ConfigError(f"parallel.fsdp_unit_blocks must be >= 1 (blocks per FSDP2 unit), got "
+                              f"{self.parallel.fsdp_unit_blocks}")
         if self.parallel.ddp_bucket_mb < 1:
             raise ConfigError(f"parallel.ddp_bucket_mb must be >= 1, got {self.parallel.ddp_bucket_mb}")
         _check_choice("parallel.data_parallel", self.parallel.data_parallel, DATA_PARALLEL_MODES)

@@ -185,7 +185,8 @@ def parallelize(part: nn.Module, dims: ParallelDims, *, job: JobConfig, compute_
         dp_mesh = dims.get_mesh("dp_shard") if dims.dp_replicate == 1 else dims.get_mesh(("dp_replicate", "dp_shard"))
         reshard = dims.pp == 1 and reshard_after_forward(job.parallel.fsdp_reshard_after_forward, part,
                                                          compute_dtype=compute_dtype, device=device)
-        apply_fsdp(part, dp_mesh, compute_dtype=compute_dtype, reshard_after_forward=reshard, blocks=blocks)
+        apply_fsdp(part, dp_mesh, compute_dtype=compute_dtype, reshard_after_forward=reshard, blocks=blocks,
+                   unit_blocks=job.parallel.fsdp_unit_blocks)
 
 
 def reshard_after_forward(choice: str, part: nn.Module, *, compute_dtype: torch.dtype | None,

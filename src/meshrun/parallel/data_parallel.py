@@ -22,18 +22,21 @@ def mixed_precision(compute_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, compute_dtype: torch.dtype | None,
-               reshard_after_forward: bool, blocks: list[nn.Module] | None = None) -> None:
+               reshard_after_forward: bool, blocks: list[nn.Module] | None = None, unit_blocks: int = 1) -> None:
     """Shard ``model`` over ``dp_mesh``: 1-D mesh = FSDP, 2-D (replicate, shard) mesh = HSDP.
 
     ``reshard_after_forward=False`` keeps gathered parameters until backward (used with pipeline parallelism,
     where each stage runs many micro-batches per step and re-gathering each time would multiply the traffic).
+    ``unit_blocks`` consecutive blocks form one FSDP2 unit (one all-gather and one reduce-scatter for all of them).
     """
     mp_policy = mixed_precision(compute_dtype)
     blocks = list(model.layers.values()) if blocks is None else blocks
-    for i, block in enumerate(blocks):
-        # the last block's parameters are needed again first thing in backward: keep them gathered
-        reshard = reshard_after_forward and i < len(blocks) - 1
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
+    units = [blocks[i:i + unit_blocks] for i in range(0, len(blocks), unit_blocks)]
+    for i, unit in enumerate(units):
+        # the last unit's parameters are needed again first thing in backward: keep them gathered
+        reshard = reshard_after_forward and i < len(units) - 1
+        fully_shard(unit if len(unit) > 1 else unit[0], mesh=dp_mesh, mp_policy=mp_policy,
+                    reshard_after_forward=reshard)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     if dp_mesh.device_type == "cpu":
         # gloo: FSDP2 reduces fp32 gradients with ReduceOp.AVG, which torch 2.8's gloo sums instead (gradients
