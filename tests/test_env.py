@@ -19,7 +19,7 @@ def test_torchrun_variables():
 def test_slurm_variables_with_compressed_nodelist():
     env = ClusterEnv.detect({"SLURM_PROCID": "13", "SLURM_LOCALID": "5", "SLURM_NTASKS": "32",
                              "SLURM_NNODES": "4", "SLURM_NODEID": "1", "SLURM_TASKS_PER_NODE": "8(x4)",
-                             "SLURM_JOB_NODELIST": "gpu[07-08,11],gpu20", "SLURM_JOB_ID": "123456"})
+                             "SLURM_JOB_NODELIST": "gpu[07-08,11],gpu20", "SLURM_JOB_ID": "123456", "SLURM_STEP_ID": "0"})
     assert (env.rank, env.local_rank, env.world_size, env.local_world_size) == (13, 5, 32, 8)
     assert (env.node_rank, env.num_nodes, env.master_addr) == (1, 4, "gpu07")
     assert env.master_port == 15000 + 123456 % 16384 and env.source == "slurm"
@@ -60,7 +60,7 @@ def test_bad_layouts_name_the_variable():
 
 def slurm_env(node_id: int, proc_id: int, local_id: int, **extra: str) -> dict[str, str]:
     return {"SLURM_PROCID": str(proc_id), "SLURM_LOCALID": str(local_id), "SLURM_NODEID": str(node_id),
-            "SLURM_JOB_NODELIST": "n[1-4]", "SLURM_JOB_ID": "77", **extra}
+            "SLURM_JOB_NODELIST": "n[1-4]", "SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", **extra}
 
 
 @pytest.mark.parametrize("value, counts", [("2(x3),1", [2, 2, 2, 1]), ("3,1", [3, 1]), ("2,1", [2, 1]),
@@ -147,6 +147,23 @@ def test_direct_slurm_init_refuses_a_loopback_master_before_joining(monkeypatch)
         monkeypatch.delenv(name)
     with pytest.raises(ValueError, match="'node01' .* resolves to 127.0.1.1"):
         init_distributed(two_node_env(), DistConfig(device="cpu", init_timeout_s=1.0))
+
+
+def test_meshrun_train_in_the_batch_script_itself_says_use_srun_instead_of_waiting(monkeypatch, capsys):
+    # the variables of an sbatch script (-N 2 --ntasks-per-node=2) on Slurm 22.05: no SLURM_STEP_ID, and
+    # SLURM_NTASKS counts the job's 4 tasks; rank 0 of 4 would wait for 3 ranks that never start
+    from meshrun.train.cli import main as train_main
+
+    batch = {"SLURM_JOB_ID": "1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+             "SLURM_NTASKS": "4", "SLURM_NNODES": "2", "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_JOB_NODELIST": "n[1-2]"}
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "LOCAL_RANK", "SLURM_STEP_ID", "SLURM_STEPID"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in batch.items():
+        monkeypatch.setenv(key, value)
+    assert train_main(["--model.name=tiny", "--train.steps=1"]) == 2
+    first = capsys.readouterr().err.splitlines()[0]
+    assert first.startswith("meshrun train: error: SLURM: this is the batch script of job 1") and "srun" in first
+    assert "3 ranks that never start" in first
 
 
 def test_srun_tasks_print_a_command_line_refusal_once(monkeypatch, capsys):

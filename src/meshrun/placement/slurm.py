@@ -35,6 +35,8 @@ class SlurmEnvironment(ClusterEnvironment):
         return "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ and environ.get("SLURM_NTASKS") != "1"
 
     def layout(self, environ: Mapping[str, str]) -> ClusterEnv:
+        if _in_batch_step(environ):
+            raise _direct_in_batch_step_error(environ)
         nodelist = _nodelist(environ, step=True)
         if not nodelist:
             raise ValueError("SLURM: SLURM_JOB_NODELIST is not set, so the master address is unknown; "
@@ -138,6 +140,17 @@ def _one_task_per_node_error(environ: Mapping[str, str], env: ClusterEnv, comman
 def _in_batch_step(environ: Mapping[str, str]) -> bool:
     """The batch script of a job (sbatch), as opposed to a step started by srun: SLURM sets no step id there."""
     return "SLURM_JOB_ID" in environ and "SLURM_STEP_ID" not in environ and "SLURM_STEPID" not in environ
+
+
+def _direct_in_batch_step_error(environ: Mapping[str, str]) -> PlacementError:
+    """A worker started in the batch script itself: SLURM_NTASKS counts the job's tasks, but only this one runs."""
+    tasks = env_int(environ, "SLURM_NTASKS")
+    return PlacementError(
+        f"SLURM: this is the batch script of job {environ.get('SLURM_JOB_ID')}, not a job step: SLURM_NTASKS={tasks} "
+        f"counts the job's tasks, but only this process runs here, so rank 0 would wait for {tasks - 1} ranks that "
+        "never start. Start one task per worker with srun: `srun meshrun train ...` (or `srun python train.py`), "
+        "or one launcher per node: `srun -n $SLURM_NNODES --ntasks-per-node=1 meshrun launch --nproc-per-node N "
+        "train ...`; `meshrun slurm` writes such a script.")
 
 
 def _batch_step(environ: Mapping[str, str], command: str) -> None:

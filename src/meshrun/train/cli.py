@@ -106,6 +106,7 @@ def _stopped(trainer, result) -> int:
 
 def run(job) -> int:
     from meshrun.comm.process_group import shutdown
+    from meshrun.placement import PlacementError
     from meshrun.train.nonfinite import NonFiniteError
     from meshrun.train.trainer import Trainer
 
@@ -118,7 +119,7 @@ def run(job) -> int:
             return _stopped(trainer, result)
         ending = ("finished", f"reached train.steps={job.train.steps}")
         return 0
-    except ConfigError as exc:
+    except (ConfigError, PlacementError) as exc:  # the message names the option or variable and the fix
         print(f"meshrun train: error: {exc}", file=sys.stderr)
         ending = ("failed", _first_line(exc))
         return 2
