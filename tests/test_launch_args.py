@@ -205,7 +205,7 @@ def test_slurm_allocation_gives_nodes_endpoint_and_id():
 
 def test_slurm_is_ignored_when_flags_name_the_layout():
     plan = plan_for(["--nnodes", "1", "s.py"], SLURM_TWO_NODES)
-    assert plan.origin == "standalone" and plan.slurm is None
+    assert plan.origin == "standalone" and plan.placement is None
     assert detect_slurm({"SLURM_JOB_NODELIST": "a", "SLURM_NODEID": "0", "SLURM_NNODES": "1",
                          "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}) is None
 

@@ -71,11 +71,6 @@ class LaunchPlan:
         return format_endpoint(self.endpoint_host, self.endpoint_port)
 
     @property
-    def slurm(self) -> NodePlacement | None:
-        """The former name of :attr:`placement`, from when SLURM was the only environment that placed nodes."""
-        return self.placement
-
-    @property
     def label(self) -> str:
         """Prefix of this node's lines under a placement (srun interleaves every node's output): '[node 1 gpu08] '."""
         return f"[node {self.placement.node_rank} {socket.gethostname()}] " if self.placement is not None else ""
