@@ -27,7 +27,16 @@ FIRST = "step_0000002"
 
 # ---------------------------------------------------------------- the handler alone (one process, no training)
 
-def test_a_burst_of_signals_within_the_grace_window_only_sets_the_flag():
+@pytest.fixture
+def default_handlers():
+    """SIGTERM and SIGUSR1 at their defaults during the test, whatever an earlier test in this process left."""
+    saved = {signum: signal.signal(signum, signal.SIG_DFL) for signum in (signal.SIGTERM, signal.SIGUSR1)}
+    yield
+    for signum, handler in saved.items():
+        signal.signal(signum, handler)
+
+
+def test_a_burst_of_signals_within_the_grace_window_only_sets_the_flag(default_handlers):
     flag = install_sigterm_handler(grace_s=30.0)
     try:
         for signum in (signal.SIGTERM, signal.SIGTERM, signal.SIGUSR1, signal.SIGTERM):  # slurmstepd + launcher
@@ -38,7 +47,7 @@ def test_a_burst_of_signals_within_the_grace_window_only_sets_the_flag():
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL and signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
 
 
-def test_sigusr1_sets_the_flag_and_a_repeat_after_the_window_runs_the_previous_handler():
+def test_sigusr1_sets_the_flag_and_a_repeat_after_the_window_runs_the_previous_handler(default_handlers):
     seen: list[int] = []
     previous = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
     try:

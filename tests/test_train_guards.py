@@ -156,3 +156,21 @@ def test_the_engine_is_built_with_the_trainers_batch_plan(tmp_path, monkeypatch)
     trainer = tiny_trainer(tmp_path, "--train.micro_batch=4", "--train.grad_accum=2")
     assert (trainer.batch.micro_batch, trainer.batch.grad_accum, trainer.batch.global_batch) == (4, 2, 8)
     trainer.close()
+
+
+def test_a_closed_trainer_gives_back_the_signal_handlers(tmp_path):
+    # checkpoint.final=true catches SIGTERM/SIGUSR1 while the trainer lives; after close() the process's own
+    # handlers are back (a notebook or test process must not keep a closed trainer's handler)
+    import signal
+
+    def mine(signum, frame):
+        pass
+
+    before = signal.signal(signal.SIGTERM, mine)
+    try:
+        trainer = tiny_trainer(tmp_path, "--checkpoint.final=true")
+        assert signal.getsignal(signal.SIGTERM) is not mine
+        trainer.close()
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, before)

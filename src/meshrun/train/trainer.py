@@ -475,8 +475,12 @@ class Trainer:
                 if self.device.type == "cuda" else None}
 
     def close(self) -> None:
+        """Finish pending checkpoint writes and metrics, and give the process its own SIGTERM/SIGUSR1 handlers back
+        (a closed trainer in a notebook or test process must not keep catching them)."""
         self.ckpt.close()
         self.sink.close()
+        if self.ckpt.preemption is not None:
+            self.ckpt.preemption.restore()
 
 
 def _setup_logging(run_dir: Path, env: ClusterEnv) -> None:
