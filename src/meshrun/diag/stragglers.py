@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from meshrun.diag.gather import collective_device, gather_floats
 from meshrun.diag.gpu_health import gemm_tflops, nvml_state
 from meshrun.env import ClusterEnv
 
@@ -150,7 +151,7 @@ class StragglerDetector:
                  ranks: list[RankInfo] | None = None):
         self.group, self.env, self.threshold, self.min_gap_s = group, env, threshold, min_gap_s
         self.window = max(1, window)
-        self.device = device or _collective_device(group)
+        self.device = device or collective_device(group)
         self.gemm_check = gemm_check
         self.compute_device = compute_device or self.device
         self._recent: deque[np.ndarray] = deque(maxlen=self.window)
@@ -164,9 +165,8 @@ class StragglerDetector:
     def observe(self, step: int, step_time_s: float, data_time_s: float = 0.0) -> StragglerReport | None:
         """Record this interval; on rank 0 return a report when some rank is a straggler (else None).
         Collective: gathers [step_time_s, data_time_s, *gpu_clock()] from every rank."""
-        mine = torch.tensor([step_time_s, data_time_s, *self.gpu_clock()], dtype=torch.float64,
-                            device=self.device)  # (5,)
-        return self.observe_table(step, self._gather(mine))
+        times = gather_floats([step_time_s, data_time_s, *self.gpu_clock()], group=self.group, device=self.device)
+        return self.observe_table(step, times)
 
     def observe_table(self, step: int, times: np.ndarray) -> StragglerReport | None:
         """:meth:`observe` for numbers already gathered: ``times`` is (world, 5), each rank's
@@ -185,13 +185,6 @@ class StragglerDetector:
             return None
         return StragglerReport(step=step, stragglers=found) if found else None
 
-    def _gather(self, mine: torch.Tensor) -> np.ndarray:
-        if not dist.is_initialized():
-            return mine.cpu().numpy()[None, :]
-        parts = [torch.empty_like(mine) for _ in self.ranks]
-        dist.all_gather(parts, mine, group=self.group)  # note: collective, every rank must reach it
-        return torch.stack(parts).cpu().numpy()  # (world, k); note: a CPU-GPU sync point on CUDA
-
     def _rerun_gemm(self, found: list[Straggler]) -> list[Straggler]:
         """Every rank times the same GEMM now; the flagged ranks' TFLOP/s against the median of all ranks."""
         gpu = self.compute_device.type == "cuda"
@@ -199,7 +192,7 @@ class StragglerDetector:
             tflops = gemm_tflops(self.compute_device, n=4096 if gpu else 128, iters=10 if gpu else 3)
         except (RuntimeError, MemoryError):  # e.g. no room for 100 MB beside the model: still join the gather
             tflops = float("nan")
-        values = self._gather(torch.tensor([tflops], dtype=torch.float64, device=self.device))[:, 0]  # (world,)
+        values = gather_floats([tflops], group=self.group, device=self.device)[:, 0]  # (world,)
         median = float(np.nanmedian(values)) if not np.isnan(values).all() else float("nan")
         position = {info.rank: i for i, info in enumerate(self.ranks)}
         return [dataclasses.replace(s, gemm_tflops=float(values[position[s.who.rank]]), gemm_median=median)
@@ -230,12 +223,6 @@ def _gpu_clock(device: torch.device) -> list[float]:
         return [float("nan")] * 3
     state = nvml_state(device.index if device.index is not None else torch.cuda.current_device())
     return [float(state.get(key, float("nan"))) for key in ("sm_clock_mhz", "max_sm_clock_mhz", "temperature_c")]
-
-
-def _collective_device(group) -> torch.device:
-    if dist.is_initialized() and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 class WorkTimer:

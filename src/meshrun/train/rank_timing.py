@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 FIELDS = ("work_s", "data_s", "rest_s", "peak_mem_gib")
 
@@ -26,26 +25,9 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
-def _collective_device(device: torch.device) -> torch.device:
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def timing_row(*, work_s: float, data_s: float, step_s: float, device: torch.device) -> list[float]:
     """This rank's :data:`FIELDS` for the interval (seconds per step, averaged over it)."""
     return [work_s, data_s, max(step_s - work_s, 0.0), peak_memory_gib(device)]
-
-
-def gather_rows(row: list[float], device: torch.device) -> np.ndarray:
-    """(world, len(row)) float64: every rank's ``row`` in rank order, on every rank. Collective: every rank must
-    call it at the same step with a row of the same length."""
-    mine = torch.tensor(row, dtype=torch.float64, device=_collective_device(device))  # (k,)
-    if not dist.is_initialized():
-        return mine.cpu().numpy()[None, :]
-    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, mine)  # note: collective, every rank must reach it
-    return torch.stack(parts).cpu().numpy()  # (world, k); note: a CPU-GPU sync point on CUDA
 
 
 def ranks_record(table: np.ndarray, *, step: int, step_s: float) -> dict[str, Any]:

@@ -40,12 +40,13 @@ from meshrun.ckpt.state import ModelOptimState, RNGState, SchedulerState, TrainP
 from meshrun.diag.fingerprint import check_consistency
 from meshrun.comm.mesh import ParallelDims, choose_data_parallel
 from meshrun.diag.flight_recorder import enable_flight_recorder
+from meshrun.diag.gather import gather_floats
 from meshrun.diag.hang import HangWatchdog
 from meshrun.diag.stragglers import StragglerDetector, WorkTimer, gather_rank_infos
 from meshrun.train.metrics import MetricsSink, SumMetrics, peak_flops
 from meshrun.train.nonfinite import NonFiniteGuard
 from meshrun.train.profiling import StepProfiler, build_profiler
-from meshrun.train.rank_timing import FIELDS as TIMING_FIELDS, gather_rows, ranks_record, timing_row
+from meshrun.train.rank_timing import FIELDS as TIMING_FIELDS, ranks_record, timing_row
 from meshrun.train.runlog import start_record
 
 log = logging.getLogger("meshrun")
@@ -449,7 +450,7 @@ class Trainer:
         row = timing_row(work_s=work_s, data_s=data_s, step_s=step_s, device=self.device)
         if observe:
             row += self.stragglers.gpu_clock()
-        table = gather_rows(row, self.device)  # collective: every rank; (world, 4), or (world, 7) with the clock
+        table = gather_floats(row)  # collective: every rank; (world, 4), or (world, 7) with the clock
         if self.env.is_rank_zero:
             self.sink.record(ranks_record(table, step=self.step, step_s=step_s))
         if not observe:
