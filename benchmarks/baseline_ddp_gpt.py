@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import time
+from pathlib import Path
 from collections.abc import Callable
 
 import torch
@@ -85,6 +86,8 @@ def bench_args(description: str) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=20, help="untimed first steps (compilation, allocator growth)")
     p.add_argument("--grad-clip", type=float, default=0.0, help="clip the global grad norm to this (0 = off)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="torch.compile the model")
+    p.add_argument("--trace", metavar="DIR", help="after the timed steps, record two more with the torch profiler "
+                   "into DIR/rank_<N>.json (to compare kernel timelines with meshrun's run.profile_steps)")
     args = p.parse_args()
     if not 0 <= args.warmup < args.steps:
         p.error(f"--warmup {args.warmup} must be at least 0 and below --steps {args.steps}")
@@ -119,7 +122,25 @@ def time_steps(step: Callable[[], torch.Tensor], args: argparse.Namespace,
             start = time.perf_counter()
         loss = step()
     synchronize(device)
-    return time.perf_counter() - start, loss.item()
+    elapsed = time.perf_counter() - start
+    if args.trace:
+        record_trace(step, Path(args.trace) / f"rank_{os.environ.get('RANK', 0)}.json")
+    return elapsed, loss.item()
+
+
+def record_trace(step: Callable[[], torch.Tensor], path: Path) -> None:
+    """Two steps under the torch profiler (CPU and CUDA activity), written as a Chrome trace to ``path``."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        for i in range(2):
+            with record_function(f"ProfilerStep#{i}"):  # the step marks meshrun's run.profile_steps traces carry
+                step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(path))
 
 
 def uses_bf16(device: torch.device) -> bool:
