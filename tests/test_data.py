@@ -95,3 +95,22 @@ def test_token_file_of_a_partial_token_names_the_file_and_the_dtype(tmp_path):
 def test_missing_corpus_path_names_the_option(tmp_path):
     with pytest.raises(ConfigError, match=r"data.source='.*nope': no such file or folder"):
         load_corpus(DataConfig(source=str(tmp_path / "nope")))
+
+
+def test_loader_workers_hand_out_the_same_batches_across_an_epoch_and_a_seek():
+    """data.num_workers moves indexing and collation to worker processes; the micro-batches of every step, across
+    an epoch boundary and after a seek to a saved position, are the ones the training process loads itself."""
+    import torch
+
+    from meshrun.data.loader import StepBatches
+
+    def steps(num_workers, count, position=None):
+        data = StepBatches(windows(40), dp_rank=1, dp_size=2, seed=3, micro_batch=2, grad_accum=2,
+                           device=torch.device("cpu"), num_workers=num_workers)
+        if position is not None:
+            data.seek(position)
+        return [[x.tolist() for x, _ in data.next_step()] for _ in range(count)], data.position
+
+    in_process, position = steps(0, 7)  # 40 samples, global batch 8: an epoch is 5 steps
+    assert steps(1, 7) == (in_process, position)
+    assert steps(1, 3, position) == steps(0, 3, position)

@@ -85,6 +85,9 @@ class DataConfig:
     """Share of the corpus held out for validation (by file for text, by tail for token files)."""
     max_bytes: int = 0
     """Read at most this many bytes of a text corpus (0 = all); keeps CPU runs short."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank that index, collate and pin the next batches while the GPU trains
+    (0: the training process does it between steps, which costs host time a small, fast model may not have)."""
 
 
 @dataclass
@@ -376,6 +379,7 @@ _RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("model.rope_theta", lambda v: v > 0, "give a positive base frequency, e.g. 10000"),
     ("model.norm_eps", lambda v: v > 0, "give a small positive epsilon, e.g. 1e-5"),
     ("data.max_bytes", lambda v: v >= 0, "give a number of bytes, or 0 to read the whole corpus"),
+    ("data.num_workers", lambda v: v >= 0, "give a number of worker processes >= 0 (0: load in the training process)"),
     ("train.lr", lambda v: v >= 0, "give a learning rate >= 0, e.g. 3e-3"),
     ("train.min_lr", lambda v: v >= 0, "give a final learning rate >= 0, e.g. 3e-4"),
     ("train.warmup_steps", lambda v: v >= 0, "give a number of steps >= 0"),

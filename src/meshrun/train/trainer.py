@@ -182,7 +182,8 @@ class Trainer:
         val_set = TokenWindows(self.corpus.val, seq_len, self.model_cfg.vocab_size)
         dp_rank, dp_size = self.engine.dp_rank, self.engine.dp_size
         data = StepBatches(train_set, dp_rank=dp_rank, dp_size=dp_size, seed=self.job.train.seed,
-                           micro_batch=self.batch.micro_batch, grad_accum=self.batch.grad_accum, device=self.device)
+                           micro_batch=self.batch.micro_batch, grad_accum=self.batch.grad_accum, device=self.device,
+                           num_workers=self.job.data.num_workers)
         val = []
         if self.job.train.eval_every:
             val = eval_batches(val_set, dp_rank=dp_rank, dp_size=dp_size, micro_batch=self.batch.micro_batch,
