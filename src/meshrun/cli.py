@@ -17,6 +17,7 @@ COMMANDS = {
     "ckpt": ("meshrun.ckpt.cli", "list, verify and export checkpoints"),
     "doctor": ("meshrun.diag.doctor", "check nodes before training: network, versions, clocks, GPUs and their speed, storage, data"),
     "bench": ("meshrun.diag.bench", "measure collective bandwidth and training throughput"),
+    "trace": ("meshrun.diag.step_trace", "where profiled steps' GPU time went: compute, exposed communication, idle"),
     "report": ("meshrun.report.cli", "HTML page and PNGs of one or more runs: curves, per-rank heatmap, summary"),
     "runs": ("meshrun.report.runs", "one row per run directory: status, steps, loss, throughput, checkpoint"),
     "sample": ("meshrun.sample", "print what a checkpoint of the reference model writes after a prompt"),

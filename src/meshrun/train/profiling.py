@@ -1,7 +1,9 @@
 """``run.profile_steps``: record chosen optimizer steps on chosen ranks with the torch profiler.
 
 Each profiled rank writes a Chrome/Perfetto trace and a table of its most expensive ops to
-``<run.dir>/profile/``. Only local work: no collective, so ranks that do not profile run exactly as before.
+``<run.dir>/profile/``; on a GPU the table opens with where the device time went (compute, exposed
+communication, idle: diag/step_trace.py). Only local work: no collective, so ranks that do not profile run exactly
+as before.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from meshrun.config import ConfigError, RunConfig
+from meshrun.diag.step_trace import StepTime, describe as describe_step_time, read_trace, step_time
 
 log = logging.getLogger("meshrun")
 
@@ -68,6 +71,16 @@ class StepProfiler:
         except Exception as exc:  # noqa: BLE001 - reported, then training ends as it would have
             log.warning("profiler: could not stop and write the trace: %s", exc)
 
+    def _timeline(self, trace: Path) -> StepTime | None:
+        """The device timeline of the trace just written; None on CPU, or when it cannot be read."""
+        if not self.cuda:
+            return None
+        try:
+            return step_time(read_trace(trace), str(trace))
+        except (OSError, ValueError, KeyError) as exc:  # the trace and the op table still get written
+            log.warning("profiler: could not read back %s for its GPU timeline: %s", trace, exc)
+            return None
+
     def _write(self, prof: profile) -> None:
         """The trace and the table of the 25 ops with the most self time (device time on GPU, CPU time on CPU)."""
         trace = self.folder / f"rank_{self.rank:05d}.json"
@@ -75,12 +88,14 @@ class StepProfiler:
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             prof.export_chrome_trace(str(trace))
+            timeline = self._timeline(trace)
             table = prof.key_averages().table(sort_by=sort_by, row_limit=25)
-            (self.folder / f"rank_{self.rank:05d}_summary.txt").write_text(table + "\n")
+            head = describe_step_time(timeline) + "\n\n" if timeline is not None else ""
+            (self.folder / f"rank_{self.rank:05d}_summary.txt").write_text(head + table + "\n")
         except OSError as exc:  # a full disk ends the profile, not the run
             log.warning("profiler: could not write %s: %s", trace, exc)
             return
-        log.info("profiler: wrote %s", trace)
+        log.info("profiler: wrote %s%s", trace, f"; {timeline.verdict()}" if timeline is not None else "")
         self.announce()
 
 

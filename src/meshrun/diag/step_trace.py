@@ -1,0 +1,167 @@
+"""``meshrun trace``: where the GPU time of profiled steps went, from the traces ``run.profile_steps`` writes.
+
+A step is as fast as its slowest resource. This reads a torch profiler (Chrome) trace and splits the recorded span
+of the GPU into four parts, all measured on the device's own timeline:
+
+- compute: some non-communication kernel, copy or memset ran;
+- overlapped communication: a collective (NCCL kernel) ran beside compute, hidden;
+- exposed communication: only collectives ran; the step waited for the network;
+- idle: no kernel at all; the GPU waited for the host to launch work (Python and launch overhead, a host sync,
+  data loading).
+
+The largest of idle and exposed communication names what bounds the step (``verdict``). For example, the 124m model
+on two H100s with DDP spent 20% of its recorded span idle: the host launched the forward's kernels more slowly than
+the GPU ran them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+KERNEL_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+BOUND_SHARE = 0.10
+"""Idle or exposed communication above this share of the span names the step host- or communication-bound."""
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One trace's device timeline, in milliseconds per recorded step."""
+
+    path: str
+    steps: int
+    span_ms: float
+    compute_ms: float
+    comm_ms: float
+    exposed_comm_ms: float
+    idle_ms: float
+    top_kernels: list[tuple[str, float]] = field(default_factory=list)
+    """The kernels with the most device time per step (name, ms), communication included."""
+
+    def verdict(self) -> str:
+        idle, exposed = self.idle_ms / self.span_ms, self.exposed_comm_ms / self.span_ms
+        if idle >= BOUND_SHARE and idle >= exposed:
+            return (f"host-bound: the GPU idled {idle:.0%} of the span waiting for work; less host time per step "
+                    "helps (compile, fewer and larger kernels, CUDA graphs, no host syncs, data loaded ahead)")
+        if exposed >= BOUND_SHARE:
+            return (f"communication-bound: only collectives ran for {exposed:.0%} of the span; overlap them with "
+                    "compute (parallel.ddp_overlap, FSDP prefetch) or move fewer bytes")
+        return (f"compute-bound: kernels kept the GPU busy {1 - idle - exposed:.0%} of the span; faster kernels "
+                "help (train.float8, train.loss=chunked, a larger micro-batch)")
+
+
+def union_us(intervals: Iterable[tuple[float, float]]) -> float:
+    """Total length covered by (start, end) intervals, overlaps counted once."""
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if start > end:
+            total += stop - start
+            end = stop
+        elif stop > end:
+            total += stop - end
+            end = stop
+    return total
+
+
+def read_trace(path: Path) -> dict[str, Any]:
+    """A Chrome trace as written by ``torch.profiler`` (``.json``, or ``.json.gz``)."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+def step_time(trace: dict[str, Any], path: str = "", *, top: int = 8) -> StepTime | None:
+    """The breakdown of one trace; None when it holds no device kernels (a CPU run)."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    kernels = [e for e in events if e.get("cat") in KERNEL_CATEGORIES]
+    if not kernels:
+        return None
+    steps = len({e["name"] for e in events if str(e.get("name", "")).startswith("ProfilerStep#")}) or 1
+    is_comm = [("nccl" in e["name"].lower()) for e in kernels]
+    spans = [(e["ts"], e["ts"] + e["dur"]) for e in kernels]
+    comm = [s for s, c in zip(spans, is_comm) if c]
+    compute = [s for s, c in zip(spans, is_comm) if not c]
+    busy, compute_us, comm_us = union_us(spans), union_us(compute), union_us(comm)
+    span_us = max(end for _, end in spans) - min(start for start, _ in spans)
+    by_name: collections.Counter[str] = collections.Counter()
+    for e in kernels:
+        by_name[e["name"]] += e["dur"]
+    per_step = 1e3 * steps  # microseconds of the whole trace -> milliseconds per step
+    return StepTime(path=path, steps=steps, span_ms=span_us / per_step, compute_ms=compute_us / per_step,
+                    comm_ms=comm_us / per_step, exposed_comm_ms=(busy - compute_us) / per_step,
+                    idle_ms=(span_us - busy) / per_step,
+                    top_kernels=[(name, us / per_step) for name, us in by_name.most_common(top)])
+
+
+def describe(t: StepTime) -> str:
+    """The lines the profiler adds to its summary file, and ``meshrun trace`` prints per trace."""
+    lines = [f"GPU timeline per step ({t.steps} step(s) recorded): span {t.span_ms:.2f} ms = compute "
+             f"{t.compute_ms:.2f} ms + exposed communication {t.exposed_comm_ms:.2f} ms + idle {t.idle_ms:.2f} ms "
+             f"(communication {t.comm_ms:.2f} ms in all, {t.comm_ms - t.exposed_comm_ms:.2f} ms of it hidden "
+             "behind compute)", t.verdict(), "kernels with the most time per step:"]
+    lines += [f"  {ms:8.3f} ms  {name[:110]}" for name, ms in t.top_kernels]
+    return "\n".join(lines)
+
+
+def trace_files(paths: list[str]) -> list[Path]:
+    """Trace files named directly, or every ``profile/rank_*.json`` of a run folder (or of a profile folder)."""
+    found: list[Path] = []
+    for name in paths:
+        p = Path(name)
+        if p.is_dir():
+            folder = p / "profile" if (p / "profile").is_dir() else p
+            found += sorted(folder.glob("rank_*.json")) + sorted(folder.glob("rank_*.json.gz"))
+        else:
+            found.append(p)
+    return found
+
+
+def render_table(rows: list[StepTime]):
+    from rich.table import Table
+
+    table = Table(title="GPU time per recorded step (ms)", title_justify="left")
+    for name in ("trace", "steps", "span", "compute", "exposed comm", "hidden comm", "idle", "bound by"):
+        table.add_column(name, justify="left" if name in ("trace", "bound by") else "right")
+    for t in rows:
+        table.add_row(t.path, str(t.steps), f"{t.span_ms:.2f}", f"{t.compute_ms:.2f}", f"{t.exposed_comm_ms:.2f}",
+                      f"{t.comm_ms - t.exposed_comm_ms:.2f}", f"{t.idle_ms:.2f}", t.verdict().split(":")[0])
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="meshrun trace", description=__doc__.split("\n\n")[0])
+    p.add_argument("paths", nargs="+", help="run folders (their profile/rank_*.json) or trace files")
+    p.add_argument("--json", action="store_true", help="print one JSON object per trace instead of a table")
+    p.add_argument("--kernels", action="store_true", help="also list each trace's kernels with the most time")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    files = trace_files(args.paths)
+    missing = [f for f in files if not f.is_file()]
+    if missing or not files:
+        where = missing[0] if missing else " ".join(args.paths)
+        print(f"meshrun trace: error: no trace at {where}; record one with meshrun train --profile (or "
+              "--run.profile_steps=20-22) and give the run folder or its profile/rank_<N>.json", file=sys.stderr)
+        return 2
+    rows, cpu_only = [], []
+    for f in files:
+        t = step_time(read_trace(f), str(f))
+        (rows.append(t) if t is not None else cpu_only.append(f))
+    if args.json:
+        print("\n".join(json.dumps({**asdict(t), "verdict": t.verdict()}) for t in rows))
+    else:
+        from rich.console import Console
+
+        console = Console(width=None if sys.stdout.isatty() else 160)
+        if rows:
+            console.print(render_table(rows))
+        for t in rows if args.kernels else []:
+            console.print(f"\n{t.path}\n{describe(t)}", markup=False)
+    for f in cpu_only:
+        print(f"{f}: no GPU kernels (a CPU run); its rank_<N>_summary.txt lists the ops with the most CPU time",
+              file=sys.stderr)
+    return 0

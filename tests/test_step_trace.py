@@ -1,0 +1,67 @@
+"""``meshrun trace``: the device timeline of a profiler trace split into compute, exposed communication and idle."""
+
+import gzip
+import json
+
+import pytest
+
+from meshrun.diag.step_trace import main, step_time
+
+
+def kernel(name, start, end, cat="kernel"):
+    return {"ph": "X", "cat": cat, "name": name, "ts": start, "dur": end - start}
+
+
+def trace(*kernels):
+    steps = [{"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{i}", "ts": 0, "dur": 1} for i in (7, 8)]
+    return {"traceEvents": [*steps, *kernels]}
+
+
+# two recorded steps, in microseconds: compute 0-100 and 150-250, an all-reduce 200-300 (half of it beside compute),
+# a memset 400-420; nothing runs 100-150 and 300-400
+TWO_STEPS = trace(kernel("gemm", 0, 100), kernel("rms_norm", 150, 250),
+                  kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 200, 300), kernel("Memset (Device)", 400, 420,
+                                                                                       "gpu_memset"),
+                  {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5000})
+
+
+def test_the_span_splits_into_compute_exposed_communication_and_idle_per_step():
+    t = step_time(TWO_STEPS)
+    assert t.steps == 2
+    assert t.span_ms == pytest.approx(0.210)  # 420 us over 2 steps
+    assert t.compute_ms == pytest.approx(0.110)  # kernels and memsets: 100 + 100 + 20
+    assert t.comm_ms == pytest.approx(0.050)
+    assert t.exposed_comm_ms == pytest.approx(0.025)  # 250-300: only the all-reduce ran
+    assert t.idle_ms == pytest.approx(0.075)  # 100-150 and 300-400
+    assert t.compute_ms + t.exposed_comm_ms + t.idle_ms == pytest.approx(t.span_ms)
+    assert dict(t.top_kernels) == pytest.approx({"gemm": 0.05, "rms_norm": 0.05, "Memset (Device)": 0.01,
+                                                 "ncclDevKernel_AllReduce_Sum_f32_RING_LL": 0.05})
+    assert t.verdict().startswith("host-bound: the GPU idled 36% of the span")
+
+
+def test_exposed_collectives_and_busy_kernels_get_their_own_verdicts():
+    comm = step_time(trace(kernel("gemm", 0, 100), kernel("ncclDevKernel_AllGather", 100, 150)))
+    assert comm.verdict().startswith("communication-bound: only collectives ran for 33% of the span")
+    busy = step_time(trace(kernel("gemm", 0, 100), kernel("gemm", 110, 200)))
+    assert busy.verdict().startswith("compute-bound: kernels kept the GPU busy 95% of the span")
+
+
+def test_a_cpu_trace_has_no_device_timeline():
+    assert step_time({"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 9}]}) is None
+
+
+def test_the_command_reads_a_run_folder_and_names_what_it_cannot_read(tmp_path, capsys):
+    folder = tmp_path / "run" / "profile"
+    folder.mkdir(parents=True)
+    with gzip.open(folder / "rank_00001.json.gz", "wt") as f:
+        json.dump(TWO_STEPS, f)
+    (folder / "rank_00000.json").write_text(json.dumps({"traceEvents": []}))
+    assert main([str(tmp_path / "run"), "--json"]) == 0
+    out, err = capsys.readouterr()
+    row = json.loads(out)
+    assert row["path"].endswith("rank_00001.json.gz") and row["idle_ms"] == pytest.approx(0.075)
+    assert row["verdict"].startswith("host-bound")
+    assert "rank_00000.json: no GPU kernels (a CPU run)" in err
+    assert main([str(tmp_path / "nothing.json")]) == 2
+    assert capsys.readouterr().err.startswith(f"meshrun trace: error: no trace at {tmp_path / 'nothing.json'}; "
+                                              "record one with meshrun train --profile")
