@@ -15,7 +15,7 @@ from torch import nn
 from meshrun.config import ConfigError, ParallelConfig, load_config
 from meshrun.comm.mesh import choose_data_parallel
 from meshrun.models.build import model_config, model_spec
-from meshrun.parallel.apply import reshard_after_forward
+from meshrun.parallel.apply import check_cuda_graphs, reshard_after_forward
 from meshrun.parallel.engine import count_tensor, loss_function, token_loss_sum
 from meshrun.parallel.async_tp import check_async_tp
 from meshrun.parallel.float8 import check_float8
@@ -67,6 +67,18 @@ def test_async_tp_needs_sequence_parallel_tp_cuda_and_compile():
         with pytest.raises(ConfigError, match=message):
             check_async_tp(device, tp=tp, compiled=compiled)
     check_async_tp(gpu, tp=2, compiled=True)  # nothing to refuse
+
+
+def test_cuda_graphs_need_cuda_compile_and_a_whole_model_layout():
+    gpu = torch.device("cuda", 0)
+    for device, compiled, local, message in ((CPU, True, True, "this run is on cpu. Drop --train.cuda_graphs"),
+                                              (gpu, False, True, "set --train.compile=true"),
+                                              (gpu, True, False, "not for FSDP, whose per-block hooks")):
+        with pytest.raises(ConfigError, match=message):
+            check_cuda_graphs(device, compiled=compiled, local=local, layout="FSDP")
+    check_cuda_graphs(gpu, compiled=True, local=True, layout="DDP")  # nothing to refuse
+    job = load_config(None, ["--train.cuda_graphs=true", "--train.compile=true"])
+    assert describe_speed(job, CPU, None).startswith("speed: compile on with CUDA graphs (train.compile=true)")
 
 
 def test_header_line_names_the_choices():

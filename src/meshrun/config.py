@@ -128,6 +128,10 @@ class TrainConfig:
     compile: str = "auto"
     """torch.compile the model: auto (on for CUDA GPUs, off on CPU, where compiling costs more than it saves),
     true or false."""
+    cuda_graphs: bool = False
+    """Compile the step with CUDA graphs (torch.compile mode reduce-overhead): each compiled graph is recorded once
+    and replayed, so the host no longer launches every kernel. For one process and DDP on CUDA GPUs, when
+    `meshrun trace` calls the step host-bound."""
     eval_every: int = 100
     """Evaluate on the validation split every N steps (0 disables)."""
     eval_samples: int = 256
@@ -182,8 +186,8 @@ class ParallelConfig:
     block. Fewer, larger collectives suit small models, whose per-block collectives are latency-bound; the cost is
     the gathered parameters of a whole unit in memory at once."""
     ddp_overlap: bool = False
-    """With compile: compile the DDP-wrapped step, so each gradient bucket's all-reduce overlaps the rest of
-    backward (the graph is split at bucket boundaries), instead of one all-reduce after one backward graph."""
+    """With compile: compile the DDP-wrapped step instead of wrapping the compiled step in DDP. Either way dynamo
+    splits the step at DDP's bucket boundaries, so each bucket's all-reduce overlaps the rest of backward."""
     ddp_bucket_mb: int = 25
     """DDP gradient bucket size in MiB (all-reduce granularity)."""
     activation_checkpoint: ActivationCheckpointMode = "none"

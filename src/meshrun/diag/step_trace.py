@@ -48,7 +48,7 @@ class StepTime:
         idle, exposed = self.idle_ms / self.span_ms, self.exposed_comm_ms / self.span_ms
         if idle >= BOUND_SHARE and idle >= exposed:
             return (f"host-bound: the GPU idled {idle:.0%} of the span waiting for work; less host time per step "
-                    "helps (compile, fewer and larger kernels, CUDA graphs, no host syncs, data loaded ahead)")
+                    "helps (compile, CUDA graphs with train.cuda_graphs, fewer and larger kernels, no host syncs)")
         if exposed >= BOUND_SHARE:
             return (f"communication-bound: only collectives ran for {exposed:.0%} of the span; overlap them with "
                     "compute (parallel.ddp_overlap, FSDP prefetch) or move fewer bytes")

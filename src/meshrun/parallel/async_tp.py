@@ -16,6 +16,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshrun.config import ConfigError
+from meshrun.parallel.kernels import require_compiled_cuda
 
 
 def check_async_tp(device: torch.device, *, tp: int, compiled: bool) -> None:
@@ -23,12 +24,8 @@ def check_async_tp(device: torch.device, *, tp: int, compiled: bool) -> None:
     if tp < 2:
         raise ConfigError(f"parallel.async_tp=true needs tensor parallelism (parallel.tp >= 2, got {tp}); "
                           "drop --parallel.async_tp or set --parallel.tp")
-    if device.type != "cuda":
-        raise ConfigError(f"parallel.async_tp=true needs CUDA GPUs (symmetric memory); this run is on {device}. "
-                          "Drop --parallel.async_tp")
-    if not compiled:
-        raise ConfigError("parallel.async_tp=true is a compiler pass over the compiled blocks; set "
-                          "--train.compile=true (or auto on a GPU)")
+    require_compiled_cuda("parallel.async_tp", cuda_why="symmetric memory",
+                          compile_why="is a compiler pass over the compiled blocks", device=device, compiled=compiled)
 
 
 def enable_async_tp(tp_mesh: DeviceMesh) -> None:

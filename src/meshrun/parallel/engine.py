@@ -110,8 +110,10 @@ class LocalEngine:
     """
 
     def __init__(self, model: nn.Module, *, step: nn.Module | None = None, autocast_dtype: torch.dtype | None = None,
-                 dp_rank: int = 0, dp_size: int = 1):
+                 dp_rank: int = 0, dp_size: int = 1, cuda_graphs: bool = False):
         self.model = model
+        self.cuda_graphs = cuda_graphs
+        """The step is compiled with CUDA graphs: each optimizer step starts a new replay generation."""
         self.step = step if step is not None else LossStep(model, autocast_dtype)
         self.model_parts = [model]
         # Under DDP the (compiled) LossStep it wraps; a compiled DDP is timed from outside (its inner modules run
@@ -127,6 +129,8 @@ class LocalEngine:
     def forward_backward(self, batches: Sequence[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
         loss_sum = torch.zeros((), dtype=torch.float32, device=batches[0][0].device)
         tokens = 0
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()  # the last step's graph outputs may now be overwritten
         for i, (inputs, targets) in enumerate(batches):
             last = i == len(batches) - 1
             sync = contextlib.nullcontext() if last or not hasattr(self.step, "no_sync") else self.step.no_sync()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from meshrun.config import JobConfig
+from meshrun.config import ConfigError, JobConfig
 
 _ORDER = ("cudnn", "flash", "efficient", "math")
 
@@ -20,6 +20,15 @@ def compile_enabled(choice: str, device: torch.device) -> bool:
     """train.compile: 'auto' compiles on CUDA GPUs only. On CPU the compile (tens of seconds per graph) costs more
     than it saves for the short runs CPUs are used for, and needs a C++ toolchain."""
     return choice == "true" or (choice == "auto" and device.type == "cuda")
+
+
+def require_compiled_cuda(option: str, *, cuda_why: str, compile_why: str, device: torch.device,
+                          compiled: bool) -> None:
+    """Refuse the switch ``option`` (set to true) on a non-CUDA device or without compilation, naming the fix."""
+    if device.type != "cuda":
+        raise ConfigError(f"{option}=true needs CUDA GPUs ({cuda_why}); this run is on {device}. Drop --{option}")
+    if not compiled:
+        raise ConfigError(f"{option}=true {compile_why}; set --train.compile=true (or auto on a GPU)")
 
 
 def _backend(name: str):
@@ -60,7 +69,8 @@ def describe_speed(job: JobConfig, device: torch.device, compute_dtype: torch.dt
     t = job.train
     precision = "float8 matmuls (torchao) + bf16" if t.float8 else (
         "bf16 autocast" if compute_dtype == torch.bfloat16 else "fp32")
-    parts = [f"compile {'on' if compile_enabled(t.compile, device) else 'off'} (train.compile={t.compile})",
+    compiled = "on with CUDA graphs" if t.cuda_graphs else "on"
+    parts = [f"compile {compiled if compile_enabled(t.compile, device) else 'off'} (train.compile={t.compile})",
              precision, f"attention {resolve_attention(t.attention, device)}",
              "fused AdamW" if t.fused_optimizer and device.type == "cuda" else "AdamW (for-each)",
              f"grad clip {t.grad_clip:g}" if t.grad_clip else "no grad clip"]
