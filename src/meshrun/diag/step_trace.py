@@ -45,7 +45,8 @@ class StepTime:
     """The kernels with the most device time per step (name, ms), communication included."""
 
     def verdict(self) -> str:
-        idle, exposed = self.idle_ms / self.span_ms, self.exposed_comm_ms / self.span_ms
+        span = max(self.span_ms, 1e-9)  # a trace of one instantaneous kernel
+        idle, exposed = self.idle_ms / span, self.exposed_comm_ms / span
         if idle >= BOUND_SHARE and idle >= exposed:
             return (f"host-bound: the GPU idled {idle:.0%} of the span waiting for work; less host time per step "
                     "helps (compile, CUDA graphs with train.cuda_graphs, fewer and larger kernels, no host syncs)")
