@@ -53,7 +53,45 @@ def create_bound_handler(params: RendezvousParameters) -> RendezvousHandler:
     # private: torch's handler has no public way to choose where the store it shares with the workers listens
     if hasattr(handler, "_create_tcp_store_server"):  # torch >= 2.5 shares a second store with the workers
         handler._create_tcp_store_server = _bound_shared_server
+    ShutdownBarrier(handler, store, key=f"meshrun/shutdown/{params.run_id}",
+                    hosting=params.get_as_bool("is_host", False))
     return handler
+
+
+class ShutdownBarrier:
+    """The node that hosts the rendezvous store leaves last.
+
+    At the end of a job every node's launcher shuts the rendezvous down, which writes to the store. A store host
+    that finished first and exited took the store with it, and the other nodes printed torch's "recvVector failed"
+    with a C++ stack trace after a successful job. Installed on a handler, this makes each node count itself in
+    under ``key`` once its own shutdown is done, and the host wait for every node of the last rendezvous round
+    (``timeout_s`` at most: a node that died never counts itself in).
+    """
+
+    def __init__(self, handler: RendezvousHandler, store: dist.Store, *, key: str, hosting: bool,
+                 timeout_s: float = 15.0):
+        self.store, self.key, self.hosting, self.timeout_s = store, key, hosting, timeout_s
+        self.nodes = 0
+        """Nodes in the last rendezvous round (0 before the first)."""
+        self._next, self._shutdown = handler.next_rendezvous, handler.shutdown
+        handler.next_rendezvous, handler.shutdown = self.next_rendezvous, self.shutdown
+
+    def next_rendezvous(self):
+        info = self._next()
+        self.nodes = info.world_size
+        return info
+
+    def shutdown(self) -> bool:
+        closed = self._shutdown()
+        try:
+            arrived = self.store.add(self.key, 1)
+            deadline = time.monotonic() + self.timeout_s
+            while self.hosting and arrived < self.nodes and time.monotonic() < deadline:
+                time.sleep(0.05)
+                arrived = self.store.add(self.key, 0)
+        except RuntimeError:  # DistError: the store is gone already, nothing left to wait for
+            pass
+        return closed
 
 
 class _NamedBackend(C10dRendezvousBackend):
