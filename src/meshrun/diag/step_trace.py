@@ -100,7 +100,7 @@ def step_time(trace: dict[str, Any], path: str = "", *, top: int = 8) -> StepTim
                     top_kernels=[(name, us / per_step) for name, us in by_name.most_common(top)])
 
 
-def describe(t: StepTime) -> str:
+def describe_step_time(t: StepTime) -> str:
     """The lines the profiler adds to its summary file, and ``meshrun trace`` prints per trace."""
     lines = [f"GPU timeline per step ({t.steps} step(s) recorded): span {t.span_ms:.2f} ms = compute "
              f"{t.compute_ms:.2f} ms + exposed communication {t.exposed_comm_ms:.2f} ms + idle {t.idle_ms:.2f} ms "
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         if rows:
             console.print(render_table(rows))
         for t in rows if args.kernels else []:
-            console.print(f"\n{t.path}\n{describe(t)}", markup=False)
+            console.print(f"\n{t.path}\n{describe_step_time(t)}", markup=False)
     for f in cpu_only:
         print(f"{f}: no GPU kernels (a CPU run); its rank_<N>_summary.txt lists the ops with the most CPU time",
               file=sys.stderr)

@@ -17,7 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from meshrun.config import ConfigError, RunConfig
-from meshrun.diag.step_trace import StepTime, describe as describe_step_time, read_trace, step_time
+from meshrun.diag.step_trace import StepTime, describe_step_time, read_trace, step_time
 
 log = logging.getLogger("meshrun")
 
