@@ -145,8 +145,10 @@ def probe_store(host: str, port: int, *, timeout_s: float, attempt_s: float = 3.
     with _muted_stderr():
         while time.monotonic() < deadline:
             outcome: list[str] = []
-            # half the time left at most: a client that fails (e.g. "Ping failed") must do so before the deadline
-            limit = max(0.5, min(attempt_s, (deadline - time.monotonic()) / 2))
+            # a quarter of the time left at most: torch's client retries until its own timeout and then backs off
+            # (a "Ping failed" from a peer that answers at once still takes this limit plus up to ~1.5 s), and
+            # that answer must come before the deadline
+            limit = max(0.25, min(attempt_s, (deadline - time.monotonic()) / 4))
             thread = threading.Thread(target=_ask, args=(host, port, limit, outcome), daemon=True)
             thread.start()
             thread.join(max(0.0, deadline - time.monotonic()))
