@@ -17,8 +17,8 @@ import argparse
 import json
 import os
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist

@@ -151,7 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     rows, cpu_only = [], []
     for f in files:
         t = step_time(read_trace(f), str(f))
-        (rows.append(t) if t is not None else cpu_only.append(f))
+        if t is None:
+            cpu_only.append(f)
+        else:
+            rows.append(t)
     if args.json:
         print("\n".join(json.dumps({**asdict(t), "verdict": t.verdict()}) for t in rows))
     else:
