@@ -86,6 +86,8 @@ def bench_args(description: str) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=20, help="untimed first steps (compilation, allocator growth)")
     p.add_argument("--grad-clip", type=float, default=0.0, help="clip the global grad norm to this (0 = off)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="torch.compile the model")
+    p.add_argument("--ddp-graph", choices=("split", "whole"), default="split",
+                   help="split: dynamo cuts the compiled model at DDP's buckets (torch's default); whole: one graph")
     p.add_argument("--trace", metavar="DIR", help="after the timed steps, record two more with the torch profiler "
                    "into DIR/rank_<N>.json (to compare kernel timelines with meshrun's run.profile_steps)")
     args = p.parse_args()
@@ -193,9 +195,11 @@ def main():
     n_params = sum(p.numel() for p in model.parameters())
     opt = adamw(model, device)
     if args.compile:
+        torch._dynamo.config.optimize_ddp = args.ddp_graph == "split"
         model = torch.compile(model)  # the whole model and its loss as one graph, then DDP around it
     if dist.is_initialized():
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        # gradients live in DDP's buckets: no copy into them before each all-reduce (torch's advice for speed)
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
     inputs, targets = random_batch(args, rank, device)
 
     def step() -> torch.Tensor:

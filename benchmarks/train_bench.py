@@ -84,6 +84,7 @@ class Plan:
     layouts: list[str]
     variants: list[tuple[str, list[str]]]  # (name, meshrun overrides)
     extra: list[str]  # meshrun overrides for every meshrun row
+    repeat: int = 1  # runs of every row; the row reports their median and min-max
 
 
 def launch(gpus: int, target: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -137,15 +138,38 @@ def run_meshrun(case: Case, layout: str, plan: Plan, env: dict[str, str], overri
 
 
 def run_case(case: Case, plan: Plan, env: dict[str, str]) -> Iterator[dict]:
-    """The rows of one case, as each finishes: baseline, peers, then meshrun per layout and variant."""
-    for script in ([BASELINE] if plan.baseline else []) + plan.peers:
-        yield labelled(case, script.impl, run_script(script, case, plan, env))
+    """The rows of one case, as each finishes: baseline, peers, then meshrun per layout and variant. With
+    plan.repeat > 1 the whole sequence runs that many times (interleaved, so that a machine's slow minute does not
+    land on one row's repeats) and each row reports the median of its runs and their min-max."""
+    jobs = [(script.impl, lambda s=script: run_script(s, case, plan, env))
+            for script in ([BASELINE] if plan.baseline else []) + plan.peers]
     for layout in plan.layouts:
         if layout != "ddp" and case.gpus == 1:
             continue  # FSDP, TP and PP need two GPUs or more
         for name, overrides in [("", []), *plan.variants]:
             impl = f"meshrun-{layout}-{name}" if name else f"meshrun-{layout}"
-            yield labelled(case, impl, run_meshrun(case, layout, plan, env, [*plan.extra, *overrides]))
+            jobs.append((impl, lambda o=[*plan.extra, *overrides], lay=layout: run_meshrun(case, lay, plan, env, o)))
+    runs: dict[str, list[dict]] = {impl: [] for impl, _ in jobs}
+    for i in range(plan.repeat):
+        for impl, job in jobs:
+            runs[impl].append(job())
+            if plan.repeat > 1:
+                print(json.dumps({"impl": impl, "repeat": i + 1, **runs[impl][-1]}), flush=True)
+    for impl, _ in jobs:
+        yield labelled(case, impl, combine(runs[impl]))
+
+
+def combine(results: list[dict]) -> dict:
+    """One row from repeated runs of it: the median run's figures, with min, max and spread of tokens/s (spread =
+    (max - min) / median). Any failed run makes the row an error: a row that fails sometimes is not a result."""
+    failed = [r for r in results if "error" in r]
+    if failed:
+        return failed[0]
+    speeds = sorted(r["tokens_per_s_per_gpu"] for r in results)
+    median = statistics.median(speeds)
+    row = min(results, key=lambda r: abs(r["tokens_per_s_per_gpu"] - median))
+    return {**row, "tokens_per_s_per_gpu": median, "runs": len(results), "min": speeds[0], "max": speeds[-1],
+            "spread": (speeds[-1] - speeds[0]) / median}
 
 
 def labelled(case: Case, impl: str, result: dict) -> dict:
@@ -221,6 +245,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--extra", action="append", default=[], help="meshrun overrides for every meshrun row")
     p.add_argument("--variant", action="append", default=[], metavar="NAME:OVERRIDES",
                    help="one more meshrun row per layout, meshrun-<layout>-NAME, with these overrides")
+    p.add_argument("--repeat", type=int, default=1, help="run every row N times; report the median and min-max")
     p.add_argument("--json", help="write all rows here")
     args = p.parse_args(attach_values(argv))
     check_args(p, args)
@@ -240,6 +265,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for value in [*args.extra, *args.variant]:
         if "--train.grad_clip" in value:
             p.error(f"{value!r} sets --train.grad_clip for meshrun alone; use --grad-clip, which clips every side")
+    if args.repeat < 1:
+        p.error(f"--repeat {args.repeat}: needs at least 1")
     if args.steps < 3:
         p.error(f"--steps {args.steps}: needs at least 3 (the first third is warm-up)")
 
@@ -254,7 +281,7 @@ def make_plan(args: argparse.Namespace, device: str) -> tuple[Plan, list[str]]:
     variants = [(name, shlex.split(overrides)) for name, _, overrides in (v.partition(":") for v in args.variant)]
     plan = Plan(steps=args.steps, compile=device != "cpu" if args.compile is None else args.compile,
                 baseline=not args.no_baseline, peers=peers, layouts=split(args.layouts), variants=variants,
-                extra=[x for value in args.extra for x in shlex.split(value)])
+                extra=[x for value in args.extra for x in shlex.split(value)], repeat=args.repeat)
     return plan, skipped
 
 
@@ -284,13 +311,15 @@ def print_table(rows: list[dict], device: str, notes: list[str]) -> None:
     from rich.table import Table
 
     table = Table(title=f"training throughput on {device}", caption="\n".join(notes))
-    for col in ("impl", "size", "gpus", "grad clip", "tok/s per GPU", "MFU", "peak GiB", "vs baseline",
-                "vs best peer"):
+    for col in ("impl", "size", "gpus", "grad clip", "tok/s per GPU", "min-max (spread)", "MFU", "peak GiB",
+                "vs baseline", "vs best peer"):
         table.add_column(col)
     for r in rows:
-        cells = ["error", "", "", "", ""] if "error" in r else [
-            f"{r['tokens_per_s_per_gpu']:,.0f}", fmt(r.get("mfu"), "{:.1%}"), fmt(r.get("peak_mem_gib"), "{:.1f}"),
-            fmt(r.get("vs_baseline"), "{:.3f}x"), fmt(r.get("vs_best_peer"), "{:.3f}x")]
+        spread = f"{r['min']:,.0f}-{r['max']:,.0f} ({r['spread']:.1%})" if r.get("runs", 1) > 1 else "-"
+        cells = ["error", "", "", "", "", ""] if "error" in r else [
+            f"{r['tokens_per_s_per_gpu']:,.0f}", spread, fmt(r.get("mfu"), "{:.1%}"),
+            fmt(r.get("peak_mem_gib"), "{:.1f}"), fmt(r.get("vs_baseline"), "{:.3f}x"),
+            fmt(r.get("vs_best_peer"), "{:.3f}x")]
         table.add_row(r["impl"], r["size"], str(r["gpus"]), f"{r['grad_clip']:g}", *cells)
     Console(width=shutil.get_terminal_size((150, 24)).columns).print(table)  # 150 when piped
 

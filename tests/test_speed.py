@@ -15,7 +15,7 @@ from torch import nn
 from meshrun.config import ConfigError, ParallelConfig, load_config
 from meshrun.comm.mesh import choose_data_parallel
 from meshrun.models.build import model_config, model_spec
-from meshrun.parallel.apply import check_cuda_graphs, reshard_after_forward
+from meshrun.parallel.apply import check_cuda_graphs, reshard_after_forward, use_cuda_graphs
 from meshrun.parallel.engine import count_tensor, loss_function, token_loss_sum
 from meshrun.parallel.async_tp import check_async_tp
 from meshrun.parallel.float8 import check_float8
@@ -78,7 +78,60 @@ def test_cuda_graphs_need_cuda_compile_and_a_whole_model_layout():
             check_cuda_graphs(device, compiled=compiled, local=local, layout="FSDP")
     check_cuda_graphs(gpu, compiled=True, local=True, layout="DDP")  # nothing to refuse
     job = load_config(None, ["--train.cuda_graphs=true", "--train.compile=true"])
-    assert describe_speed(job, CPU, None).startswith("speed: compile on with CUDA graphs (train.compile=true)")
+    assert describe_speed(job, CPU, None, cuda_graphs=True).startswith(
+        "speed: compile on with CUDA graphs (train.compile=true)")
+
+
+def test_cuda_graphs_auto_is_on_exactly_where_true_is_accepted():
+    gpu = torch.device("cuda", 0)
+    assert use_cuda_graphs("auto", gpu, compiled=True, local=True, layout="DDP")
+    for device, compiled, local in ((CPU, True, True), (gpu, False, True), (gpu, True, False)):
+        assert not use_cuda_graphs("auto", device, compiled=compiled, local=local, layout="FSDP")  # no refusal
+    assert not use_cuda_graphs("false", gpu, compiled=True, local=True, layout="DDP")
+    with pytest.raises(ConfigError, match="not for FSDP"):
+        use_cuda_graphs("true", gpu, compiled=True, local=False, layout="FSDP")
+    assert load_config(None, []).train.cuda_graphs == "auto"
+    with pytest.raises(ConfigError, match="train.cuda_graphs='sometimes' is not one of auto, true, false"):
+        load_config(None, ["--train.cuda_graphs=sometimes"])
+
+
+def test_ddp_graph_choices_are_checked():
+    assert load_config(None, []).parallel.ddp_graph == "split"
+    assert load_config(None, ["--parallel.ddp_graph=whole"]).parallel.ddp_graph == "whole"
+    with pytest.raises(ConfigError, match="parallel.ddp_graph='one' is not one of split, whole"):
+        load_config(None, ["--parallel.ddp_graph=one"])
+
+
+def test_step_collector_freezes_after_the_first_step_and_restores_the_interpreter():
+    import gc
+    import weakref
+
+    from meshrun.train.gc_control import StepCollector
+
+    assert gc.isenabled()
+    collector = StepCollector(every=3)
+    try:
+        assert not gc.isenabled()  # no automatic collection inside a step
+        collector.step(1)
+        assert gc.get_freeze_count() > 0  # what the first step left alive is frozen
+        class Node:
+            pass
+
+        node = Node()
+        node.me = node  # a reference cycle: only a collection frees it
+        alive = weakref.ref(node)
+        del node
+        collector.step(2)
+        assert alive() is not None  # not a collection step
+        collector.step(3)
+        assert alive() is None  # every 3 steps
+    finally:
+        collector.close()
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    off = StepCollector(every=0)
+    off.step(1)
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    off.close()
 
 
 def test_header_line_names_the_choices():

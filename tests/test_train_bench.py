@@ -85,6 +85,28 @@ def test_meshrun_clips_as_asked_and_user_overrides_come_last():
     assert args[-1] == "--train.lr=1e-3"
 
 
+def test_repeated_runs_report_the_median_run_and_its_spread():
+    runs = [{"tokens_per_s_per_gpu": v, "loss": v / 1000} for v in (410.0, 400.0, 420.0)]
+    row = tb.combine(runs)
+    assert row["tokens_per_s_per_gpu"] == 410.0 and row["loss"] == 0.41  # the median run's own figures
+    assert (row["runs"], row["min"], row["max"]) == (3, 400.0, 420.0)
+    assert row["spread"] == pytest.approx(20 / 410)
+    assert "error" in tb.combine([*runs, {"error": "boom"}])  # a row that fails once is not a result
+
+
+def test_repeat_runs_every_row_that_many_times_interleaved(monkeypatch):
+    calls = []
+    monkeypatch.setattr(tb, "run_script", lambda s, c, p, e: calls.append(s.impl) or {"tokens_per_s_per_gpu": 1.0})
+    monkeypatch.setattr(tb, "run_meshrun", lambda c, lay, p, e, o: calls.append(f"m{o}") or
+                        {"tokens_per_s_per_gpu": 2.0})
+    plan = tb.Plan(steps=6, compile=False, baseline=True, peers=[], layouts=["ddp"], variants=[("v", ["--x=1"])],
+                   extra=[], repeat=2)
+    rows = list(tb.run_case(tb.Case("tiny", 2, 0.0), plan, {}))
+    assert calls == ["baseline-ddp", "m[]", "m['--x=1']"] * 2
+    assert [r["impl"] for r in rows] == ["baseline-ddp", "meshrun-ddp", "meshrun-ddp-v"]
+    assert all(r["runs"] == 2 for r in rows)
+
+
 # --- a whole run -------------------------------------------------------------------------------------------------
 
 

@@ -38,6 +38,7 @@ Backend = Literal["auto", "nccl", "gloo"]
 DeviceKind = Literal["auto", "cpu", "cuda"]
 HangAction = Literal["exit", "report"]
 ProgressMode = Literal["auto", "bar", "lines"]
+DdpGraphMode = Literal["split", "whole"]
 
 DATA_FORMATS: tuple[str, ...] = get_args(DataFormat)
 TOKEN_DTYPES: tuple[str, ...] = get_args(TokenDtype)
@@ -49,6 +50,7 @@ PIPELINE_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
 DATA_PARALLEL_MODES: tuple[str, ...] = get_args(DataParallelMode)
 ACTIVATION_CHECKPOINT_MODES: tuple[str, ...] = get_args(ActivationCheckpointMode)
 BACKENDS: tuple[str, ...] = get_args(Backend)
+DDP_GRAPH_MODES: tuple[str, ...] = get_args(DdpGraphMode)
 DEVICE_KINDS: tuple[str, ...] = get_args(DeviceKind)
 HANG_ACTIONS: tuple[str, ...] = get_args(HangAction)
 PROGRESS_MODES: tuple[str, ...] = get_args(ProgressMode)
@@ -128,10 +130,14 @@ class TrainConfig:
     compile: str = "auto"
     """torch.compile the model: auto (on for CUDA GPUs, off on CPU, where compiling costs more than it saves),
     true or false."""
-    cuda_graphs: bool = False
+    cuda_graphs: str = "auto"
     """Compile the step with CUDA graphs (torch.compile mode reduce-overhead): each compiled graph is recorded once
-    and replayed, so the host no longer launches every kernel. For one process and DDP on CUDA GPUs, when
-    `meshrun trace` calls the step host-bound."""
+    and replayed, so the host no longer launches every kernel. auto: on for one process and DDP when compiled on
+    CUDA GPUs, off elsewhere; true refuses the layouts it cannot serve; false launches every kernel."""
+    gc_every: int = 50
+    """Python's garbage collector runs every N optimizer steps (young generations only) instead of whenever
+    allocations trigger it, with the objects alive after the first step frozen out of its scans; 0 leaves Python's
+    automatic collection on."""
     eval_every: int = 100
     """Evaluate on the validation split every N steps (0 disables)."""
     eval_samples: int = 256
@@ -190,6 +196,10 @@ class ParallelConfig:
     splits the step at DDP's bucket boundaries, so each bucket's all-reduce overlaps the rest of backward."""
     ddp_bucket_mb: int = 25
     """DDP gradient bucket size in MiB (all-reduce granularity)."""
+    ddp_graph: DdpGraphMode = "split"
+    """With compile: split (dynamo cuts the compiled step at DDP's bucket boundaries, so each bucket's all-reduce
+    overlaps the rest of backward) or whole (one forward and one backward graph, DDP's all-reduces after backward:
+    fewer graphs for the host to enter, the all-reduce exposed)."""
     activation_checkpoint: ActivationCheckpointMode = "none"
     """none, selective or full."""
     allow_tp_across_nodes: bool = False
@@ -324,6 +334,8 @@ class JobConfig:
         _check_choice("train.loss", self.train.loss, LOSS_MODES)
         _check_choice("train.nonfinite", self.train.nonfinite, NONFINITE_MODES)
         self.train.compile = _tri_state("train.compile", self.train.compile)
+        self.train.cuda_graphs = _tri_state("train.cuda_graphs", self.train.cuda_graphs)
+        _check_choice("parallel.ddp_graph", self.parallel.ddp_graph, DDP_GRAPH_MODES)
         self.parallel.fsdp_reshard_after_forward = _tri_state("parallel.fsdp_reshard_after_forward",
                                                               self.parallel.fsdp_reshard_after_forward)
         if self.parallel.async_tp and not self.parallel.sequence_parallel:
@@ -390,6 +402,7 @@ _RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("train.weight_decay", lambda v: v >= 0, "give a weight decay >= 0, e.g. 0.1"),
     ("train.beta1", lambda v: 0 <= v < 1, "AdamW's betas must be in [0, 1), e.g. 0.9"),
     ("train.beta2", lambda v: 0 <= v < 1, "AdamW's betas must be in [0, 1), e.g. 0.95"),
+    ("train.gc_every", lambda v: v >= 0, "give a number of steps between collections, or 0 for Python's own"),
     ("train.grad_clip", lambda v: v >= 0, "give a maximum gradient norm > 0, or 0 to disable clipping"),
     ("checkpoint.interval_steps", lambda v: v >= 0, "give a number of steps, or 0 to save only by time or at the "
                                                     "end"),

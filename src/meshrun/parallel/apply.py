@@ -77,11 +77,11 @@ def build_engine(*, job: JobConfig, model_cfg: ModelShape, dims: ParallelDims, m
         check_async_tp(device, tp=dims.tp, compiled=compiled)
         enable_async_tp(dims.get_mesh("tp"))
     local = dims.pp == 1 and dims.tp == 1 and dims.dp_shard == 1
-    if job.train.cuda_graphs:
-        check_cuda_graphs(device, compiled=compiled, local=local, layout=layout_name(dims))
+    graphs = use_cuda_graphs(job.train.cuda_graphs, device, compiled=compiled, local=local,
+                             layout=layout_name(dims))
     if local:
         return _local_engine(job, spec, cfg, dims, device, rank=rank, autocast_dtype=None if fp32 else compute_dtype,
-                             compiled=compiled)
+                             compiled=compiled, cuda_graphs=graphs)
     if job.train.loss == "chunked":
         raise ConfigError(f"train.loss=chunked runs for one process and DDP only, not for {layout_name(dims)}; "
                           "drop --train.loss=chunked (the other layouts compile the full loss, without fp32 logits)")
@@ -234,6 +234,15 @@ def seed_for_init(seed: int, *, dims: ParallelDims, rank: int, device: torch.dev
         manual_seed(seed + c.pp, dims.mesh)
 
 
+def use_cuda_graphs(choice: str, device: torch.device, *, compiled: bool, local: bool, layout: str) -> bool:
+    """train.cuda_graphs resolved for this run: 'true' refuses what cannot run, 'auto' is on exactly where 'true'
+    would be accepted (one process or DDP, compiled, on CUDA), 'false' is off."""
+    if choice == "true":
+        check_cuda_graphs(device, compiled=compiled, local=local, layout=layout)
+        return True
+    return choice == "auto" and device.type == "cuda" and compiled and local
+
+
 def check_cuda_graphs(device: torch.device, *, compiled: bool, local: bool, layout: str) -> None:
     """Refuse train.cuda_graphs where it cannot run, naming what to change."""
     require_compiled_cuda("train.cuda_graphs", cuda_why="it records CUDA graphs",
@@ -245,7 +254,7 @@ def check_cuda_graphs(device: torch.device, *, compiled: bool, local: bool, layo
 
 
 def _local_engine(job: JobConfig, spec: ModelSpec, cfg: ModelShape, dims: ParallelDims, device: torch.device, *, rank: int,
-                  autocast_dtype: torch.dtype | None, compiled: bool) -> LocalEngine:
+                  autocast_dtype: torch.dtype | None, compiled: bool, cuda_graphs: bool) -> LocalEngine:
     """One process, or DDP over dp_replicate: every rank holds the whole model, initialised like 1 process.
 
     Compile covers the whole model and its loss (``LossStep``), not each block: one graph lets inductor fuse the
@@ -253,7 +262,8 @@ def _local_engine(job: JobConfig, spec: ModelSpec, cfg: ModelShape, dims: Parall
     DDP(compile(step)) or compile(DDP(step)). In both, dynamo's DDP optimizer splits the compiled step at the
     gradient buckets' boundaries (DDP marks itself active while its forward runs the compiled module), so each
     bucket's all-reduce starts while the rest of backward runs; a 2-GPU trace shows an all-reduce every 1.6 ms of
-    backward. ``train.cuda_graphs`` compiles with inductor's CUDA graphs (mode reduce-overhead).
+    backward; ``parallel.ddp_graph=whole`` turns that split off (one graph each way, all-reduces after backward).
+    ``cuda_graphs`` compiles with inductor's CUDA graphs (mode reduce-overhead).
     """
     with torch.device("meta"):
         model = spec.build(cfg)
@@ -268,7 +278,10 @@ def _local_engine(job: JobConfig, spec: ModelSpec, cfg: ModelShape, dims: Parall
     step: nn.Module = LossStep(model, autocast_dtype, chunked=job.train.loss == "chunked")
     ddp = dims.dp_replicate > 1
     overlap = ddp and compiled and job.parallel.ddp_overlap
-    mode = "reduce-overhead" if job.train.cuda_graphs else None  # reduce-overhead: inductor's CUDA graphs
+    mode = "reduce-overhead" if cuda_graphs else None  # reduce-overhead: inductor's CUDA graphs
+    if ddp and compiled:
+        # process-wide dynamo switch, read when the step is first compiled; this process compiles only this step
+        torch._dynamo.config.optimize_ddp = job.parallel.ddp_graph == "split"
     if compiled and not overlap:
         step = torch.compile(step, mode=mode)
     if ddp:
@@ -276,4 +289,4 @@ def _local_engine(job: JobConfig, spec: ModelSpec, cfg: ModelShape, dims: Parall
     if overlap:
         step = torch.compile(step, mode=mode)  # dynamo's DDP optimizer splits the graph at bucket boundaries
     return LocalEngine(model, step=step, autocast_dtype=autocast_dtype, dp_rank=dims.dp_rank(rank),
-                       dp_size=dims.dp_size, cuda_graphs=job.train.cuda_graphs)
+                       dp_size=dims.dp_size, cuda_graphs=cuda_graphs)

@@ -64,12 +64,14 @@ def select_attention(choice: str, device: torch.device) -> str:
     return chosen
 
 
-def describe_speed(job: JobConfig, device: torch.device, compute_dtype: torch.dtype | None) -> str:
-    """The start-up header's line of performance choices, as resolved for this device."""
+def describe_speed(job: JobConfig, device: torch.device, compute_dtype: torch.dtype | None, *,
+                   cuda_graphs: bool = False) -> str:
+    """The start-up header's line of performance choices, as resolved for this device (``cuda_graphs``: the
+    engine's resolved train.cuda_graphs)."""
     t = job.train
     precision = "float8 matmuls (torchao) + bf16" if t.float8 else (
         "bf16 autocast" if compute_dtype == torch.bfloat16 else "fp32")
-    compiled = "on with CUDA graphs" if t.cuda_graphs else "on"
+    compiled = "on with CUDA graphs" if cuda_graphs else "on"
     parts = [f"compile {compiled if compile_enabled(t.compile, device) else 'off'} (train.compile={t.compile})",
              precision, f"attention {resolve_attention(t.attention, device)}",
              "fused AdamW" if t.fused_optimizer and device.type == "cuda" else "AdamW (for-each)",

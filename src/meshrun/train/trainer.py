@@ -43,6 +43,7 @@ from meshrun.diag.flight_recorder import enable_flight_recorder
 from meshrun.diag.gather import gather_floats
 from meshrun.diag.hang import HangWatchdog
 from meshrun.diag.stragglers import StragglerDetector, WorkTimer, gather_rank_infos
+from meshrun.train.gc_control import StepCollector
 from meshrun.train.metrics import MetricsSink, SumMetrics, peak_flops
 from meshrun.train.nonfinite import NonFiniteGuard
 from meshrun.train.profiling import StepProfiler, build_profiler
@@ -316,7 +317,8 @@ class Trainer:
             f"config: {self.run_dir / 'config.toml'}",
         ]
         lines[1:1] = [f"layout: {describe_layout(self.dims)}", *([self.layout_note] if self.layout_note else []),
-                      describe_speed(self.job, self.device, compute_dtype(self.job, self.device))]
+                      describe_speed(self.job, self.device, compute_dtype(self.job, self.device),
+                                     cuda_graphs=getattr(self.engine, "cuda_graphs", False))]
         if self.step:
             lines.append(f"resumed at step {self.step} (epoch {self.data.position.epoch}, "
                          f"{self.data.position.consumed:,} samples into it) from {self.ckpt.folder}")
@@ -371,9 +373,11 @@ class Trainer:
                                          log=log.error, end_job=self.job.health.hang_action == "exit").start()
         if self.profiler is not None:
             self.profiler.start()
+        self.collector = StepCollector(self.job.train.gc_every)
         try:
             return self._loop()
         finally:
+            self.collector.close()
             if self.profiler is not None:
                 self.profiler.close()  # an error or SIGTERM inside the window: writes what was recorded
             if self.watchdog is not None:
@@ -388,6 +392,7 @@ class Trainer:
         interval_start, interval_steps, gnorm = time.perf_counter(), 0, None
         while self.step < job.train.steps:
             loss_sum, tokens, grad_norm = self.train_step()
+            self.collector.step(self.step)
             sums.add(loss_sum=loss_sum, tokens=tokens)
             interval_steps += 1
             if self.step % job.train.log_every == 0 or self.step == job.train.steps:
