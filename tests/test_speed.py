@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from meshrun.config import ConfigError, ParallelConfig, load_config
-from meshrun.comm.mesh import choose_data_parallel
+from meshrun.comm.mesh import ParallelDims, choose_data_parallel
 from meshrun.models.build import model_config, model_spec
 from meshrun.parallel.apply import check_cuda_graphs, reshard_after_forward, use_cuda_graphs
 from meshrun.parallel.engine import count_tensor, loss_function, token_loss_sum
@@ -95,10 +95,21 @@ def test_cuda_graphs_auto_is_on_exactly_where_true_is_accepted():
         load_config(None, ["--train.cuda_graphs=sometimes"])
 
 
+def test_ddp_graph_auto_splits_only_across_nodes():
+    from meshrun.parallel.apply import ddp_graph_split
+
+    one_node = ParallelDims.from_config(ParallelConfig(), world_size=8, gpus_per_node=8)
+    two_nodes = ParallelDims.from_config(ParallelConfig(), world_size=16, gpus_per_node=8)
+    unknown = ParallelDims.from_config(ParallelConfig(), world_size=2)
+    assert not ddp_graph_split("auto", one_node)
+    assert ddp_graph_split("auto", two_nodes) and ddp_graph_split("auto", unknown)
+    assert ddp_graph_split("split", one_node) and not ddp_graph_split("whole", two_nodes)
+
+
 def test_ddp_graph_choices_are_checked():
-    assert load_config(None, []).parallel.ddp_graph == "split"
+    assert load_config(None, []).parallel.ddp_graph == "auto"
     assert load_config(None, ["--parallel.ddp_graph=whole"]).parallel.ddp_graph == "whole"
-    with pytest.raises(ConfigError, match="parallel.ddp_graph='one' is not one of split, whole"):
+    with pytest.raises(ConfigError, match="parallel.ddp_graph='one' is not one of auto, split, whole"):
         load_config(None, ["--parallel.ddp_graph=one"])
 
 

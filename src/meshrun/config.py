@@ -38,7 +38,7 @@ Backend = Literal["auto", "nccl", "gloo"]
 DeviceKind = Literal["auto", "cpu", "cuda"]
 HangAction = Literal["exit", "report"]
 ProgressMode = Literal["auto", "bar", "lines"]
-DdpGraphMode = Literal["split", "whole"]
+DdpGraphMode = Literal["auto", "split", "whole"]
 
 DATA_FORMATS: tuple[str, ...] = get_args(DataFormat)
 TOKEN_DTYPES: tuple[str, ...] = get_args(TokenDtype)
@@ -196,10 +196,11 @@ class ParallelConfig:
     splits the step at DDP's bucket boundaries, so each bucket's all-reduce overlaps the rest of backward."""
     ddp_bucket_mb: int = 25
     """DDP gradient bucket size in MiB (all-reduce granularity)."""
-    ddp_graph: DdpGraphMode = "split"
+    ddp_graph: DdpGraphMode = "auto"
     """With compile: split (dynamo cuts the compiled step at DDP's bucket boundaries, so each bucket's all-reduce
-    overlaps the rest of backward) or whole (one forward and one backward graph, DDP's all-reduces after backward:
-    fewer graphs for the host to enter, the all-reduce exposed)."""
+    overlaps the rest of backward), whole (one forward and one backward graph, DDP's all-reduces after backward:
+    fewer graphs for the host to enter, the all-reduce exposed), or auto: whole while every replica is on one
+    node (an all-reduce over NVLink takes a few ms), split when replicas cross nodes."""
     activation_checkpoint: ActivationCheckpointMode = "none"
     """none, selective or full."""
     allow_tp_across_nodes: bool = False
