@@ -76,9 +76,12 @@ class GPT(nn.Module):
 # ---- shared by the baseline and the peer scripts: arguments, model, data, optimizer, timing, report ----
 
 
-def bench_args(description: str) -> argparse.Namespace:
-    """The arguments every implementation takes, so that the harness can call them all alike."""
+def bench_args(description: str, extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+    """The arguments every implementation takes, so that the harness can call them all alike (``extra`` adds a
+    script's own)."""
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if extra is not None:
+        extra(p)
     p.add_argument("--size", default="124m", choices=SIZES)
     p.add_argument("--micro-batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=1024)

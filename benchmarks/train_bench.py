@@ -4,7 +4,9 @@ For each case (model size x number of GPUs x gradient-clipping value) it runs, a
   - the baseline, benchmarks/baseline_ddp_gpt.py: plain DDP, bf16 autocast, SDPA, fused AdamW, torch.compile;
   - the peers (--peers) whose library is installed: benchmarks/peer_accelerate.py (Hugging Face Accelerate) and
     benchmarks/peer_fabric.py (Lightning Fabric), which train the baseline's model on the same tokens;
-  - `meshrun train` once per layout (--layouts), and once more per layout for each --variant.
+  - `meshrun train` once per layout (--layouts), and once more per layout for each --variant;
+  - with --session, the baseline's GPT through meshrun's `Session.prepare_model` (benchmarks/session_gpt.py, as
+    docs/api.md shows: a user's own model) per layout given (ddp, fsdp).
 Every row reports tokens/s per GPU, MFU, peak memory, vs_baseline (its tokens/s over the baseline row of its case)
 and vs_best_peer (over the fastest of the baseline and the peers of its case). Prints a table and writes JSON.
 
@@ -56,11 +58,14 @@ class Script:
     impl: str  # the row's name
     path: str  # relative to the repository root
     module: str  # the library it needs, checked before it is launched ('' for none)
+    args: tuple[str, ...] = ()  # arguments of its own
 
 
 BASELINE = Script("baseline-ddp", "benchmarks/baseline_ddp_gpt.py", "")
 PEERS = {"accelerate": Script("accelerate-ddp", "benchmarks/peer_accelerate.py", "accelerate"),
          "fabric": Script("fabric-ddp", "benchmarks/peer_fabric.py", "lightning")}
+SESSION = {layout: Script(f"session-{layout}", "benchmarks/session_gpt.py", "", ("--layout", layout))
+           for layout in ("ddp", "fsdp")}
 REFERENCES = {BASELINE.impl} | {s.impl for s in PEERS.values()}  # what vs_best_peer compares against
 
 
@@ -85,6 +90,7 @@ class Plan:
     variants: list[tuple[str, list[str]]]  # (name, meshrun overrides)
     extra: list[str]  # meshrun overrides for every meshrun row
     repeat: int = 1  # runs of every row; the row reports their median and min-max
+    session: tuple[Script, ...] = ()  # meshrun's Session rows (not references)
 
 
 def launch(gpus: int, target: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -101,7 +107,8 @@ def run_script(script: Script, case: Case, plan: Plan, env: dict[str, str]) -> d
     mb, seq = MICRO[case.size]
     proc = launch(case.gpus, [script.path, "--size", case.size, "--micro-batch", str(mb), "--seq", str(seq),
                               "--steps", str(plan.steps), "--warmup", str(plan.steps // 3),
-                              "--grad-clip", str(case.grad_clip), "--compile" if plan.compile else "--no-compile"], env)
+                              "--grad-clip", str(case.grad_clip), "--compile" if plan.compile else "--no-compile",
+                              *script.args], env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode or not lines:
         return failure(proc)
@@ -138,11 +145,12 @@ def run_meshrun(case: Case, layout: str, plan: Plan, env: dict[str, str], overri
 
 
 def run_case(case: Case, plan: Plan, env: dict[str, str]) -> Iterator[dict]:
-    """The rows of one case, as each finishes: baseline, peers, then meshrun per layout and variant. With
-    plan.repeat > 1 the whole sequence runs that many times (interleaved, so that a machine's slow minute does not
-    land on one row's repeats) and each row reports the median of its runs and their min-max."""
-    jobs = [(script.impl, lambda s=script: run_script(s, case, plan, env))
-            for script in ([BASELINE] if plan.baseline else []) + plan.peers]
+    """The rows of one case, as each finishes: baseline, peers, Session rows, then meshrun per layout and variant.
+    With plan.repeat > 1 the whole sequence runs that many times (interleaved, so that a machine's slow minute does
+    not land on one row's repeats) and each row reports the median of its runs and their min-max."""
+    scripts = [s for s in ([BASELINE] if plan.baseline else []) + plan.peers + list(plan.session)
+               if case.gpus > 1 or s.args[-1:] != ("fsdp",)]  # FSDP needs two GPUs or more
+    jobs = [(script.impl, lambda s=script: run_script(s, case, plan, env)) for script in scripts]
     for layout in plan.layouts:
         if layout != "ddp" and case.gpus == 1:
             continue  # FSDP, TP and PP need two GPUs or more
@@ -237,6 +245,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--gpus", default="1,2", help="comma list of GPU counts (CPU processes without a GPU)")
     p.add_argument("--layouts", default="ddp", help=f"comma list of {', '.join(LAYOUTS)}")
     p.add_argument("--peers", default=",".join(PEERS), help=f"comma list of {', '.join(PEERS)} ('' for none)")
+    p.add_argument("--session", default="", help=f"comma list of {', '.join(SESSION)}: Session.prepare_model rows")
     p.add_argument("--grad-clip", default="0", help="comma list of clip values, each run on every side (0 = off)")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
@@ -255,7 +264,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuses, naming the value given, what would otherwise fail in the middle of a long run."""
     for option, given, known in (("--sizes", args.sizes, MICRO), ("--layouts", args.layouts, LAYOUTS),
-                                 ("--peers", args.peers, PEERS)):
+                                 ("--peers", args.peers, PEERS), ("--session", args.session, SESSION)):
         unknown = [x for x in split(given) if x not in known]
         if unknown:
             p.error(f"{option} {given!r}: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
@@ -280,7 +289,8 @@ def make_plan(args: argparse.Namespace, device: str) -> tuple[Plan, list[str]]:
     peers, skipped = installed_peers(split(args.peers))
     variants = [(name, shlex.split(overrides)) for name, _, overrides in (v.partition(":") for v in args.variant)]
     plan = Plan(steps=args.steps, compile=device != "cpu" if args.compile is None else args.compile,
-                baseline=not args.no_baseline, peers=peers, layouts=split(args.layouts), variants=variants,
+                baseline=not args.no_baseline, peers=peers, session=tuple(SESSION[x] for x in split(args.session)),
+                layouts=split(args.layouts), variants=variants,
                 extra=[x for value in args.extra for x in shlex.split(value)], repeat=args.repeat)
     return plan, skipped
 

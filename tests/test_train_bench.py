@@ -71,11 +71,36 @@ def test_extra_and_variant_take_values_that_start_with_dashes():
     (["--extra", "--train.grad_clip=0"], "use --grad-clip"),
     (["--variant", "noclip"], "expected NAME:OVERRIDES"),
     (["--peers", "accelerate,deepspeed"], "unknown deepspeed"),
+    (["--session", "ddp,tp"], "--session 'ddp,tp': unknown tp"),
 ])
 def test_bad_arguments_are_refused_naming_the_value(argv, message, capsys):
     with pytest.raises(SystemExit):
         tb.parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+def test_session_rows_run_the_session_script_per_layout_and_fsdp_only_on_several_gpus(monkeypatch):
+    plan, _ = tb.make_plan(tb.parse_args(["--session", "ddp,fsdp", "--peers", "", "--no-baseline", "--layouts", ""]),
+                           "cpu")
+    assert [s.impl for s in plan.session] == ["session-ddp", "session-fsdp"]
+    calls = []
+    monkeypatch.setattr(tb, "run_script", lambda script, case, plan, env: calls.append((script.args, case.gpus)) or {})
+    for gpus in (1, 2):
+        list(tb.run_case(tb.Case("tiny", gpus, 0.0), plan, {}))
+    assert calls == [(("--layout", "ddp"), 1), (("--layout", "ddp"), 2), (("--layout", "fsdp"), 2)]
+    assert not {"session-ddp", "session-fsdp"} & tb.REFERENCES, "Session rows are meshrun's, not references"
+
+
+@pytest.mark.slow
+def test_session_script_trains_the_baseline_model_with_fsdp_on_two_cpu_processes():
+    proc = subprocess.run([sys.executable, "-m", "meshrun", "launch", "--standalone", "--nproc-per-node=2",
+                           "benchmarks/session_gpt.py", "--size", "tiny", "--micro-batch", "2", "--seq", "32",
+                           "--steps", "3", "--warmup", "1", "--grad-clip", "1", "--no-compile", "--layout", "fsdp"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+    assert result["impl"] == "session-fsdp" and result["gpus"] == 2 and result["tokens_per_s_per_gpu"] > 0
+    assert "FSDP over 2 rank(s) on cpu; compute fp32" in proc.stdout
 
 
 def test_meshrun_clips_as_asked_and_user_overrides_come_last():

@@ -85,9 +85,15 @@ class Session:
     def prepare_model(self, model: nn.Module, layout: str = "ddp", *, tp: int = 0, dp_replicate: int = 0,
                       pp: int = 0, blocks: str | None = None, tp_plan: Mapping[str, Any] | None = None,
                       pipeline: PipelineOptions | None = None, activation_checkpoint: str = "none",
-                      compute_dtype: torch.dtype | None = None) -> nn.Module | PipelinedModule:
+                      compute_dtype: torch.dtype | str | None = "auto",
+                      compile: bool = False) -> nn.Module | PipelinedModule:
         """Apply ``layout`` (ddp, fsdp, hsdp, tp, tp+fsdp, pp, pp+fsdp) on this rank's device; see
         meshrun.parallel.module and, for pp, meshrun.parallel.module_pipeline.
+
+        ``compute_dtype="auto"``: bf16 parameters with fp32 gradient reduction where FSDP2 holds them on a GPU, fp32
+        otherwise (DDP, one process: autocast in your loop); None or torch.float32 keeps fp32 everywhere.
+        ``compile=True`` compiles each repeated block in place before FSDP2 wraps it, as ``meshrun train`` does.
+        Rank 0 prints one line saying what was applied.
 
         FSDP2 shards each repeated block (``blocks``, a dotted path, or detected), then the root; TP follows
         ``tp_plan`` (or the model's ``tp_plan`` attribute). ``pp`` cuts the blocks into pipeline stages and returns
@@ -101,14 +107,15 @@ class Session:
             prepared, self.layout = prepare_pipeline(
                 model, layout, device=self.device, world_size=self.world_size, nodes=self.env.num_nodes, pp=pp,
                 blocks=blocks, options=pipeline, activation_checkpoint=activation_checkpoint,
-                compute_dtype=compute_dtype)
+                compute_dtype=compute_dtype, compile=compile)
         else:
             if pp or pipeline is not None:
                 raise ConfigError(f"pp={pp} / pipeline= need layout='pp' or 'pp+fsdp', not {layout!r}")
             prepared, self.layout = prepare_module(
                 model, layout if self.world_size > 1 else "none", device=self.device, world_size=self.world_size,
                 nodes=self.env.num_nodes, tp=tp, dp_replicate=dp_replicate, blocks=blocks, tp_plan=tp_plan,
-                activation_checkpoint=activation_checkpoint, compute_dtype=compute_dtype)
+                activation_checkpoint=activation_checkpoint, compute_dtype=compute_dtype, compile=compile)
+        self.print(self.layout.describe(self.device, compute_dtype))
         seed_rank_streams(self.seed, self.rank)
         return prepared
 

@@ -12,6 +12,11 @@ given, else the model's ``tp_plan`` attribute (a dict, see meshrun.parallel.tp).
 
 Unlike the trainer (which builds on the meta device), the user's model already exists: rank 0's weights are
 broadcast first, so every layout starts from the weights one process would have.
+
+Speed, as the trainer has it: ``compute_dtype="auto"`` (the default) gives FSDP2 bf16 parameters with fp32
+gradient reduction on a CUDA device (fp32 elsewhere, and under DDP, where the user's own autocast decides), and
+``compile=True`` compiles each repeated block in place before FSDP2 wraps it (the whole model when it has no
+repeated blocks).
 """
 
 from __future__ import annotations
@@ -40,6 +45,35 @@ class ModuleLayout:
     """Dotted path of the repeated blocks ('' when none were found)."""
     module: nn.Module
     """The model itself (never a DDP wrapper), with its original parameter names."""
+    compute_dtype: torch.dtype | None = None
+    """FSDP2's parameter dtype in forward and backward (None: the parameters' own); gradients reduce in fp32."""
+    compiled: int = 0
+    """Modules compiled in place (the blocks, or 1 for a model without repeated blocks)."""
+
+    def describe(self, device: torch.device, choice: Any) -> str:
+        """One start-up line: layout, device, compute dtype (and where it came from), compilation."""
+        dtype = "fp32" if self.compute_dtype in (None, torch.float32) else str(self.compute_dtype).split(".")[-1]
+        how = ("; pass compute_dtype=torch.float32 for fp32" if choice == "auto" and dtype != "fp32" else "")
+        compiled = f"{self.compiled} module(s) compiled" if self.compiled else "not compiled (compile=True compiles)"
+        return (f"meshrun: prepare_model: {self.name} over {self.dims.world_size} rank(s) on {device.type}; "
+                f"compute {dtype} (compute_dtype={choice!r}{how}); {compiled}")
+
+
+COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def resolve_compute_dtype(choice: Any, dims: ParallelDims, device: torch.device) -> torch.dtype | None:
+    """``compute_dtype``: 'auto' = bf16 where FSDP2 holds the parameters on a CUDA device (FSDP then gathers and
+    computes in bf16 and reduces gradients in fp32, as the trainer does), else None (fp32 parameters: under DDP
+    and in one process the user's own autocast decides); a dtype or None is taken as given."""
+    from meshrun.parallel.apply import uses_fsdp
+
+    if isinstance(choice, str) and choice == "auto":
+        return torch.bfloat16 if device.type == "cuda" and uses_fsdp(dims) else None
+    if choice is None or choice in COMPUTE_DTYPES:
+        return choice
+    raise ConfigError(f"compute_dtype={choice!r} is not 'auto', None or one of "
+                      f"{', '.join(str(d) for d in COMPUTE_DTYPES)}; give e.g. compute_dtype=torch.bfloat16")
 
 
 def layout_dims(layout: str, *, world_size: int, nodes: int = 1, tp: int = 0, dp_replicate: int = 0,
@@ -89,14 +123,17 @@ def find_blocks(model: nn.Module) -> str:
 def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world_size: int, nodes: int = 1,
                    tp: int = 0, dp_replicate: int = 0, blocks: str | None = None,
                    tp_plan: Mapping[str, Any] | None = None, activation_checkpoint: str = "none",
-                   compute_dtype: torch.dtype | None = None) -> tuple[nn.Module, ModuleLayout]:
+                   compute_dtype: torch.dtype | str | None = None,
+                   compile: bool = False) -> tuple[nn.Module, ModuleLayout]:
     """Apply ``layout`` to ``model`` (in place where possible); returns (the module to train, what was done).
+    ``compute_dtype``: see :func:`resolve_compute_dtype`; ``compile``: compile the blocks before FSDP2 wraps them.
 
     Collective: every rank must call it (it builds the mesh and broadcasts rank 0's weights)."""
     from meshrun.parallel.apply import layout_name, parallelize, uses_fsdp
     from meshrun.parallel.data_parallel import apply_ddp
 
     dims = layout_dims(layout, world_size=world_size, nodes=nodes, tp=tp, dp_replicate=dp_replicate)
+    compute_dtype = resolve_compute_dtype(compute_dtype, dims, device)
     if dims.pp > 1:
         raise ConfigError(f"layout={layout!r} cuts the model into stages: use meshrun.parallel.module_pipeline."
                           "prepare_pipeline (Session.prepare_model does)")
@@ -113,11 +150,22 @@ def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world
     job = JobConfig()
     job.parallel.activation_checkpoint = activation_checkpoint
     job.parallel.sequence_parallel = False
-    parallelize(model, dims, job=job, compute_dtype=compute_dtype, device=device, spec=spec)
+    parallelize(model, dims, job=job, compute_dtype=compute_dtype, compiled=compile, device=device, spec=spec)
+    compiled = compile_unblocked(model, spec) if compile else 0
     trained = model
     if dims.dp_replicate > 1 and not uses_fsdp(dims):
         trained = apply_ddp(model, dims.get_mesh("dp_replicate"), device, sync_buffers=True)
-    return trained, ModuleLayout(dims=dims, name=layout_name(dims), blocks=blocks, module=model)
+    return trained, ModuleLayout(dims=dims, name=layout_name(dims), blocks=blocks, module=model,
+                                 compute_dtype=compute_dtype, compiled=compiled)
+
+
+def compile_unblocked(model: nn.Module, spec: ModelSpec) -> int:
+    """After ``parallelize(..., compiled=True)`` compiled the blocks: the whole model, in place, when it has none
+    (parameter names keep no ``_orig_mod.``). Returns how many modules are compiled."""
+    blocks = spec.block_modules(model)
+    if not blocks:
+        model.compile()
+    return len(blocks) or 1
 
 
 def prebuilt(_shape) -> nn.Module:

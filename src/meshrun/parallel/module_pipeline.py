@@ -34,7 +34,7 @@ from meshrun.ckpt.script import model_fingerprint
 from meshrun.comm.mesh import ParallelDims
 from meshrun.config import PIPELINE_SCHEDULES, ConfigError, JobConfig, PipelineSchedule
 from meshrun.models.spec import ModelSpec
-from meshrun.parallel.module import ModuleLayout, prebuilt, find_blocks, layout_dims
+from meshrun.parallel.module import ModuleLayout, prebuilt, find_blocks, layout_dims, resolve_compute_dtype
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -251,10 +251,11 @@ def copy_from_rank0(whole: nn.Module, parts: list[nn.Module], device: torch.devi
 
 def prepare_pipeline(model: nn.Module, layout: str, *, device: torch.device, world_size: int, nodes: int = 1,
                      pp: int = 0, blocks: str | None = None, options: PipelineOptions | None = None,
-                     activation_checkpoint: str = "none",
-                     compute_dtype: torch.dtype | None = None) -> tuple[PipelinedModule, ModuleLayout]:
+                     activation_checkpoint: str = "none", compute_dtype: torch.dtype | str | None = None,
+                     compile: bool = False) -> tuple[PipelinedModule, ModuleLayout]:
     """Cut ``model`` into pipeline stages and build this rank's (see the module docstring). In one process the
-    whole model runs in ``step``. Collective: every rank must call it (mesh, weight broadcast)."""
+    whole model runs in ``step``. ``compute_dtype`` and ``compile`` as for meshrun.parallel.module.prepare_module.
+    Collective: every rank must call it (mesh, weight broadcast)."""
     from meshrun.parallel.apply import layout_name, parallelize, uses_fsdp
     from meshrun.parallel.pipeline import PipelineEngine, split_stage, stage_ids
 
@@ -265,9 +266,11 @@ def prepare_pipeline(model: nn.Module, layout: str, *, device: torch.device, wor
     if world_size == 1:
         model = model.to(device)
         dims = layout_dims("none", world_size=1)
+        compiled = compile_blocks(model, blocks) if compile else 0
         return (PipelinedModule([model], None, loss_fn=loss_fn, fingerprint=fingerprint),
-                ModuleLayout(dims=dims, name=layout_name(dims), blocks=blocks, module=model))
+                ModuleLayout(dims=dims, name=layout_name(dims), blocks=blocks, module=model, compiled=compiled))
     dims = pipeline_dims(layout, options, world_size=world_size, nodes=nodes, pp=pp)
+    compute_dtype = resolve_compute_dtype(compute_dtype, dims, device)
     spec = stage_spec(model, blocks, options, dims=dims)
     dims.build_mesh(device.type)  # collective: every rank
     rank = dist.get_rank()
@@ -277,7 +280,7 @@ def prepare_pipeline(model: nn.Module, layout: str, *, device: torch.device, wor
     job = JobConfig()
     job.parallel.activation_checkpoint = activation_checkpoint
     for part in parts:
-        parallelize(part, dims, job=job, compute_dtype=compute_dtype, device=device, spec=spec)
+        parallelize(part, dims, job=job, compute_dtype=compute_dtype, compiled=compile, device=device, spec=spec)
     fp32 = compute_dtype is None or compute_dtype == torch.float32
 
     def summed_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -287,5 +290,15 @@ def prepare_pipeline(model: nn.Module, layout: str, *, device: torch.device, wor
                             microbatches=dims.pp_microbatches, device=device, pp_group=dims.get_mesh("pp").get_group(),
                             dp_rank=dims.dp_rank(rank), dp_size=dims.dp_size, tp_rank=0,
                             autocast_dtype=None if fp32 or uses_fsdp(dims) else compute_dtype, loss_fn=summed_loss)
+    compiled = sum(len(spec.block_modules(part)) for part in parts) if compile else 0
     return (PipelinedModule(parts, engine, loss_fn=loss_fn, fingerprint=fingerprint),
-            ModuleLayout(dims=dims, name=layout_name(dims), blocks=blocks, module=parts[0]))
+            ModuleLayout(dims=dims, name=layout_name(dims), blocks=blocks, module=parts[0], compute_dtype=compute_dtype,
+                         compiled=compiled))
+
+
+def compile_blocks(model: nn.Module, blocks: str) -> int:
+    """Compile each block under ``blocks`` in place (names keep no ``_orig_mod.``); returns how many."""
+    found = [block for block in (model.get_submodule(blocks).children() if blocks else ()) if block is not None]
+    for block in found:
+        block.compile()
+    return len(found)

@@ -1,0 +1,49 @@
+"""meshrun's Session on a user's own model: the baseline's GPT through `Session.prepare_model`, as docs/api.md shows.
+
+`meshrun.Session()`, `session.prepare_model(model, layout=..., compile=True)` (each block compiled in place before
+FSDP2 wraps it; on GPUs FSDP2 computes in bf16 and reduces gradients in fp32 by default), fused AdamW, the user's
+own bf16 autocast and `clip_grad_norm_` when --grad-clip is set. Same model, tokens, arguments and JSON line as
+benchmarks/baseline_ddp_gpt.py; --layout picks ddp or fsdp. Launch with torchrun or meshrun launch:
+
+    meshrun launch --standalone --nproc-per-node 2 benchmarks/session_gpt.py --size 1b --layout fsdp
+
+On a machine without a GPU it runs on CPU with gloo and fp32, as the baseline does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import meshrun
+from baseline_ddp_gpt import SEED, adamw, bench_args, build_model, random_batch, report, time_steps, uses_bf16
+
+
+def main() -> None:
+    args = bench_args(__doc__, extra=lambda p: p.add_argument("--layout", default="ddp", choices=("ddp", "fsdp")))
+    session = meshrun.Session(seed=SEED)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    model = build_model(args)
+    n_params = sum(p.numel() for p in model.parameters())
+    model = session.prepare_model(model, layout=args.layout, compile=args.compile)
+    opt = adamw(model, session.device)
+    inputs, targets = random_batch(args, session.rank, session.device)
+
+    def step() -> torch.Tensor:
+        with torch.autocast(session.device.type, dtype=torch.bfloat16, enabled=uses_bf16(session.device)):
+            loss = model(inputs, targets)
+        loss.backward()
+        if args.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    elapsed, loss = time_steps(step, args, session.device)
+    if session.rank == 0:
+        report(f"session-{args.layout}", args, world=session.world_size, n_params=n_params, elapsed=elapsed,
+               loss=loss, device=session.device)
+    session.close()
+
+
+if __name__ == "__main__":
+    main()

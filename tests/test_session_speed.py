@@ -1,0 +1,107 @@
+"""Session.prepare_model's speed settings: compute_dtype="auto" (bf16 FSDP2 parameters on GPUs) and compile=True.
+
+CPU: how the arguments resolve, and that compile=True compiles the blocks in place (names unchanged). GPU (run on
+the GPU machine: ``pytest -m gpu tests/test_session_speed.py``): the defaults on 2 GPUs with FSDP2 give bf16
+compute and train within bf16 tolerance of fp32, with and without compile.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dist_utils import run_distributed
+from mlp_lm import MLPLM
+
+from meshrun.config import ConfigError
+from meshrun.parallel.module import layout_dims, resolve_compute_dtype
+
+CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
+
+
+@pytest.mark.parametrize("layout, device, expected", [
+    ("fsdp", CUDA, torch.bfloat16), ("hsdp", CUDA, torch.bfloat16), ("tp+fsdp", CUDA, torch.bfloat16),
+    ("ddp", CUDA, None), ("tp", CUDA, None), ("fsdp", CPU, None)])
+def test_auto_compute_dtype_is_bf16_where_fsdp_shards_on_a_gpu(layout, device, expected):
+    dims = layout_dims(layout, world_size=4)
+    assert resolve_compute_dtype("auto", dims, device) is expected
+
+
+def test_explicit_compute_dtype_wins_and_a_wrong_one_is_named():
+    dims = layout_dims("fsdp", world_size=2)
+    assert resolve_compute_dtype(torch.float32, dims, CUDA) is torch.float32
+    assert resolve_compute_dtype(None, dims, CUDA) is None
+    assert resolve_compute_dtype(torch.bfloat16, dims, CPU) is torch.bfloat16
+    with pytest.raises(ConfigError, match=r"compute_dtype='bf16' is not 'auto'.*torch.bfloat16"):
+        resolve_compute_dtype("bf16", dims, CUDA)
+
+
+def test_compile_compiles_each_block_in_place_and_says_so(capsys):
+    from meshrun import Session
+
+    session = Session(seed=0)
+    model = session.prepare_model(MLPLM(), layout="none", compile=True)
+    assert all(block._compiled_call_impl is not None for block in model.blocks)
+    assert model._compiled_call_impl is None, "the blocks are the compiled units"
+    assert all("_orig_mod" not in name for name, _ in model.named_parameters())
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "3 module(s) compiled" in line and "compute fp32 (compute_dtype='auto')" in line, line
+    plain = session.prepare_model(MLPLM(), layout="none")
+    assert all(block._compiled_call_impl is None for block in plain.blocks)
+    assert "not compiled (compile=True compiles)" in capsys.readouterr().out
+
+
+def test_compile_covers_a_model_without_repeated_blocks():
+    from meshrun import Session
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    prepared = Session(seed=0).prepare_model(model, layout="none", compile=True)
+    assert prepared._compiled_call_impl is not None
+
+
+# ---- GPU ------------------------------------------------------------------------------------------------------------
+
+def _train(session, model, steps: int = 6) -> tuple[list[float], torch.dtype]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(7)
+    losses, dtype = [], None
+    for _ in range(steps):
+        tokens = torch.randint(0, 64, (8, 17), generator=gen).to(session.device)
+        share = 8 // session.dp_size
+        tokens = tokens[session.dp_rank * share:(session.dp_rank + 1) * share]
+        logits = model(tokens[:, :-1])
+        dtype = logits.dtype
+        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(session.sum_metrics(loss=loss.detach())["loss"] / session.dp_size)
+    return losses, dtype
+
+
+def _gpu_defaults(rank: int, world_size: int) -> dict:
+    from meshrun import Session
+
+    torch.cuda.set_device(rank)
+    session = Session(seed=0)
+    out = {}
+    for name, kwargs in (("fp32", {"compute_dtype": torch.float32}), ("auto", {}), ("auto_compiled", {"compile": True})):
+        model = session.prepare_model(MLPLM(), layout="fsdp", **kwargs)
+        out[name] = (*_train(session, model), session.layout.compute_dtype)
+    session.close()
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_fsdp_defaults_on_gpus_are_bf16_and_track_fp32():
+    results = run_distributed(_gpu_defaults, 2, init_pg=False, timeout=600)
+    fp32_losses, fp32_dtype, fp32_policy = results[0]["fp32"]
+    assert fp32_dtype == torch.float32 and fp32_policy is torch.float32
+    for name in ("auto", "auto_compiled"):
+        losses, dtype, policy = results[0][name]
+        assert policy is torch.bfloat16 and dtype == torch.bfloat16, name
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(fp32_losses), rtol=0, atol=3e-2,
+                                   msg=lambda m: f"{name}: bf16 losses left fp32's: {m}")
