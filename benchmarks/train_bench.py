@@ -171,8 +171,8 @@ def combine(results: list[dict]) -> dict:
     """One row from repeated runs of it: the median run's figures, with min, max and spread of tokens/s (spread =
     (max - min) / median). Any failed run makes the row an error: a row that fails sometimes is not a result."""
     failed = [r for r in results if "error" in r]
-    if failed:
-        return failed[0]
+    if failed or len(results) == 1:
+        return (failed or results)[0]
     speeds = sorted(r["tokens_per_s_per_gpu"] for r in results)
     median = statistics.median(speeds)
     row = min(results, key=lambda r: abs(r["tokens_per_s_per_gpu"] - median))

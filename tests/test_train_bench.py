@@ -130,6 +130,7 @@ def test_repeat_runs_every_row_that_many_times_interleaved(monkeypatch):
     assert calls == ["baseline-ddp", "m[]", "m['--x=1']"] * 2
     assert [r["impl"] for r in rows] == ["baseline-ddp", "meshrun-ddp", "meshrun-ddp-v"]
     assert all(r["runs"] == 2 for r in rows)
+    assert tb.combine([{"tokens_per_s_per_gpu": 1.0}]) == {"tokens_per_s_per_gpu": 1.0}  # one run: as it is
 
 
 # --- a whole run -------------------------------------------------------------------------------------------------
