@@ -63,7 +63,6 @@ def find_config(step_dir: Path, explicit: str | None) -> JobConfig:
 
 def load_model(step_dir: Path, job: JobConfig):
     """The reference model with the checkpoint's weights, on the CPU, in fp32."""
-    from meshrun.ckpt.fused import fuse_weights, fused_layout
     from meshrun.ckpt.reader import load_model_weights
     from meshrun.models.build import model_config
     from meshrun.models.gpt import GPT
@@ -71,7 +70,6 @@ def load_model(step_dir: Path, job: JobConfig):
     cfg = model_config(job)
     manifest, weights = load_model_weights(step_dir, purpose="sample from")
     model = GPT(cfg)
-    weights = fuse_weights(weights, fused_layout([model]))  # a checkpoint written before q/k/v were fused
     try:
         model.load_state_dict({k: v.float() for k, v in weights.items()}, strict=True)
     except RuntimeError as exc:

@@ -12,10 +12,8 @@ Choosing (collective on the checkpointer's ctl group):
 Loading reads DCP's own ``.metadata`` (checked against the manifest first, and unpickled by a restricted
 unpickler that refuses any global DCP's metadata does not use, see :mod:`meshrun.ckpt.safe_metadata`) to size the
 JSON blobs, drops the optional entries the checkpoint lacks (RNG streams of ranks that did not exist), reads
-entries an older checkpoint holds under another key from there (``MOVED_KEYS``), builds fused parameters (and
-their optimizer state) from the separate ones an older checkpoint holds (read whole on every rank, fused, then
-each rank keeps its shard; see :mod:`meshrun.ckpt.fused`), and refuses entries stored as pickled objects: DCP then
-only reads tensors, with ``torch.load(weights_only=True)``, into the Stateful entries.
+entries an older checkpoint holds under another key from there (``MOVED_KEYS``), and refuses entries stored as
+pickled objects: DCP then only reads tensors, with ``torch.load(weights_only=True)``, into the Stateful entries.
 """
 
 from __future__ import annotations
@@ -28,11 +26,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from meshrun.ckpt.collectives import Coordinator
 from meshrun.ckpt.errors import CheckpointError
-from meshrun.ckpt.fused import FusedLayout, fuse_rows
 from meshrun.ckpt.layout import scan
 from meshrun.ckpt.manifest import check_checksums, check_structure, share_of_files
 from meshrun.ckpt.safe_metadata import SafeFileSystemReader
@@ -137,12 +133,11 @@ def load_into(coord: Coordinator, state: dict[str, Any], path: Path) -> None:
     reader = SafeFileSystemReader(str(path))
     saved = reader.read_metadata().state_dict_metadata
     optional = {name for name, obj in state.items() if getattr(obj, "missing_ok", False)}
-    tree = {name: _loaded_part(obj) for name, obj in state.items()}
+    tree = {name: obj.state_dict() if isinstance(obj, Stateful) else obj for name, obj in state.items()}
     missing: list[str] = []
     moved: dict[str, _Moved] = {}
-    fused_parts: dict[str, torch.Tensor] = {}
     targets = {name: _prepare(sub, name + ".", saved, path=path, optional=name in optional, missing=missing,
-                              moved=moved, fused=_Fusing(getattr(state[name], "fused_layout", dict)(), fused_parts))
+                              moved=moved)
                if isinstance(sub, dict) else sub for name, sub in tree.items()}
     if missing:
         raise CheckpointError(f"{path}: has no entry for {len(missing)} key(s) this run needs, e.g. {missing[:4]}; "
@@ -158,16 +153,7 @@ def load_into(coord: Coordinator, state: dict[str, Any], path: Path) -> None:
             target.tensor = loaded_too[source]
         else:
             to_load[source] = target.tensor
-    to_load.update(fused_parts)
     dcp.load(to_load, storage_reader=reader, process_group=coord.io)
-
-
-def _loaded_part(obj: Any) -> Any:
-    """What is loaded of a state entry: a Stateful's state dict without the keys that only describe it."""
-    if not isinstance(obj, Stateful):
-        return obj
-    tree = obj.state_dict()
-    return {key: value for key, value in tree.items() if key not in getattr(obj, "descriptive", ())}
 
 
 class _Targets(Stateful):
@@ -191,50 +177,6 @@ class _Moved:
         self.tensor = tensor
 
 
-class _Fused(_Moved):
-    """A fused target tensor the checkpoint holds as separate tensors (read whole): fused when first asked for."""
-
-    def __init__(self, target: torch.Tensor, parts: list[torch.Tensor], groups: int):
-        self.target, self.parts, self.groups, self.done = target, parts, groups, False
-
-    @property
-    def tensor(self) -> torch.Tensor:
-        if not self.done:
-            self.done = True
-            with torch.no_grad():
-                whole = fuse_rows(self.parts, self.groups)
-                if isinstance(self.target, DTensor):  # each rank keeps its shard: no communication
-                    whole = distribute_tensor(whole.to(self.target.device), self.target.device_mesh,
-                                              self.target.placements, src_data_rank=None)
-                self.target.copy_(whole)
-        return self.target
-
-
-class _Fusing:
-    """The fused parameters of one state entry, and how to find the separate keys an older checkpoint holds."""
-
-    def __init__(self, layout: FusedLayout, parts: dict[str, torch.Tensor]):
-        self.layout, self.parts = layout, parts
-
-    def sources(self, dotted: str, prefix: str) -> tuple[list[str], int] | None:
-        """(the separate keys holding ``dotted``, row groups) when ``dotted`` belongs to a fused parameter."""
-        rest = dotted[len(prefix):]
-        for fqn, how in self.layout.items():
-            at = f".{rest}.".find(f".{fqn}.")
-            if at >= 0:
-                return [prefix + rest[:at] + part + rest[at + len(fqn):] for part in how["parts"]], how["groups"]
-        return None
-
-    def target(self, value: torch.Tensor, sources: list[str], groups: int, saved: dict[str, Any]) -> _Fused:
-        parts = [torch.empty(tuple(saved[key].size), dtype=saved[key].properties.dtype) for key in sources]
-        if sum(p.shape[0] for p in parts) != value.shape[0] or any(p.shape[1:] != value.shape[1:] for p in parts):
-            raise CheckpointError(f"{sources[0]} and the other parts of a fused parameter have shapes "
-                                  f"{[tuple(p.shape) for p in parts]}, which do not make {tuple(value.shape)}; "
-                                  "the model configuration differs")
-        self.parts.update(zip(sources, parts))
-        return _Fused(value, parts, groups)
-
-
 def _drop_moved(node: dict[str, Any]) -> dict[str, Any]:
     return {k: _drop_moved(v) if isinstance(v, dict) else v for k, v in node.items() if not isinstance(v, _Moved)}
 
@@ -245,26 +187,18 @@ def _with_moved(node: dict[str, Any]) -> dict[str, Any]:
 
 
 def _prepare(node: dict[str, Any], prefix: str, saved: dict[str, Any], *, path: Path, optional: bool,
-             missing: list[str], moved: dict[str, _Moved], fused: _Fusing) -> dict[str, Any]:
+             missing: list[str], moved: dict[str, _Moved]) -> dict[str, Any]:
     """The load targets under ``node``: blobs sized from the checkpoint, absent optional entries dropped, entries
-    an older checkpoint holds under another key marked ``_Moved`` (and listed in ``moved`` by that key), fused
-    tensors it holds as separate ones marked ``_Fused`` (their parts listed in ``fused.parts``)."""
+    an older checkpoint holds under another key marked ``_Moved`` (and listed in ``moved`` by that key)."""
     out: dict[str, Any] = {}
     for key, value in node.items():
         dotted = f"{prefix}{key}"
         if isinstance(value, dict):
-            sub = _prepare(value, dotted + ".", saved, path=path, optional=optional, missing=missing, moved=moved,
-                           fused=fused)
+            sub = _prepare(value, dotted + ".", saved, path=path, optional=optional, missing=missing, moved=moved)
             if sub or not value:  # a branch emptied by dropped optional entries is absent, as in the checkpoint
                 out[key] = sub
             continue
         source = dotted if dotted in saved or MOVED_KEYS.get(dotted) not in saved else MOVED_KEYS[dotted]
-        separate = fused.sources(dotted, prefix[:prefix.index(".") + 1]) if source not in saved else None
-        if separate is not None and all(key in saved for key in separate[0]):
-            if not is_blob_key(dotted) and value.dim() > 0:  # a weight or its optimizer moments: fuse the rows
-                out[key] = fused.target(value, *separate, saved)
-                continue
-            source = separate[0][0]  # a step count or the settings: the same for every part
         entry = saved.get(source)
         if entry is None:
             if not optional:

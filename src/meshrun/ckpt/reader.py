@@ -19,11 +19,9 @@ from rich.table import Table
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from meshrun.ckpt.errors import CheckpointError
-from meshrun.ckpt.fused import split_weights
 from meshrun.ckpt.layout import scan
 from meshrun.ckpt.manifest import check_checksums, check_structure, read_manifest
 from meshrun.ckpt.safe_metadata import SafeFileSystemReader
-from meshrun.ckpt.state import BLOB_KEY, from_json_blob
 from meshrun.units import format_bytes
 
 DEFAULT_FOLDER = Path("runs/default/checkpoints")
@@ -127,11 +125,10 @@ def verify(path: Path, *, checksums: bool = True) -> tuple[dict[str, Any] | None
 
 def export_model(path: Path, out: Path) -> dict[str, Any]:
     """Write the model weights of checkpoint ``path`` (no optimizer state) to ``out`` as safetensors, keyed by
-    the model's own parameter names, in the dtype stored; fused parameters (q/k/v, gate/up) are written as the
-    usual separate ones (wq, wk, wv; w1, w3). The checkpoint is verified first."""
+    the model's own parameter names, in the dtype stored. The checkpoint is verified first."""
     from safetensors.torch import save_file
 
-    manifest, weights = load_model_weights(path, purpose="export", separate=True)
+    manifest, weights = load_model_weights(path, purpose="export")
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.name + ".partial")
     save_file(weights, str(partial), metadata={"format": "pt", "step": str(manifest["step"]), "source": str(path)})
@@ -140,11 +137,9 @@ def export_model(path: Path, out: Path) -> dict[str, Any]:
             "dtypes": sorted({str(t.dtype).removeprefix("torch.") for t in weights.values()})}
 
 
-def load_model_weights(path: Path, *, purpose: str = "load",
-                       separate: bool = False) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def load_model_weights(path: Path, *, purpose: str = "load") -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(manifest, weights): checkpoint ``path`` verified, then its whole (unsharded) model weights read on one
-    process, keyed by the model's own parameter names, whatever layout saved them. ``separate``: fused parameters
-    split into the separate ones they replace (see :mod:`meshrun.ckpt.fused`)."""
+    process, keyed by the model's own parameter names, whatever layout saved them."""
     manifest, problems = verify(path)
     if problems:
         raise CheckpointError(f"{path}: will not {purpose} a damaged checkpoint: {'; '.join(problems[:3])}")
@@ -153,8 +148,8 @@ def load_model_weights(path: Path, *, purpose: str = "load",
         raise CheckpointError(f"{path}: the manifest names {len(owners)} ModelOptimState entries; {purpose} needs one")
     prefix = f"{owners[0]}.model."
     reader = SafeFileSystemReader(str(path))
-    saved = reader.read_metadata().state_dict_metadata
-    entries = {key: entry for key, entry in saved.items() if key.startswith(prefix)}
+    entries = {key: entry for key, entry in reader.read_metadata().state_dict_metadata.items()
+               if key.startswith(prefix)}
     odd = sorted(key for key, entry in entries.items() if not isinstance(entry, TensorStorageMetadata))
     if odd:  # a weight left out would load as the fresh model's random init: refuse, as resume does
         raise CheckpointError(f"{path}: model entry {odd[0]!r} is stored as a pickled object, not a tensor"
@@ -163,13 +158,5 @@ def load_model_weights(path: Path, *, purpose: str = "load",
     targets = {key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype) for key, entry in entries.items()}
     if not targets:
         raise CheckpointError(f"{path}: holds no model tensors under {prefix!r}")
-    described = {key: torch.empty(tuple(entry.size), dtype=torch.uint8) for key, entry in saved.items()
-                 if separate and key.startswith(f"{owners[0]}.fused.") and isinstance(entry, TensorStorageMetadata)}
-    dcp.load({**targets, **described}, storage_reader=reader, no_dist=True)
-    weights = {key[len(prefix):]: tensor for key, tensor in targets.items()}
-    if described:
-        fused_prefix = f"{owners[0]}.fused."
-        layout = {key[len(fused_prefix):].removesuffix(f".{BLOB_KEY}"): from_json_blob(blob)
-                  for key, blob in described.items()}
-        weights = split_weights(weights, layout)
-    return manifest, weights
+    dcp.load(targets, storage_reader=reader, no_dist=True)
+    return manifest, {key[len(prefix):]: tensor for key, tensor in targets.items()}

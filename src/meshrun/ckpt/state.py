@@ -48,7 +48,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from meshrun.ckpt.fused import FusedLayout, fused_layout
 from meshrun.env import ClusterEnv
 
 log = logging.getLogger("meshrun.ckpt")
@@ -93,15 +92,7 @@ class ModelOptimState(Stateful):
     and TP parameters stay sharded DTensors, and keys are the original FQNs.
 
     ``optimizers``: one per part (as torchtitan builds them), one over all parts, or none (model only).
-
-    Parameters the model declares fused (see :mod:`meshrun.ckpt.fused`) are described under ``fused.<fqn>`` (one
-    JSON blob each, so pipeline stages write their own): ``meshrun ckpt export`` splits them from that alone. The
-    description is saved, never loaded (``descriptive``); a checkpoint holding the separate parameters instead
-    loads into the fused ones (:meth:`fused_layout`).
     """
-
-    descriptive: ClassVar[tuple[str, ...]] = ("fused",)
-    """Top-level keys of the state dict that describe the checkpoint and are not loaded back."""
 
     def __init__(self, parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer] = ()):
         self.parts = list(parts)
@@ -124,11 +115,8 @@ class ModelOptimState(Stateful):
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"model state entry {key!r} is a {type(value).__name__}, not a tensor; meshrun "
                                 "checkpoints store tensors only (move it to a buffer or drop get_extra_state)")
-        fused = {fqn: {BLOB_KEY: json_blob(how, what=f"fused layout of {fqn}")}
-                 for fqn, how in self.fused_layout().items() if fqn in model}
-        described = {"fused": fused} if fused else {}
         if not self.optimizers:
-            return {"model": model, **described}
+            return {"model": model}
         optim: dict[str, torch.Tensor] = {}
         extra: dict[str, dict[str, Any]] = {}
         for module, optimizer in zip(self.modules, self.optimizers):
@@ -140,11 +128,7 @@ class ModelOptimState(Stateful):
                     extra.setdefault(fqn, {})[f"{section}.{name}"] = value
         blobs = {fqn: {BLOB_KEY: json_blob(values, what=f"optimizer settings of {fqn}")}
                  for fqn, values in extra.items()}
-        return {"model": model, "optim": optim, "optim_extra": blobs, **described}
-
-    def fused_layout(self) -> FusedLayout:
-        """The fused parameters of this rank's parts (FQN -> the separate parameters they replace)."""
-        return fused_layout(self.parts)
+        return {"model": model, "optim": optim, "optim_extra": blobs}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         model = state_dict["model"]
