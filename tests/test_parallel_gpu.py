@@ -78,8 +78,8 @@ def test_fp32_layouts_on_two_gpus_equal_one_gpu(references):
             torch.testing.assert_close(state[key], expected, rtol=0, atol=10 * PARAM_ATOL,
                                        msg=lambda m: f"{name} {key}: {m}")
     for name in ("fsdp2", "tp2"):  # DTensor's CUDA RNG tracker: each shard draws its own values
-        wqkv = results[name][0]["own_init"]["layers.0.attention.wqkv.weight"]  # (192, 64): shards split the rows
-        assert not torch.equal(wqkv[:96], wqkv[96:]) and 0.015 < wqkv.std().item() < 0.025, name
+        wq = results[name][0]["own_init"]["layers.0.attention.wq.weight"]
+        assert not torch.equal(wq[:32], wq[32:]) and 0.015 < wq.std().item() < 0.025, name
 
 
 def test_bf16_layouts_with_compile_and_checkpointing_track_fp32(references):

@@ -284,9 +284,9 @@ def test_sharded_layouts_initialise_distinct_shards_and_identical_replicas(two_r
     for name in ("fsdp2", "tp2"):
         ranks = two_rank_results[name]
         assert all(r["local_params"] < 0.6 * total for r in ranks), f"{name}: a rank holds the whole model"
-        wqkv = ranks[0]["own_init"]["layers.0.attention.wqkv.weight"]  # (192, 64); shards split the rows
-        assert not torch.equal(wqkv[:96], wqkv[96:]), f"{name}: both shards drew the same values"
-        assert 0.015 < wqkv.std().item() < 0.025, f"{name}: init_weights' std 0.02 was not applied"
+        wq = ranks[0]["own_init"]["layers.0.attention.wq.weight"]  # (64, 64); shards split the rows
+        assert not torch.equal(wq[:32], wq[32:]), f"{name}: both shards drew the same values"
+        assert 0.015 < wq.std().item() < 0.025, f"{name}: init_weights' std 0.02 was not applied"
     hsdp = four_rank_results["hsdp2x2"]
     replicas = [r["own_init"] for r in hsdp if r["own_init"] is not None]
     assert len(replicas) == 2
@@ -336,7 +336,7 @@ def test_checkpoint_moves_fsdp4_to_tp2xdp2_to_pp2xdp2_and_ddp2(four_rank_results
     saved = four_rank_results["checkpoint"]
     expected = saved[0]["expected"]
     assert "output.weight" in expected and "layers.3.feed_forward.w2.weight" in expected
-    assert not torch.equal(expected["layers.0.attention.wqkv.weight"], expected["layers.1.attention.wqkv.weight"])
+    assert not torch.equal(expected["layers.0.attention.wq.weight"], expected["layers.1.attention.wq.weight"])
     for r, result in enumerate(saved):
         for name, state in result["loaded"].items():
             for key, value in state.items():
@@ -366,7 +366,7 @@ def test_split_stage_keeps_original_names_and_owners():
         whole = GPT(replace(model_config(tied=False), n_layers=6))
     first, middle, last = (split_stage(whole, s, 3) for s in range(3))
     assert list(middle.layers.keys()) == ["2", "3"]
-    assert "layers.2.attention.wqkv.weight" in dict(middle.named_parameters())
+    assert "layers.2.attention.wq.weight" in dict(middle.named_parameters())
     assert first.tok_embeddings is not None and first.output is None and first.norm is None
     assert middle.tok_embeddings is None and middle.output is None
     assert last.output is not None and last.norm is not None and last.tok_embeddings is None

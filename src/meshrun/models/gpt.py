@@ -1,13 +1,7 @@
 """A decoder-only language model with a Llama-style block (RMSNorm, RoPE, SwiGLU, SDPA).
 
 This file holds no distributed code and imports only the shape dataclass (meshrun.models.shape). Parallelisms are applied from outside (meshrun.parallel), which relies on:
-* q/k/v fused into one column-parallel linear ``wqkv`` and the SwiGLU gate/up (w1/w3) into one ``w13``, each laid
-  out so that a contiguous block of rows (a tensor-parallel shard) holds whole units: ``wqkv`` rows are grouped per
-  key/value head, (n_kv_heads, n_rep + 2, head_dim) = each group's n_rep query heads, then its key head, then its
-  value head; ``w13`` rows are interleaved (hidden, 2) = gate row, up row. One matmul instead of three (two) per
-  block, and no concatenation at run time. ``fused_parameters`` on each module names the separate weights a fused
-  one is made of, so older checkpoints load and ``meshrun ckpt export`` writes the usual wq/wk/wv and w1/w3,
-* ``wo`` and ``w2`` row-parallel,
+* separate q/k/v/o and w1/w2/w3 linears (column/row-parallel plans),
 * ``layers`` being a ModuleDict keyed by the layer index, so a pipeline stage can delete the layers it does not own
   and keep the original names (checkpoints then line up across layouts),
 * ``tok_embeddings``, ``norm`` and ``output`` being optional (None on pipeline stages that do not own them),
@@ -81,28 +75,22 @@ class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
-        if cfg.n_heads % cfg.kv_heads:
-            raise ValueError(f"model.n_kv_heads={cfg.kv_heads} does not divide model.n_heads={cfg.n_heads}; each "
-                             "key/value head serves the same number of query heads: choose a divisor")
-        self.n_rep = cfg.n_heads // cfg.kv_heads  # query heads per key/value head
         self.dropout = cfg.dropout
-        # rows: (n_kv_heads, n_rep + 2, head_dim): per key/value head, its n_rep query heads, its key, its value
-        self.wqkv = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim, bias=False)
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         self.resid_dropout = nn.Dropout(cfg.dropout)
-        q_rows, kv_rows = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-        self.fused_parameters = {"wqkv.weight": {"parts": ("wq.weight", "wk.weight", "wv.weight"),
-                                                 "rows": (q_rows, kv_rows, kv_rows), "groups": cfg.kv_heads}}
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        # -1 groups instead of n_kv_heads: under tensor parallelism each rank holds only its share of the groups.
-        qkv = self.wqkv(x).view(B, T, -1, self.n_rep + 2, self.head_dim)  # (B, T, nkv, n_rep + 2, hs)
-        qk = apply_rope(qkv[:, :, :, :-1].flatten(2, 3), rope).unflatten(2, (-1, self.n_rep + 1))  # q and k at once
-        q = qk[:, :, :, :-1].flatten(2, 3)  # (B, T, nh, hs): query head h belongs to key/value head h // n_rep
-        k, v = qk[:, :, :, -1], qkv[:, :, :, -1]  # (B, T, nkv, hs)
+        # -1 instead of n_heads: under tensor parallelism each rank holds only its share of the heads.
+        q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, nh, hs)
+        k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, nkv, hs)
+        v = self.wv(x).view(B, T, -1, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_rep > 1,
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1],
                                            dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh*hs)
         return self.resid_dropout(self.wo(y))
@@ -111,15 +99,13 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.w13 = nn.Linear(cfg.dim, 2 * cfg.hidden_dim, bias=False)  # rows (hidden, 2): gate (w1), up (w3)
+        self.w1 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)  # gate
+        self.w3 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)  # up
         self.w2 = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)  # down
         self.dropout = nn.Dropout(cfg.dropout)
-        self.fused_parameters = {"w13.weight": {"parts": ("w1.weight", "w3.weight"),
-                                                "rows": (cfg.hidden_dim, cfg.hidden_dim), "groups": cfg.hidden_dim}}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.w13(x).unflatten(-1, (-1, 2))  # (B, T, hidden, 2); a TP shard holds whole (gate, up) pairs
-        return self.dropout(self.w2(F.silu(h[..., 0]) * h[..., 1]))
+        return self.dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)))
 
 
 class Block(nn.Module):
@@ -169,7 +155,8 @@ class GPT(nn.Module):
         if self.tok_embeddings is not None:
             nn.init.normal_(self.tok_embeddings.weight, std=std)
         for layer in self.layers.values():
-            for lin in (layer.attention.wqkv, layer.feed_forward.w13):  # each of q, k, v, gate, up: N(0, std)
+            for lin in (layer.attention.wq, layer.attention.wk, layer.attention.wv, layer.feed_forward.w1,
+                        layer.feed_forward.w3):
                 nn.init.normal_(lin.weight, std=std)
             nn.init.normal_(layer.attention.wo.weight, std=out_std)
             nn.init.normal_(layer.feed_forward.w2.weight, std=out_std)

@@ -2,13 +2,10 @@
 
 Kept apart from gpt.py, which holds no distributed code. The tensor-parallel plan is Megatron-style, on DTensor:
 
-Per block: the fused wqkv and w13 are column-parallel (each rank computes its share of the heads and of the MLP
+Per block: wq/wk/wv and w1/w3 are column-parallel (each rank computes its share of the heads and of the MLP
 width), wo and w2 are row-parallel (each rank's partial product is summed by one all-reduce, or by a
 reduce-scatter under sequence parallelism). That is two all-reduces forward and two backward per block. The
-fused rows are laid out so that a contiguous row shard holds whole units (wqkv: whole key/value head groups with
-their query heads, so tp must divide n_kv_heads, which ``ParallelDims.validate_model`` checks; w13: whole
-(gate, up) pairs), and the attention reshapes with ``view(B, T, -1, n_rep + 2, head_dim)``, so it sees
-n_kv_heads / tp groups unchanged.
+attention already reshapes with ``view(B, T, -1, head_dim)``, so it sees n_heads / tp heads unchanged.
 
 The token embedding is row-parallel over the vocabulary (each rank looks up its rows, the partial results are
 summed) and the output head column-parallel over the vocabulary. Both shard their weight along the vocabulary
@@ -67,8 +64,11 @@ def _block_plan(sequence_parallel: bool) -> dict[str, object]:
                                                    SequenceParallel)
 
     plan: dict[str, object] = {
-        "attention.wqkv": ColwiseParallel(),
-        "feed_forward.w13": ColwiseParallel(),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
     }
     if not sequence_parallel:
         plan["attention.wo"] = RowwiseParallel()

@@ -3,7 +3,7 @@
 Splitting: the model's layers are cut into ``pp x virtual`` contiguous stages by layer count (earlier stages take
 one extra layer when it does not divide). Each stage is a copy of the full (meta-device) model with the blocks it
 does not own deleted; the blocks (the ModelSpec's ``blocks``, e.g. ``layers``) are a ModuleDict keyed by the global
-layer index, so a stage's parameter names are the same as in the whole model ("layers.7.attention.wqkv.weight") and
+layer index, so a stage's parameter names are the same as in the whole model ("layers.7.attention.wq.weight") and
 checkpoints line up across layouts. The first stage keeps the spec's ``first_stage`` modules (the embedding), the
 last its ``last_stage`` modules (final norm and output head); elsewhere they are None. Tied embeddings cannot be
 shared between two stages, so pipeline layouts untie them (see :func:`effective_model_config`).
