@@ -37,16 +37,18 @@ def test_explicit_compute_dtype_wins_and_a_wrong_one_is_named():
         resolve_compute_dtype("bf16", dims, CUDA)
 
 
-def test_compile_compiles_each_block_in_place_and_says_so(capsys):
+def test_compile_compiles_the_whole_model_in_place_without_sharding_and_says_so(capsys):
+    """One process (and DDP): one graph for the whole model, as meshrun train compiles it (a loss inside the model
+    then never writes fp32 logits); FSDP2 and TP compile each block (tests/test_session_layouts.py)."""
     from meshrun import Session
 
     session = Session(seed=0)
     model = session.prepare_model(MLPLM(), layout="none", compile=True)
-    assert all(block._compiled_call_impl is not None for block in model.blocks)
-    assert model._compiled_call_impl is None, "the blocks are the compiled units"
+    assert model._compiled_call_impl is not None, "the whole model is the compiled unit"
+    assert all(block._compiled_call_impl is None for block in model.blocks)
     assert all("_orig_mod" not in name for name, _ in model.named_parameters())
     line = capsys.readouterr().out.strip().splitlines()[-1]
-    assert "3 module(s) compiled" in line and "compute fp32 (compute_dtype='auto')" in line, line
+    assert "1 module(s) compiled" in line and "compute fp32 (compute_dtype='auto')" in line, line
     plain = session.prepare_model(MLPLM(), layout="none")
     assert all(block._compiled_call_impl is None for block in plain.blocks)
     assert "not compiled (compile=True compiles)" in capsys.readouterr().out

@@ -126,7 +126,8 @@ def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world
                    compute_dtype: torch.dtype | str | None = None,
                    compile: bool = False) -> tuple[nn.Module, ModuleLayout]:
     """Apply ``layout`` to ``model`` (in place where possible); returns (the module to train, what was done).
-    ``compute_dtype``: see :func:`resolve_compute_dtype`; ``compile``: compile the blocks before FSDP2 wraps them.
+    ``compute_dtype``: see :func:`resolve_compute_dtype`; ``compile``: compile the blocks before FSDP2 or TP wraps
+    them, or, for DDP and one process, the whole model.
 
     Collective: every rank must call it (it builds the mesh and broadcasts rank 0's weights)."""
     from meshrun.parallel.apply import layout_name, parallelize, uses_fsdp
@@ -150,8 +151,16 @@ def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world
     job = JobConfig()
     job.parallel.activation_checkpoint = activation_checkpoint
     job.parallel.sequence_parallel = False
-    parallelize(model, dims, job=job, compute_dtype=compute_dtype, compiled=compile, device=device, spec=spec)
-    compiled = compile_unblocked(model, spec) if compile else 0
+    # DDP or one process: the whole model in one graph (with a loss inside it, the logits never exist in fp32), as
+    # meshrun train compiles them; per-block graphs where FSDP2 or TP hooks run between the blocks
+    whole_graph = compile and not uses_fsdp(dims) and dims.tp == 1
+    parallelize(model, dims, job=job, compute_dtype=compute_dtype, compiled=compile and not whole_graph,
+                device=device, spec=spec)
+    if whole_graph:
+        model.compile()  # in place: parameter names keep no "_orig_mod."
+        if dims.dp_replicate > 1:  # one node: one graph each way (see parallel.ddp_graph)
+            torch._dynamo.config.optimize_ddp = nodes > 1
+    compiled = 1 if whole_graph else compile_unblocked(model, spec) if compile else 0
     trained = model
     if dims.dp_replicate > 1 and not uses_fsdp(dims):
         trained = apply_ddp(model, dims.get_mesh("dp_replicate"), device, sync_buffers=True)
