@@ -119,3 +119,82 @@ def test_hsdp_note_says_what_the_layout_ran_as():
     assert "runs DDP" in layout_note("hsdp", no_shards, nodes=1)
     assert layout_note("hsdp", layout_dims("hsdp", world_size=8, nodes=2), nodes=2) == ""
     assert layout_note("fsdp", layout_dims("fsdp", world_size=8), nodes=1) == ""
+
+
+# ---- Hugging Face models (where transformers is installed: pip install -e ".[hf]") ----------------------------------
+
+def tied_qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                         attn_implementation="sdpa")
+    return Qwen2ForCausalLM(config)
+
+
+def qwen2_plan(model, *, embedding: bool) -> dict[str, str]:
+    """The model's own plan under ``model.``, the head split by vocabulary rows and, with ``embedding``, the
+    embedding too (both Shard(0): one DTensor)."""
+    plan = {f"model.{k}": v for k, v in model.config.base_model_tp_plan.items()} | {"lm_head": "colwise_rep"}
+    return plan | ({"model.embed_tokens": "embedding_rowwise"} if embedding else {})
+
+
+def train_qwen2(rank: int, world_size: int) -> dict:
+    """4 AdamW steps of a tied Qwen2 on one batch; TP over every rank, or one process (world_size 1)."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor
+
+    from meshrun import Session
+
+    session = Session(seed=0)
+    model = tied_qwen2()
+    out: dict = {}
+    if world_size > 1:
+        try:
+            session.prepare_model(tied_qwen2(), layout="tp", tp_plan=qwen2_plan(model, embedding=False))
+        except ConfigError as exc:
+            out["refused"] = str(exc)
+        model = session.prepare_model(model, layout="tp", tp_plan=qwen2_plan(model, embedding=True))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for _ in range(4):
+        logits = model(tokens[:, :-1]).logits  # (B, T, V)
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    out["tied"] = model.lm_head.weight is model.model.embed_tokens.weight
+    out["losses"] = losses
+    out["params"] = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                     for n, p in model.named_parameters(remove_duplicate=False)}
+    return out
+
+
+@pytest.mark.slow
+def test_a_tied_qwen2_under_tp_trains_like_one_process():
+    pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
+    from dist_utils import run_distributed
+
+    ref = train_qwen2(0, 1)
+    got = run_distributed(train_qwen2, 2, init_pg=False)[0]
+    assert got["refused"].startswith("layout='tp': model.embed_tokens.weight and lm_head.weight are one tied "
+                                     "parameter, but after tensor parallelism they are two")
+    assert got["tied"] and ref["tied"]
+    assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
+    assert ref["losses"][-1] < ref["losses"][0] - 0.05
+    assert {"lm_head.weight", "model.embed_tokens.weight"} <= set(got["params"])
+    for name, value in ref["params"].items():
+        torch.testing.assert_close(got["params"][name], value, atol=1e-4, rtol=0, msg=name)
+
+
+def test_gpt2_conv1d_in_a_tp_plan_is_refused_up_front():
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
+    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=16)
+    model = transformers.GPT2LMHeadModel(config)
+    with pytest.raises(ConfigError, match=r"^tensor-parallel plan entry 'transformer\.h\.\*\.mlp\.c_fc': "
+                       r"transformer\.h\.0\.mlp\.c_fc is a transformers\.pytorch_utils\.Conv1D, which ColwiseParallel "
+                       r"cannot split; .*Convert transformer\.h\.0\.mlp\.c_fc to nn\.Linear"):
+        prepare_module(model, "tp", device=CPU, world_size=2, tp_plan={"transformer.h.*.mlp.c_fc": "colwise"})
