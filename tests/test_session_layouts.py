@@ -6,6 +6,11 @@ of 16 tokens, from the weights a single process builds with the same seed. Toler
 layout tests (tests/test_parallel_layouts.py): loss per step atol 1e-5, every final parameter atol 1e-4 (one
 AdamW step moves a parameter by up to 1e-2, so a missing gradient sync or a wrong shard is far outside).
 
+The same runs train MLPLM with its head tied to the token embedding (``tied=True``) under DDP, FSDP2, HSDP on
+one node (FSDP2, said in the start-up note), TP 2 (head and embedding replicated, or both split by vocabulary
+rows) on 2 ranks and HSDP 2 x 2 and TP 2 x FSDP 2 on 4 ranks: the tie holds (one parameter under both names) and
+both names match the one-process weights; a TP plan placing the two halves differently is refused.
+
 Layouts: FSDP2 and TP 2 on 2 ranks (DDP: tests/test_examples.py); HSDP (2 replicas x 2 shards) and TP 2 x FSDP 2 on 4 ranks. The 2-rank
 spawn then saves a checkpoint with FSDP2 at step 3 through ``session.save`` (StepBatches data position, RNG,
 optimizer); it is resumed at 1 rank (this process) and at 3 ranks, which must continue with exactly the samples

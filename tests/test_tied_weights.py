@@ -73,8 +73,8 @@ def test_a_tie_across_fsdp_units_is_refused_before_sharding():
 
 @pytest.mark.parametrize("layout", ["pp", "pp+fsdp"])
 def test_pipelines_refuse_a_tie_across_stages_before_any_collective(layout):
-    with pytest.raises(ConfigError, match=rf"^layout='{re.escape(layout)}': embed\.weight and head\.weight are one tied "
-                       r"parameter, but pipeline stages 0 and 1 would each hold its own copy .*untie them"):
+    with pytest.raises(ConfigError, match=rf"^layout='{re.escape(layout)}': embed\.weight and head\.weight are one "
+                       r"tied parameter, but pipeline stages 0 and 1 would each hold its own copy .*untie them"):
         prepare_pipeline(MLPLM(tied=True), layout, device=CPU, world_size=2, pp=2)
 
 

@@ -70,7 +70,7 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, Any]) -> dict[str, Any]:
             style = STYLES[style]()
         matches = [n for n in modules if fnmatch.fnmatchcase(n, pattern) and n.count(".") == pattern.count(".")]
         for name in matches:
-            check_splittable(name, modules[name], style, pattern=pattern)
+            check_module_type(name, modules[name], style, pattern=pattern)
         resolved.update({n: style for n in matches})
     if not resolved:
         raise ConfigError(f"tensor-parallel plan names no module of {type(model).__name__} (patterns: "
@@ -78,7 +78,7 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, Any]) -> dict[str, Any]:
     return resolved
 
 
-def check_splittable(name: str, module: nn.Module, style: Any, *, pattern: str) -> None:
+def check_module_type(name: str, module: nn.Module, style: Any, *, pattern: str) -> None:
     """Colwise and rowwise styles split an nn.Linear or an nn.Embedding (torch raises NotImplementedError deep
     inside parallelize_module for anything else); other styles (SequenceParallel, PrepareModuleInput, a user's
     own ParallelStyle) take any module."""
