@@ -1,7 +1,7 @@
 """A small language model that is not the built-in GPT, for the Session and model-contract tests.
 
 Learned positions, pre-LayerNorm GELU MLP blocks without attention (an nn.ModuleList, as most user models have),
-an untied output head with a bias; ``forward`` skips the parts a pipeline stage does not hold. Its ``tp_plan`` shards each block's MLP Megatron-style (up column-parallel,
+an output head with a bias (``tied=True`` shares its weight with the token embedding); ``forward`` skips the parts a pipeline stage does not hold. Its ``tp_plan`` shards each block's MLP Megatron-style (up column-parallel,
 down row-parallel: the GELU between them is elementwise, so each rank applies it to its own columns).
 """
 
@@ -29,13 +29,16 @@ class MLPBlock(nn.Module):
 class MLPLM(nn.Module):
     tp_plan = {"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
 
-    def __init__(self, vocab: int = 64, dim: int = 32, hidden: int = 64, layers: int = 3, seq: int = 16):
+    def __init__(self, vocab: int = 64, dim: int = 32, hidden: int = 64, layers: int = 3, seq: int = 16,
+                 tied: bool = False):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.pos = nn.Embedding(seq, dim)
         self.blocks = nn.ModuleList([MLPBlock(dim, hidden) for _ in range(layers)])
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab)
+        if tied:  # one (vocab, dim) matrix for the input embedding and the output head, as tie_word_embeddings
+            self.head.weight = self.embed.weight
 
     @torch.no_grad()
     def init_weights(self, buffer_device=None) -> None:

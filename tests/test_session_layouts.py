@@ -6,6 +6,11 @@ of 16 tokens, from the weights a single process builds with the same seed. Toler
 layout tests (tests/test_parallel_layouts.py): loss per step atol 1e-5, every final parameter atol 1e-4 (one
 AdamW step moves a parameter by up to 1e-2, so a missing gradient sync or a wrong shard is far outside).
 
+The same runs train MLPLM with its head tied to the token embedding (``tied=True``) under DDP, FSDP2, HSDP on
+one node (FSDP2, said in the start-up note), TP 2 (head and embedding replicated, or both split by vocabulary
+rows) on 2 ranks and HSDP 2 x 2 and TP 2 x FSDP 2 on 4 ranks: the tie holds (one parameter under both names) and
+both names match the one-process weights; a TP plan placing the two halves differently is refused.
+
 Layouts: FSDP2 and TP 2 on 2 ranks (DDP: tests/test_examples.py); HSDP (2 replicas x 2 shards) and TP 2 x FSDP 2 on 4 ranks. The 2-rank
 spawn then saves a checkpoint with FSDP2 at step 3 through ``session.save`` (StepBatches data position, RNG,
 optimizer); it is resumed at 1 rank (this process) and at 3 ranks, which must continue with exactly the samples
@@ -34,8 +39,19 @@ def step_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter under every name (a tied weight under both), gathered whole."""
     model = getattr(model, "module", model)
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def tied_lm() -> MLPLM:
+    """MLPLM whose output head shares the token embedding's (vocab, dim) weight."""
+    return MLPLM(tied=True)
+
+
+# the embedding and the head split by vocabulary rows (both Shard(0)): one DTensor can serve both
+VOCAB_PLAN = {**MLPLM.tp_plan, "embed": "embedding_rowwise", "head": "colwise_rep"}
 
 
 def train(session, model, *, steps: int = STEPS) -> list[float]:
@@ -55,22 +71,35 @@ def train(session, model, *, steps: int = STEPS) -> list[float]:
     return losses
 
 
-def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference(build=MLPLM) -> tuple[list[float], dict[str, torch.Tensor]]:
     from meshrun import Session
 
     session = Session(seed=0)
-    model = session.prepare_model(MLPLM(), layout="none")
+    model = session.prepare_model(build(), layout="none")
     return train(session, model), full_params(model)
 
 
 def run_layouts(rank: int, world_size: int, layouts: list[tuple[str, dict]], ckpt_dir: str | None) -> dict:
+    """Train each (label, prepare_model kwargs); the label is the layout, or 'layout/what' (kwargs 'model' builds
+    the model). Records (losses, parameters), and for tied models whether both names still hold one parameter,
+    the layout's start-up note, or the ConfigError of a refused layout."""
     from meshrun import Session
+    from meshrun.config import ConfigError
 
     out = {}
-    for name, kwargs in layouts:
+    for label, kwargs in layouts:
+        kwargs = dict(kwargs)
+        build = kwargs.pop("model", MLPLM)
         session = Session(seed=0)  # the group is up already: the same Session, a new layout
-        model = session.prepare_model(MLPLM(), layout=name, **kwargs)
-        out[name] = (train(session, model), full_params(model))
+        try:
+            model = session.prepare_model(build(), layout=label.split("/")[0], **kwargs)
+        except ConfigError as exc:  # every rank refuses at the same point
+            out[label] = f"ConfigError: {exc}"
+            continue
+        module = session.layout.module
+        out[label] = (train(session, model), full_params(model))
+        out[label + ":tied"] = module.head.weight is module.embed.weight
+        out[label + ":note"] = session.layout.note
     if ckpt_dir:
         out["ckpt"] = save_fsdp(ckpt_dir)
     return out
@@ -145,15 +174,27 @@ def ref():
 
 
 @pytest.fixture(scope="module")
+def tied_ref():
+    return reference(tied_lm)
+
+
+TIED_TWO_RANKS = [("ddp/tied", {}), ("fsdp/tied", {}), ("hsdp/tied", {}), ("tp/tied", {}),
+                  ("tp/tied-vocab", {"tp_plan": VOCAB_PLAN}),
+                  ("tp/tied-mixed", {"tp_plan": {**MLPLM.tp_plan, "head": "colwise_rep"}})]
+
+
+@pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     ckpt = str(tmp_path_factory.mktemp("session_ckpt"))
-    layouts = [("fsdp", {}), ("tp", {})]  # DDP for a user's model is covered by tests/test_examples.py
+    # DDP for a user's model is covered by tests/test_examples.py
+    layouts = [("fsdp", {}), ("tp", {})] + [(label, {**kw, "model": tied_lm}) for label, kw in TIED_TWO_RANKS]
     return run_distributed(run_layouts, 2, layouts, ckpt, init_pg=False)[0], ckpt
 
 
 @pytest.fixture(scope="module")
 def four_ranks():
-    layouts = [("hsdp", {"dp_replicate": 2}), ("tp+fsdp", {"tp": 2})]
+    layouts = [("hsdp", {"dp_replicate": 2}), ("tp+fsdp", {"tp": 2}),
+               ("hsdp/tied", {"dp_replicate": 2, "model": tied_lm}), ("tp+fsdp/tied", {"tp": 2, "model": tied_lm})]
     return run_distributed(run_layouts, 4, layouts, None, init_pg=False)[0]
 
 
@@ -176,6 +217,39 @@ def test_two_rank_layout_matches_one_process(two_ranks, ref, layout):
 @pytest.mark.parametrize("layout", ["hsdp", "tp+fsdp"])
 def test_four_rank_layout_matches_one_process(four_ranks, ref, layout):
     assert_matches(four_ranks[layout], ref)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label", ["ddp/tied", "fsdp/tied", "hsdp/tied", "tp/tied", "tp/tied-vocab"])
+def test_tied_model_trains_like_one_process_at_two_ranks(two_ranks, tied_ref, label):
+    """The head and the embedding stay one parameter (so both names hold the one-process weights), whether TP
+    replicates both (tp/tied) or splits both by vocabulary rows (tp/tied-vocab)."""
+    result = two_ranks[0]
+    assert_matches(result[label], tied_ref)
+    assert result[label + ":tied"]
+    torch.testing.assert_close(result[label][1]["head.weight"], result[label][1]["embed.weight"], atol=0, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label", ["hsdp/tied", "tp+fsdp/tied"])
+def test_tied_model_trains_like_one_process_at_four_ranks(four_ranks, tied_ref, label):
+    assert_matches(four_ranks[label], tied_ref)
+    assert four_ranks[label + ":tied"]
+
+
+@pytest.mark.slow
+def test_tp_refuses_a_tie_whose_halves_it_places_differently(two_ranks):
+    """The plan splits the head by vocabulary rows but replicates the embedding: one line names both."""
+    message = two_ranks[0]["tp/tied-mixed"]
+    assert message.startswith("ConfigError: layout='tp': embed.weight and head.weight are one tied parameter")
+    assert "Replicate" in message and "Shard(dim=0)" in message and "embedding_rowwise" in message
+    assert "\n" not in message
+
+
+@pytest.mark.slow
+def test_hsdp_on_one_node_says_it_runs_fsdp(two_ranks, four_ranks):
+    assert two_ranks[0]["hsdp/tied:note"].startswith("layout='hsdp' on one node runs plain FSDP over 2 ranks")
+    assert four_ranks["hsdp:note"] == ""  # 2 replicas x 2 shards: HSDP as named
 
 
 @pytest.mark.slow

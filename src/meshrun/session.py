@@ -116,6 +116,8 @@ class Session:
                 nodes=self.env.num_nodes, tp=tp, dp_replicate=dp_replicate, blocks=blocks, tp_plan=tp_plan,
                 activation_checkpoint=activation_checkpoint, compute_dtype=compute_dtype, compile=compile)
         self.print(self.layout.describe(self.device, compute_dtype))
+        if self.layout.note:
+            self.print(f"meshrun: {self.layout.note}")  # the start-up line says what the layout word ran as
         seed_rank_streams(self.seed, self.rank)
         return prepared
 

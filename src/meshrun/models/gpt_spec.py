@@ -9,8 +9,8 @@ attention already reshapes with ``view(B, T, -1, head_dim)``, so it sees n_heads
 
 The token embedding is row-parallel over the vocabulary (each rank looks up its rows, the partial results are
 summed) and the output head column-parallel over the vocabulary. Both shard their weight along the vocabulary
-rows (``Shard(0)``), so tied embeddings stay tied: after the plan runs, ``output.weight`` is pointed at the same
-DTensor parameter as ``tok_embeddings.weight``.
+rows (``Shard(0)``), so tied embeddings stay tied: after the plan runs, ``parallelize`` points ``output.weight`` at
+the same DTensor parameter as ``tok_embeddings.weight`` (meshrun.parallel.tied, as for every model).
 
 With ``loss_parallel`` the logits stay sharded over the vocabulary (``Shard(-1)``) and the cross-entropy is
 computed without gathering (B, T, V) logits on every rank; the engine wraps loss and backward in
@@ -55,7 +55,7 @@ def gpt_tp_plan(model: nn.Module, tp_mesh, *, sequence_parallel: bool, loss_para
             replicate_params(block.ffn_norm, tp_mesh)
     if model.norm is not None and not sequence_parallel:
         replicate_params(model.norm, tp_mesh)
-    tie_gpt_weights(model)  # both plans placed their copy as Shard(0) over the vocabulary; share it again
+    # tied embeddings: both plans placed their copy as Shard(0) over the vocabulary; parallelize shares it again
 
 
 def _block_plan(sequence_parallel: bool) -> dict[str, object]:

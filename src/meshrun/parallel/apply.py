@@ -31,7 +31,7 @@ from meshrun.models.build import model_spec
 from meshrun.models.shape import ModelShape
 from meshrun.models.spec import ModelSpec
 from meshrun.parallel.activation_checkpoint import apply_activation_checkpointing
-from meshrun.parallel.data_parallel import apply_ddp, apply_fsdp
+from meshrun.parallel.data_parallel import apply_ddp, apply_fsdp, fsdp_units
 from meshrun.parallel.engine import Engine, LocalEngine, LossStep, loss_function
 from meshrun.parallel.async_tp import check_async_tp, enable_async_tp
 from meshrun.parallel.float8 import check_float8, convert_blocks_to_float8
@@ -39,6 +39,7 @@ from meshrun.parallel.kernels import compile_enabled, require_compiled_cuda, sel
 from meshrun.parallel.pipeline import (PipelineEngine, bubble_fraction, effective_model_config, split_stage,
                                       stage_ids)
 from meshrun.parallel.sharded import ShardedEngine
+from meshrun.parallel.tied import TP_FIX, find_shared
 from meshrun.parallel.tp import apply_tp
 
 log = logging.getLogger("meshrun")
@@ -167,10 +168,14 @@ def build_parts(cfg: ModelShape, dims: ParallelDims, ids: list[int], *, job: Job
 
 
 def parallelize(part: nn.Module, dims: ParallelDims, *, job: JobConfig, compute_dtype: torch.dtype | None,
-                compiled: bool = False, device: torch.device | None = None, spec: ModelSpec | None = None) -> None:
+                compiled: bool = False, device: torch.device | None = None, spec: ModelSpec | None = None,
+                layout: str = "") -> None:
     """TP -> float8 -> activation checkpointing -> compile -> FSDP/HSDP, in place (DDP is applied after
-    materialising)."""
+    materialising). Tied parameters stay one parameter or are refused (parallel/tied.py); ``layout`` names the
+    layout in that message (default: :func:`layout_name`)."""
     spec = spec or model_spec(job)
+    layout = layout or layout_name(dims)
+    shared = find_shared(part)  # before any step replaces parameters
     blocks = spec.block_modules(part)
     if dims.tp > 1:
         if spec.tp_plan is None:
@@ -178,18 +183,22 @@ def parallelize(part: nn.Module, dims: ParallelDims, *, job: JobConfig, compute_
                               "(ModelSpec.tp_plan); use --parallel.tp=1")
         apply_tp(part, spec.tp_plan, dims.get_mesh("tp"), sequence_parallel=job.parallel.sequence_parallel,
                  loss_parallel=use_loss_parallel(dims))
+        shared.restore(part, layout=layout, after="tensor parallelism", fix=TP_FIX)
     if job.train.float8:
         convert_blocks_to_float8(part, fsdp=uses_fsdp(dims), blocks_attr=spec.blocks)
     apply_activation_checkpointing(part, job.parallel.activation_checkpoint, blocks=blocks)
     if compiled:
         for block in blocks:
             block.compile()  # in place: parameter names stay as they are (no "_orig_mod.")
+    shared.restore(part, layout=layout, after="float8 and activation checkpointing")
     if uses_fsdp(dims):
         dp_mesh = dims.get_mesh("dp_shard") if dims.dp_replicate == 1 else dims.get_mesh(("dp_replicate", "dp_shard"))
         reshard = dims.pp == 1 and reshard_after_forward(job.parallel.fsdp_reshard_after_forward, part,
                                                          compute_dtype=compute_dtype, device=device)
+        shared.check_units(part, fsdp_units(blocks, job.parallel.fsdp_unit_blocks), layout=layout)
         apply_fsdp(part, dp_mesh, compute_dtype=compute_dtype, reshard_after_forward=reshard, blocks=blocks,
                    unit_blocks=job.parallel.fsdp_unit_blocks)
+        shared.restore(part, layout=layout, after="FSDP2", reshare=False)
 
 
 def reshard_after_forward(choice: str, part: nn.Module, *, compute_dtype: torch.dtype | None,
@@ -212,7 +221,11 @@ def materialize(parts: list[nn.Module], *, device: torch.device, seed: int, dims
     shards)."""
     seed_for_init(seed, dims=dims, rank=rank, device=device)
     for part in parts:
+        shared = find_shared(part)
         part.to_empty(device=device)
+        # to_empty gives each module its own tensor unless FSDP2 swaps them in place: share them again (before
+        # init, which fills a tied weight once)
+        shared.restore(part, layout=layout_name(dims), after="to_empty", reshare=not uses_fsdp(dims))
         spec.init_weights(part, device)
 
 
@@ -276,12 +289,14 @@ def _local_engine(job: JobConfig, spec: ModelSpec, cfg: ModelShape, dims: Parall
     """
     with torch.device("meta"):
         model = spec.build(cfg)
+    shared = find_shared(model)
     if job.train.float8:
         convert_blocks_to_float8(model, fsdp=False, blocks_attr=spec.blocks)
     apply_activation_checkpointing(model, job.parallel.activation_checkpoint, blocks=spec.block_modules(model))
     model.to_empty(device=device)
     if spec.tie_weights is not None:
         spec.tie_weights(model)  # to_empty may have replaced the shared parameter
+    shared.restore(model, layout=layout_name(dims), after="to_empty")  # and any tie the spec does not re-make
     torch.manual_seed(job.train.seed)
     spec.init_weights(model, device)
     step: nn.Module = LossStep(model, autocast_dtype, chunked=job.train.loss == "chunked")

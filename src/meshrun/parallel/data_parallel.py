@@ -31,7 +31,7 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, compute_dtype: torch.dt
     """
     mp_policy = mixed_precision(compute_dtype)
     blocks = list(model.layers.values()) if blocks is None else blocks
-    units = [blocks[i:i + unit_blocks] for i in range(0, len(blocks), unit_blocks)]
+    units = fsdp_units(blocks, unit_blocks)
     for i, unit in enumerate(units):
         # the last unit's parameters are needed again first thing in backward: keep them gathered
         reshard = reshard_after_forward and i < len(units) - 1
@@ -44,6 +44,11 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, compute_dtype: torch.dt
         for module in [*blocks, model]:
             if hasattr(module, "set_force_sum_reduction_for_comms"):
                 module.set_force_sum_reduction_for_comms(True)
+
+
+def fsdp_units(blocks: list[nn.Module], unit_blocks: int) -> list[list[nn.Module]]:
+    """The blocks each FSDP2 unit shards together (``unit_blocks`` consecutive blocks; the root unit is the rest)."""
+    return [blocks[i:i + unit_blocks] for i in range(0, len(blocks), unit_blocks)]
 
 
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device, *, bucket_mb: int = 25,

@@ -31,6 +31,8 @@ from torch import nn
 from meshrun.config import ConfigError, JobConfig
 from meshrun.comm.mesh import ParallelDims
 from meshrun.models.spec import ModelSpec
+from meshrun.parallel.tied import find_shared
+from meshrun.parallel.tp import resolve_plan
 
 LAYOUTS = ("none", "ddp", "fsdp", "hsdp", "tp", "tp+fsdp", "pp", "pp+fsdp")
 
@@ -49,6 +51,8 @@ class ModuleLayout:
     """FSDP2's parameter dtype in forward and backward (None: the parameters' own); gradients reduce in fp32."""
     compiled: int = 0
     """Modules compiled in place (the blocks, or 1 for a model without repeated blocks)."""
+    note: str = ""
+    """A start-up note when the layout ran as something else than its name says (hsdp on one node is FSDP)."""
 
     def describe(self, device: torch.device, choice: Any) -> str:
         """One start-up line: layout, device, compute dtype (and where it came from), compilation."""
@@ -143,7 +147,11 @@ def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world
     if dims.tp > 1 and not plan:
         raise ConfigError(f"layout={layout!r}: {type(model).__name__} has no tensor-parallel plan; pass "
                           "tp_plan={'module.glob': 'colwise' | 'rowwise', ...} or use layout='fsdp'")
+    if dims.tp > 1 and isinstance(plan, Mapping):
+        resolve_plan(model, plan)  # a module TP cannot split is named before anything is built
+    shared = find_shared(model)
     model = model.to(device)
+    shared.restore(model, layout=f"layout={layout!r}", after=f"moving the model to {device}")
     if world_size > 1:
         dims.build_mesh(device.type)  # collective: every rank
     _broadcast_from_rank0(model)
@@ -155,7 +163,7 @@ def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world
     # meshrun train compiles them; per-block graphs where FSDP2 or TP hooks run between the blocks
     whole_graph = compile and not uses_fsdp(dims) and dims.tp == 1
     parallelize(model, dims, job=job, compute_dtype=compute_dtype, compiled=compile and not whole_graph,
-                device=device, spec=spec)
+                device=device, spec=spec, layout=f"layout={layout!r}")
     if whole_graph:
         model.compile()  # in place: parameter names keep no "_orig_mod."
         if dims.dp_replicate > 1:  # one node: one graph each way (see parallel.ddp_graph)
@@ -164,8 +172,10 @@ def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world
     trained = model
     if dims.dp_replicate > 1 and not uses_fsdp(dims):
         trained = apply_ddp(model, dims.get_mesh("dp_replicate"), device, sync_buffers=True)
+        shared.restore(model, layout=f"layout={layout!r}", after="DDP", reshare=False)
     return trained, ModuleLayout(dims=dims, name=layout_name(dims), blocks=blocks, module=model,
-                                 compute_dtype=compute_dtype, compiled=compiled)
+                                 compute_dtype=compute_dtype, compiled=compiled,
+                                 note=layout_note(layout, dims, nodes=nodes))
 
 
 def compile_unblocked(model: nn.Module, spec: ModelSpec) -> int:
@@ -175,6 +185,19 @@ def compile_unblocked(model: nn.Module, spec: ModelSpec) -> int:
     if not blocks:
         model.compile()
     return len(blocks) or 1
+
+
+def layout_note(layout: str, dims: ParallelDims, *, nodes: int) -> str:
+    """What a user should know at start-up about how their layout word ran ('' when it ran as named)."""
+    if layout == "hsdp" and dims.dp_replicate == 1:
+        where = "one node" if nodes <= 1 else f"dp_replicate=1 ({nodes} nodes)"
+        return (f"layout='hsdp' on {where} runs plain FSDP over {dims.dp_shard} ranks (HSDP replicates across "
+                "nodes: dp_replicate defaults to the number of nodes); pass dp_replicate=2 or more for replicas "
+                "within a node")
+    if layout == "hsdp" and dims.dp_shard == 1:
+        return (f"layout='hsdp' with dp_replicate={dims.dp_replicate} of {dims.dp_size} ranks shards nothing: it "
+                "runs DDP; pass a dp_replicate that leaves 2 or more ranks per replica to shard")
+    return ""
 
 
 def prebuilt(_shape) -> nn.Module:

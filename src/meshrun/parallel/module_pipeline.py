@@ -16,8 +16,8 @@ What the model must satisfy (docs/api.md shows one):
 * ``forward`` takes one tensor, passes one tensor from block to block, skips a module that is None (the
   embedding on later stages, the head on earlier ones) and a block that is None (ModuleList) or absent
   (ModuleDict), and returns what it has: the last stage's output goes to the loss, the others' to the next stage;
-* no parameter sits directly on the model (or a module on the way to the blocks), and the first and the last
-  stage share no parameter (untie tied embeddings).
+* no parameter sits directly on the model (or a module on the way to the blocks), and no two stages share a
+  parameter (untie tied embeddings; meshrun.parallel.tied refuses it naming both names).
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ from meshrun.comm.mesh import ParallelDims
 from meshrun.config import PIPELINE_SCHEDULES, ConfigError, JobConfig, PipelineSchedule
 from meshrun.models.spec import ModelSpec
 from meshrun.parallel.module import ModuleLayout, prebuilt, find_blocks, layout_dims, resolve_compute_dtype
+from meshrun.parallel.pipeline import layer_ranges
+from meshrun.parallel.tied import find_shared
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -184,7 +186,8 @@ def edge_modules(model: nn.Module, blocks: str) -> tuple[tuple[str, ...], tuple[
     return tuple(first), tuple(last)
 
 
-def stage_spec(model: nn.Module, blocks: str, options: PipelineOptions, *, dims: ParallelDims) -> ModelSpec:
+def stage_spec(model: nn.Module, blocks: str, options: PipelineOptions, *, dims: ParallelDims,
+               layout: str = "pp") -> ModelSpec:
     """The ModelSpec split_stage cuts ``model`` by, after checking the model can be cut (raises ConfigError)."""
     name = type(model).__name__
     if not blocks:
@@ -209,11 +212,13 @@ def stage_spec(model: nn.Module, blocks: str, options: PipelineOptions, *, dims:
     first = found[0] if options.first_stage is None else tuple(options.first_stage)
     last = found[1] if options.last_stage is None else tuple(options.last_stage)
     check_splittable(model, blocks, first, last)
-    return ModelSpec(arch=name, build=prebuilt, sizes={}, blocks=blocks, first_stage=first, last_stage=last)
+    spec = ModelSpec(arch=name, build=prebuilt, sizes={}, blocks=blocks, first_stage=first, last_stage=last)
+    check_stage_ties(model, spec, stages=dims.stages, layout=layout)
+    return spec
 
 
 def check_splittable(model: nn.Module, blocks: str, first: tuple[str, ...], last: tuple[str, ...]) -> None:
-    """No parameter outside a module on the way to the blocks, none shared by the first and last stage."""
+    """No parameter outside a module on the way to the blocks; the first/last-stage modules exist."""
     path = blocks.split(".")
     for depth in range(len(path)):
         owner = model.get_submodule(".".join(path[:depth]))
@@ -229,11 +234,26 @@ def check_splittable(model: nn.Module, blocks: str, first: tuple[str, ...], last
             except AttributeError:
                 raise ConfigError(f"PipelineOptions.{option}: {type(model).__name__} has no module {mod!r}; "
                                   "give dotted module names") from None
-    before = {id(p) for mod in first for p in model.get_submodule(mod).parameters()}
-    shared = [n for mod in last for n, p in model.get_submodule(mod).named_parameters(prefix=mod) if id(p) in before]
-    if shared:
-        raise ConfigError(f"{shared[0]} is shared by the first and the last pipeline stage (tied weights); untie it "
-                          "(e.g. tie_word_embeddings=False) or use layout='fsdp'")
+
+
+def check_stage_ties(model: nn.Module, spec: ModelSpec, *, stages: int, layout: str) -> None:
+    """Refuse a tied parameter whose names would sit on two pipeline stages (each stage would train its own
+    copy). A name outside the blocks and the first/last-stage modules stays on every stage."""
+    blocks = f"{spec.blocks}."
+    block_stage = {str(i): stage for stage, ids in enumerate(layer_ranges(len(model.get_submodule(spec.blocks)),
+                                                                         stages)) for i in ids}
+
+    def stage_of(name: str) -> str:
+        if name.startswith(blocks):
+            return str(block_stage[name[len(blocks):].split(".")[0]])
+        if any(name.startswith(f"{mod}.") for mod in spec.first_stage):
+            return "0"
+        if any(name.startswith(f"{mod}.") for mod in spec.last_stage):
+            return str(stages - 1)
+        return "(every stage)"
+
+    find_shared(model).split_by(stage_of, layout=f"layout={layout!r}", what="pipeline stages",
+                                fix="untie them (e.g. tie_word_embeddings=False) or use layout='fsdp'")
 
 
 @torch.no_grad()
@@ -271,16 +291,20 @@ def prepare_pipeline(model: nn.Module, layout: str, *, device: torch.device, wor
                 ModuleLayout(dims=dims, name=layout_name(dims), blocks=blocks, module=model, compiled=compiled))
     dims = pipeline_dims(layout, options, world_size=world_size, nodes=nodes, pp=pp)
     compute_dtype = resolve_compute_dtype(compute_dtype, dims, device)
-    spec = stage_spec(model, blocks, options, dims=dims)
+    spec = stage_spec(model, blocks, options, dims=dims, layout=layout)
     dims.build_mesh(device.type)  # collective: every rank
     rank = dist.get_rank()
     ids = stage_ids(dims.coords(rank).pp, pp=dims.pp, virtual_stages=dims.pp_virtual_stages)
+    shared = find_shared(model)  # ties within one stage (across stages were refused above)
     parts = [split_stage(model, i, dims.stages, spec=spec).to(device) for i in ids]
+    for part in parts:
+        shared.restore(part, layout=f"layout={layout!r}", after="cutting the stages")
     copy_from_rank0(model, parts, device)
     job = JobConfig()
     job.parallel.activation_checkpoint = activation_checkpoint
     for part in parts:
-        parallelize(part, dims, job=job, compute_dtype=compute_dtype, compiled=compile, device=device, spec=spec)
+        parallelize(part, dims, job=job, compute_dtype=compute_dtype, compiled=compile, device=device, spec=spec,
+                    layout=f"layout={layout!r}")
     fp32 = compute_dtype is None or compute_dtype == torch.float32
 
     def summed_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

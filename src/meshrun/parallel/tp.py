@@ -22,6 +22,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from meshrun.config import ConfigError
+
 STYLES: dict[str, Callable[[], Any]] = {
     "colwise": ColwiseParallel,
     "rowwise": RowwiseParallel,
@@ -46,25 +48,48 @@ def apply_tp(model: nn.Module, plan: Callable[..., None] | Mapping[str, Any], tp
 
 def apply_tp_plan(model: nn.Module, plan: Mapping[str, Any], tp_mesh: DeviceMesh) -> list[str]:
     """Shard the modules a dict plan names; replicate every other parameter. Returns the sharded module names."""
-    names = [name for name, _ in model.named_modules() if name]
-    resolved: dict[str, Any] = {}
-    for pattern, style in plan.items():
-        if isinstance(style, str):
-            if style not in STYLES:
-                raise ValueError(f"tensor-parallel plan entry {pattern!r}: {style!r} is not one of "
-                                 f"{', '.join(STYLES)} (or a torch ParallelStyle)")
-            style = STYLES[style]()
-        matches = [n for n in names if fnmatch.fnmatchcase(n, pattern) and n.count(".") == pattern.count(".")]
-        resolved.update({n: style for n in matches})
-    if not resolved:
-        raise ValueError(f"tensor-parallel plan names no module of {type(model).__name__} (patterns: "
-                         f"{', '.join(plan)}); give module names as in model.named_modules()")
+    resolved = resolve_plan(model, plan)
     parallelize_module(model, tp_mesh, resolved)
     for name, module in model.named_modules():
         leaf = next(module.children(), None) is None  # a parent's hooks would turn its children's inputs to DTensors
         if leaf and name not in resolved and any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
             replicate_params(module, tp_mesh)
     return sorted(resolved)
+
+
+def resolve_plan(model: nn.Module, plan: Mapping[str, Any]) -> dict[str, Any]:
+    """The module names a dict plan matches in ``model``, each with its torch ParallelStyle; raises a ConfigError
+    for an unknown word, a plan that matches nothing, or a module colwise/rowwise cannot split."""
+    modules = {name: module for name, module in model.named_modules() if name}
+    resolved: dict[str, Any] = {}
+    for pattern, style in plan.items():
+        if isinstance(style, str):
+            if style not in STYLES:
+                raise ConfigError(f"tensor-parallel plan entry {pattern!r}: {style!r} is not one of "
+                                  f"{', '.join(STYLES)} (or a torch ParallelStyle)")
+            style = STYLES[style]()
+        matches = [n for n in modules if fnmatch.fnmatchcase(n, pattern) and n.count(".") == pattern.count(".")]
+        for name in matches:
+            check_module_type(name, modules[name], style, pattern=pattern)
+        resolved.update({n: style for n in matches})
+    if not resolved:
+        raise ConfigError(f"tensor-parallel plan names no module of {type(model).__name__} (patterns: "
+                          f"{', '.join(plan)}); give module names as in model.named_modules()")
+    return resolved
+
+
+def check_module_type(name: str, module: nn.Module, style: Any, *, pattern: str) -> None:
+    """Colwise and rowwise styles split an nn.Linear or an nn.Embedding (torch raises NotImplementedError deep
+    inside parallelize_module for anything else); other styles (SequenceParallel, PrepareModuleInput, a user's
+    own ParallelStyle) take any module."""
+    if not isinstance(style, (ColwiseParallel, RowwiseParallel)) or isinstance(module, (nn.Linear, nn.Embedding)):
+        return
+    kind = type(module)
+    hint = (" (a transformers Conv1D holds its weight transposed: nn.Linear(in, out) takes weight = conv.weight.T;"
+            " a fused q/k/v layer must be split into three layers first)" if kind.__name__ == "Conv1D" else "")
+    raise ConfigError(f"tensor-parallel plan entry {pattern!r}: {name} is a {kind.__module__}.{kind.__qualname__}, "
+                      f"which {type(style).__name__} cannot split; colwise and rowwise plans split nn.Linear and "
+                      f"nn.Embedding modules only. Convert {name} to nn.Linear{hint}, or leave it out of the plan")
 
 
 def replicate_params(module: nn.Module, tp_mesh: DeviceMesh) -> None:
