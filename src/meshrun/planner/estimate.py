@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshrun.config import BatchPlan, ConfigError, JobConfig, ParallelConfig, resolve_batch
-from meshrun.comm.mesh import FSDP_AUTO_PARAMS, ParallelDims, choose_data_parallel
+from meshrun.comm.mesh import FLAT_DIMS, FSDP_AUTO_PARAMS, ParallelDims, choose_data_parallel
 from meshrun.models.shape import ModelShape
 from meshrun.models.spec import ModelSpec
 from meshrun.units import format_bytes
@@ -40,17 +40,17 @@ class Plan:
 
     def rank_row(self, rank: int) -> dict[str, Any]:
         c = self.dims.coords(rank)
-        return {"rank": rank, "node": self.node_of(rank), "local_rank": rank % self.gpus_per_node, "pp": c.pp,
-                "dp": self.dims.dp_rank(rank), "dp_replicate": c.dp_replicate, "dp_shard": c.dp_shard, "tp": c.tp,
+        return {"rank": rank, "node": self.node_of(rank), "local_rank": rank % self.gpus_per_node,
+                "dp": self.dims.dp_rank(rank), **c._asdict(),
                 "groups": {name: self.dims.group(name, rank) for name in group_dims(self.dims)}}
 
 
 def group_dims(dims: ParallelDims) -> list[str]:
-    """The dimensions worth listing (degree > 1): tp, dp (and its parts when both are > 1), pp."""
-    names = ["tp", "dp"]
-    if dims.dp_replicate > 1 and dims.dp_shard > 1:
-        names += ["dp_replicate", "dp_shard"]
-    return [name for name in names + ["pp"] if dims.degree(name) > 1]
+    """The dimensions worth listing (degree > 1), innermost first: tp, cp, dp (and its parts when both are > 1),
+    dp_shard_cp (what FSDP shards over, when both dp_shard and cp are > 1), pp."""
+    both = [flat for flat, members in FLAT_DIMS.items() if all(dims.degree(m) > 1 for m in members)]
+    names = ["tp", "cp", "dp", *(FLAT_DIMS["dp"] if "dp" in both else ()), *(f for f in both if f != "dp"), "pp"]
+    return [name for name in names if dims.degree(name) > 1]
 
 
 def build_plan(job: JobConfig, *, nodes: int, gpus_per_node: int, gpu_mem_gib: float = 80.0,
