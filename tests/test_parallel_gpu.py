@@ -1,5 +1,7 @@
 """The layouts on 2 GPUs with NCCL: fp32 parity with a 1-GPU reference, and bf16 mixed precision with compile and
-activation checkpointing (run on the GPU machine: ``pytest -m gpu tests/test_parallel_gpu.py``).
+activation checkpointing (run on the GPU machine: ``pytest -m gpu tests/test_parallel_gpu.py``). Context
+parallelism (cp2) is here because torch's ring attention runs on CUDA only; its CPU tests are in
+test_context_parallel.py.
 
 Tolerances: fp32 as in test_parallel_layouts.py but 10x looser (different GPU kernels are chosen for the
 different local shapes of TP shards, so sums are ordered differently). bf16: losses within 0.05 of the fp32
@@ -25,6 +27,7 @@ FP32 = {
     "tp2": Layout(tied=True, grad_accum=1, parallel={"dp_replicate": 1, "tp": 2, "sequence_parallel": "true"}),
     "pp2_1f1b": Layout(tied=False, grad_accum=2, parallel={"dp_replicate": 1, "pp": 2, "pp_microbatches": 4}),
     "ddp2": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 2}),
+    "cp2": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 1, "cp": 2}),  # ring attention, FSDP over cp
 }
 BF16 = {
     "fsdp2_compile_selective": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 1, "dp_shard": 2,
@@ -34,6 +37,9 @@ BF16 = {
                                                              "activation_checkpoint": "full"}),
     "pp2_gpipe": Layout(tied=False, grad_accum=1, parallel={"dp_replicate": 1, "pp": 2, "pp_schedule": "gpipe",
                                                             "pp_microbatches": 4}),
+    "cp2_compile_selective": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 1, "cp": 2,
+                                                                       "activation_checkpoint": "selective"},
+                                    train={"compile": "true"}),
 }
 
 
