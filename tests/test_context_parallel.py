@@ -138,8 +138,7 @@ def _reference() -> dict:
 
 def _cp_worker(rank: int, world_size: int, initial: dict, ckpt: str) -> dict:
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         set_model_state_dict)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_model_state_dict
 
     from meshrun.parallel.data_parallel import apply_fsdp
     from meshrun.parallel.sharded import ShardedEngine
@@ -175,9 +174,13 @@ def _cp_worker(rank: int, world_size: int, initial: dict, ckpt: str) -> dict:
     grads = {k: p.grad.full_tensor() for k, p in model.named_parameters()}
     own = {k: p.to_local().numel() for k, p in model.named_parameters()}
 
-    # checkpoints across cp: cp 2 saves; one process (cp 1) loads it below, in the test process
-    dcp.save(get_model_state_dict(model), checkpoint_id=ckpt)
-    saved = {k: v.full_tensor() for k, v in get_model_state_dict(model).items()}
+    # checkpoints across cp: cp 2 saves model and AdamW state; one process (cp 1) loads them in the test process
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    optimizer.step()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=ckpt)
+    model_full, optim_full = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    saved = {"model": model_full, "optim": optim_full["state"]}
     return {"seen": seen, "local": (float(loss_sum), float(tokens)), "totals": totals.tolist(), "grads": grads,
             "own": own, "saved": saved}
 
@@ -222,13 +225,24 @@ def test_loss_and_gradients_reduce_exactly_over_the_sequence_shards(cp_results):
 
 @pytest.mark.slow
 def test_a_cp_checkpoint_loads_into_one_process(cp_results):
+    """Model and AdamW state saved by cp 2 (FSDP shards over the cp ranks) arrive whole in one process (cp 1)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     _, ranks, ckpt = cp_results
     model = no_attention_gpt()
     model.init_weights()
-    state = model.state_dict()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model_state, optim_state = get_state_dict(model, optimizer)  # creates the empty AdamW state to load into
+    state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=ckpt, no_dist=True)
-    model.load_state_dict(state)
-    for key, value in ranks[0]["saved"].items():
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    saved = ranks[0]["saved"]
+    for key, value in saved["model"].items():
         assert torch.equal(model.state_dict()[key], value), f"{key} changed between cp 2 and one process"
+    loaded = get_state_dict(model, optimizer)[1]["state"]
+    assert set(loaded) == set(saved["optim"]) and saved["optim"]
+    for key, moments in saved["optim"].items():
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(loaded[key][name], moments[name]), f"AdamW {name} of {key} changed on the way"
+        assert moments["exp_avg"].abs().sum() > 0, "the step before saving filled the moments"
