@@ -107,6 +107,7 @@ def test_plan_shows_cp_groups_activations_and_ring_traffic(capsys):
     fsdp, cp = plan("--dp-shard", "4"), plan("--dp-shard", "2", "--cp", "2")
     assert cp["parallel"]["cp"] == 2 and cp["groups"]["cp"] == [[0, 1], [2, 3]]
     assert cp["groups"]["dp_shard_cp"] == [[0, 1, 2, 3]] and cp["data_parallel"]["mode"] == "fsdp"
+    assert "2 data-parallel ranks (4 GPUs / (tp 1 x cp 2 x pp 1))" in cp["batch"]["formula"]
     acts = lambda p: p["memory"][0]["bytes"]["activations"]  # noqa: E731
     assert acts(cp) == pytest.approx(acts(fsdp) / 2), "each GPU holds half of every sequence"
     assert cp["memory"][0]["params_local"] == fsdp["memory"][0]["params_local"], "FSDP shards over dp_shard x cp"

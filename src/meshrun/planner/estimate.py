@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshrun.config import BatchPlan, ConfigError, JobConfig, ParallelConfig, resolve_batch
-from meshrun.comm.mesh import FLAT_DIMS, FSDP_AUTO_PARAMS, ParallelDims, choose_data_parallel
+from meshrun.comm.mesh import FLAT_DIMS, FSDP_AUTO_PARAMS, MESH_DIMS, ParallelDims, choose_data_parallel
 from meshrun.models.shape import ModelShape
 from meshrun.models.spec import ModelSpec
 from meshrun.units import format_bytes
@@ -318,6 +318,9 @@ def batch_formula(plan: Plan) -> str:
     if d.dp_size == plan.world_size:
         return (f"B_global = B_local {b.micro_batch} x G {plan.gpus_per_node} x N {plan.nodes} x A {b.grad_accum} "
                 f"= {b.global_batch}")
+    # the axes whose ranks read the same samples: all but the data-parallel ones (tp, pp, and cp if it is used)
+    same = [n for n in reversed(MESH_DIMS) if n not in FLAT_DIMS["dp"] and (n != "cp" or d.cp > 1)]
+    others = " x ".join(f"{n} {d.degree(n)}" for n in same)
     return (f"B_global = B_local {b.micro_batch} x {d.dp_size} data-parallel ranks ({plan.world_size} GPUs / "
-            f"(tp {d.tp} x pp {d.pp})) x A {b.grad_accum} = {b.global_batch}")
+            f"({others})) x A {b.grad_accum} = {b.global_batch}")
 
