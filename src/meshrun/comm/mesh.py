@@ -16,8 +16,8 @@ torchtitan's: a dimension of degree 1 would cost one process group per rank for 
 what FSDP shards parameters over, since the cp ranks of a replica hold the same parameters). A flattened dimension
 with one enabled member is that member's mesh. :meth:`ParallelDims.get_optional_mesh` returns None for a degree of 1.
 
-Adding an axis: one :class:`Axis` entry in comm/axes.py (and a ``parallel.<name>`` degree in config.py), then its apply step in
-parallel/apply.py; docs/architecture.md lists the files.
+Adding an axis: one :class:`Axis` entry in comm/axes.py (and a ``parallel.<name>`` degree in config.py), then its
+apply step in parallel/apply.py; docs/architecture.md lists the files.
 
 Everything except :meth:`ParallelDims.build_mesh` (and :func:`node_mesh`, the 2-D node x local mesh that
 ``meshrun bench`` measures links with) is pure arithmetic (no process group), so the planner uses the
@@ -291,8 +291,8 @@ class ParallelDims:
         """Create the DeviceMesh of :meth:`mesh_dim_names` and its named sub-meshes; None for one rank.
 
         Collective: every rank must call this (it creates one process group per mesh dimension, and one per
-        flattened dimension with two or more enabled members ("dp", "dp_shard_cp"); a group of every rank is the default group, not a new
-        one). This module is the only place in meshrun that creates a DeviceMesh.
+        flattened dimension with two or more enabled members ("dp", "dp_shard_cp"); a group of every rank is the
+        default group, not a new one). This module is the only place in meshrun that creates a DeviceMesh.
         """
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh

@@ -15,8 +15,8 @@ def to_json(plan: Plan) -> dict[str, Any]:
     return {
         "world_size": plan.world_size, "nodes": plan.nodes, "gpus_per_node": plan.gpus_per_node,
         "model": dataclasses.asdict(plan.model) | {"ffn_dim": plan.model.hidden_dim},
-        "parallel": d.degrees() | {"dp_size": d.dp_size, "pp_schedule": d.pp_schedule, "pp_microbatches": d.pp_microbatches,
-                     "pp_virtual_stages": d.pp_virtual_stages},
+        "parallel": d.degrees() | {"dp_size": d.dp_size, "pp_schedule": d.pp_schedule,
+                                   "pp_microbatches": d.pp_microbatches, "pp_virtual_stages": d.pp_virtual_stages},
         "data_parallel": {"mode": data_parallel_mode(d), "note": plan.data_parallel},
         "batch": {"micro_batch": b.micro_batch, "dp_size": b.dp_size, "grad_accum": b.grad_accum,
                   "global_batch": b.global_batch, "tokens_per_step": b.tokens_per_step,
