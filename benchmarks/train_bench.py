@@ -13,6 +13,8 @@ and vs_best_peer (over the fastest of the baseline and the peers of its case). P
     PYTHONPATH=src python3 benchmarks/train_bench.py --sizes 124m --gpus 1,2 --grad-clip 0,1 --json out.json
     PYTHONPATH=src python3 benchmarks/train_bench.py --sizes 124m --gpus 2 --peers '' \\
         --extra --train.fused_optimizer=false --variant ac:--parallel.activation_checkpoint=selective
+    PYTHONPATH=src python3 benchmarks/train_bench.py --sizes 1b --gpus 2 --peers '' --no-baseline \
+        --layouts fsdp,cp --extra '--model.seq_len=8192 --train.micro_batch=1' --steps 30   (long sequences: CP)
 
 --extra and --variant take meshrun overrides; the word after them is always their value, even when it starts with
 `--` (`--extra --train.x=1` and `--extra=--train.x=1` are the same). Several overrides go in one quoted value.
@@ -47,6 +49,7 @@ LAYOUTS = {  # meshrun overrides for a layout on G GPUs
     "fsdp": ["--parallel.dp_shard=-1", "--parallel.dp_replicate=1"],
     "tp": ["--parallel.tp=-1", "--parallel.dp_replicate=1", "--model.tie_embeddings=false"],
     "pp": ["--parallel.pp=-1", "--parallel.dp_replicate=1", "--parallel.pp_schedule=1f1b"],
+    "cp": ["--parallel.cp=-1", "--parallel.dp_replicate=1"],  # FSDP over the cp ranks, as torchtitan
 }
 VALUE_OPTIONS = ("--extra", "--variant")  # options whose value may start with "--"
 
@@ -153,7 +156,7 @@ def run_case(case: Case, plan: Plan, env: dict[str, str]) -> Iterator[dict]:
     jobs = [(script.impl, lambda s=script: run_script(s, case, plan, env)) for script in scripts]
     for layout in plan.layouts:
         if layout != "ddp" and case.gpus == 1:
-            continue  # FSDP, TP and PP need two GPUs or more
+            continue  # FSDP, TP, PP and CP need two GPUs or more
         for name, overrides in [("", []), *plan.variants]:
             impl = f"meshrun-{layout}-{name}" if name else f"meshrun-{layout}"
             jobs.append((impl, lambda o=[*plan.extra, *overrides], lay=layout: run_meshrun(case, lay, plan, env, o)))

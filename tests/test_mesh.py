@@ -27,7 +27,7 @@ def test_minus_one_is_inferred_from_the_world_size():
 
 
 @pytest.mark.parametrize("parallel, world, message", [
-    ({"dp_replicate": 3, "tp": 2}, 8, "3 x 1 x 2 x 1 = 6 does not equal the world size 8"),
+    ({"dp_replicate": 3, "tp": 2}, 8, "parallel.pp x dp_replicate x dp_shard x cp x tp = 1 x 3 x 1 x 1 x 2 = 6 does not equal the world size 8"),
     ({"dp_replicate": -1, "tp": 3}, 8, "parallel.dp_replicate=-1 cannot be inferred: world size 8"),
     ({"dp_replicate": -1, "dp_shard": -1}, 8, "parallel.dp_replicate and parallel.dp_shard are all -1"),
     ({"dp_replicate": 0}, 8, "parallel.dp_replicate=0 is not a degree"),
@@ -74,8 +74,8 @@ def test_pipeline_batch_must_split_into_microbatches():
 def test_64_gpu_dp8_tp4_pp2_groups():
     """A 64-GPU layout: DP 8 x TP 4 x PP 2 on 8 nodes of 8 GPUs."""
     dims = dims_for(64, dp_replicate=8, tp=4, pp=2)
-    assert dims.coords(0) == (0, 0, 0, 0)
-    assert dims.coords(37) == (1, 1, 0, 1)  # 37 = 32 (pp 1) + 4 (dp 1) + 1 (tp 1)
+    assert dims.coords(0) == (0, 0, 0, 0, 0)
+    assert dims.coords(37) == (1, 1, 0, 0, 1)  # 37 = 32 (pp 1) + 4 (dp 1) + 1 (tp 1)
     assert dims.group("tp", 37) == [36, 37, 38, 39]  # inside one node
     assert dims.group("dp", 37) == [33, 37, 41, 45, 49, 53, 57, 61]
     assert dims.group("pp", 37) == [5, 37]
@@ -102,7 +102,7 @@ def test_mesh_on_a_fake_process_group_matches_the_arithmetic():
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=64)
     try:
         mesh = dims.build_mesh("cpu")
-        assert mesh.mesh_dim_names == MESH_DIMS and tuple(mesh.shape) == (2, 4, 2, 4)
+        assert mesh.mesh_dim_names == tuple(n for n in MESH_DIMS if n != "cp") and tuple(mesh.shape) == (2, 4, 2, 4)
         for name in ("tp", "dp", "pp", "dp_shard", "dp_replicate"):
             assert dims.get_mesh(name).mesh.flatten().tolist() == dims.group(name, rank), name
         hsdp = dims.get_mesh(("dp_replicate", "dp_shard"))
@@ -124,8 +124,9 @@ def test_get_mesh_raises_and_get_optional_mesh_returns_none_for_degree_one():
         assert dims.get_optional_mesh("tp") is None and dims.get_optional_mesh("pp") is None
         with pytest.raises(ValueError, match=r"mesh dimension 'tp' is not enabled \(tp=1\)"):
             dims.get_mesh("tp")
-        with pytest.raises(ValueError, match="unknown mesh 'cp'"):
-            dims.get_mesh("cp")
+        with pytest.raises(ValueError, match="unknown mesh 'sp'"):
+            dims.get_mesh("sp")
+        assert dims.get_optional_mesh("cp") is None
         assert dims.get_mesh("dp").size() == 4
     finally:
         dist.destroy_process_group()

@@ -1,5 +1,7 @@
 """The layouts on 2 GPUs with NCCL: fp32 parity with a 1-GPU reference, and bf16 mixed precision with compile and
-activation checkpointing (run on the GPU machine: ``pytest -m gpu tests/test_parallel_gpu.py``).
+activation checkpointing (run on the GPU machine: ``pytest -m gpu tests/test_parallel_gpu.py``). Context
+parallelism (cp2) is here because torch's ring attention runs on CUDA only; its CPU tests are in
+test_context_parallel.py.
 
 Tolerances: fp32 as in test_parallel_layouts.py but 10x looser (different GPU kernels are chosen for the
 different local shapes of TP shards, so sums are ordered differently). bf16: losses within 0.05 of the fp32
@@ -25,6 +27,13 @@ FP32 = {
     "tp2": Layout(tied=True, grad_accum=1, parallel={"dp_replicate": 1, "tp": 2, "sequence_parallel": "true"}),
     "pp2_1f1b": Layout(tied=False, grad_accum=2, parallel={"dp_replicate": 1, "pp": 2, "pp_microbatches": 4}),
     "ddp2": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 2}),
+    "cp2": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 1, "cp": 2}),  # ring attention, FSDP over cp
+}
+FOUR_GPUS = {  # context parallelism composed with TP, FSDP and HSDP (run on a 4-GPU machine)
+    "cp2_tp2_sp": Layout(tied=True, grad_accum=1, parallel={"dp_replicate": 1, "cp": 2, "tp": 2,
+                                                            "sequence_parallel": "true"}),
+    "fsdp2_cp2": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 1, "dp_shard": 2, "cp": 2}),
+    "hsdp2_cp2": Layout(tied=True, grad_accum=1, parallel={"dp_replicate": 2, "cp": 2}),
 }
 BF16 = {
     "fsdp2_compile_selective": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 1, "dp_shard": 2,
@@ -34,6 +43,9 @@ BF16 = {
                                                              "activation_checkpoint": "full"}),
     "pp2_gpipe": Layout(tied=False, grad_accum=1, parallel={"dp_replicate": 1, "pp": 2, "pp_schedule": "gpipe",
                                                             "pp_microbatches": 4}),
+    "cp2_compile_selective": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 1, "cp": 2,
+                                                                       "activation_checkpoint": "selective"},
+                                    train={"compile": "true"}),
 }
 
 
@@ -55,16 +67,15 @@ def references():
     return {(tied, 2): reference_run(tied, 2, torch.device("cuda", 0)) for tied in (True, False)}
 
 
-def _spawn(layouts, references, dtype_name):
+def _spawn(layouts, references, dtype_name, world: int = 2):
     initials = {model: ref["initial"] for model, ref in references.items()}
-    per_rank = run_distributed(_nccl_worker, 2, layouts, initials, dtype_name, init_pg=False, timeout=900)
-    return {name: [per_rank[r][name] for r in range(2)] for name in layouts}
+    per_rank = run_distributed(_nccl_worker, world, layouts, initials, dtype_name, init_pg=False, timeout=900)
+    return {name: [per_rank[r][name] for r in range(world)] for name in layouts}
 
 
-def test_fp32_layouts_on_two_gpus_equal_one_gpu(references):
-    results = _spawn(FP32, references, "fp32")
+def assert_fp32_parity(results: dict, layouts: dict, references) -> None:
     for name, ranks in results.items():
-        ref = references[FP32[name].model]
+        ref = references[layouts[name].model]
         for result in ranks:
             torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref["losses"]), rtol=0,
                                        atol=10 * LOSS_ATOL, msg=lambda m: f"{name}: {m}")
@@ -77,9 +88,19 @@ def test_fp32_layouts_on_two_gpus_equal_one_gpu(references):
         for key, expected in ref["state"].items():
             torch.testing.assert_close(state[key], expected, rtol=0, atol=10 * PARAM_ATOL,
                                        msg=lambda m: f"{name} {key}: {m}")
+
+
+def test_fp32_layouts_on_two_gpus_equal_one_gpu(references):
+    results = _spawn(FP32, references, "fp32")
+    assert_fp32_parity(results, FP32, references)
     for name in ("fsdp2", "tp2"):  # DTensor's CUDA RNG tracker: each shard draws its own values
         wq = results[name][0]["own_init"]["layers.0.attention.wq.weight"]
         assert not torch.equal(wq[:32], wq[32:]) and 0.015 < wq.std().item() < 0.025, name
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs")
+def test_fp32_context_parallel_with_tp_fsdp_and_hsdp_on_four_gpus_equal_one_gpu(references):
+    assert_fp32_parity(_spawn(FOUR_GPUS, references, "fp32", world=4), FOUR_GPUS, references)
 
 
 def test_bf16_layouts_with_compile_and_checkpointing_track_fp32(references):

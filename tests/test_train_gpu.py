@@ -53,3 +53,23 @@ def test_two_gpu_ddp_matches_one_gpu_with_accumulation(tmp_path, one_gpu, extra)
     assert all(r["peak_mem_gib"] > 0 for r in two)
     if any(r["mfu"] is None for r in two):
         pytest.fail(f"MFU missing: {torch.cuda.get_device_name()} is not in metrics.PEAK_BF16_FLOPS")
+
+
+def test_context_parallel_trains_like_one_gpu_and_resumes_with_another_cp(tmp_path, one_gpu):
+    """cp 2 (ring attention, FSDP over the cp ranks) against 1 GPU, losses within 0.05; then its step-10 checkpoint
+    resumed as FSDP 2 (cp 1): steps 11-20 within 0.05 of the uninterrupted cp 2 run (DCP reshards the parameters and
+    optimizer state from the dp_shard_cp mesh to the dp_shard one)."""
+    cp_args = ["--parallel.cp=2", "--parallel.dp_replicate=1", "--train.compile=false",
+               "--checkpoint.interval_steps=10", "--checkpoint.keep_every=10"]
+    cp = [r for r in train(tmp_path / "cp2", 2, *cp_args) if r["kind"] == "train"]
+    assert len(cp) == 20
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in cp]), torch.tensor([r["loss"] for r in one_gpu]),
+                               rtol=0, atol=0.05)
+    step10 = tmp_path / "cp2" / "checkpoints" / "step_0000010"
+    assert (step10 / "COMPLETE").exists(), sorted(p.name for p in step10.parent.iterdir())
+    resumed = [r for r in train(tmp_path / "fsdp2", 2, "--parallel.dp_shard=2", "--parallel.dp_replicate=1",
+                                "--train.compile=false", f"--checkpoint.resume={step10}")
+               if r["kind"] == "train"]
+    assert [r["step"] for r in resumed] == list(range(11, 21))
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in resumed]), torch.tensor([r["loss"] for r in cp[10:]]),
+                               rtol=0, atol=0.05)

@@ -168,6 +168,8 @@ class ParallelConfig:
     """Tensor-parallel degree (innermost, inside a node)."""
     pp: int = 1
     """Pipeline stages (outermost, across nodes)."""
+    cp: int = 1
+    """Context parallelism: each sequence split over cp ranks, attention as a ring (CUDA; docs/parallelism.md)."""
     pp_schedule: PipelineSchedule = "1f1b"
     """Pipeline schedule: gpipe, 1f1b or interleaved1f1b."""
     pp_microbatches: int = 0
@@ -345,8 +347,6 @@ class JobConfig:
         if self.parallel.fsdp_unit_blocks < 1:
             raise ConfigError(f"parallel.fsdp_unit_blocks must be >= 1 (blocks per FSDP2 unit), got "
                               f"{self.parallel.fsdp_unit_blocks}")
-        if self.parallel.ddp_bucket_mb < 1:
-            raise ConfigError(f"parallel.ddp_bucket_mb must be >= 1, got {self.parallel.ddp_bucket_mb}")
         _check_choice("parallel.data_parallel", self.parallel.data_parallel, DATA_PARALLEL_MODES)
         _check_choice("run.progress", self.run.progress, PROGRESS_MODES)
         _check_choice("health.hang_action", self.health.hang_action, HANG_ACTIONS)
@@ -412,8 +412,8 @@ _RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("checkpoint.timeout_s", lambda v: v > 0, "give a positive number of seconds, e.g. 1800"),
     ("health.hang_timeout_s", lambda v: v >= 0, "give a number of seconds, or 0 to disable hang reports"),
     *((f"parallel.{name}", lambda v: v == -1 or v >= 1, "give a degree of 1 or more, or -1 to infer it from the "
-                                                        "world size") for name in ("dp_replicate", "dp_shard", "tp",
-                                                                                   "pp")),
+       "world size") for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp")),  # comm/mesh.py MESH_DIMS
+    ("parallel.ddp_bucket_mb", lambda v: v >= 1, "give a bucket size of 1 MiB or more, e.g. 25"),
     ("parallel.pp_microbatches", lambda v: v >= 0, "give a number of micro-batches, or 0 for two per stage"),
     ("parallel.pp_virtual_stages", lambda v: v >= 1, "give 1 or more stages per rank, e.g. 2"),
     ("checkpoint.signal_grace_s", lambda v: v >= 0, "give a number of seconds, e.g. 30"),

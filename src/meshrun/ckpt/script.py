@@ -21,6 +21,7 @@ from torch import nn
 from meshrun.ckpt.checkpointer import Checkpointer
 from meshrun.ckpt.layout import step_dir_name
 from meshrun.ckpt.state import MetricsState, ModelOptimState, RNGState, SchedulerState, TrainProgress
+from meshrun.comm.axes import MESH_DIMS
 from meshrun.config import CheckpointConfig
 from meshrun.data.loader import StepBatches
 from meshrun.env import ClusterEnv
@@ -87,9 +88,8 @@ class SessionCheckpoints:
 def describe_layout(env: ClusterEnv, layout: Any, batches: StepBatches | None) -> dict[str, Any]:
     """The manifest's layout entry: world, degrees, and the batch of the data position."""
     dims = layout.dims if layout is not None else None
-    entry = {"world_size": env.world_size, "nodes": env.num_nodes,
-             "dp_replicate": dims.dp_replicate if dims else env.world_size, "dp_shard": dims.dp_shard if dims else 1,
-             "tp": dims.tp if dims else 1, "pp": dims.pp if dims else 1}
+    degrees = dims.degrees() if dims else {name: 1 for name in MESH_DIMS} | {"dp_replicate": env.world_size}
+    entry = {"world_size": env.world_size, "nodes": env.num_nodes, **degrees}
     if batches is not None:
         entry.update(global_batch=batches.global_batch, micro_batch=batches.micro_batch,
                      grad_accum=batches.grad_accum)

@@ -1,16 +1,23 @@
 """ParallelDims: the parallel degrees of a job, their validation, and the one DeviceMesh built from them.
 
-The mesh has four named dimensions, outermost first::
+The axes are listed once, in :data:`meshrun.comm.axes.AXES`, outermost first (torchtitan's order)::
 
-    ("pp", "dp_replicate", "dp_shard", "tp")
+    ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
-so that a global rank is ``((pp * dp_replicate + r) * dp_shard + s) * tp + t``. TP is innermost: with
-``tp`` dividing the GPUs of a node, every TP group lies inside one node (NVLink). PP is outermost: its groups cross
-nodes, where point-to-point traffic is cheapest. The coordinates (:meth:`ParallelDims.coords`) and group
-arithmetic always use all four dimensions, so they read the same for every layout. The DeviceMesh, though, has
-only the dimensions of degree > 1 (:meth:`ParallelDims.mesh_dim_names`), as torchtitan's: a dimension of degree 1
-would cost one process group per rank for nothing. ``dp_replicate x dp_shard`` is flattened into "dp" when both are
-enabled (otherwise "dp" is the one that is). :meth:`ParallelDims.get_optional_mesh` returns None for a degree of 1.
+and everything else -- the mesh, :class:`RankCoords`, :meth:`ParallelDims.coords` / :meth:`~ParallelDims.rank_of`,
+the groups, the planner and the layout a checkpoint records -- is derived from that list. A global rank is the
+row-major index of its coordinates, ``(((pp * dp_replicate + r) * dp_shard + s) * cp + c) * tp + t``. TP is
+innermost: with ``tp`` dividing the GPUs of a node, every TP group lies inside one node (NVLink); CP next, so a
+ring of cp x tp ranks stays inside a node when it fits. PP is outermost: its groups cross nodes, where point-to-point
+traffic is cheapest. The coordinates and group arithmetic always use every axis, so they read the same for every
+layout. The DeviceMesh, though, has only the dimensions of degree > 1 (:meth:`ParallelDims.mesh_dim_names`), as
+torchtitan's: a dimension of degree 1 would cost one process group per rank for nothing. Flattened dimensions
+(:data:`FLAT_DIMS`) join several: "dp" (dp_replicate x dp_shard: the data shards) and "dp_shard_cp" (dp_shard x cp:
+what FSDP shards parameters over, since the cp ranks of a replica hold the same parameters). A flattened dimension
+with one enabled member is that member's mesh. :meth:`ParallelDims.get_optional_mesh` returns None for a degree of 1.
+
+Adding an axis: one :class:`Axis` entry in comm/axes.py (and a ``parallel.<name>`` degree in config.py), then its
+apply step in parallel/apply.py; docs/architecture.md lists the files.
 
 Everything except :meth:`ParallelDims.build_mesh` (and :func:`node_mesh`, the 2-D node x local mesh that
 ``meshrun bench`` measures links with) is pure arithmetic (no process group), so the planner uses the
@@ -21,10 +28,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
+from meshrun.comm.axes import AXES, FLAT_DIMS, MESH_DIMS, Axis, RankCoords, resolve_degrees
 from meshrun.config import PIPELINE_SCHEDULES, ConfigError, ParallelConfig
+
+__all__ = ["AXES", "FLAT_DIMS", "MESH_DIMS", "Axis", "ParallelDims", "RankCoords", "choose_data_parallel",
+           "node_mesh", "resolve_degrees"]
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -32,19 +44,6 @@ if TYPE_CHECKING:
     from meshrun.models.shape import ModelShape
     from meshrun.models.spec import ModelSpec
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
-"""Mesh dimension names, outermost first."""
-FLAT_DIMS = {"dp": ("dp_replicate", "dp_shard")}
-"""Flattened dimensions and the mesh dimensions they join."""
-
-
-class RankCoords(NamedTuple):
-    """A rank's coordinates on the mesh."""
-
-    pp: int
-    dp_replicate: int
-    dp_shard: int
-    tp: int
 
 
 @dataclass(eq=False)
@@ -60,7 +59,7 @@ class ParallelDims:
     pp: int
     world_size: int
     cp: int = 1
-    """Context parallelism: reserved; must be 1 for now."""
+    """Context parallelism: ranks that split each sequence (ring attention)."""
     pp_schedule: str = "1f1b"
     pp_microbatches: int = 1
     """Pipeline micro-batches per optimizer step (resolved; 1 without PP)."""
@@ -73,12 +72,13 @@ class ParallelDims:
     _mesh_built: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
-        product = self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
+        product = math.prod(self.shape)
         if product != self.world_size:
+            names = " x ".join(name for name in MESH_DIMS)
+            values = " x ".join(str(value) for value in self.shape)
             raise ConfigError(
-                f"parallel.dp_replicate x dp_shard x tp x pp = {self.dp_replicate} x {self.dp_shard} x {self.tp} x "
-                f"{self.pp} = {product} does not equal the world size {self.world_size}; change a degree or set "
-                "one of them to -1 to infer it")
+                f"parallel.{names} = {values} = {product} does not equal the world size {self.world_size}; change a "
+                "degree or set one of them to -1 to infer it")
 
     # ---- construction from the job config ---------------------------------------------------------------------
 
@@ -87,8 +87,7 @@ class ParallelDims:
                     model: ModelShape | None = None, spec: ModelSpec | None = None) -> ParallelDims:
         """Resolve -1 degrees against ``world_size`` and validate everything that can be checked without a model
         (and, when ``model`` is given, against the model's shapes). Raises ConfigError naming the option."""
-        degrees = resolve_degrees({"dp_replicate": parallel.dp_replicate, "dp_shard": parallel.dp_shard,
-                                   "tp": parallel.tp, "pp": parallel.pp}, world_size=world_size)
+        degrees = resolve_degrees({name: getattr(parallel, name) for name in MESH_DIMS}, world_size=world_size)
         if parallel.pp_schedule not in PIPELINE_SCHEDULES:
             raise ConfigError(f"parallel.pp_schedule={parallel.pp_schedule!r} is not one of "
                               f"{', '.join(PIPELINE_SCHEDULES)}")
@@ -109,8 +108,8 @@ class ParallelDims:
 
     def validate(self) -> None:
         """Checks of the degrees against each other and the node size."""
-        if self.cp != 1:
-            raise ConfigError(f"context parallelism cp={self.cp} is not implemented yet; use cp=1")
+        if self.cp > 1:
+            self._validate_cp()
         if self.pp > 1:
             self._validate_schedule()
         if self.gpus_per_node and self.tp > 1 and not self.allow_tp_across_nodes:
@@ -124,6 +123,19 @@ class ParallelDims:
                     f"parallel.tp={self.tp} does not divide the {self.gpus_per_node} GPUs per node, so some tensor-"
                     "parallel groups would straddle two nodes; choose a tp that divides it or set "
                     "--parallel.allow_tp_across_nodes=true")
+
+    def _validate_cp(self) -> None:
+        if self.pp > 1:
+            raise ConfigError(f"parallel.cp={self.cp} with parallel.pp={self.pp}: context parallelism does not run "
+                              "inside pipeline stages yet; use cp with dp_shard/dp_replicate and tp, or set "
+                              "--parallel.cp=1")
+        if self.gpus_per_node and self.cp * self.tp > self.gpus_per_node:
+            import logging
+
+            logging.getLogger("meshrun").warning(
+                "parallel.cp=%d x tp=%d = %d ranks is more than the %d GPUs of one node: the ring attention's K/V "
+                "exchange (every layer, forward and backward) crosses the network", self.cp, self.tp,
+                self.cp * self.tp, self.gpus_per_node)
 
     def _validate_schedule(self) -> None:
         m, p = self.pp_microbatches, self.pp
@@ -149,6 +161,14 @@ class ParallelDims:
                 raise ConfigError(
                     f"parallel.tp={self.tp} does not divide {option}={value}; each tensor-parallel rank must hold "
                     f"a whole share. Choose a tp that divides {value}")
+        if self.cp > 1 and model.seq_len % (2 * self.cp):
+            raise ConfigError(
+                f"parallel.cp={self.cp} needs model.seq_len={model.seq_len} divisible by 2 x cp = {2 * self.cp}: each "
+                "rank takes one chunk from the head and one from the tail of every sequence (causal load balance); "
+                f"choose a seq_len that is a multiple of {2 * self.cp}")
+        if self.cp > 1 and model.dropout:
+            raise ConfigError(f"parallel.cp={self.cp} with model.dropout={model.dropout}: ring attention runs without "
+                              "attention dropout; set --model.dropout=0 or --parallel.cp=1")
         stages = self.pp * self.pp_virtual_stages
         if stages > model.n_layers:
             what = f"parallel.pp={self.pp}" + (f" x parallel.pp_virtual_stages={self.pp_virtual_stages}"
@@ -169,8 +189,13 @@ class ParallelDims:
     # ---- pure arithmetic: sizes, coordinates, groups ------------------------------------------------------------
 
     @property
-    def shape(self) -> tuple[int, int, int, int]:
-        return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+    def shape(self) -> tuple[int, ...]:
+        """The degrees in mesh order (:data:`MESH_DIMS`)."""
+        return tuple(getattr(self, name) for name in MESH_DIMS)
+
+    def degrees(self) -> dict[str, int]:
+        """``{axis: degree}`` in mesh order: what the planner prints and a checkpoint's layout records."""
+        return dict(zip(MESH_DIMS, self.shape))
 
     @property
     def dp_size(self) -> int:
@@ -193,20 +218,25 @@ class ParallelDims:
         return self.degree(name) > 1
 
     def coords(self, rank: int) -> RankCoords:
-        """Mesh coordinates of a global rank (row-major over MESH_DIMS)."""
+        """Mesh coordinates of a global rank (row-major over MESH_DIMS: the last axis varies fastest)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside world size {self.world_size}")
-        rank, t = divmod(rank, self.tp)
-        rank, s = divmod(rank, self.dp_shard)
-        p, r = divmod(rank, self.dp_replicate)
-        return RankCoords(pp=p, dp_replicate=r, dp_shard=s, tp=t)
+        values = []
+        for size in reversed(self.shape):
+            rank, index = divmod(rank, size)
+            values.append(index)
+        return RankCoords(*reversed(values))
 
     def rank_of(self, coords: RankCoords) -> int:
-        return ((coords.pp * self.dp_replicate + coords.dp_replicate) * self.dp_shard + coords.dp_shard) * self.tp \
-            + coords.tp
+        """The global rank at ``coords`` (the inverse of :meth:`coords`)."""
+        rank = 0
+        for index, size in zip(coords, self.shape):
+            rank = rank * size + index
+        return rank
 
     def dp_rank(self, rank: int) -> int:
-        """Index of the data shard a global rank reads (tp and pp peers read the same one)."""
+        """Index of the data shard a global rank reads (tp, cp and pp peers read the same one; cp peers then take
+        their parts of each sequence)."""
         c = self.coords(rank)
         return c.dp_replicate * self.dp_shard + c.dp_shard
 
@@ -246,7 +276,7 @@ class ParallelDims:
     def fsdp_replicates(self) -> bool:
         """FSDP2 (not DDP) replicates over dp_replicate without sharding: with TP or PP the parameters are DTensors
         or pipeline stages, which DDP does not take."""
-        return self.dp_replicate > 1 and self.dp_shard == 1 and (self.tp > 1 or self.pp > 1)
+        return self.dp_replicate > 1 and self.dp_shard == 1 and self.cp == 1 and (self.tp > 1 or self.pp > 1)
 
     def mesh_dim_names(self) -> tuple[str, ...]:
         """The dimensions the DeviceMesh has, outermost first: those of degree > 1, plus ``dp_shard`` of degree 1
@@ -260,9 +290,9 @@ class ParallelDims:
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
         """Create the DeviceMesh of :meth:`mesh_dim_names` and its named sub-meshes; None for one rank.
 
-        Collective: every rank must call this (it creates one process group per mesh dimension, and one for "dp"
-        when both dp_replicate and dp_shard are enabled; a group of every rank is the default group, not a new
-        one). This module is the only place in meshrun that creates a DeviceMesh.
+        Collective: every rank must call this (it creates one process group per mesh dimension, and one per
+        flattened dimension with two or more enabled members ("dp", "dp_shard_cp"); a group of every rank is the
+        default group, not a new one). This module is the only place in meshrun that creates a DeviceMesh.
         """
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -314,7 +344,9 @@ class ParallelDims:
         """Like :meth:`get_mesh`, but None when the dimension(s) have degree 1 (so the mesh lacks them).
 
         A tuple leaves out its dimensions of degree 1 that the mesh lacks: ("dp_replicate", "dp_shard") is the 1-D
-        dp_shard mesh when dp_replicate is 1, and the 2-D HSDP mesh when :meth:`mesh_dim_names` has both.
+        dp_shard mesh when dp_replicate is 1, and the 2-D HSDP mesh when :meth:`mesh_dim_names` has both. A tuple
+        may name a flattened dimension: ("dp_replicate", "dp_shard_cp") is FSDP's HSDP mesh under context
+        parallelism.
         """
         if not self._mesh_built:
             raise RuntimeError("ParallelDims.build_mesh(device_type) must run before the mesh is used")
@@ -322,21 +354,39 @@ class ParallelDims:
         if key == "world":
             return self._meshes.get(key)
         names = key if isinstance(key, tuple) else (key,)
-        known = set(MESH_DIMS) if isinstance(key, tuple) else set(MESH_DIMS) | set(FLAT_DIMS)
-        if not set(names) <= known:
+        if not set(names) <= set(MESH_DIMS) | set(FLAT_DIMS):
             raise ValueError(f"unknown mesh {name!r}; known: world, {', '.join(MESH_DIMS + tuple(FLAT_DIMS))} "
                              "or a tuple of mesh dimensions in mesh order")
         if math.prod(self.degree(n) for n in names) == 1:
             return None
         if key not in self._meshes:  # a tuple: slicing reuses the root's groups and creates none
-            self._meshes[key] = self._submesh(tuple(n for n in names if n in self.mesh_dim_names()))
+            self._meshes[key] = self._submesh(self._root_names(names))
         return self._meshes[key]
+
+    def _root_names(self, names: tuple[str, ...]) -> tuple[str, ...]:
+        """The names to slice the root mesh by: dimensions the mesh has, and each flattened dimension as itself
+        (when built from two or more members) or as its one enabled member."""
+        out: list[str] = []
+        for name in names:
+            if name in FLAT_DIMS:
+                members = tuple(n for n in FLAT_DIMS[name] if self.degree(n) > 1)
+                out += [name] if len(members) > 1 else list(members)
+            elif name in self.mesh_dim_names():
+                out.append(name)
+        return tuple(out)
 
     def _submesh(self, names: tuple[str, ...]) -> DeviceMesh:
         root = self._meshes["world"]
         if names == tuple(root.mesh_dim_names):
             return root
-        return self._meshes[names[0]] if len(names) == 1 else root[names]
+        if len(names) == 1:
+            return self._meshes[names[0]]
+        with warnings.catch_warnings():
+            # torch 2.13 warns that slicing a flattened dimension from the root will be deprecated; it is the way
+            # to get FSDP's 2-D (dp_replicate, dp_shard_cp) mesh without new process groups on torch 2.8 to 2.13
+            # (torchtitan does the same)
+            warnings.filterwarnings("ignore", message=".*flattened dim from root mesh.*")
+            return root[names]
 
 
 FSDP_AUTO_PARAMS = 1_000_000_000
@@ -365,27 +415,6 @@ def choose_data_parallel(parallel: ParallelConfig, *, params: int, on_gpu: bool)
     note = (f"data parallelism: FSDP2 over every data-parallel rank ({why}); --parallel.data_parallel=ddp keeps "
             "whole replicas")
     return dataclasses.replace(parallel, dp_replicate=1, dp_shard=-1), note
-
-
-def resolve_degrees(degrees: dict[str, int], *, world_size: int) -> dict[str, int]:
-    """Replace at most one -1 degree with world_size over the others; refuse 0, other negatives, two -1s."""
-    if world_size < 1:
-        raise ConfigError(f"world size must be >= 1, got {world_size}")
-    for name, value in degrees.items():
-        if value == 0 or value < -1:
-            raise ConfigError(f"parallel.{name}={value} is not a degree; use a positive number or -1 to infer it")
-    unknown = [name for name, value in degrees.items() if value == -1]
-    if len(unknown) > 1:
-        raise ConfigError(f"{' and '.join('parallel.' + n for n in unknown)} are all -1; at most one degree can be "
-                          "inferred from the world size. Set the others explicitly")
-    if unknown:
-        known = math.prod(v for v in degrees.values() if v != -1)
-        if world_size % known:
-            listed = " x ".join(f"{n}={v}" for n, v in degrees.items() if v != -1)
-            raise ConfigError(f"parallel.{unknown[0]}=-1 cannot be inferred: world size {world_size} is not "
-                              f"divisible by {listed} = {known}")
-        degrees = {**degrees, unknown[0]: world_size // known}
-    return degrees
 
 
 def node_mesh(*, num_nodes: int, local_world_size: int, device_type: str) -> DeviceMesh:

@@ -1,4 +1,5 @@
-"""The built-in GPT as a ModelSpec: how to build it, initialise it, split it into stages and shard it with TP.
+"""The built-in GPT as a ModelSpec: how to build it, initialise it, split it into stages, shard it with TP and which
+buffer context parallelism shards along the sequence (the RoPE table).
 
 Kept apart from gpt.py, which holds no distributed code. The tensor-parallel plan is Megatron-style, on DTensor:
 
@@ -22,6 +23,7 @@ and dropout run on 1/tp of the tokens and the all-reduces become all-gather + re
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from meshrun.models.gpt import GPT, SIZES
@@ -92,10 +94,17 @@ def tie_gpt_weights(model: nn.Module) -> None:
         model.output.weight = model.tok_embeddings.weight
 
 
+def gpt_sequence_buffers(model: nn.Module) -> list[tuple[torch.Tensor, int]]:
+    """The RoPE table (T, hs/2, 2), indexed by position along dim 0: context parallelism shards it with the tokens,
+    so each rank rotates its queries and keys by the positions of its own part of the sequence."""
+    return [(model.rope, 0)]
+
+
 def _init(model: nn.Module, device) -> None:
     model.init_weights(buffer_device=device)
 
 
 GPT_SPEC = register_model(ModelSpec(
     arch="gpt", build=GPT, sizes=SIZES, init_weights=_init, blocks="layers", first_stage=("tok_embeddings",),
-    last_stage=("norm", "output"), tp_plan=gpt_tp_plan, tie_weights=tie_gpt_weights))
+    last_stage=("norm", "output"), tp_plan=gpt_tp_plan, tie_weights=tie_gpt_weights,
+    sequence_buffers=gpt_sequence_buffers))

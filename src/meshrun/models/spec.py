@@ -15,6 +15,9 @@ A :class:`ModelSpec` says, for one architecture:
 * the formulas the planner and the trainer's MFU use: ``block_params`` (matrix and norm parameters of one block),
   ``edge_params`` (embedding, head and final norm) and ``flops_per_token``, by default those of a Llama-style
   model (see the functions below);
+* ``sequence_buffers``: the buffers indexed by sequence position (a RoPE table) and their sequence dimension:
+  context parallelism shards them together with the tokens, so each rank's positions match its part of the
+  sequence; None = the model does not support context parallelism;
 * ``tp_checks``: the sizes tensor parallelism must divide (heads, widths, vocabulary) and ``validate``: any
   other check of a shape against a layout. Both raise ConfigError naming the option.
 
@@ -113,6 +116,9 @@ class ModelSpec:
     """Training FLOPs per token (the trainer's MFU)."""
     tp_checks: Callable[[ModelShape], list[tuple[str, int]]] = transformer_tp_checks
     """Sizes a tensor-parallel degree must divide, as (option, size)."""
+    sequence_buffers: Callable[[nn.Module], list[tuple[torch.Tensor, int]]] | None = None
+    """model -> [(buffer, sequence dim)]: what context parallelism shards with the tokens (RoPE tables; [] for
+    none); None: the model does not support context parallelism."""
     validate: Callable[[ModelShape, Any], None] | None = None
     """(shape, ParallelDims) -> None: further checks for a layout; raise ConfigError naming the option."""
 

@@ -4,16 +4,18 @@ For every model part (the whole model, or each pipeline stage this rank runs):
 
 1. build on the meta device (no memory), and with PP cut out this rank's stage(s);
 2. tensor parallelism, from the spec's plan (optional sequence parallelism) -- parallel/tp.py
+   context parallelism needs nothing here: it shards each micro-batch and the spec's position buffers while the
+   step runs, and FSDP below shards over dp_shard x cp                     -- parallel/context_parallel.py
    then, with train.float8, the blocks' linears become torchao Float8Linear -- parallel/float8.py
 3. activation checkpointing (none / selective / full)                      -- parallel/activation_checkpoint.py
 4. torch.compile of each block (in place: names keep no "_orig_mod."), and of the loss (engine.loss_function)
-5. data parallelism: FSDP2 ``fully_shard`` over dp_shard, HSDP over (dp_replicate, dp_shard) when both > 1,
+5. data parallelism: FSDP2 ``fully_shard`` over dp_shard (x cp), HSDP over (dp_replicate, dp_shard x cp),
    or, with TP/PP and only dp_replicate > 1, HSDP with a shard degree of 1 (pure replication); plain DDP only
    for a pure data-parallel layout                                          -- parallel/data_parallel.py
 6. materialise: ``to_empty`` on the device, then the spec's ``init_weights`` -- each rank allocates and initialises only its
    own shards, so a model larger than one device never exists whole on one rank.
 
-Then the engine: LocalEngine (one process, or DDP), ShardedEngine (FSDP/HSDP/TP) or PipelineEngine (PP, with any
+Then the engine: LocalEngine (one process, or DDP), ShardedEngine (FSDP/HSDP/TP/CP) or PipelineEngine (PP, with any
 of the above inside each stage). ``engine.model_parts`` are the modules themselves (never a DDP wrapper), with
 the original parameter names, so torch.distributed.checkpoint can reshard a checkpoint across layouts.
 """
@@ -31,6 +33,7 @@ from meshrun.models.build import model_spec
 from meshrun.models.shape import ModelShape
 from meshrun.models.spec import ModelSpec
 from meshrun.parallel.activation_checkpoint import apply_activation_checkpointing
+from meshrun.parallel.context_parallel import SequenceShards, check_context_parallel
 from meshrun.parallel.data_parallel import apply_ddp, apply_fsdp, fsdp_units
 from meshrun.parallel.engine import Engine, LocalEngine, LossStep, loss_function
 from meshrun.parallel.async_tp import check_async_tp, enable_async_tp
@@ -72,12 +75,13 @@ def build_engine(*, job: JobConfig, model_cfg: ModelShape, dims: ParallelDims, m
     log.info("attention kernel: %s", select_attention(job.train.attention, device))
     if job.train.float8:
         check_float8(device, tp=dims.tp)
+    check_context_parallel(cp=dims.cp, device=device, spec=spec, attention=job.train.attention)
     fp32 = compute_dtype is None or compute_dtype == torch.float32
     compiled = compile_enabled(job.train.compile, device)
     if job.parallel.async_tp:
         check_async_tp(device, tp=dims.tp, compiled=compiled)
         enable_async_tp(dims.get_mesh("tp"))
-    local = dims.pp == 1 and dims.tp == 1 and dims.dp_shard == 1
+    local = dims.pp == 1 and dims.tp == 1 and dims.dp_shard == 1 and dims.cp == 1
     graphs = use_cuda_graphs(job.train.cuda_graphs, device, compiled=compiled, local=local,
                              layout=layout_name(dims))
     if local:
@@ -102,7 +106,8 @@ def build_engine(*, job: JobConfig, model_cfg: ModelShape, dims: ParallelDims, m
         return pipeline
     engine = ShardedEngine(parts[0], dp_rank=dims.dp_rank(rank), dp_size=dims.dp_size, reports_loss=coords.tp == 0,
                            fsdp=sharded_dp, loss_parallel=use_loss_parallel(dims), autocast_dtype=autocast,
-                           loss_fn=loss_fn)
+                           loss_fn=loss_fn,
+                           sequence_shards=SequenceShards(dims.get_mesh("cp"), spec) if dims.cp > 1 else None)
     engine.timed_modules = timed_modules(parts[0], spec, dims=dims, compiled=compiled)
     return engine
 
@@ -116,7 +121,7 @@ def timed_modules(part: nn.Module, spec, *, dims: ParallelDims, compiled: bool) 
     would run inside the compiled region); nor are TP blocks, whose all-reduces are inside the forward: those keep
     the whole part, waits included, and the straggler report says less about which rank is slow.
     """
-    if dims.dp_shard > 1 and dims.tp == 1 and not compiled:
+    if dims.dp_shard > 1 and dims.tp == 1 and dims.cp == 1 and not compiled:
         return list(spec.block_modules(part))
     return [part]
 
@@ -136,17 +141,20 @@ def layout_name(dims: ParallelDims) -> str:
     parts = [f"PP {dims.pp_schedule}"] if dims.pp > 1 else []
     if dims.tp > 1:
         parts.append("TP")
+    if dims.cp > 1:
+        parts.append("CP")
     if uses_fsdp(dims):
-        parts.append("HSDP" if dims.dp_replicate > 1 and dims.dp_shard > 1 else
-                     "FSDP" if dims.dp_shard > 1 else "FSDP-replicate")
+        parts.append("HSDP" if dims.dp_replicate > 1 and dims.dp_shard * dims.cp > 1 else
+                     "FSDP" if dims.dp_shard * dims.cp > 1 else "FSDP-replicate")
     elif dims.dp_replicate > 1:
         parts.append("DDP")
     return " + ".join(parts) or "single process"
 
 
 def uses_fsdp(dims: ParallelDims) -> bool:
-    """FSDP2 handles data parallelism whenever parameters are sharded or are DTensors/pipeline stages anyway."""
-    return dims.dp_shard > 1 or dims.fsdp_replicates
+    """FSDP2 handles data parallelism whenever parameters are sharded (over dp_shard x cp: the cp ranks of a replica
+    hold the same parameters, so FSDP shards over them too, as torchtitan) or are DTensors/pipeline stages anyway."""
+    return dims.dp_shard > 1 or dims.cp > 1 or dims.fsdp_replicates
 
 
 def use_loss_parallel(dims: ParallelDims) -> bool:
@@ -192,7 +200,9 @@ def parallelize(part: nn.Module, dims: ParallelDims, *, job: JobConfig, compute_
             block.compile()  # in place: parameter names stay as they are (no "_orig_mod.")
     shared.restore(part, layout=layout, after="float8 and activation checkpointing")
     if uses_fsdp(dims):
-        dp_mesh = dims.get_mesh("dp_shard") if dims.dp_replicate == 1 else dims.get_mesh(("dp_replicate", "dp_shard"))
+        # cp=1: "dp_shard" (not "dp_shard_cp", the same ranks), so FSDP-replicate finds its degree-1 dimension
+        shard = "dp_shard_cp" if dims.cp > 1 else "dp_shard"
+        dp_mesh = dims.get_mesh(shard) if dims.dp_replicate == 1 else dims.get_mesh(("dp_replicate", shard))
         reshard = dims.pp == 1 and reshard_after_forward(job.parallel.fsdp_reshard_after_forward, part,
                                                          compute_dtype=compute_dtype, device=device)
         shared.check_units(part, fsdp_units(blocks, job.parallel.fsdp_unit_blocks), layout=layout)
@@ -232,13 +242,13 @@ def materialize(parts: list[nn.Module], *, device: torch.device, seed: int, dims
 def seed_for_init(seed: int, *, dims: ParallelDims, rank: int, device: torch.device) -> None:
     """Seed so that pipeline stages draw different weights, while ranks that must agree (dp replicas) draw the
     same. On accelerators DTensor's RNG tracker gives each shard its own part of one stream (same seed for a
-    stage's ranks); on CPU it is not available, so every distinct shard (pp, dp_shard, tp) gets its own seed."""
+    stage's ranks); on CPU it is not available, so every distinct shard (pp, dp_shard, cp, tp) gets its own seed."""
     c = dims.coords(rank)
     if device.type == "cpu":
-        torch.manual_seed(seed + (c.pp * dims.dp_shard + c.dp_shard) * dims.tp + c.tp)
+        torch.manual_seed(seed + ((c.pp * dims.dp_shard + c.dp_shard) * dims.cp + c.cp) * dims.tp + c.tp)
         return
     torch.manual_seed(seed + c.pp)
-    if dims.tp > 1 or dims.dp_shard > 1 or dims.dp_replicate > 1:
+    if dims.tp > 1 or dims.dp_shard > 1 or dims.cp > 1 or dims.dp_replicate > 1:
         try:  # a tracker without the rank-0 broadcast, which would erase the per-stage seeds
             # private: DTensor's RNG tracker has no public seeding function (2.8 to 2.13)
             from torch.distributed.tensor._random import manual_seed

@@ -142,8 +142,8 @@ def print_rank_layout(console, layout: RankLayout, dims: ParallelDims, *, gpus_p
     c = layout.coords
     node, local = divmod(layout.rank, gpus_per_node) if gpus_per_node else (0, layout.rank)
     layers = f"layers {format_ranks(layout.layers)}" if layout.layers else "no layers"
-    title = (f"rank {layout.rank} (node {node}, local {local}): pp {c.pp}, dp_replicate {c.dp_replicate}, "
-             f"dp_shard {c.dp_shard}, tp {c.tp} | {layout.engine} | stage(s) {layout.stages}, {layers} | "
+    coords = ", ".join(f"{name} {index}" for name, index in c._asdict().items())
+    title = (f"rank {layout.rank} (node {node}, local {local}): {coords} | {layout.engine} | stage(s) {layout.stages}, {layers} | "
              f"{layout.local_params / 1e6:,.2f}M params = {format_bytes(layout.local_bytes)} fp32 on this rank")
     table = Table(title=title, title_justify="left")
     for column in ("parameter", "x layers", "global shape", "local shard", "placements", "local MiB"):

@@ -8,7 +8,10 @@ Same contract as :class:`meshrun.parallel.engine.LocalEngine`. Differences:
 * with TP every rank of a TP group computes the same loss, so only TP rank 0 returns the sums (others return
   zeros) and a world-wide SUM of (loss_sum, tokens) counts each sample once;
 * with ``loss_parallel`` the cross-entropy runs on vocabulary-sharded logits inside
-  ``torch.distributed.tensor.parallel.loss_parallel()`` (forward and backward).
+  ``torch.distributed.tensor.parallel.loss_parallel()`` (forward and backward);
+* with context parallelism (``sequence_shards``) each micro-batch runs, forward and backward, inside torch's
+  context parallelism (parallel/context_parallel.py): this rank computes the loss of its part of every sequence
+  and reports that part's sum and token count (the cp ranks' parts add up to the whole).
 """
 
 from __future__ import annotations
@@ -20,13 +23,15 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from meshrun.parallel.context_parallel import SequenceShards
 from meshrun.parallel.engine import Batch, autocast, count_tensor, token_loss_sum
 from meshrun.parallel.grad_norm import clip_grad_norm
 
 
 class ShardedEngine:
     def __init__(self, model: nn.Module, *, dp_rank: int, dp_size: int, reports_loss: bool, fsdp: bool,
-                 loss_parallel: bool, autocast_dtype: torch.dtype | None, loss_fn=token_loss_sum):
+                 loss_parallel: bool, autocast_dtype: torch.dtype | None, loss_fn=token_loss_sum,
+                 sequence_shards: SequenceShards | None = None):
         self.model = model
         self.model_parts = [model]
         self.timed_modules: list[nn.Module] = [model]  # build_engine narrows it to the blocks where it can
@@ -38,6 +43,14 @@ class ShardedEngine:
         self.autocast_dtype = autocast_dtype
         self.loss_fn = loss_fn
         """(logits, targets) -> token-loss sum: ``token_loss_sum``, or its compiled form (engine.loss_function)."""
+        self.sequence_shards = sequence_shards
+        """Context parallelism: splits each micro-batch's sequences over the cp ranks (None without CP)."""
+
+    def _sequence(self, inputs: torch.Tensor, targets: torch.Tensor):
+        """This rank's part of the sequences (all of them without CP), as a context the step runs inside."""
+        if self.sequence_shards is None:
+            return contextlib.nullcontext((inputs, targets))
+        return self.sequence_shards(self.model, inputs, targets)
 
     def _loss_context(self):
         if not self.loss_parallel:
@@ -53,21 +66,23 @@ class ShardedEngine:
         for i, (inputs, targets) in enumerate(batches):
             if self.fsdp:  # reduce-scatter gradients only after the last micro-batch
                 self.model.set_requires_gradient_sync(i == len(batches) - 1)
-            with autocast(device.type, self.autocast_dtype):
-                logits = self.model(inputs)  # (B, T, V), or a vocabulary-sharded DTensor with loss_parallel
-            with self._loss_context():
-                summed = self.loss_fn(logits, targets)
-                (summed / (targets.numel() * len(batches))).backward()
+            with self._sequence(inputs, targets) as (inputs, targets):  # (B, T/cp) under CP
+                with autocast(device.type, self.autocast_dtype):
+                    logits = self.model(inputs)  # (B, T, V), or a vocabulary-sharded DTensor with loss_parallel
+                with self._loss_context():
+                    summed = self.loss_fn(logits, targets)
+                    (summed / (targets.numel() * len(batches))).backward()
             loss_sum += _local(summed.detach())
             tokens += targets.numel()
         return self._reported(loss_sum, tokens)
 
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        with autocast(inputs.device.type, self.autocast_dtype):
-            logits = self.model(inputs)
-        with self._loss_context():
-            summed = _local(token_loss_sum(logits, targets))
+        with self._sequence(inputs, targets) as (inputs, targets):
+            with autocast(inputs.device.type, self.autocast_dtype):
+                logits = self.model(inputs)
+            with self._loss_context():
+                summed = _local(token_loss_sum(logits, targets))
         return self._reported(summed, targets.numel())
 
     def _reported(self, loss_sum: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:

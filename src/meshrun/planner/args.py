@@ -7,6 +7,7 @@ import argparse
 
 from meshrun.config import (ACTIVATION_CHECKPOINT_MODES, DATA_PARALLEL_MODES, PIPELINE_SCHEDULES, TRAIN_DTYPES,
                             ConfigError, JobConfig, join_overrides, load_config)
+from meshrun.comm.axes import AXES, MESH_DIMS
 
 DESCRIPTION = "``meshrun plan``: an offline look at a parallel layout before any GPU is allocated."
 
@@ -30,8 +31,8 @@ ALIASES: dict[str, str] = {
     "arch": "model.arch", "model": "model.name", "hidden": "model.dim", "layers": "model.n_layers",
     "heads": "model.n_heads", "kv_heads": "model.n_kv_heads", "vocab": "model.vocab_size", "seq": "model.seq_len",
     "ffn": "model.ffn_dim", "untied": "model.tie_embeddings",
-    "dp_replicate": "parallel.dp_replicate", "dp_shard": "parallel.dp_shard", "tp": "parallel.tp",
-    "pp": "parallel.pp", "pp_schedule": "parallel.pp_schedule", "pp_microbatches": "parallel.pp_microbatches",
+    **{name: f"parallel.{name}" for name in MESH_DIMS},
+    "pp_schedule": "parallel.pp_schedule", "pp_microbatches": "parallel.pp_microbatches",
     "pp_virtual_stages": "parallel.pp_virtual_stages", "sequence_parallel": "parallel.sequence_parallel",
     "activation_checkpoint": "parallel.activation_checkpoint", "data_parallel": "parallel.data_parallel",
     "allow_tp_across_nodes": "parallel.allow_tp_across_nodes",
@@ -81,8 +82,8 @@ def _add_model_aliases(m) -> None:
 
 
 def _add_layout_aliases(d) -> None:
-    for flag in ("dp-replicate", "dp-shard", "tp", "pp"):
-        _alias(d, flag, "degree", type=int)
+    for axis in AXES:
+        _alias(d, axis.name.replace("_", "-"), f"degree: splits {axis.splits}", type=int)
     _alias(d, "data-parallel", "auto (FSDP2 from 1B parameters on GPUs), ddp or fsdp", choices=DATA_PARALLEL_MODES)
     _alias(d, "pp-schedule", "pipeline schedule", choices=PIPELINE_SCHEDULES)
     _alias(d, "pp-microbatches", "pipeline micro-batches per step (0: 2 x pp)", type=int)

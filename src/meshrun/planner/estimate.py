@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshrun.config import BatchPlan, ConfigError, JobConfig, ParallelConfig, resolve_batch
-from meshrun.comm.mesh import FSDP_AUTO_PARAMS, ParallelDims, choose_data_parallel
+from meshrun.comm.mesh import FLAT_DIMS, FSDP_AUTO_PARAMS, MESH_DIMS, ParallelDims, choose_data_parallel
 from meshrun.models.shape import ModelShape
 from meshrun.models.spec import ModelSpec
 from meshrun.units import format_bytes
@@ -40,17 +40,17 @@ class Plan:
 
     def rank_row(self, rank: int) -> dict[str, Any]:
         c = self.dims.coords(rank)
-        return {"rank": rank, "node": self.node_of(rank), "local_rank": rank % self.gpus_per_node, "pp": c.pp,
-                "dp": self.dims.dp_rank(rank), "dp_replicate": c.dp_replicate, "dp_shard": c.dp_shard, "tp": c.tp,
+        return {"rank": rank, "node": self.node_of(rank), "local_rank": rank % self.gpus_per_node,
+                "dp": self.dims.dp_rank(rank), **c._asdict(),
                 "groups": {name: self.dims.group(name, rank) for name in group_dims(self.dims)}}
 
 
 def group_dims(dims: ParallelDims) -> list[str]:
-    """The dimensions worth listing (degree > 1): tp, dp (and its parts when both are > 1), pp."""
-    names = ["tp", "dp"]
-    if dims.dp_replicate > 1 and dims.dp_shard > 1:
-        names += ["dp_replicate", "dp_shard"]
-    return [name for name in names + ["pp"] if dims.degree(name) > 1]
+    """The dimensions worth listing (degree > 1), innermost first: tp, cp, dp (and its parts when both are > 1),
+    dp_shard_cp (what FSDP shards over, when both dp_shard and cp are > 1), pp."""
+    both = [flat for flat, members in FLAT_DIMS.items() if all(dims.degree(m) > 1 for m in members)]
+    names = ["tp", "cp", "dp", *(FLAT_DIMS["dp"] if "dp" in both else ()), *(f for f in both if f != "dp"), "pp"]
+    return [name for name in names if dims.degree(name) > 1]
 
 
 def build_plan(job: JobConfig, *, nodes: int, gpus_per_node: int, gpu_mem_gib: float = 80.0,
@@ -104,10 +104,10 @@ def data_parallel_line(given: ParallelConfig, dims: ParallelDims, *, params: int
 def data_parallel_mode(dims: ParallelDims) -> str:
     """none, ddp, fsdp, hsdp, or replicate (dp_replicate beside tp or pp: parallel/apply.py runs it as FSDP2 with a
     shard degree of 1, whole replicas like DDP)."""
+    if dims.dp_shard * dims.cp > 1:  # FSDP shards over dp_shard x cp (the cp ranks hold the same parameters)
+        return "hsdp" if dims.dp_replicate > 1 else "fsdp"
     if dims.dp_size == 1:
         return "none"
-    if dims.dp_shard > 1:
-        return "hsdp" if dims.dp_replicate > 1 else "fsdp"
     return "ddp" if dims.tp == 1 and dims.pp == 1 else "replicate"
 
 
@@ -118,7 +118,8 @@ _MODE_WORDS = {"none": "none, 1 data-parallel rank", "ddp": "DDP, {r} whole repl
 
 def data_parallel_name(dims: ParallelDims) -> str:
     """What replicates or shards the model over the data-parallel ranks, in the trainer's terms."""
-    return _MODE_WORDS[data_parallel_mode(dims)].format(r=dims.dp_replicate, s=dims.dp_shard)
+    words = _MODE_WORDS[data_parallel_mode(dims)].format(r=dims.dp_replicate, s=dims.dp_shard * dims.cp)
+    return words + (f" (dp_shard {dims.dp_shard} x cp {dims.cp})" if dims.cp > 1 else "")
 
 
 # ---- parameter counts, memory ------------------------------------------------------------------------------------
@@ -178,16 +179,17 @@ def stage_memory(plan: Plan, pp_rank: int, *, dtype_bytes: int) -> dict[str, Any
     """Per-GPU memory estimate of the ranks of pipeline rank ``pp_rank`` (bytes)."""
     m, d, b = plan.model, plan.dims, plan.batch
     total, per_tp = rank_params(plan, pp_rank)
-    local = per_tp / d.dp_shard
+    shard = d.dp_shard * d.cp  # FSDP shards over dp_shard x cp
+    local = per_tp / shard
     mats, norms = plan.spec.block_params(m)
-    fsdp_working = 2 * (mats // d.tp + norms) * dtype_bytes if d.dp_shard > 1 else 0  # 2 gathered blocks
+    fsdp_working = 2 * (mats // d.tp + norms) * dtype_bytes if shard > 1 else 0  # 2 gathered blocks
     params = local * MASTER_BYTES + fsdp_working
     # FSDP keeps unsharded fp32 gradients between micro-batches while it skips the reduce-scatter (grad
     # accumulation, and every pipeline step, which runs several micro-batches)
-    grads = (per_tp if d.dp_shard > 1 and (b.grad_accum > 1 or d.pp > 1) else local) * GRAD_BYTES
+    grads = (per_tp if shard > 1 and (b.grad_accum > 1 or d.pp > 1) else local) * GRAD_BYTES
     optimizer = local * ADAM_STATE_BYTES
     samples = b.micro_batch if d.pp == 1 else b.micro_batch * b.grad_accum / d.pp_microbatches
-    tokens = samples * m.seq_len
+    tokens = samples * m.seq_len / d.cp  # context parallelism: each GPU holds T/cp positions of every sequence
     layers = len(pipeline_rank_layers(plan, pp_rank))
     acts = activation_bytes_per_token_layer(plan, dtype_bytes) * tokens * layers * inflight_microbatches(plan, pp_rank)
     if pp_rank == d.pp - 1:
@@ -222,15 +224,17 @@ def communication(plan: Plan, *, dtype_bytes: int) -> list[dict[str, Any]]:
         collectives = per_layer * layers + 2
         rows.append(_row(plan, "tp", f"{collectives} all-reduces (or all-gather + reduce-scatter) of activations",
                          collectives * 2 * (d.tp - 1) / d.tp * act))
-    if d.dp_shard > 1:
-        n = d.dp_shard
+    if d.cp > 1:
+        rows.append(_row(plan, "cp", *ring_traffic(plan, dtype_bytes=dtype_bytes)))
+    if d.dp_shard * d.cp > 1:
+        n = d.dp_shard * d.cp
         gathers = (1 if d.pp > 1 else 2 * b.grad_accum)  # forward + backward per micro-batch; once with PP
         volume = (n - 1) / n * per_tp * (gathers * dtype_bytes + GRAD_BYTES)
-        rows.append(_row(plan, "dp_shard", f"FSDP: {gathers} parameter all-gather(s) + 1 gradient reduce-scatter",
-                         volume))
+        rows.append(_row(plan, "dp_shard_cp" if d.cp > 1 else "dp_shard",
+                         f"FSDP: {gathers} parameter all-gather(s) + 1 gradient reduce-scatter", volume))
     if d.dp_replicate > 1:
-        n, shard = d.dp_replicate, per_tp / d.dp_shard
-        what = "gradient all-reduce" if d.dp_shard == 1 else "HSDP all-reduce of gradient shards"
+        n, shard = d.dp_replicate, per_tp / (d.dp_shard * d.cp)
+        what = "gradient all-reduce" if d.dp_shard * d.cp == 1 else "HSDP all-reduce of gradient shards"
         rows.append(_row(plan, "dp_replicate", what, 2 * (n - 1) / n * shard * GRAD_BYTES))
     if d.pp > 1:
         sp = plan.job.parallel.sequence_parallel and d.tp > 1
@@ -238,6 +242,19 @@ def communication(plan: Plan, *, dtype_bytes: int) -> list[dict[str, Any]]:
         rows.append(_row(plan, "pp", f"point-to-point: {d.pp_microbatches} micro-batches x "
                                      f"{d.pp_virtual_stages} stage(s) each way", volume))
     return rows
+
+
+def ring_traffic(plan: Plan, *, dtype_bytes: int) -> tuple[str, float]:
+    """Context parallelism's ring attention, per GPU and step: in every layer each rank receives the K and V of the
+    other cp - 1 shards in forward (again in backward, and in the recompute under full checkpointing), and sends
+    back the fp32 gradients of theirs in backward (torch's default all-gather rotation)."""
+    m, d, b = plan.model, plan.dims, plan.batch
+    layers = len(pipeline_rank_layers(plan, 0))
+    shard_tokens = b.micro_batch * m.seq_len / d.cp
+    kv = shard_tokens * 2 * m.kv_heads * m.head_dim / d.tp  # elements of one rank's K and V in one layer
+    passes = 3 if plan.job.parallel.activation_checkpoint == "full" else 2  # forward, backward (+ recompute)
+    volume = (d.cp - 1) * kv * (passes * dtype_bytes + 4) * layers * b.grad_accum
+    return f"ring attention: K/V of {d.cp - 1} other shard(s), {passes} passes x {layers} layers, + fp32 grads", volume
 
 
 def _row(plan: Plan, name: str, what: str, volume: float) -> dict[str, Any]:
@@ -260,6 +277,10 @@ def layout_warnings(plan: Plan, *, gpu_mem_gib: float) -> list[str]:
         out.append(f"FSDP groups (dp_shard={d.dp_shard}) span {comm['dp_shard']['nodes_per_group']} nodes: parameter "
                    f"all-gathers cross the network ({format_bytes(comm['dp_shard']['bytes_per_step'])}/GPU per step). If "
                    f"memory allows, HSDP keeps them inside a node: --dp-shard {in_node_shard} --dp-replicate -1")
+    if "cp" in comm and comm["cp"]["crosses_nodes"]:
+        out.append(f"CP rings span {comm['cp']['nodes_per_group']} nodes: ring attention's K/V exchange "
+                   f"({format_bytes(comm['cp']['bytes_per_step'])}/GPU per step, every layer) crosses the network; "
+                   f"keep cp x tp <= {plan.gpus_per_node} (GPUs per node)")
     if d.pp > 1:
         idle = bubble(plan)
         if idle > 0.25:
@@ -297,6 +318,9 @@ def batch_formula(plan: Plan) -> str:
     if d.dp_size == plan.world_size:
         return (f"B_global = B_local {b.micro_batch} x G {plan.gpus_per_node} x N {plan.nodes} x A {b.grad_accum} "
                 f"= {b.global_batch}")
+    # the axes whose ranks read the same samples: all but the data-parallel ones (tp, pp, and cp if it is used)
+    same = [n for n in reversed(MESH_DIMS) if n not in FLAT_DIMS["dp"] and (n != "cp" or d.cp > 1)]
+    others = " x ".join(f"{n} {d.degree(n)}" for n in same)
     return (f"B_global = B_local {b.micro_batch} x {d.dp_size} data-parallel ranks ({plan.world_size} GPUs / "
-            f"(tp {d.tp} x pp {d.pp})) x A {b.grad_accum} = {b.global_batch}")
+            f"({others})) x A {b.grad_accum} = {b.global_batch}")
 

@@ -15,9 +15,8 @@ def to_json(plan: Plan) -> dict[str, Any]:
     return {
         "world_size": plan.world_size, "nodes": plan.nodes, "gpus_per_node": plan.gpus_per_node,
         "model": dataclasses.asdict(plan.model) | {"ffn_dim": plan.model.hidden_dim},
-        "parallel": {"dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "tp": d.tp, "pp": d.pp,
-                     "dp_size": d.dp_size, "pp_schedule": d.pp_schedule, "pp_microbatches": d.pp_microbatches,
-                     "pp_virtual_stages": d.pp_virtual_stages},
+        "parallel": d.degrees() | {"dp_size": d.dp_size, "pp_schedule": d.pp_schedule,
+                                   "pp_microbatches": d.pp_microbatches, "pp_virtual_stages": d.pp_virtual_stages},
         "data_parallel": {"mode": data_parallel_mode(d), "note": plan.data_parallel},
         "batch": {"micro_batch": b.micro_batch, "dp_size": b.dp_size, "grad_accum": b.grad_accum,
                   "global_batch": b.global_batch, "tokens_per_step": b.tokens_per_step,
@@ -87,15 +86,16 @@ def print_rank_table(plan: Plan, *, ranks: str, console) -> None:
     table = Table(title=f"ranks ({len(shown)} of {plan.world_size} shown; --ranks all for every rank)"
                   if len(shown) < plan.world_size else "ranks", title_justify="left")
     names = group_dims(plan.dims)
-    for column in ["rank", "node", "local", "pp", "dp", "tp"] + [f"{n} group" for n in names]:
-        table.add_column(column, justify="right" if column in ("rank", "node", "local", "pp", "dp", "tp") else "left")
+    coords = ["pp", "dp", *(["cp"] if plan.dims.cp > 1 else []), "tp"]
+    for column in ["rank", "node", "local", *coords] + [f"{n} group" for n in names]:
+        table.add_column(column, justify="left" if column.endswith(" group") else "right")
     previous = -1
     for rank in shown:
         if rank != previous + 1:
-            table.add_row("...", *[""] * (5 + len(names)))
+            table.add_row("...", *[""] * (2 + len(coords) + len(names)))
         row = plan.rank_row(rank)
-        table.add_row(str(rank), str(row["node"]), str(row["local_rank"]), str(row["pp"]), str(row["dp"]),
-                      str(row["tp"]), *[format_ranks(row["groups"][n]) for n in names])
+        table.add_row(str(rank), str(row["node"]), str(row["local_rank"]), *[str(row[c]) for c in coords],
+                      *[format_ranks(row["groups"][n]) for n in names])
         previous = rank
     console.print(table)
 
@@ -123,6 +123,10 @@ def print_shards_and_comm(plan: Plan, *, console) -> None:
     console.print(f"tensor parallel {s['tp']}: {s['heads_per_gpu']} heads ({s['kv_heads_per_gpu']} kv) x "
                   f"{s['head_dim']} per GPU, MLP width {s['mlp_width']:,} / {s['tp']} = {s['mlp_width_per_gpu']:,} "
                   f"per GPU, {s['vocab_rows_per_gpu']:,} vocabulary rows per GPU")
+    if d.cp > 1:
+        console.print(f"context parallel {d.cp}: each sequence of {plan.model.seq_len} tokens split into {d.cp} parts "
+                      f"of {plan.model.seq_len // d.cp} (head-and-tail chunks: the causal work is balanced); "
+                      f"activations per GPU are 1/{d.cp} of a whole sequence's")
     if d.pp > 1:
         v = f" x {d.pp_virtual_stages} virtual stages" if d.pp_virtual_stages > 1 else ""
         formula = f"({d.pp} - 1) / ({d.pp_virtual_stages} x {d.pp_microbatches})" if d.pp_virtual_stages > 1 \

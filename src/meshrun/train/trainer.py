@@ -219,8 +219,7 @@ class Trainer:
         cfg = self.job.checkpoint
         folder = Path(cfg.dir) if cfg.dir else self.run_dir / "checkpoints"
         preemption = install_sigterm_handler(grace_s=cfg.signal_grace_s) if cfg.final else None
-        layout = {"world_size": self.env.world_size, "nodes": self.env.num_nodes, "dp_replicate": self.dims.dp_replicate,
-                  "dp_shard": self.dims.dp_shard, "tp": self.dims.tp, "pp": self.dims.pp,
+        layout = {"world_size": self.env.world_size, "nodes": self.env.num_nodes, **self.dims.degrees(),
                   "global_batch": self.batch.global_batch, "micro_batch": self.batch.micro_batch,
                   "grad_accum": self.batch.grad_accum}
         ckpt = Checkpointer(cfg, folder=folder, env=self.env, layout=layout, config_fingerprint=self.fingerprint(),
