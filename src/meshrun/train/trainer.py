@@ -460,8 +460,10 @@ class Trainer:
         times = np.concatenate([table[:, :2], table[:, len(TIMING_FIELDS):]], axis=1)  # (world, 5): work, data, clock
         report = self.stragglers.observe_table(self.step, times)  # collective when the GEMM is re-run
         if report is not None:
-            self.sink.print(f"warning: {report}")
-            log.info("%s", report)
+            log.info("%s", report)  # every report in the rank log; on the console when the verdict changes
+        notice = self.stragglers.notices.to_say(self.step, report)
+        if notice:
+            self.sink.print(f"warning: {notice}")
 
     def train_record(self, totals: dict[str, float], steps: int, elapsed: float, gnorm: float | None) -> dict[str, Any]:
         tokens_per_s = steps * self.batch.tokens_per_step / max(elapsed, 1e-9)
