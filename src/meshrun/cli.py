@@ -16,7 +16,7 @@ COMMANDS = {
     "plan": ("meshrun.planner.cli", "offline: rank layout, groups, memory and traffic of a layout; time for a token budget"),
     "ckpt": ("meshrun.ckpt.cli", "list, verify and export checkpoints"),
     "doctor": ("meshrun.diag.doctor", "check nodes before training: network, versions, clocks, GPUs and their speed, storage, data"),
-    "bench": ("meshrun.diag.bench", "measure collective bandwidth and training throughput"),
+    "bench": ("meshrun.diag.bench", "measure collective bandwidth between workers (all-reduce, all-gather, ...), per group and per link"),
     "trace": ("meshrun.diag.step_trace", "where profiled steps' GPU time went: compute, exposed communication, idle"),
     "report": ("meshrun.report.cli", "HTML page and PNGs of one or more runs: curves, per-rank heatmap, summary"),
     "runs": ("meshrun.report.runs", "one row per run directory: status, steps, loss, throughput, checkpoint"),

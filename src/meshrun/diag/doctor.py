@@ -36,6 +36,7 @@ from meshrun.diag.rows import FAIL, CheckRow
 from meshrun.diag.fingerprint import (FieldDiff, Fingerprint, collect_fingerprint, compare_fingerprints,
                                       gather_fingerprints, mismatch_message)
 from meshrun.env import DEFAULT_MASTER_PORT, ClusterEnv
+from meshrun.help_format import PlainHelpFormatter
 from meshrun.launch import net
 from meshrun.units import format_ranks
 
@@ -44,7 +45,8 @@ _ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_FR_", "TORCH_DISTRIBUTE
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="meshrun doctor", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="meshrun doctor", description=__doc__.splitlines()[0],
+                                     formatter_class=PlainHelpFormatter)
     parser.add_argument("--endpoint", metavar="HOST:PORT",
                         help="single process: show the route to HOST and whether its TCP PORT (default "
                              f"{DEFAULT_MASTER_PORT}) answers, e.g. the master's rendezvous port")

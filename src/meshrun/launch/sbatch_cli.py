@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from meshrun.help_format import PlainHelpFormatter
 from meshrun.launch.sbatch import MODES, SbatchError, SbatchRequest, build_script
 
 EPILOG = """TARGET is one of
@@ -29,7 +30,7 @@ See docs/slurm.md."""
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="meshrun slurm", epilog=EPILOG,
-                                formatter_class=argparse.RawDescriptionHelpFormatter, description="Write an sbatch script for a meshrun job; --submit also submits it.")
+                                formatter_class=PlainHelpFormatter, description="Write an sbatch script for a meshrun job; --submit also submits it.")
     p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
     p.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node (default 0: a CPU job)")
     p.add_argument("--procs-per-node", type=int, default=0,

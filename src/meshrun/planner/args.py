@@ -7,6 +7,7 @@ import argparse
 
 from meshrun.config import (ACTIVATION_CHECKPOINT_MODES, DATA_PARALLEL_MODES, PIPELINE_SCHEDULES, TRAIN_DTYPES,
                             ConfigError, JobConfig, join_overrides, load_config)
+from meshrun.help_format import PlainHelpFormatter
 
 DESCRIPTION = "``meshrun plan``: an offline look at a parallel layout before any GPU is allocated."
 
@@ -52,7 +53,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     """The planner's options; ``args.overrides`` holds the ``--section.key=value`` items. Raises ConfigError for
     an argument that is neither."""
     p = argparse.ArgumentParser(prog="meshrun plan", description=DESCRIPTION, epilog=EPILOG,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=PlainHelpFormatter)
     p.add_argument("--config", help="TOML job config to start from, as for `meshrun train`")
     p.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (processes) per node (default 8)")
