@@ -136,7 +136,11 @@ def _field_docs(cls: type) -> dict[str, str]:
     """{field: its docstring on one line} of ``cls`` and its dataclass bases, read from their source."""
     docs: dict[str, str] = {}
     for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
-        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body  # type: ignore[attr-defined]
+        try:
+            source = inspect.getsource(klass)
+        except OSError:  # installed without its .py files: the options are still listed, with their defaults
+            continue
+        body = ast.parse(textwrap.dedent(source)).body[0].body  # type: ignore[attr-defined]  # a ClassDef
         for item, after in zip(body, body[1:]):
             if (isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name) and isinstance(after, ast.Expr)
                     and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):

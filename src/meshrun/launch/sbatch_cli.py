@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node (default 0: a CPU job)")
     p.add_argument("--procs-per-node", type=int, default=0,
                    help="workers per node (default: one per GPU, or 1 on a CPU job)")
-    p.add_argument("--cpus-per-task", type=int, default=0, help="CPUs per Slurm task (default: 4 per worker, and a task holds all of a node's workers in "
+    p.add_argument("--cpus-per-task", type=int, default=0,
+                   help="CPUs per Slurm task (default: 4 per worker, and a task holds all of a node's workers in "
                         "per-node mode; Slurm's own default is 1)")
     p.add_argument("--time", default="", help="time limit: 30 (minutes), 4:00:00, 1-12:00:00 (default: partition's)")
     p.add_argument("--partition", default="")

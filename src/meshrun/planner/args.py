@@ -13,7 +13,8 @@ DESCRIPTION = "``meshrun plan``: an offline look at a parallel layout before any
 
 EPILOG = """\
 job options: the same as `meshrun train`'s. --config job.toml, then --section.key=value (or --section.key value)
-overrides, e.g. --parallel.tp=2 --model.name=1b --train.global_batch=512 (docs/config.md lists every option).
+overrides, e.g. --parallel.tp=2 --model.name=1b --train.global_batch=512 (`meshrun train --help` and
+docs/config.md list every option).
 The short flags above are aliases of those options (--tp 2 is --parallel.tp=2); give one form per option.
 Without --config, --model or --model.name the model is 124m.
 
