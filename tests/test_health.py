@@ -56,6 +56,39 @@ def test_slow_gpu_is_told_apart_from_slow_data_by_the_gemm_rerun_and_clocks():
     assert no_nvml[0].gpu_state == "" and "GPU" not in no_nvml[0].describe()
 
 
+def test_a_slow_cpu_rank_is_blamed_on_its_cpu_never_on_a_gpu():
+    found = find_stragglers(np.array([[0.2, 0.01], [0.2, 0.01], [0.45, 0.01]]), _ranks(3), threshold=1.5,
+                            min_gap_s=0.0)
+    busy = dataclasses.replace(found[0], gemm_tflops=0.000642, gemm_median=0.0016, device="CPU")
+    text = busy.describe()
+    assert "its CPU is slow: a matmul re-run gives 0.642 GFLOP/s, 40% of the ranks' median 1.6" in text, text
+    assert "GPU" not in text and "TFLOP/s" not in text
+    fine = dataclasses.replace(busy, gemm_tflops=0.00158)
+    assert "its CPU runs a matmul at 99% of the median, so not the CPU itself" in fine.describe()
+    assert "GPU" not in fine.describe()
+
+
+def test_a_straggler_is_said_once_then_on_a_change_or_after_the_repeat_interval():
+    now = [0.0]
+    notices = stragglers.StragglerNotices(repeat_s=300, clock=lambda: now[0])
+    slow = find_stragglers(np.array([[0.2, 0.01], [0.5, 0.4]]), _ranks(2), threshold=1.5, min_gap_s=0.0)
+    compute = find_stragglers(np.array([[0.2, 0.01], [0.5, 0.01]]), _ranks(2), threshold=1.5, min_gap_s=0.0)
+    said = []
+    for step in range(10, 410, 10):  # 40 log steps, rank 1 slow on data at each, 1 s apart
+        now[0] += 1.0
+        said.append(notices.to_say(step, stragglers.StragglerReport(step=step, stragglers=slow)))
+    lines = [line for line in said if line]
+    assert len(lines) == 1 and lines[0].startswith("step 10: rank 1 (host a, local 1) is a straggler")
+    assert "waiting for data" in lines[0] and "said again when it changes, or after 5 min" in lines[0]
+    now[0] += 300.0
+    again = notices.to_say(410, stragglers.StragglerReport(step=410, stragglers=slow))
+    assert again.startswith("step 410: rank 1") and again.endswith("(unchanged since step 10)")
+    changed = notices.to_say(420, stragglers.StragglerReport(step=420, stragglers=compute))  # another cause
+    assert changed.startswith("step 420: rank 1") and "compute dominates" in changed
+    assert notices.to_say(430, None) == "step 430: no straggler now (rank 1 was one since step 420)"
+    assert notices.to_say(440, None) is None
+
+
 def test_two_ranks_compare_against_each_other_and_noise_is_ignored():
     assert [s.who.rank for s in find_stragglers(np.array([[0.1, 0], [0.2, 0]]), _ranks(2), threshold=1.5,
                                                 min_gap_s=0.0)] == [1]

@@ -11,7 +11,7 @@ from meshrun.launch.args import LaunchUsageError, apply_target, check_target, pa
 from meshrun.launch.cli import main
 from meshrun.launch.net import EndpointError
 from meshrun.launch.rendezvous import apply_plan, format_plan, make_plan, parse_rdzv_conf
-from meshrun.launch.simulate import agent_command, split_gpus
+from meshrun.launch.simulate import agent_command, split_gpus, threads_note
 from meshrun.placement.slurm import SlurmLayoutError, detect_slurm
 
 
@@ -296,3 +296,18 @@ def test_simulated_nodes_get_disjoint_gpus_when_there_are_enough():
     assert split_gpus(nodes=2, nproc="2", visible=["0", "1"]) is None  # too few: leave the devices alone
     assert split_gpus(nodes=2, nproc="1", visible=[]) is None
     assert split_gpus(nodes=2, nproc="gpu", visible=["0", "1"]) is None
+
+
+def test_simulated_nodes_share_the_cores_so_each_agent_sets_one_omp_thread():
+    # 2 simulated nodes x 1 worker are 2 processes on this host's cores: torchrun's rule for several workers per node
+    largs = parse_launch_args(["--simulate-nodes", "2", "--nproc-per-node", "1", "s.py"])
+    command = agent_command(largs, index=1, nodes=2, port=29434, run_id="sim-t")
+    plan = plan_for(command[command.index("launch") + 1:])
+    assert plan.env_set["OMP_NUM_THREADS"] == "1"
+    block = format_plan(plan)
+    assert "OMP_NUM_THREADS=1 (2 workers share this host's" in block and "env set     nothing" not in block
+    assert plan_for(command[command.index("launch") + 1:], {"OMP_NUM_THREADS": "4"}).env_kept == {
+        "OMP_NUM_THREADS": "4"}
+    assert "OMP_NUM_THREADS=1 in every worker: 2 x 1 workers share" in threads_note(nodes=2, nproc="1", environ={})
+    assert threads_note(nodes=2, nproc="1", environ={"OMP_NUM_THREADS": "2"}).endswith("(yours)")
+    assert "OMP_NUM_THREADS" not in plan_for(["--nproc-per-node", "1", "s.py"]).env_set  # one worker: its cores

@@ -165,3 +165,17 @@ def test_config_options_and_short_flags_give_the_same_plan(capsys, tmp_path):
 def test_bad_options_are_named_as_train_names_them(capsys, argv, message):
     assert planner.main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_time_estimate_names_a_custom_shape_as_such(capsys):
+    # Llama-3-8B's shapes over the default model name are not "the 124m size"
+    llama = ["--nodes", "4", "--gpus-per-node", "8", "--hidden", "4096", "--layers", "32", "--heads", "32",
+             "--kv-heads", "8", "--ffn", "14336", "--vocab", "128256", "--seq", "8192", "--tokens", "1T"]
+    assert planner.main(llama) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "N = 7.5e+09 parameters, the custom shape above)" in text and "124m" not in text
+    assert planner.main(["--hidden", "1536", "--layers", "4", "--tokens", "1B"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "the custom shape above: dim, n_layers given, the rest from the 124m size)" in text
+    assert planner.main(["--model", "350m", "--tokens", "1B"]) == 0
+    assert "parameters, the gpt 350m size)" in " ".join(capsys.readouterr().out.split())

@@ -33,7 +33,24 @@ def test_per_gpu_script_runs_one_task_per_worker():
                                         mode="per-gpu", signal_lead_s=0, requeue=False), command_line="x")
     assert "#SBATCH --ntasks-per-node=4\n" in script and "--signal" not in script
     assert "#SBATCH --no-requeue\n" in script and "scontrol requeue" not in script
-    assert "srun --nodes=2 --ntasks=8 --ntasks-per-node=4 python -u -m pkg.train --lr 3e-4\n" in script
+    assert ("srun --nodes=2 --ntasks=8 --ntasks-per-node=4 --cpus-per-task=4 python -u -m pkg.train --lr 3e-4\n"
+            in script)
+
+
+def test_cpus_per_task_is_always_set_so_a_nodes_workers_do_not_share_one_cpu(capsys):
+    # Slurm's default is one CPU per task: in per-node mode, one CPU for a node's launcher and all its workers
+    assert main(["--nodes", "2", "--gpus-per-node", "4", "--dry-run", "train"]) == 0
+    script = capsys.readouterr().out
+    assert "#SBATCH --cpus-per-task=16\n" in script
+    assert " --ntasks-per-node=1 --cpus-per-task=16 meshrun launch" in script
+    assert "# --cpus-per-task=16: 4 per worker x 4 workers in each task; --cpus-per-task to choose\n" in script
+    assert main(["--mode", "per-gpu", "--gpus-per-node", "2", "--dry-run", "train", "--data.num_workers=6"]) == 0
+    script = capsys.readouterr().out
+    assert "#SBATCH --cpus-per-task=7\n" in script and "7 per worker (1 + data.num_workers=6)" in script
+    assert main(["--nodes", "2", "--gpus-per-node", "4", "--cpus-per-task", "2", "--dry-run", "train"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("meshrun slurm: --cpus-per-task 2 with 4 workers per node: in per-node mode one task holds "
+                          "all of a node's workers, which would share 2 CPU(s); give at least 4"), err
 
 
 @pytest.mark.parametrize("args, message", [

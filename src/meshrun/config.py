@@ -8,7 +8,6 @@ raise :class:`ConfigError` naming the option to change and the values that were 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import sys
 from dataclasses import dataclass, field
@@ -279,6 +278,8 @@ class RunConfig:
     """Also write TensorBoard event files (needs the tensorboard package)."""
     progress: ProgressMode = "auto"
     """auto (a live bar on a terminal, log lines otherwise), bar, or lines."""
+    print_config: bool = True
+    """Print the resolved config at start, a line per section (false: only the path of <run.dir>/config.toml)."""
     profile_steps: str = ""
     """Optimizer steps to record with the torch profiler, e.g. 20-22 or 20 (counted from 1); empty = off."""
     profile_ranks: str = "0"
@@ -493,19 +494,13 @@ def set_option(config: JobConfig, dotted: str, value: Any) -> None:
     """Set ``section.key`` on ``config``, converting strings to the field's type."""
     section_name, _, key = dotted.partition(".")
     sections = {f.name: f for f in dataclasses.fields(config)}
-    if section_name not in sections or not key:
-        raise ConfigError(f"unknown config option {dotted!r}{_suggest(section_name, sections)}; "
-                          f"sections are {', '.join(sections)}")
-    section = getattr(config, section_name)
-    hints = get_type_hints(type(section))
+    hints = get_type_hints(type(getattr(config, section_name))) if section_name in sections else {}
     if key not in hints:
-        raise ConfigError(f"unknown config option {dotted!r}{_suggest(key, hints, prefix=section_name + '.')}")
-    setattr(section, key, _convert(dotted, value, hints[key]))
+        from meshrun.config_help import suggest  # reads this module's classes: imported when needed
 
-
-def _suggest(name: str, known: Any, prefix: str = "") -> str:
-    close = difflib.get_close_matches(name, list(known), n=1)
-    return f" (did you mean '{prefix}{close[0]}'?)" if close else ""
+        raise ConfigError(f"unknown config option {dotted!r}{suggest(dotted)}"
+                          + ("" if section_name in sections else f"; sections are {', '.join(sections)}"))
+    setattr(getattr(config, section_name), key, _convert(dotted, value, hints[key]))
 
 
 def _convert(option: str, value: Any, kind: Any) -> Any:

@@ -15,6 +15,7 @@ import torch
 
 from meshrun.ckpt.errors import CheckpointError
 from meshrun.config import ConfigError, JobConfig, load_config
+from meshrun.help_format import PlainHelpFormatter
 
 EPILOG = """\
 examples:
@@ -26,7 +27,7 @@ CHECKPOINT may be a checkpoint directory, a checkpoints folder or a run director
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="meshrun sample", description=__doc__.split("\n\n")[0], epilog=EPILOG,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=PlainHelpFormatter)
     p.add_argument("checkpoint", help="checkpoint directory, checkpoints folder or run directory")
     p.add_argument("--prompt", default="def ", help="text to continue (default 'def ')")
     p.add_argument("--tokens", type=int, default=200, help="tokens (bytes) to generate (default 200)")

@@ -223,8 +223,9 @@ class Session:
         if step <= self._every:  # the first interval holds start-up costs (first batches, first kernels)
             return None
         report = self._stragglers.observe(step, work_s, data_s)  # collective: every rank
-        if report is not None:
-            self.print(f"meshrun: {report}")
+        notice = self._stragglers.notices.to_say(step, report)  # said again only when it changes
+        if notice:
+            self.print(f"meshrun: {notice}")
         return str(report) if report is not None else None
 
     def print(self, *args, **kwargs) -> None:

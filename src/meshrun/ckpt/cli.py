@@ -16,11 +16,13 @@ from rich.console import Console
 
 from meshrun.ckpt import reader
 from meshrun.ckpt.errors import CheckpointError
+from meshrun.help_format import PlainHelpFormatter
 from meshrun.units import format_bytes
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="meshrun ckpt", description="List, verify and export checkpoints.")
+    parser = argparse.ArgumentParser(prog="meshrun ckpt", description="List, verify and export checkpoints.",
+                                     formatter_class=PlainHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="{ls,verify,export}")
     ls = sub.add_parser("ls", help="list the checkpoints of a folder, complete or not")
     ls.add_argument("dir", nargs="?", help=f"checkpoint folder or run folder (default: {reader.DEFAULT_FOLDER})")

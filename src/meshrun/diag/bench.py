@@ -31,6 +31,7 @@ from meshrun.diag import links
 from meshrun.diag.bench_ops import OPS, bus_factor, element_count, operation
 from meshrun.diag.timing import timed
 from meshrun.env import ClusterEnv
+from meshrun.help_format import PlainHelpFormatter
 
 GROUPS = ("world", "intra", "inter")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -61,7 +62,8 @@ def parse_size(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="meshrun bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="meshrun bench", description=__doc__.splitlines()[0],
+                                     formatter_class=PlainHelpFormatter)
     parser.add_argument("op", choices=(*OPS, "all"), help="operation to measure (all: each in turn)")
     parser.add_argument("--sizes", help="comma-separated buffer sizes (default 1M,16M,256M,1G on GPU, "
                                         "64K,1M,8M on CPU)")

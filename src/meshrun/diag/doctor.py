@@ -36,7 +36,9 @@ from meshrun.diag.rows import FAIL, CheckRow
 from meshrun.diag.fingerprint import (FieldDiff, Fingerprint, collect_fingerprint, compare_fingerprints,
                                       gather_fingerprints, mismatch_message)
 from meshrun.env import DEFAULT_MASTER_PORT, ClusterEnv
+from meshrun.help_format import PlainHelpFormatter
 from meshrun.launch import net
+from meshrun.launch.stores import probe_store
 from meshrun.units import format_ranks
 
 _ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_FR_", "TORCH_DISTRIBUTED_", "CUDA_VISIBLE_DEVICES",
@@ -44,12 +46,14 @@ _ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_FR_", "TORCH_DISTRIBUTE
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="meshrun doctor", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="meshrun doctor", description=__doc__.splitlines()[0],
+                                     formatter_class=PlainHelpFormatter)
     parser.add_argument("--endpoint", metavar="HOST:PORT",
                         help="single process: show the route to HOST and whether its TCP PORT (default "
                              f"{DEFAULT_MASTER_PORT}) answers, e.g. the master's rendezvous port")
     parser.add_argument("--timeout", type=float, default=3.0, metavar="S",
-                        help="seconds each TCP connection attempt may take (default 3)")
+                        help="seconds each TCP connection attempt, and --endpoint's store handshake, may take "
+                             "(default 3)")
     parser.add_argument("--wait", type=float, default=120.0, metavar="S",
                         help="seconds to wait for all ranks at start-up and for NCCL set-up (default 120)")
     parser.add_argument("--script", metavar="PATH", help="also compare the hash of this entry script across nodes")
@@ -434,7 +438,9 @@ def run_local(args: argparse.Namespace, *, console: Console) -> int:
 
 
 def check_endpoint(endpoint: str, *, timeout_s: float, console: Console) -> int:
-    """Route and TCP reachability of HOST:PORT from here. 0: it answers; 1: it does not; 2: malformed."""
+    """Route, TCP reachability and a torch store's answer at HOST:PORT, as `meshrun launch` checks its endpoint
+    (launch/stores.probe_store). 0: a store answers; 1: unreachable, or not a store; 2: malformed. A listener that
+    accepts and never answers leaves torch's client blocked: the process then ends here with os._exit(1)."""
     try:
         host, port = net.parse_endpoint(endpoint, default_port=DEFAULT_MASTER_PORT)
     except net.EndpointError as exc:
@@ -448,9 +454,20 @@ def check_endpoint(endpoint: str, *, timeout_s: float, console: Console) -> int:
     console.print(f"route to {host} ({route.dest}): interface {route.iface or '?'}, source address {route.source}"
                   + (" (an address of this host)" if route.dest_is_local else ""), markup=False)
     result = reach.probe(route.dest, port, timeout_s=timeout_s)
-    if result.ok:
-        console.print(f"[green]{escape(host)}:{port} answers[/] (TCP connect in {result.ms:.1f} ms)")
-        return 0
     where = f"[{route.dest}]:{port}" if ":" in route.dest else f"{route.dest}:{port}"
-    console.print(f"[red]cannot reach {escape(host)} ({escape(where)})[/]: {escape(result.error or '')}")
+    if not result.ok:
+        console.print(f"[red]cannot reach {escape(host)} ({escape(where)})[/]: {escape(result.error or '')}")
+        return 1
+    # a port that accepts TCP may still be another program's: ask it what `meshrun launch` asks before joining
+    answer = probe_store(route.dest, port, timeout_s=max(timeout_s, 1.0))
+    if answer.ok:
+        console.print(f"[green]{escape(host)}:{port} answers[/] (TCP connect in {result.ms:.1f} ms; a torch store "
+                      f"answered in {answer.elapsed_s * 1e3:.0f} ms)")
+        return 0
+    console.print(f"[red]{escape(host)} ({escape(where)}) accepts TCP but is not a torch store[/]: "
+                  f"{escape(answer.error)}; another program may hold port {port} there: check the endpoint, or run "
+                  f"`ss -ltnp` on {escape(host)}")
+    if answer.abandoned:  # a store client thread is still blocked in torch; finalizing around it would abort
+        console.file.flush()
+        os._exit(1)
     return 1

@@ -2,9 +2,11 @@
 NVML where ``nvidia-ml-py`` is importable. A throttled or faulty card is the commonest straggler on real clusters;
 comparing every GPU of the job with the job's median names it before training starts.
 
-The same code runs on the CPU (fp32, small sizes) so that tests cover it; the numbers there only compare ranks of
-one machine. ``meshrun doctor`` runs :func:`measure_local` on every rank, and the trainer's straggler report re-runs
-:func:`gemm_tflops` on a flagged rank to tell a slow GPU from slow data or a slow network.
+The GEMM and copy also run on the CPU (fp32, small sizes: tests and the straggler re-run of CPU ranks use them),
+but ``meshrun doctor`` measures GPUs only: CPU ranks share their host's cores, and a CPU figure of 0.0002 TFLOP/s
+in a GPU table would look like the measurement of something. ``meshrun doctor`` runs :func:`measure_local` on
+every rank, and the trainer's straggler report re-runs :func:`gemm_tflops` on a flagged rank to tell a slow GPU
+from slow data or a slow network.
 """
 
 from __future__ import annotations
@@ -115,33 +117,30 @@ def describe_nvml(state: dict) -> str:
 
 def my_devices(*, local_rank: int, local_world_size: int) -> list[torch.device]:
     """The GPUs this rank tests: every visible GPU is taken by exactly one local rank (all of them under
-    ``--nproc-per-node 1``); the CPU when there is no GPU."""
+    ``--nproc-per-node 1``); none without a GPU."""
     if not torch.cuda.is_available():
-        return [torch.device("cpu")]
+        return []
     return [torch.device("cuda", i) for i in range(local_rank, torch.cuda.device_count(), local_world_size)]
 
 
 def measure_local(*, rank: int, node: int, host: str, local_rank: int, local_world_size: int) -> list[GpuHealth]:
-    """GEMM, bandwidth and NVML state of this rank's devices (see :func:`my_devices`)."""
+    """GEMM, bandwidth and NVML state of this rank's GPUs (see :func:`my_devices`); none without a GPU: the CPU
+    ranks of a host share its cores, so a figure of each would only say how busy the others kept them."""
     found = []
     for device in my_devices(local_rank=local_rank, local_world_size=local_world_size):
-        gpu = device.type == "cuda"
-        name = torch.cuda.get_device_name(device) if gpu else "cpu"
-        found.append(GpuHealth(rank=rank, node=node, host=host, device=str(device), name=name,
-                               gemm_tflops=gemm_tflops(device), mem_gbps=memory_gbps(device),
-                               nvml=nvml_state(device.index) if gpu else {}))
+        found.append(GpuHealth(rank=rank, node=node, host=host, device=str(device),
+                               name=torch.cuda.get_device_name(device), gemm_tflops=gemm_tflops(device),
+                               mem_gbps=memory_gbps(device), nvml=nvml_state(device.index)))
     return found
 
 
 def judge_health(results: list[GpuHealth], *, threshold: float) -> CheckRow:
     """Warn naming every device more than ``threshold`` (a fraction) below the job's median GEMM or bandwidth."""
-    if not results:
-        return CheckRow("GPU health", PASS, "no devices measured")
+    if not results:  # CPU ranks are not measured (measure_local says why)
+        return CheckRow("GPU health", PASS, "no GPUs: nothing to measure (CPU ranks share their host's cores, so "
+                                            "their speeds would not compare)")
     gemm = statistics.median(r.gemm_tflops for r in results)
     mem = statistics.median(r.mem_gbps for r in results)
-    if not results[0].device.startswith("cuda"):  # ranks of one host share its cores: nothing to compare
-        return CheckRow("GPU health", PASS, f"no GPUs; CPU ranks measured (median GEMM {gemm:.3g} TFLOP/s, memory "
-                                            f"{mem:.3g} GB/s) but not compared: they share the host's cores")
     slow = []
     for r in results:
         why = [f"GEMM {r.gemm_tflops:.3g} TFLOP/s ({r.gemm_tflops / gemm:.0%} of median)"] \

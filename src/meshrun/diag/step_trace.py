@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from meshrun.help_format import PlainHelpFormatter
+
 KERNEL_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 BOUND_SHARE = 0.10
 """Idle or exposed communication above this share of the span names the step host- or communication-bound."""
@@ -136,7 +138,8 @@ def render_table(rows: list[StepTime]):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="meshrun trace", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="meshrun trace", description=__doc__.split("\n\n")[0],
+                                formatter_class=PlainHelpFormatter)
     p.add_argument("paths", nargs="+", help="run folders (their profile/rank_*.json) or trace files")
     p.add_argument("--json", action="store_true", help="print one JSON object per trace instead of a table")
     p.add_argument("--kernels", action="store_true", help="also list each trace's kernels with the most time")

@@ -13,7 +13,7 @@ import socket
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -45,6 +45,8 @@ class Straggler:
     """TFLOP/s of the GEMM re-run on this rank right after it was flagged (None when not re-run)."""
     gemm_median: float | None = None
     """Median TFLOP/s of the same GEMM over all ranks."""
+    device: str = "GPU"
+    """What the GEMM re-run ran on: 'GPU', or 'CPU' for ranks without one (the report then speaks of the CPU)."""
 
     @property
     def ratio(self) -> float:
@@ -60,16 +62,31 @@ class Straggler:
             return None  # not re-run, or the GEMM could not run (no memory left, say)
         return self.gemm_tflops / self.gemm_median
 
-    def cause(self) -> str:
-        """Slow data (the loader), a slow GPU (the GEMM re-run is below the others'), or neither."""
+    def verdict(self) -> str:
+        """'data', 'device' (the GEMM re-run is below the others') or 'compute': what :meth:`cause` says, in a word
+        that stays the same while the numbers move (repeated reports are only said again when it changes)."""
         if self.data_share >= 0.5:
-            return f"{self.data_share:.0%} of it waiting for data"
+            return "data"
         share = self.gemm_share
-        if share is not None and share < 1 - GEMM_SLOW_FRACTION:
+        return "device" if share is not None and share < 1 - GEMM_SLOW_FRACTION else "compute"
+
+    def cause(self) -> str:
+        """Slow data (the loader), a slow GPU or CPU (the GEMM re-run is below the others'), or neither."""
+        verdict, share = self.verdict(), self.gemm_share
+        if verdict == "data":
+            return f"{self.data_share:.0%} of it waiting for data"
+        if verdict == "device":
+            if self.device == "CPU":  # ranks on CPU: a slower matmul means busier cores, not a faulty part
+                return (f"its CPU is slow: a matmul re-run gives {self.gemm_tflops * 1e3:.3g} GFLOP/s, {share:.0%} of "
+                        f"the ranks' median {self.gemm_median * 1e3:.3g}: its cores are busier (other processes or "
+                        "threads on them? OMP_NUM_THREADS)")
             return (f"its GPU is slow: a GEMM re-run gives {self.gemm_tflops:.3g} TFLOP/s, {share:.0%} of the ranks' "
                     f"median {self.gemm_median:.3g}")
         cause = f"compute dominates (data loading {self.data_share:.0%})"
-        if share is not None:
+        if share is not None and self.device == "CPU":
+            cause += (f"; its CPU runs a matmul at {share:.0%} of the median, so not the CPU itself: look at uneven "
+                      "work, or time spent in communication")
+        elif share is not None:
             cause += (f"; its GPU runs a GEMM at {share:.0%} of the median, so not the GPU itself: look at uneven "
                       "work, the host's CPU, or time spent in communication")
         return cause
@@ -82,6 +99,38 @@ class Straggler:
 
 GEMM_SLOW_FRACTION = 0.15
 """A flagged rank whose GEMM re-run is more than this fraction below the ranks' median has a slow GPU."""
+
+
+REPEAT_S = 300.0
+"""An unchanged straggler verdict is printed again at most this often (seconds)."""
+
+
+class StragglerNotices:
+    """Which straggler reports to print (rank 0): the first; then one whenever the verdict changes (other ranks,
+    another cause, or no straggler any more); an unchanged one again every ``repeat_s`` seconds. A slow rank is
+    slow at every log step, and a line per step buried the log (41 lines in 40 steps)."""
+
+    def __init__(self, repeat_s: float = REPEAT_S, clock: Callable[[], float] = time.monotonic):
+        self.repeat_s, self.clock = repeat_s, clock
+        self._said: tuple[tuple[int, str], ...] = ()
+        self._since_step, self._at = 0, float("-inf")
+
+    def to_say(self, step: int, report: StragglerReport | None) -> str | None:
+        """The line to print for this interval's ``report`` (None: no straggler), or None to stay quiet."""
+        key = tuple((s.who.rank, s.verdict()) for s in report.stragglers) if report is not None else ()
+        now = self.clock()
+        if key == self._said:
+            if not key or now - self._at < self.repeat_s:
+                return None
+            self._at = now
+            return f"{report} (unchanged since step {self._since_step})"
+        previous, self._said, self._at = self._said, key, now
+        if not key:
+            ranks = ",".join(str(rank) for rank, _ in previous)
+            return f"step {step}: no straggler now (rank {ranks} was one since step {self._since_step})"
+        self._since_step = step
+        return (f"{report} (said again when it changes, or after {self.repeat_s / 60:g} min; every report is in "
+                "the rank log)")
 
 
 @dataclass(frozen=True)
@@ -148,7 +197,7 @@ class StragglerDetector:
     def __init__(self, group=None, *, env: ClusterEnv, threshold: float = 1.5, window: int = 5,
                  min_gap_s: float = 0.005, history: int = 512, device: torch.device | None = None,
                  gemm_check: bool = False, compute_device: torch.device | None = None,
-                 ranks: list[RankInfo] | None = None):
+                 ranks: list[RankInfo] | None = None, repeat_s: float = REPEAT_S):
         self.group, self.env, self.threshold, self.min_gap_s = group, env, threshold, min_gap_s
         self.window = max(1, window)
         self.device = device or collective_device(group)
@@ -157,6 +206,8 @@ class StragglerDetector:
         self._recent: deque[np.ndarray] = deque(maxlen=self.window)
         self._history: deque[np.ndarray] = deque(maxlen=max(history, self.window))
         self.ranks = ranks if ranks is not None else gather_rank_infos(env, group)
+        self.notices = StragglerNotices(repeat_s)
+        """What of the reports to print: see :class:`StragglerNotices`."""
 
     def gpu_clock(self) -> list[float]:
         """This rank's GPU: [SM clock MHz, max SM clock MHz, temperature C], NaN without NVML or a GPU."""
@@ -189,14 +240,14 @@ class StragglerDetector:
         """Every rank times the same GEMM now; the flagged ranks' TFLOP/s against the median of all ranks."""
         gpu = self.compute_device.type == "cuda"
         try:
-            tflops = gemm_tflops(self.compute_device, n=4096 if gpu else 128, iters=10 if gpu else 3)
+            tflops = gemm_tflops(self.compute_device, n=4096 if gpu else 256, iters=10 if gpu else 5)
         except (RuntimeError, MemoryError):  # e.g. no room for 100 MB beside the model: still join the gather
             tflops = float("nan")
         values = gather_floats([tflops], group=self.group, device=self.device)[:, 0]  # (world,)
         median = float(np.nanmedian(values)) if not np.isnan(values).all() else float("nan")
         position = {info.rank: i for i, info in enumerate(self.ranks)}
-        return [dataclasses.replace(s, gemm_tflops=float(values[position[s.who.rank]]), gemm_median=median)
-                for s in found]
+        return [dataclasses.replace(s, gemm_tflops=float(values[position[s.who.rank]]), gemm_median=median,
+                                    device="GPU" if gpu else "CPU") for s in found]
 
     def summary(self) -> list[dict[str, float | int | str]]:
         """Per rank (rank 0 only; empty elsewhere): median and max step time over the recorded intervals."""

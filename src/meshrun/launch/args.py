@@ -14,6 +14,8 @@ from pathlib import Path
 
 from torch.distributed.run import get_args_parser
 
+from meshrun.help_format import PlainHelpFormatter
+
 DEFAULT_RDZV_TIMEOUT_S = 120
 """Rendezvous join timeout. torchrun's own default (600 s) is far too long to wait for a typo in an address."""
 
@@ -71,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = get_args_parser()
     parser.prog = "meshrun launch"
     parser.usage = USAGE
+    parser.formatter_class = PlainHelpFormatter  # torch's help texts carry reStructuredText
     parser.description = ("Start workers like torchrun (same flags, same worker environment), with the network "
                           "worked out for you. See docs/launch.md.")
     group = parser.add_argument_group("meshrun")

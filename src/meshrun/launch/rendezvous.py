@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import os
 import shlex
 import socket
 import uuid
@@ -60,6 +61,8 @@ class LaunchPlan:
     max_restarts: int
     env_set: dict[str, str] = field(default_factory=dict)
     env_kept: dict[str, str] = field(default_factory=dict)
+    env_why: dict[str, str] = field(default_factory=dict)
+    """Why a variable of env_set has its value, where the block should say so."""
     placement: NodePlacement | None = None
     """Nodes, this node's index and the endpoint, from the cluster environment (SLURM); None under flags."""
     notes: list[str] = field(default_factory=list)
@@ -245,11 +248,24 @@ def _choose_socket_env(plan: LaunchPlan, environ: Mapping[str, str]) -> None:
 
 
 def _choose_thread_env(plan: LaunchPlan, environ: Mapping[str, str]) -> None:
-    """OMP_NUM_THREADS=1 with several workers per node, as torchrun does (said here instead of in its banner)."""
+    """OMP_NUM_THREADS=1 when several workers share this host, as torchrun does for several workers per node (said
+    here instead of in its banner). Nodes on a loopback endpoint (--simulate-nodes) all run on this host: one worker
+    per node there is still several workers on its cores, each of which would start a thread per core."""
+    workers = sharing_host(plan)
     if "OMP_NUM_THREADS" in environ:
         plan.env_kept["OMP_NUM_THREADS"] = environ["OMP_NUM_THREADS"]
-    elif plan.nproc.isdigit() and int(plan.nproc) > 1:
+    elif workers > 1:
         plan.env_set["OMP_NUM_THREADS"] = "1"
+        plan.env_why["OMP_NUM_THREADS"] = (f"{workers} workers share this host's {os.cpu_count() or '?'} cores; "
+                                           "set OMP_NUM_THREADS to choose")
+
+
+def sharing_host(plan: LaunchPlan) -> int:
+    """Workers on this host: this node's, times the node count when every node is on this host (loopback); 0 when
+    --nproc-per-node is not a number (torch's auto, gpu, cpu)."""
+    if not plan.nproc.isdigit():
+        return 0
+    return int(plan.nproc) * (plan.max_nodes if plan.single_host else 1)
 
 
 def _choose_store_sharing(plan: LaunchPlan, environ: Mapping[str, str]) -> None:
@@ -332,7 +348,8 @@ def format_plan(plan: LaunchPlan) -> str:
              f"  restarts    up to {plan.max_restarts}"]
     if plan.placement is not None:
         lines.append(f"  {'from ' + plan.placement.title:<11} {plan.placement.describe()}")
-    env_set = " ".join(f"{k}={v}" for k, v in plan.env_set.items()) or "nothing"
+    env_set = " ".join(f"{k}={v}" + (f" ({plan.env_why[k]})" if k in plan.env_why else "")
+                       for k, v in plan.env_set.items()) or "nothing"
     why = "; socket interfaces left to gloo/NCCL (single host)" if plan.single_host else ""
     lines.append(f"  env set     {env_set}{why}")
     if plan.env_kept:

@@ -15,6 +15,7 @@ SIGTERM is handled the same way. This module only writes text; :mod:`meshrun.lau
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import shlex
 from dataclasses import dataclass, field
@@ -24,6 +25,9 @@ from meshrun.comm.mesh import ParallelDims
 from meshrun.launch.args import WORKER_COMMANDS
 
 MODES = ("per-node", "per-gpu")
+CPUS_PER_WORKER = 4
+"""CPUs per worker when --cpus-per-task is not given: its training process, and the agent's and data loader's share.
+Slurm's own default is one CPU per task, which in per-node mode is one CPU for all of a node's workers."""
 EXIT_STOPPED_BY_SIGNAL = 143
 """What a worker (and ``meshrun launch``) exits with after saving on SIGTERM/SIGUSR1 (docs/fault_tolerance.md)."""
 
@@ -45,7 +49,7 @@ class SbatchRequest:
     procs_per_node: int = 0
     """Workers per node; 0 means one per GPU (or 1 on a CPU job)."""
     cpus_per_task: int = 0
-    """CPUs per Slurm task (#SBATCH --cpus-per-task); 0 leaves Slurm's default."""
+    """CPUs per Slurm task (#SBATCH --cpus-per-task); 0: CPUS_PER_WORKER per worker (see :func:`choose_cpus`)."""
     time: str = ""
     """Time limit in Slurm's format (MM, HH:MM:SS, D-HH:MM, ...); empty leaves the partition's default."""
     partition: str = ""
@@ -111,8 +115,28 @@ def check_request(request: SbatchRequest) -> None:
                 f"--signal-lead {request.signal_lead_s} is not shorter than --time {request.time} ({limit} s): the "
                 "workers would be told to stop as soon as they start; lower --signal-lead (e.g. "
                 f"{max(10, limit // 4)}) or raise --time.")
+    if request.mode == "per-node" and 0 < request.cpus_per_task < request.workers_per_node:
+        raise SbatchError(
+            f"--cpus-per-task {request.cpus_per_task} with {request.workers_per_node} workers per node: in per-node "
+            f"mode one task holds all of a node's workers, which would share {request.cpus_per_task} CPU(s); give "
+            f"at least {request.workers_per_node} (the default is {CPUS_PER_WORKER} per worker: "
+            f"{CPUS_PER_WORKER * request.workers_per_node}), or --mode per-gpu.")
     if request.target[0] == "train":
         check_train(request)
+
+
+def choose_cpus(request: SbatchRequest) -> tuple[int, str]:
+    """(--cpus-per-task, why) of the job: the one given, else CPUS_PER_WORKER per worker of a task (and one per data
+    loader process of a train target beyond that): Slurm's default of one CPU per task would put every worker of a
+    per-node task on one core."""
+    workers = request.workers_per_node if request.mode == "per-node" else 1
+    if request.cpus_per_task:
+        return request.cpus_per_task, "as given"
+    loaders = train_config(request.target[1:]).data.num_workers if request.target[0] == "train" else 0
+    per_worker = max(CPUS_PER_WORKER, 1 + loaders)
+    how = f"{per_worker} per worker" + (f" (1 + data.num_workers={loaders})" if per_worker > CPUS_PER_WORKER else "")
+    return per_worker * workers, (f"{how} x {workers} workers in each task" if workers > 1 else how) + \
+        "; --cpus-per-task to choose"
 
 
 def train_config(args: tuple[str, ...]) -> JobConfig:
@@ -152,7 +176,7 @@ def worker_command(request: SbatchRequest) -> list[str]:
     job's value, and a step would otherwise get one CPU per task (all of a node's workers on one core)."""
     target = list(request.target)
     python = target[0] == "-m" or target[0].endswith(".py")
-    cpus = [f"--cpus-per-task={request.cpus_per_task}"] if request.cpus_per_task else []
+    cpus = [f"--cpus-per-task={request.cpus_per_task}"]
     if request.mode == "per-node":
         target = target if python or target[0] in WORKER_COMMANDS else ["--no-python", *target]
         return ["srun", f"--nodes={request.nodes}", f"--ntasks={request.nodes}", "--ntasks-per-node=1", *cpus,
@@ -167,8 +191,7 @@ def sbatch_lines(request: SbatchRequest) -> list[str]:
     lines = [f"--job-name={request.job_name}", f"--nodes={request.nodes}", f"--ntasks-per-node={tasks}"]
     if request.gpus_per_node:
         lines.append(f"--gpus-per-node={request.gpus_per_node}")
-    if request.cpus_per_task:
-        lines.append(f"--cpus-per-task={request.cpus_per_task}")
+    lines.append(f"--cpus-per-task={request.cpus_per_task}")
     lines += [f"--{name}={value}" for name, value in (("time", request.time), ("partition", request.partition),
                                                       ("account", request.account)) if value]
     lines += [f"--output={request.output}", "--open-mode=append"]
@@ -181,12 +204,15 @@ def sbatch_lines(request: SbatchRequest) -> list[str]:
 def build_script(request: SbatchRequest, *, command_line: str) -> str:
     """The sbatch script text (checked first). ``command_line`` is the meshrun slurm line, quoted in the header."""
     check_request(request)
+    cpus, why = choose_cpus(request)
+    request = dataclasses.replace(request, cpus_per_task=cpus)
     step = " ".join(shlex.quote(part) for part in worker_command(request))
     head = [f"#SBATCH {line}" for line in sbatch_lines(request)]
     signal_note = (f"SIGUSR1 reaches every task {request.signal_lead_s} s before the time limit"
                    if request.signal_lead_s else "the time limit's SIGTERM reaches every task")
     body = [
         "set -u",
+        f"# --cpus-per-task={cpus}: {why}",
         f"# {signal_note} (a preemption sends SIGTERM): each worker saves a",
         f"# final checkpoint and exits {EXIT_STOPPED_BY_SIGNAL}. Slurm's SIGKILL after KillWait is the hard stop.",
         f"echo \"meshrun slurm: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST (restart ${{SLURM_RESTART_COUNT:-0}})\"",

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from meshrun.help_format import PlainHelpFormatter
 from meshrun.launch.sbatch import MODES, SbatchError, SbatchRequest, build_script
 
 EPILOG = """TARGET is one of
@@ -29,12 +30,14 @@ See docs/slurm.md."""
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="meshrun slurm", epilog=EPILOG,
-                                formatter_class=argparse.RawDescriptionHelpFormatter, description="Write an sbatch script for a meshrun job; --submit also submits it.")
+                                formatter_class=PlainHelpFormatter, description="Write an sbatch script for a meshrun job; --submit also submits it.")
     p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
     p.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node (default 0: a CPU job)")
     p.add_argument("--procs-per-node", type=int, default=0,
                    help="workers per node (default: one per GPU, or 1 on a CPU job)")
-    p.add_argument("--cpus-per-task", type=int, default=0, help="CPUs per Slurm task (default: Slurm's)")
+    p.add_argument("--cpus-per-task", type=int, default=0,
+                   help="CPUs per Slurm task (default: 4 per worker, and a task holds all of a node's workers in "
+                        "per-node mode; Slurm's own default is 1)")
     p.add_argument("--time", default="", help="time limit: 30 (minutes), 4:00:00, 1-12:00:00 (default: partition's)")
     p.add_argument("--partition", default="")
     p.add_argument("--account", default="")

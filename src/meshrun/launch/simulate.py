@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 import uuid
-from typing import IO
+from typing import IO, Mapping
 
 import torch
 
@@ -47,6 +47,9 @@ def simulate(largs: LaunchArgs) -> int:
     print(f"meshrun launch: simulating {nodes} nodes on this host as {nodes} elastic agents, c10d rendezvous at "
           f"127.0.0.1:{port} (agent 0 hosts the store); each agent prints its own plan below.",
           file=sys.stderr, flush=True)
+    threads = threads_note(nodes=nodes, nproc=str(largs.ns.nproc_per_node), environ=os.environ)
+    if threads:
+        print(f"  threads     {threads}", file=sys.stderr, flush=True)
     if slices:
         print("  GPUs        " + "; ".join(f"agent {i}: CUDA_VISIBLE_DEVICES={s}" for i, s in enumerate(slices)),
               file=sys.stderr, flush=True)
@@ -71,6 +74,18 @@ def split_gpus(*, nodes: int, nproc: str, visible: list[str]) -> list[str] | Non
         return None
     per_node = int(nproc)
     return [",".join(visible[i * per_node:(i + 1) * per_node]) for i in range(nodes)]
+
+
+def threads_note(*, nodes: int, nproc: str, environ: Mapping[str, str]) -> str:
+    """What the header says about OMP_NUM_THREADS: every agent's plan sets it to 1 for its workers when several
+    share this host and the caller set none (rendezvous._choose_thread_env); '' when nothing is set."""
+    if "OMP_NUM_THREADS" in environ:
+        return f"OMP_NUM_THREADS={environ['OMP_NUM_THREADS']} in every worker (yours)"
+    if not nproc.isdigit() or nodes * int(nproc) < 2:
+        return ""
+    return (f"OMP_NUM_THREADS=1 in every worker: {nodes} x {nproc} workers share this host's {os.cpu_count() or '?'} "
+            "cores, and each would otherwise start a thread per core (torchrun sets 1 for several workers per node "
+            "too); set OMP_NUM_THREADS to choose")
 
 
 def _visible_gpus() -> list[str]:

@@ -8,12 +8,14 @@ import argparse
 from meshrun.config import (ACTIVATION_CHECKPOINT_MODES, DATA_PARALLEL_MODES, PIPELINE_SCHEDULES, TRAIN_DTYPES,
                             ConfigError, JobConfig, join_overrides, load_config)
 from meshrun.comm.axes import AXES, MESH_DIMS
+from meshrun.help_format import PlainHelpFormatter
 
 DESCRIPTION = "``meshrun plan``: an offline look at a parallel layout before any GPU is allocated."
 
 EPILOG = """\
 job options: the same as `meshrun train`'s. --config job.toml, then --section.key=value (or --section.key value)
-overrides, e.g. --parallel.tp=2 --model.name=1b --train.global_batch=512 (docs/config.md lists every option).
+overrides, e.g. --parallel.tp=2 --model.name=1b --train.global_batch=512 (`meshrun train --help` and
+docs/config.md list every option).
 The short flags above are aliases of those options (--tp 2 is --parallel.tp=2); give one form per option.
 Without --config, --model or --model.name the model is 124m.
 
@@ -53,7 +55,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     """The planner's options; ``args.overrides`` holds the ``--section.key=value`` items. Raises ConfigError for
     an argument that is neither."""
     p = argparse.ArgumentParser(prog="meshrun plan", description=DESCRIPTION, epilog=EPILOG,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=PlainHelpFormatter)
     p.add_argument("--config", help="TOML job config to start from, as for `meshrun train`")
     p.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (processes) per node (default 8)")

@@ -18,12 +18,15 @@ import json
 import sys
 from typing import Any
 
-from meshrun.config import ConfigError
+from meshrun.config import ConfigError, ModelConfig
 from meshrun.planner.args import job_from_args, parse_args
 from meshrun.planner.estimate import Plan, build_plan
 from meshrun.planner.render import print_plan, shown_ranks, to_json
 from meshrun.planner.step_time import (DEFAULT_PEAK_TFLOPS, estimate_lines, measured_tokens_per_s, parse_count,
                                        time_estimate)
+SIZE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "seq_len")
+"""The [model] fields that set its size; 0 takes the named size's value."""
+
 
 def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
@@ -54,11 +57,22 @@ def plan_time_estimate(plan: Plan, args: argparse.Namespace) -> tuple[dict[str, 
     if not args.tokens:
         return None, ""
     params, params_from = (parse_count(args.params, "--params"), "--params") if args.params else (
-        float(plan.spec.count_params(plan.model)), f"the model's {plan.job.model.name or 'custom'} size")
+        float(plan.spec.count_params(plan.model)), describe_size(plan.job.model))
     throughput = measured_tokens_per_s(args.from_run) if args.from_run else args.tokens_per_s
     peak = (args.peak_tflops or DEFAULT_PEAK_TFLOPS) * 1e12
     return time_estimate(params=params, tokens=parse_count(args.tokens, "--tokens"), gpus=plan.world_size,
                          peak_flops=peak, mfu=args.mfu, tokens_per_s=throughput), params_from
+
+
+def describe_size(model: ModelConfig) -> str:
+    """Where N comes from: the named size ('the gpt 124m size'), or the custom shape the 'model:' line shows when a
+    sizing field was given (Llama-3-8B's shapes over the default name are not 'the 124m size')."""
+    given = [name for name in SIZE_FIELDS if getattr(model, name)]
+    if not given:
+        return f"the {model.arch} {model.name} size"
+    if len(given) == len(SIZE_FIELDS):
+        return "the custom shape above"
+    return f"the custom shape above: {', '.join(given)} given, the rest from the {model.name} size"
 
 
 def run_dry_run(plan: Plan, args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from meshrun.help_format import PlainHelpFormatter
 from meshrun.report.load import Run, load_run, unique_names
 
 EPILOG = """\
@@ -23,7 +24,7 @@ examples:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="meshrun report", description=__doc__.split("\n\n")[0], epilog=EPILOG,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=PlainHelpFormatter)
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (each a train run.dir)")
     p.add_argument("--out", help="folder for index.html and the PNGs (default: RUN_DIR/report of the first run)")
     p.add_argument("--sample-prompt", default="def ", help="prompt of the text sample (default 'def ')")

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from meshrun.help_format import PlainHelpFormatter
 from meshrun.report.load import Run, is_run_dir, load_run
 
 FIELDS = ("status", "steps", "tokens", "best_val_loss", "tokens_per_s", "layout", "last_checkpoint_step", "restarts")
@@ -53,7 +54,8 @@ def render_table(rows: list[dict[str, Any]], root: Path):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="meshrun runs", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="meshrun runs", description=__doc__.split("\n\n")[0],
+                                formatter_class=PlainHelpFormatter)
     p.add_argument("dir", nargs="?", default="runs", help="folder holding run directories (default: runs)")
     p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)

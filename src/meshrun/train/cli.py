@@ -7,18 +7,24 @@ import sys
 import traceback
 
 from meshrun.config import ConfigError, join_overrides, load_config
+from meshrun.help_format import PlainHelpFormatter
 
 EPILOG = """\
 Options are set as --section.key=value (or --section.key value), on top of an optional TOML file, e.g.
   meshrun train --model.name=tiny --train.steps=100 --train.global_batch=64
   meshrun launch --nproc-per-node 2 train --config job.toml --train.micro_batch=4
-Sections: model, data, train, parallel, dist, checkpoint, health, run (see docs/config.md).
+Every option is below, as --section.key=DEFAULT with its description (also in docs/config.md).
 """
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    epilog = EPILOG
+    if {"-h", "--help"} & set(argv):  # the option list is read from the config classes' source: only for help
+        from meshrun.config_help import options_help
+
+        epilog += "\n" + options_help()
     parser = argparse.ArgumentParser(prog="meshrun train", description="Train the reference model.",
-                                     epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     epilog=epilog, formatter_class=PlainHelpFormatter)
     parser.add_argument("--config", help="TOML file with [section] tables")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
     parser.add_argument("--dry-run", action="store_true",

@@ -44,6 +44,7 @@ from meshrun.diag.gather import gather_floats
 from meshrun.diag.hang import HangWatchdog
 from meshrun.diag.stragglers import StragglerDetector, WorkTimer, gather_rank_infos
 from meshrun.train.gc_control import StepCollector
+from meshrun.train.console import ConsoleFormatter
 from meshrun.train.metrics import MetricsSink, SumMetrics, peak_flops
 from meshrun.train.nonfinite import NonFiniteGuard
 from meshrun.train.profiling import StepProfiler, build_profiler
@@ -321,7 +322,7 @@ class Trainer:
         if self.step:
             lines.append(f"resumed at step {self.step} (epoch {self.data.position.epoch}, "
                          f"{self.data.position.consumed:,} samples into it) from {self.ckpt.folder}")
-        for section, values in self.job.to_dict().items():
+        for section, values in self.job.to_dict().items() if self.job.run.print_config else ():
             lines.append(f"  [{section}] " + " ".join(f"{k}={v}" for k, v in values.items()))
         self.sink.print("\n".join(lines))
 
@@ -443,7 +444,7 @@ class Trainer:
         report = self.guard.check(self.step, self.env.world_size) if self.guard.enabled else None
         if report is not None:
             self.sink.print(f"warning: {report}")
-            log.warning("%s", report)
+            log.info("%s", report)  # the rank log; the console has the line above
 
     def check_stragglers(self, steps: int, elapsed: float) -> None:
         """Every rank's own working time (data + forward, before any blocking collective), peak memory and, for the
@@ -464,8 +465,10 @@ class Trainer:
         times = np.concatenate([table[:, :2], table[:, len(TIMING_FIELDS):]], axis=1)  # (world, 5): work, data, clock
         report = self.stragglers.observe_table(self.step, times)  # collective when the GEMM is re-run
         if report is not None:
-            self.sink.print(f"warning: {report}")
-            log.info("%s", report)
+            log.info("%s", report)  # every report in the rank log; on the console when the verdict changes
+        notice = self.stragglers.notices.to_say(self.step, report)
+        if notice:
+            self.sink.print(f"warning: {notice}")
 
     def train_record(self, totals: dict[str, float], steps: int, elapsed: float, gnorm: float | None) -> dict[str, Any]:
         tokens_per_s = steps * self.batch.tokens_per_step / max(elapsed, 1e-9)
@@ -504,5 +507,5 @@ def _setup_logging(run_dir: Path, env: ClusterEnv) -> None:
         return
     console = logging.StreamHandler()
     console.setLevel(logging.WARNING)
-    console.setFormatter(fmt)
+    console.setFormatter(ConsoleFormatter())  # the format of the trainer's own printed warnings
     logger.addHandler(console)
