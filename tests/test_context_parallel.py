@@ -91,6 +91,8 @@ def test_cp_is_refused_where_the_ring_cannot_run():
         check_context_parallel(cp=2, device=torch.device("cuda"), spec=replace(GPT_SPEC, arch="plain",
                                                                                sequence_buffers=None),
                                attention="auto")
+    with pytest.raises(ConfigError, match="parallel.cp=2 with fp32 compute.*train in bf16"):
+        check_context_parallel(cp=2, device=torch.device("cuda"), spec=GPT_SPEC, attention="auto", fp32=True)
     check_context_parallel(cp=1, device=torch.device("cpu"), spec=GPT_SPEC, attention="math")  # cp=1: nothing
 
 

@@ -27,9 +27,10 @@ FP32 = {
     "tp2": Layout(tied=True, grad_accum=1, parallel={"dp_replicate": 1, "tp": 2, "sequence_parallel": "true"}),
     "pp2_1f1b": Layout(tied=False, grad_accum=2, parallel={"dp_replicate": 1, "pp": 2, "pp_microbatches": 4}),
     "ddp2": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 2}),
-    "cp2": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 1, "cp": 2}),  # ring attention, FSDP over cp
 }
-FOUR_GPUS = {  # context parallelism composed with TP, FSDP and HSDP (run on a 4-GPU machine)
+# Context parallelism runs in bf16 only: fp32 SDPA takes the efficient-attention kernel, whose ring merge fails inside
+# torch 2.11 (a shape mismatch merging a partial block; seen on 2 H100s), so meshrun refuses it with the fix named.
+FOUR_GPUS = {  # context parallelism composed with TP, FSDP and HSDP in bf16 (run on a 4-GPU machine)
     "cp2_tp2_sp": Layout(tied=True, grad_accum=1, parallel={"dp_replicate": 1, "cp": 2, "tp": 2,
                                                             "sequence_parallel": "true"}),
     "fsdp2_cp2": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 1, "dp_shard": 2, "cp": 2}),
@@ -99,14 +100,17 @@ def test_fp32_layouts_on_two_gpus_equal_one_gpu(references):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs")
-def test_fp32_context_parallel_with_tp_fsdp_and_hsdp_on_four_gpus_equal_one_gpu(references):
-    assert_fp32_parity(_spawn(FOUR_GPUS, references, "fp32", world=4), FOUR_GPUS, references)
+def test_bf16_context_parallel_with_tp_fsdp_and_hsdp_on_four_gpus_tracks_fp32(references):
+    assert_bf16_tracks_fp32(_spawn(FOUR_GPUS, references, "bf16", world=4), FOUR_GPUS, references)
 
 
 def test_bf16_layouts_with_compile_and_checkpointing_track_fp32(references):
-    results = _spawn(BF16, references, "bf16")
+    assert_bf16_tracks_fp32(_spawn(BF16, references, "bf16"), BF16, references)
+
+
+def assert_bf16_tracks_fp32(results: dict, layouts: dict, references) -> None:
     for name, ranks in results.items():
-        ref = references[BF16[name].model]
+        ref = references[layouts[name].model]
         losses = torch.tensor(ranks[0]["losses"])
         assert torch.isfinite(losses).all(), name
         torch.testing.assert_close(losses, torch.tensor(ref["losses"]), rtol=0, atol=0.05,

@@ -75,7 +75,8 @@ def build_engine(*, job: JobConfig, model_cfg: ModelShape, dims: ParallelDims, m
     log.info("attention kernel: %s", select_attention(job.train.attention, device))
     if job.train.float8:
         check_float8(device, tp=dims.tp)
-    check_context_parallel(cp=dims.cp, device=device, spec=spec, attention=job.train.attention)
+    check_context_parallel(cp=dims.cp, device=device, spec=spec, attention=job.train.attention,
+                           fp32=compute_dtype in (None, torch.float32))
     fp32 = compute_dtype is None or compute_dtype == torch.float32
     compiled = compile_enabled(job.train.compile, device)
     if job.parallel.async_tp:

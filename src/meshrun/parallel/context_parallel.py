@@ -33,8 +33,9 @@ RING_KERNELS = ("flash", "efficient", "cudnn")
 """SDPA kernels torch's ring attention dispatches (parallel.cp needs one of them)."""
 
 
-def check_context_parallel(*, cp: int, device: torch.device, spec: ModelSpec, attention: str) -> None:
-    """Refuse parallel.cp > 1 where it cannot run, naming what to change."""
+def check_context_parallel(*, cp: int, device: torch.device, spec: ModelSpec, attention: str,
+                           fp32: bool = False) -> None:
+    """Refuse parallel.cp > 1 where it cannot run, naming what to change. ``fp32``: the run computes in fp32."""
     if cp == 1:
         return
     if device.type != "cuda":
@@ -44,6 +45,11 @@ def check_context_parallel(*, cp: int, device: torch.device, spec: ModelSpec, at
     if attention not in (*RING_KERNELS, "auto", "default"):
         raise ConfigError(f"parallel.cp={cp} with train.attention={attention}: ring attention runs the "
                           f"{', '.join(RING_KERNELS)} kernels only; use --train.attention=auto")
+    if fp32:
+        raise ConfigError(
+            f"parallel.cp={cp} with fp32 compute: fp32 attention runs SDPA's efficient kernel, whose ring merge "
+            "fails inside torch (a shape mismatch merging a partial block, seen on torch 2.11 with H100s); train in "
+            "bf16 (--train.dtype=auto or bf16)")
     if spec.sequence_buffers is None:
         raise ConfigError(
             f"parallel.cp={cp}: model.arch={spec.arch!r} does not say which buffers are indexed by position "
