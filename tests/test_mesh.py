@@ -65,10 +65,22 @@ def test_model_checks_name_the_option(model_change, parallel, message):
 
 def test_pipeline_batch_must_split_into_microbatches():
     dims = dims_for(2, dp_replicate=1, pp=2, pp_microbatches=4)
-    dims.validate_pipeline_batch(8)
+    dims.resolve_pipeline_batch(8)
     with pytest.raises(ConfigError, match="parallel.pp_microbatches=4 does not divide the 6 samples"):
-        dims.validate_pipeline_batch(6)
-    assert dims_for(2, dp_replicate=1, pp=2).pp_microbatches == 4  # default: 2 per stage
+        dims.resolve_pipeline_batch(6)
+
+
+def test_default_pipeline_microbatches_are_one_per_sample():
+    dims = dims_for(2, dp_replicate=1, pp=2)
+    assert dims.pp_microbatches == 0  # resolved with the batch
+    dims.resolve_pipeline_batch(16)
+    assert dims.pp_microbatches == 16  # bubble (2 - 1) / 16, not (2 - 1) / 4
+    few = dims_for(4, dp_replicate=1, pp=4)
+    with pytest.raises(ConfigError, match=r"fewer than the 4 pipeline stages.*one per sample: 2 samples"):
+        few.resolve_pipeline_batch(2)
+    interleaved = dims_for(2, dp_replicate=1, pp=2, pp_schedule="interleaved1f1b", pp_virtual_stages=2)
+    with pytest.raises(ConfigError, match="must be a multiple of parallel.pp=2 for interleaved1f1b"):
+        interleaved.resolve_pipeline_batch(3)
 
 
 def test_64_gpu_dp8_tp4_pp2_groups():

@@ -95,9 +95,8 @@ class ParallelDims:
         virtual = parallel.pp_virtual_stages if interleaved and degrees["pp"] > 1 else 1
         if virtual < 1:
             raise ConfigError(f"parallel.pp_virtual_stages must be >= 1, got {parallel.pp_virtual_stages}")
-        microbatches = 1
-        if degrees["pp"] > 1:
-            microbatches = parallel.pp_microbatches or 2 * degrees["pp"]
+        # with PP, 0 = one per sample of the step, resolved with the batch (resolve_pipeline_batch)
+        microbatches = parallel.pp_microbatches if degrees["pp"] > 1 else 1
         dims = cls(**degrees, world_size=world_size, pp_schedule=parallel.pp_schedule,
                    pp_microbatches=microbatches, pp_virtual_stages=virtual, gpus_per_node=gpus_per_node,
                    allow_tp_across_nodes=parallel.allow_tp_across_nodes)
@@ -110,7 +109,7 @@ class ParallelDims:
         """Checks of the degrees against each other and the node size."""
         if self.cp > 1:
             self._validate_cp()
-        if self.pp > 1:
+        if self.pp > 1 and self.pp_microbatches:
             self._validate_schedule()
         if self.gpus_per_node and self.tp > 1 and not self.allow_tp_across_nodes:
             if self.tp > self.gpus_per_node:
@@ -178,8 +177,17 @@ class ParallelDims:
         if spec.validate is not None:
             spec.validate(model, self)
 
-    def validate_pipeline_batch(self, samples_per_step: int) -> None:
-        """With PP, a dp rank's samples per step (micro_batch x grad_accum) must split into the micro-batches."""
+    def resolve_pipeline_batch(self, samples_per_step: int) -> None:
+        """With PP, a dp rank's samples per step (micro_batch x grad_accum) must split into the micro-batches;
+        parallel.pp_microbatches=0 resolves here to one micro-batch per sample (as torchtitan's default micro-batch
+        size of 1): the bubble (pp - 1) / m is then as small as the step allows."""
+        if self.pp > 1 and not self.pp_microbatches:
+            self.pp_microbatches = samples_per_step
+            try:
+                self._validate_schedule()
+            except ConfigError as err:
+                raise ConfigError(f"{err} (parallel.pp_microbatches=0 means one per sample: {samples_per_step} "
+                                  "samples per data-parallel rank per step, train.micro_batch x grad_accum)") from None
         if self.pp > 1 and samples_per_step % self.pp_microbatches:
             raise ConfigError(
                 f"parallel.pp_microbatches={self.pp_microbatches} does not divide the {samples_per_step} samples each "

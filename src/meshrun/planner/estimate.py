@@ -74,7 +74,7 @@ def build_plan(job: JobConfig, *, nodes: int, gpus_per_node: int, gpu_mem_gib: f
     dims = ParallelDims.from_config(job.parallel, world_size=world, gpus_per_node=gpus_per_node, model=model,
                                     spec=spec)
     batch = resolve_batch(job.train, dp_size=dims.dp_size, seq_len=model.seq_len)
-    dims.validate_pipeline_batch(batch.micro_batch * batch.grad_accum)
+    dims.resolve_pipeline_batch(batch.micro_batch * batch.grad_accum)
     plan = Plan(nodes=nodes, gpus_per_node=gpus_per_node, world_size=world, model=model, spec=spec, dims=dims,
                 batch=batch, job=job,
                 data_parallel=note or data_parallel_line(given, dims, params=params))

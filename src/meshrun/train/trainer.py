@@ -156,7 +156,7 @@ class Trainer:
         """train.micro_batch, grad_accum and global_batch over this world's data-parallel ranks; with PP, checked
         against parallel.pp_microbatches. The engine and the data loaders use this one plan."""
         batch = resolve_batch(self.job.train, dp_size=self.dims.dp_size, seq_len=self.model_cfg.seq_len)
-        self.dims.validate_pipeline_batch(batch.micro_batch * batch.grad_accum)
+        self.dims.resolve_pipeline_batch(batch.micro_batch * batch.grad_accum)
         return batch
 
     def build_run_dir(self) -> None:
