@@ -111,8 +111,9 @@ def test_resume_with_more_steps_names_the_lr_jump_and_the_run(trained, tmp_path,
     assert ("learning rate at step 4 jumps from 3.00e-04 to 2.32e-03: train.steps 4 -> 8: the cosine schedule is "
             "recomputed over 8 steps; --train.lr_schedule=wsd") in captured.err, captured.err
     assert "the configuration changed since (train.weight_decay 0.1 -> 0.05)" in captured.err, captured.err
-    assert f"resumed at step 4 (epoch 0, 8 samples into it) the run in {run_dir}: checkpoint of " in captured.out
-    assert "by 1 rank(s); --fresh starts a new run instead" in captured.out
+    assert f"resumed at step 4 (epoch 0, 8 samples into it) of the run in {run_dir}, from its checkpoint of " \
+        in captured.out
+    assert "saved by 1 rank(s); --fresh starts a new run instead" in captured.out
 
 
 def test_fresh_moves_the_earlier_run_aside(trained, tmp_path, capsys):
@@ -191,3 +192,29 @@ def test_a_rendezvous_error_without_a_cause_does_not_say_none():
             raise RuntimeError("rendezvous failed") from inner
     except RuntimeError as exc:
         assert _with_cause(exc) == "rendezvous failed (cause: ConnectionRefusedError: refused)"
+    bind = OSError(98, "Address already in use")
+    exc = RuntimeError("cannot listen on 127.0.0.1:29577 (Address already in use); choose another port")
+    exc.__context__ = bind
+    assert _with_cause(exc) == str(exc), "a cause the message already gives is not repeated"
+
+
+def test_fresh_on_an_elastic_restart_resumes_the_new_run_and_refuses_a_shared_checkpoint_dir(tmp_path, monkeypatch):
+    from meshrun.config import ConfigError
+    from meshrun.env import ClusterEnv
+    from meshrun.train.run_folder import RunFolder
+
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    job = JobConfig()
+    job.run.dir, job.run.fresh = str(tmp_path / "run"), True
+    coord = SimpleNamespace(barrier=lambda what: None)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # torchrun's agent restarted the fresh run's workers
+    folder = RunFolder(job, ClusterEnv.detect())
+    assert folder.start_fresh(job, coord) is False and not (tmp_path / "run.1").exists()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert folder.start_fresh(job, coord) is True and (tmp_path / "run.1" / "checkpoints").is_dir()
+    assert list((tmp_path / "run").iterdir()) == []
+    (tmp_path / "elsewhere" / "step_0000010").mkdir(parents=True)
+    (tmp_path / "elsewhere" / "step_0000010" / "COMPLETE").write_text("")
+    job.checkpoint.dir = str(tmp_path / "elsewhere")
+    with pytest.raises(ConfigError, match=r"run.fresh: checkpoint.dir=.*elsewhere holds checkpoints up to step 10"):
+        folder.start_fresh(job, coord)

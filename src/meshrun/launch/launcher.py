@@ -156,9 +156,10 @@ def _with_cause(exc: BaseException) -> str:
     """The error, and what caused it where torch chained one ('(cause: None)' said nothing)."""
     text = str(exc).strip() or type(exc).__name__
     cause = exc.__cause__ or exc.__context__
-    if cause is None:
+    detail = str(cause).strip().splitlines()[0] if cause is not None and str(cause).strip() else ""
+    if cause is None or (detail and detail.split("] ")[-1] in text):  # nothing to add to what the error says
         return text
-    return f"{text} (cause: {type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''})"
+    return f"{text} (cause: {type(cause).__name__}{f': {detail}' if detail else ''})"
 
 
 def _forward_preemption_signals() -> PreemptionFlag:

@@ -95,11 +95,6 @@ class RunFolder:
             (self.path / "config.toml").write_text(config_toml)
         self.opened = True
 
-    def write_config(self, config_toml: str) -> None:
-        """config.toml again, once open (a resume at another world size re-derived the batch)."""
-        if self.opened and self.env.is_rank_zero:
-            (self.path / "config.toml").write_text(config_toml)
-
 
 def _setup_logging(env: ClusterEnv) -> logging.handlers.MemoryHandler:
     """Rank 0 logs warnings to the console; every rank keeps its lines (with its rank) in memory until the run
@@ -133,9 +128,9 @@ def describe_resume(manifest: dict[str, Any] | None, *, run_dir: Path, moved_to:
     degrees = " ".join(f"{k}={layout[k]}" for k in ("dp_replicate", "dp_shard", "tp", "pp") if layout.get(k, 1) > 1)
     created = manifest.get("created_unix")
     when = time.strftime("%Y-%m-%d %H:%M", time.localtime(created)) if created else "an unknown date"
-    return (f"resumed at step {manifest['step']}{f' ({where})' if where else ''} the run in {run_dir}: checkpoint of "
-            f"{when} by {manifest.get('world_size')} rank(s){f' ({degrees})' if degrees else ''}; --fresh starts a "
-            "new run instead")
+    return (f"resumed at step {manifest['step']}{f' ({where})' if where else ''} of the run in {run_dir}, from its "
+            f"checkpoint of {when} saved by {manifest.get('world_size')} rank(s){f' ({degrees})' if degrees else ''}; "
+            "--fresh starts a new run instead")
 
 
 def fresh_conflict(job: JobConfig, run_dir: Path, steps_in: Callable[[Path], list[int]]) -> str | None:
