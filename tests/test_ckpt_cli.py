@@ -102,8 +102,10 @@ def test_crafted_metadata_cannot_run_code(folder, tmp_path, capsys):
     step = path / step_dir_name(2)
     marker = tmp_path / "pwned"
     craft_metadata(step, marker)
-    assert main(["ckpt", "verify", str(step)]) == 0, "the manifest was recomputed: only unpickling can tell"
-    capsys.readouterr()
+    assert main(["ckpt", "verify", str(step)]) == 1, "the hashes match the recomputed manifest; verify must still " \
+                                                     "refuse what a resume refuses"
+    failed = capsys.readouterr().out
+    assert f"FAILED {step / '.metadata'}: refers to the global posix.system" in failed, failed
     assert main(["ckpt", "export", str(step), "--to", str(tmp_path / "model.safetensors")]) == 1
     first = capsys.readouterr().err.strip().splitlines()[0]
     assert str(step / ".metadata") in first and "posix.system" in first, first
@@ -123,5 +125,6 @@ def test_export_refuses_a_model_entry_that_is_not_a_tensor(tmp_path, capsys):
     reseal(folder)
     out = tmp_path / "model.safetensors"
     assert main(["ckpt", "export", str(folder), "--to", str(out)]) == 1
-    assert "model entry 'model_optim.model.norm.weight' is stored as a pickled object" in capsys.readouterr().err
+    assert "entry 'model_optim.model.norm.weight' is stored as a pickled object" in capsys.readouterr().err
+    assert main(["ckpt", "verify", str(folder)]) == 1, "verify refuses what export and resume refuse"
     assert not out.exists()

@@ -107,12 +107,15 @@ def complete_steps(run_dir: Path) -> list[int]:
     return sorted(int(p.name.removeprefix("step_")) for p in folder.glob("step_*") if (p / "COMPLETE").exists())
 
 
-def assert_stopped_with_a_checkpoint(proc: subprocess.Popen, out: str, run_dir: Path, signal_name: str) -> int:
-    assert proc.returncode == EXIT_PREEMPTED, out[-6000:]
+def assert_stopped_with_a_checkpoint(proc: subprocess.Popen, out: str, run_dir: Path, signal_name: str, *,
+                                     label: str | None = None, code: int = EXIT_PREEMPTED) -> int:
+    """``label``: how the messages name the signal (``signal_name`` unless given)."""
+    label = label or signal_name
+    assert proc.returncode == code, out[-6000:]
     newest = complete_steps(run_dir)[-1]
     assert 2 <= newest < STEPS, f"newest checkpoint {newest}: the signal came after the end; make the run longer"
-    assert f"stopping at step {newest} after {signal_name} (checkpoint saved)" in out, out[-6000:]
-    assert f"meshrun train: stopped at step {newest} of {STEPS} by {signal_name}" in out, out[-6000:]
+    assert f"stopping at step {newest} after {label} (checkpoint saved)" in out, out[-6000:]
+    assert f"meshrun train: stopped at step {newest} of {STEPS} by {label}" in out, out[-6000:]
     assert not list((run_dir / "checkpoints").glob("*.tmp*")), "a save was left half-written"
     assert ckpt_main(["verify", str(run_dir / "checkpoints" / f"step_{newest:07d}")]) == 0
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -168,3 +171,38 @@ def test_sigusr1_to_the_launcher_reaches_the_worker(tmp_path):
     os.kill(proc.pid, signal.SIGUSR1)
     out = finish(proc, log)
     assert_stopped_with_a_checkpoint(proc, out, run_dir, "SIGUSR1")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launch", [False, True], ids=["one process", "launch with 2 ranks"])
+def test_ctrl_c_saves_and_exits_130_and_a_second_ctrl_c_stops_at_once(tmp_path, launch):
+    """The first Ctrl-C is a stop request: one line, a final checkpoint, exit 130, no traceback from any rank. A
+    second Ctrl-C ends the run at once, again without a traceback (one process; under launch, where the launcher
+    kills its workers, checked by hand: a second start of two ranks would double this test's 30 s). A terminal sends
+    SIGINT to the foreground process (torch starts each worker in a session of its own, so under launch only the
+    launcher gets it, as here)."""
+    command = ["launch", "--nproc-per-node", "2", "train"] if launch else ["train"]
+    run_dir, log = tmp_path / "run", tmp_path / "run.log"
+    proc = start(command, run_dir, log)
+    wait_for_checkpoint(proc, run_dir, log)
+    os.kill(proc.pid, signal.SIGINT)
+    out = finish(proc, log)
+    assert_stopped_with_a_checkpoint(proc, out, run_dir, "SIGINT", label="Ctrl-C (SIGINT)", code=130)
+    assert "run the same command to resume" in out and "press Ctrl-C again to stop at once" in out, out[-6000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-6000:]
+    if launch:
+        assert "meshrun launch: Ctrl-C (SIGINT)" in out and "exit code 130" in out, out[-6000:]
+        return
+
+    second_log = tmp_path / "second.log"
+    resumed = start(command, run_dir, second_log)
+    deadline = time.monotonic() + 30
+    while "resumed at step" not in second_log.read_text():
+        assert resumed.poll() is None and time.monotonic() < deadline, second_log.read_text()[-6000:]
+        time.sleep(0.02)
+    os.kill(resumed.pid, signal.SIGINT)
+    time.sleep(0.05)
+    os.kill(resumed.pid, signal.SIGINT)
+    out = finish(resumed, second_log, timeout=15)
+    assert resumed.returncode in (130, -signal.SIGINT), out[-6000:]  # -2: the system ended it (the shell says 130)
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-6000:]

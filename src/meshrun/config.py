@@ -38,6 +38,7 @@ DeviceKind = Literal["auto", "cpu", "cuda"]
 HangAction = Literal["exit", "report"]
 ProgressMode = Literal["auto", "bar", "lines"]
 DdpGraphMode = Literal["auto", "split", "whole"]
+LrSchedule = Literal["cosine", "wsd"]
 
 DATA_FORMATS: tuple[str, ...] = get_args(DataFormat)
 TOKEN_DTYPES: tuple[str, ...] = get_args(TokenDtype)
@@ -53,6 +54,7 @@ DDP_GRAPH_MODES: tuple[str, ...] = get_args(DdpGraphMode)
 DEVICE_KINDS: tuple[str, ...] = get_args(DeviceKind)
 HANG_ACTIONS: tuple[str, ...] = get_args(HangAction)
 PROGRESS_MODES: tuple[str, ...] = get_args(ProgressMode)
+LR_SCHEDULES: tuple[str, ...] = get_args(LrSchedule)
 
 
 class ConfigError(ValueError):
@@ -106,9 +108,14 @@ class TrainConfig:
     lr: float = 3e-3
     """Peak learning rate."""
     min_lr: float = 3e-4
-    """Learning rate at the end of the cosine decay."""
+    """Learning rate at the end of the decay."""
     warmup_steps: int = 20
     """Linear warm-up steps."""
+    lr_schedule: LrSchedule = "cosine"
+    """After warm-up: cosine (decay to min_lr over train.steps) or wsd (constant, then a linear decay over the last
+    train.decay_fraction; extends to more steps without a jump, docs/training.md)."""
+    decay_fraction: float = 0.2
+    """lr_schedule=wsd: the final fraction of train.steps over which the rate decays to min_lr."""
     weight_decay: float = 0.1
     """AdamW weight decay (not applied to norms and biases)."""
     beta1: float = 0.9
@@ -275,6 +282,9 @@ class RunConfig:
 
     dir: str = "runs/default"
     """Run folder: resolved config, metrics.jsonl, rank logs, checkpoints, profiler traces."""
+    fresh: bool = False
+    """Start a new run, not resume: an earlier run in run.dir is moved to <run.dir>.N first (nothing is deleted);
+    an elastic restart of this job continues the new run. `meshrun train --fresh` sets it."""
     tensorboard: bool = False
     """Also write TensorBoard event files (needs the tensorboard package)."""
     progress: ProgressMode = "auto"
@@ -338,6 +348,7 @@ class JobConfig:
         _check_choice("train.attention", self.train.attention, ATTENTION_BACKENDS)
         _check_choice("train.loss", self.train.loss, LOSS_MODES)
         _check_choice("train.nonfinite", self.train.nonfinite, NONFINITE_MODES)
+        _check_choice("train.lr_schedule", self.train.lr_schedule, LR_SCHEDULES)
         self.train.compile = _tri_state("train.compile", self.train.compile)
         self.train.cuda_graphs = _tri_state("train.cuda_graphs", self.train.cuda_graphs)
         _check_choice("parallel.ddp_graph", self.parallel.ddp_graph, DDP_GRAPH_MODES)
@@ -402,6 +413,7 @@ _RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("train.lr", lambda v: v >= 0, "give a learning rate >= 0, e.g. 3e-3"),
     ("train.min_lr", lambda v: v >= 0, "give a final learning rate >= 0, e.g. 3e-4"),
     ("train.warmup_steps", lambda v: v >= 0, "give a number of steps >= 0"),
+    ("train.decay_fraction", lambda v: 0 < v <= 1, "give a fraction of train.steps in (0, 1], e.g. 0.2"),
     ("train.weight_decay", lambda v: v >= 0, "give a weight decay >= 0, e.g. 0.1"),
     ("train.beta1", lambda v: 0 <= v < 1, "AdamW's betas must be in [0, 1), e.g. 0.9"),
     ("train.beta2", lambda v: 0 <= v < 1, "AdamW's betas must be in [0, 1), e.g. 0.95"),

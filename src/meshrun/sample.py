@@ -1,7 +1,8 @@
 """``meshrun sample CHECKPOINT``: print what the reference model writes after a prompt.
 
 Loads any checkpoint of the reference model on one process, whatever layout saved it (DDP, FSDP, TP, PP: the
-weights are read whole through DCP), with the model shape from the run's ``config.toml``. Byte-level text only
+weights are read whole through DCP), with the model shape from the config the checkpoint carries (the run's
+``config.toml`` for checkpoints of an older meshrun, which did not store it). Byte-level text only
 (the standard library corpus and text files): the prompt's UTF-8 bytes are the tokens.
 """
 
@@ -14,6 +15,7 @@ from pathlib import Path
 import torch
 
 from meshrun.ckpt.errors import CheckpointError
+from meshrun.ckpt.reader import resolve_checkpoint  # noqa: F401 - also meshrun.sample's, for report/cli
 from meshrun.config import ConfigError, JobConfig, load_config
 from meshrun.help_format import PlainHelpFormatter
 
@@ -34,28 +36,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
     p.add_argument("--seed", type=int, default=0, help="random seed of the sampling (default 0)")
-    p.add_argument("--config", help="the run's config.toml (default: found next to the checkpoints)")
+    p.add_argument("--config", help="a config.toml to use instead of the config the checkpoint carries")
     return p.parse_args(argv)
 
 
-def resolve_checkpoint(path: Path) -> Path:
-    """A step directory from a step directory, a checkpoints folder or a run directory (newest complete)."""
-    from meshrun.ckpt.layout import complete_steps, scan, step_dir_name
-
-    if (path / "manifest.json").is_file():
-        return path
-    for folder in (path, path / "checkpoints"):
-        steps = complete_steps(scan(folder)) if folder.is_dir() else []
-        if steps:
-            return folder / step_dir_name(max(steps))
-    raise CheckpointError(f"{path}: no complete checkpoint here (looked for manifest.json, step_* directories and "
-                          "checkpoints/step_*); give a checkpoint directory, e.g. runs/default/checkpoints/step_0000300")
-
-
 def find_config(step_dir: Path, explicit: str | None) -> JobConfig:
-    """The run's config: --config, else config.toml in the run directory above the checkpoints folder."""
+    """The run's config: --config, else the one the checkpoint carries, else (a checkpoint of an older meshrun)
+    config.toml in the run directory above the checkpoints folder."""
+    from meshrun.ckpt.manifest import read_manifest
+    from meshrun.ckpt.run_config import job_from_dict, saved_config
+
     if explicit:
         return load_config(explicit)
+    try:
+        stored = saved_config(read_manifest(step_dir))
+    except CheckpointError:
+        stored = None  # verified (and named) when the weights are loaded
+    if stored is not None:
+        return job_from_dict(stored)
     for folder in (step_dir.parent.parent, step_dir.parent, step_dir):
         if (folder / "config.toml").is_file():
             return load_config(folder / "config.toml")

@@ -41,7 +41,8 @@ from meshrun.ckpt.layout import (COMPLETE, MANIFEST, complete_steps, scan, step_
                                  tmp_dir_name, trash_dir_name)
 from meshrun.ckpt.manifest import (build_manifest, check_structure, code_version, describe_files, fsync_dir,
                                    write_durable)
-from meshrun.ckpt.preemption import PreemptionFlag
+from meshrun.ckpt.preemption import PreemptionFlag, signal_label
+from meshrun.ckpt.run_config import describe_changes, saved_config
 from meshrun.ckpt.space import check_room, describe_failure, payload_bytes
 from meshrun.ckpt.state import is_blob_key, walk
 from meshrun.config import CheckpointConfig
@@ -92,6 +93,8 @@ class Checkpointer:
         """Set (on every rank alike) by should_save once any rank got SIGTERM: save, then leave the loop."""
         self.notes: list[str] = []
         """What the last load reported: skipped or damaged checkpoints, world-size and config changes."""
+        self.config: dict[str, Any] | None = None
+        """This run's resolved config (as saved in manifests' meta.config): a changed fingerprint names the options."""
         """Seconds of the last finished save on this rank: stall, write, hash, total."""
         self._started = time.time()
         self._last_save_time = time.monotonic()
@@ -122,8 +125,9 @@ class Checkpointer:
             if signalled_all and not self.stop_requested:
                 self.stop_requested = True
                 if self.coord.rank == 0:
-                    log.warning("stop signal received (SIGTERM or SIGUSR1: preemption, time limit): %s at step "
-                                "%d and stopping",
+                    name = self.preemption.signal_name if self.preemption.is_set() else None
+                    log.warning("%s received: %s at step %d and stopping", signal_label(name) if name else
+                                "stop signal (SIGTERM, SIGUSR1: preemption, time limit; or Ctrl-C) on another rank",
                                 "saving a final checkpoint" if self.cfg.final else "not saving (checkpoint.final is off)",
                                 step)
         return by_steps or by_time or (self.stop_requested and self.cfg.final)
@@ -393,8 +397,10 @@ class Checkpointer:
                      else f"the RNG streams of ranks {now}..{saved - 1} were not loaded")
             self._report(f"{path} was saved by {saved} ranks and is loaded by {now} (resharded); {extra}")
         if manifest.get("config_fingerprint") != self.config_fingerprint:
+            changed = describe_changes(saved_config(manifest), self.config)
             self._report(f"{path} was saved with config fingerprint {manifest.get('config_fingerprint')}, this run "
-                         f"has {self.config_fingerprint}: the configuration changed since")
+                         f"has {self.config_fingerprint}: the configuration changed since"
+                         + (f" ({changed})" if changed else ""))
 
 
 def _mtime(path: Path) -> float:

@@ -1,7 +1,8 @@
 """``meshrun ckpt``: list, verify and export checkpoints. Parsing and printing only; the work is in reader.py.
 
     meshrun ckpt ls [DIR]                          table of the checkpoints in DIR (or DIR/checkpoints)
-    meshrun ckpt verify PATH [--no-checksums]      exit 1, naming each bad file, if PATH is not intact
+    meshrun ckpt verify PATH [--no-checksums]      exit 1, naming each bad file, if PATH (or a run folder's newest
+                                                   checkpoint) is not intact or would be refused by a resume
     meshrun ckpt export PATH --to model.safetensors   consolidated model weights for inference
 """
 
@@ -28,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("dir", nargs="?", help=f"checkpoint folder or run folder (default: {reader.DEFAULT_FOLDER})")
     ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
     verify = sub.add_parser("verify", help="check marker, manifest, sizes and SHA-256 of every file")
-    verify.add_argument("path", help="a checkpoint directory (step_NNNNNNN)")
+    verify.add_argument("path", help="a checkpoint directory (step_NNNNNNN), or a checkpoints or run folder: its "
+                        "newest complete checkpoint, the one a resume tries first")
     verify.add_argument("--no-checksums", action="store_true", help="check sizes only (fast)")
     export = sub.add_parser("export", help="write the model weights (no optimizer) as one safetensors file")
     export.add_argument("path", help="a checkpoint directory (step_NNNNNNN)")
@@ -62,7 +64,7 @@ def _ls(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    path = Path(args.path)
+    path = reader.resolve_checkpoint(Path(args.path))
     manifest, problems = reader.verify(path, checksums=not args.no_checksums)
     for problem in problems:
         print(f"FAILED {problem}")

@@ -210,8 +210,9 @@ def _prepare(node: dict[str, Any], prefix: str, saved: dict[str, Any], *, path: 
         if is_blob_key(dotted):
             out[key] = torch.empty(tuple(entry.size), dtype=torch.uint8)
         elif tuple(entry.size) != tuple(value.shape):
-            raise CheckpointError(f"{path}: {source} has shape {tuple(entry.size)} in the checkpoint but "
-                                  f"{tuple(value.shape)} in this run; the model configuration differs")
+            raise CheckpointError(f"resume refused: {source} has shape {tuple(entry.size)} in {path} but "
+                                  f"{tuple(value.shape)} in this run (the model configuration differs); train it in "
+                                  "a new --run.dir, or start over with --fresh or --checkpoint.resume=none")
         else:
             out[key] = value
         if source != dotted:

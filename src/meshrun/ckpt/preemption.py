@@ -12,6 +12,10 @@ forward its own copies, so one preemption arrives as a burst. Signals within ``g
 SIGKILL (after KillWait) or torch's agent's (30 s after it forwarded the signal). A signal *later* than the
 window runs the previous handler (by default: terminate now), so a user who sends SIGTERM twice, well apart,
 still gets an immediate stop.
+
+Ctrl-C (SIGINT, with ``interrupt=True``) means the same as SIGTERM the first time: save at the next log step, then
+stop (exit code 130). The handler then gives SIGINT back to the system, so a second Ctrl-C ends the process at once
+and without a traceback, even inside a blocking call.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import os
 import signal
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 DEFAULT_GRACE_S = 30.0
 """Repeated signals this soon after the first are part of the same preemption, not a demand to die now."""
@@ -31,6 +35,25 @@ PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 EXIT_PREEMPTED = 128 + signal.SIGTERM
 """Exit code of a run stopped early by one of PREEMPTION_SIGNALS (after its final checkpoint): 143, the shell's
 code for SIGTERM, whichever of the signals arrived. Never 0: the run did not reach train.steps."""
+
+
+EXIT_INTERRUPTED = 128 + signal.SIGINT
+"""Exit code of a run stopped by Ctrl-C after its final checkpoint: 130, the shell's code for SIGINT."""
+
+
+def exit_code(signal_name: str | None) -> int:
+    """The exit code of a run stopped early by ``signal_name``: 130 after Ctrl-C, else :data:`EXIT_PREEMPTED`."""
+    return EXIT_INTERRUPTED if signal_name == "SIGINT" else EXIT_PREEMPTED
+
+
+def signal_label(name: str | None) -> str:
+    """How a message names the signal that stopped a run: 'Ctrl-C (SIGINT)', 'SIGTERM', ..."""
+    return "Ctrl-C (SIGINT)" if name == "SIGINT" else name or "a stop signal"
+
+
+def announce(line: str) -> None:
+    """From a signal handler: one line on stderr, in one write (not through sys.stderr, which may be mid-write)."""
+    os.write(2, f"meshrun train: {line}\n".encode())
 
 
 class PreemptionFlag:
@@ -73,16 +96,25 @@ class PreemptionFlag:
         self._previous.clear()
 
 
-def install_sigterm_handler(signals: tuple[int, ...] = PREEMPTION_SIGNALS, *,
-                            grace_s: float = DEFAULT_GRACE_S) -> PreemptionFlag:
-    """Install the handler for ``signals`` (main thread only) and return the flag it sets.
+def install_sigterm_handler(signals: tuple[int, ...] = PREEMPTION_SIGNALS, *, grace_s: float = DEFAULT_GRACE_S,
+                            interrupt: bool = False, announce: Callable[[str], None] | None = None) -> PreemptionFlag:
+    """Install the handler for ``signals`` (and SIGINT with ``interrupt``; main thread only); return the flag it sets.
 
     The first signal sets the flag; repeats within ``grace_s`` are counted and ignored; a repeat after that
-    restores the previous handlers and re-raises the signal (by default: terminate now).
+    restores the previous handlers and re-raises the signal (by default: terminate now). The first SIGINT sets the
+    flag too, calls ``announce`` with one line, and leaves SIGINT to the system: the next one ends the process.
     """
     flag = PreemptionFlag(grace_s=grace_s)
 
     def handler(signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C: the system ends the process at once
+            if flag.is_set():  # Ctrl-C after a SIGTERM: the user wants it to end now
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            if announce is not None:
+                announce("Ctrl-C: saving a checkpoint at the next log step, then stopping (exit code 130); press "
+                         "Ctrl-C again to stop at once without it")
         if not flag.is_set():
             flag.set(signal.Signals(signum).name)
         elif flag.in_grace():  # the same preemption's burst: keep saving
@@ -91,5 +123,5 @@ def install_sigterm_handler(signals: tuple[int, ...] = PREEMPTION_SIGNALS, *,
             flag.restore()
             os.kill(os.getpid(), signum)
 
-    flag.install(signals, handler)
+    flag.install((*signals, signal.SIGINT) if interrupt else signals, handler)
     return flag

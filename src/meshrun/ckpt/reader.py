@@ -7,6 +7,7 @@ safetensors; DCP's own ``.metadata`` (whose checksum is verified first) is read 
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -19,9 +20,10 @@ from rich.table import Table
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from meshrun.ckpt.errors import CheckpointError
-from meshrun.ckpt.layout import scan
+from meshrun.ckpt.layout import STEP_RE, complete_steps, scan, step_dir_name
 from meshrun.ckpt.manifest import check_checksums, check_structure, read_manifest
-from meshrun.ckpt.safe_metadata import SafeFileSystemReader
+from meshrun.ckpt.run_config import saved_config
+from meshrun.ckpt.safe_metadata import METADATA_FILE, SafeFileSystemReader, load_metadata
 from meshrun.units import format_bytes
 
 DEFAULT_FOLDER = Path("runs/default/checkpoints")
@@ -50,6 +52,19 @@ def resolve_folder(arg: str | None) -> Path:
     """The folder to list: the argument (a checkpoint folder, or a run folder holding checkpoints/)."""
     folder = Path(arg) if arg else DEFAULT_FOLDER
     return folder / "checkpoints" if (folder / "checkpoints").is_dir() else folder
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """A step directory from a step directory, a checkpoints folder or a run directory (its newest complete one, the
+    one a resume picks first)."""
+    if (path / "manifest.json").is_file() or STEP_RE.match(path.name):
+        return path
+    for folder in (path, path / "checkpoints"):
+        steps = complete_steps(scan(folder)) if folder.is_dir() else []
+        if steps:
+            return folder / step_dir_name(max(steps))
+    raise CheckpointError(f"{path}: no complete checkpoint here (looked for manifest.json, step_* directories and "
+                          "checkpoints/step_*); give a checkpoint directory, e.g. runs/default/checkpoints/step_0000300")
 
 
 def list_checkpoints(folder: Path) -> list[Row]:
@@ -113,14 +128,32 @@ def human_age(seconds: float) -> str:
 
 
 def verify(path: Path, *, checksums: bool = True) -> tuple[dict[str, Any] | None, list[str]]:
-    """(manifest, problems): marker, manifest, names, sizes and, unless disabled, every file's SHA-256."""
+    """(manifest, problems): marker, manifest, names, sizes, unless disabled every file's SHA-256, and DCP's
+    ``.metadata`` as a resume reads it (so verify refuses what a resume refuses, however well the hashes match)."""
     if not path.is_dir():
         return None, [f"{path}: no such checkpoint directory"]
     manifest, problems = check_structure(path)
     if manifest is not None and checksums:
         present = [name for name in manifest["files"] if (path / name).is_file()]
         problems += check_checksums(path, manifest, present, threads=os.cpu_count() or 4)
+    if manifest is not None and not problems:
+        problems += metadata_problems(path)
     return manifest, problems
+
+
+def metadata_problems(path: Path) -> list[str]:
+    """What a resume refuses in DCP's ``.metadata``: a global DCP never uses, or an entry stored as a pickled
+    object rather than a tensor."""
+    try:
+        entries = load_metadata(path / METADATA_FILE).state_dict_metadata
+    except CheckpointError as exc:
+        return [str(exc)]
+    odd = sorted(key for key, entry in entries.items() if not isinstance(entry, TensorStorageMetadata))
+    if not odd:
+        return []
+    more = f" (and {len(odd) - 1} more)" if len(odd) > 1 else ""
+    return [f"{path / METADATA_FILE}: entry {odd[0]!r}{more} is stored as a pickled object; meshrun never writes those "
+            "and a resume refuses them (the checkpoint is foreign or crafted)"]
 
 
 def export_model(path: Path, out: Path) -> dict[str, Any]:
@@ -131,7 +164,12 @@ def export_model(path: Path, out: Path) -> dict[str, Any]:
     manifest, weights = load_model_weights(path, purpose="export")
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.name + ".partial")
-    save_file(weights, str(partial), metadata={"format": "pt", "step": str(manifest["step"]), "source": str(path)})
+    metadata = {"format": "pt", "step": str(manifest["step"]), "source": str(path)}
+    config = saved_config(manifest)
+    if config is not None:  # what the weights need to be rebuilt: the model section, and the whole job
+        metadata.update(model_config=json.dumps(config.get("model", {}), sort_keys=True),
+                        meshrun_config=json.dumps(config, sort_keys=True))
+    save_file(weights, str(partial), metadata=metadata)
     os.replace(partial, out)
     return {"step": manifest["step"], "tensors": len(weights), "bytes": out.stat().st_size,
             "dtypes": sorted({str(t.dtype).removeprefix("torch.") for t in weights.values()})}

@@ -21,7 +21,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError, Rendezvous
 from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args
 
-from meshrun.ckpt.preemption import EXIT_PREEMPTED, PREEMPTION_SIGNALS, PreemptionFlag
+from meshrun.ckpt.preemption import PREEMPTION_SIGNALS, PreemptionFlag, exit_code
 from meshrun.launch import stores
 from meshrun.launch.stores import StoreAnswer, probe_store
 from meshrun.launch.args import LaunchArgs, check_target
@@ -82,6 +82,8 @@ def launch(largs: LaunchArgs) -> int:
     config, entrypoint, entry_args = config_from_args(largs.ns)
     _announce_restarts()
     forwarding = _forward_preemption_signals()
+    if hasattr(config, "signals_to_handle"):  # torch >= 2.6 sets the variable from its config at launch
+        config.signals_to_handle = os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"]
     started = time.monotonic()
     try:
         elastic_launch(config=config, entrypoint=entrypoint)(*entry_args)
@@ -98,10 +100,13 @@ def launch(largs: LaunchArgs) -> int:
         return _exit_code(failure.exitcode)
     except SignalException as exc:  # SIGTERM/SIGINT (scancel, Ctrl-C): torch's agent has stopped the workers
         name = signal.Signals(exc.sigval).name
-        if exc.sigval in PREEMPTION_SIGNALS:
-            print(f"meshrun launch: {name} on {_host(plan)}: forwarded to the workers, which save a checkpoint and "
-                  f"stop; exit code {EXIT_PREEMPTED}.", file=sys.stderr, flush=True)
-            return EXIT_PREEMPTED
+        if exc.sigval in (*PREEMPTION_SIGNALS, signal.SIGINT):
+            code = exit_code(name)
+            what = "Ctrl-C (SIGINT)" if exc.sigval == signal.SIGINT else name
+            done = ("stopped at once by a second Ctrl-C (no checkpoint of the current step)" if forwarding.ignored < 0
+                    else "forwarded to the workers, which save a checkpoint and stop")
+            print(f"meshrun launch: {what} on {_host(plan)}: {done}; exit code {code}.", file=sys.stderr, flush=True)
+            return code
         print(f"meshrun launch: stopped by {name} on {_host(plan)}; workers were stopped.", file=sys.stderr,
               flush=True)
         return 128 + int(exc.sigval)
@@ -114,9 +119,8 @@ def launch(largs: LaunchArgs) -> int:
     except RendezvousTimeoutError as exc:
         raise LaunchError(rendezvous_timeout_message(plan)) from exc
     except RendezvousError as exc:
-        raise LaunchError(f"rendezvous at {plan.endpoint} failed on {_host(plan)}: {exc} "
-                          f"(cause: {exc.__cause__}); check that every node uses the same --rdzv-endpoint and "
-                          "--rdzv-id.") from exc
+        raise LaunchError(f"rendezvous at {plan.endpoint} failed on {_host(plan)}: {_with_cause(exc)}; check that "
+                          "every node uses the same --rdzv-endpoint and --rdzv-id.") from exc
     finally:
         forwarding.restore()
     return 0
@@ -148,6 +152,16 @@ def _hang_verdict(exc: ChildFailedError) -> str:
     return ""
 
 
+def _with_cause(exc: BaseException) -> str:
+    """The error, and what caused it where torch chained one ('(cause: None)' said nothing)."""
+    text = str(exc).strip() or type(exc).__name__
+    cause = exc.__cause__ or exc.__context__
+    detail = str(cause).strip().splitlines()[0] if cause is not None and str(cause).strip() else ""
+    if cause is None or (detail and detail.split("] ")[-1] in text):  # nothing to add to what the error says
+        return text
+    return f"{text} (cause: {type(cause).__name__}{f': {detail}' if detail else ''})"
+
+
 def _forward_preemption_signals() -> PreemptionFlag:
     """Make SIGTERM and SIGUSR1 reach the workers once per preemption, and keep the agent waiting for their save.
 
@@ -157,13 +171,25 @@ def _forward_preemption_signals() -> PreemptionFlag:
     agent's list and raises the agent's own SignalException for the first one: the agent then sends that signal
     to every worker's process group and waits its shutdown timeout (30 s) before SIGKILL. Repeats within the
     grace window are ignored; a later one raises again (torch's behaviour).
+
+    Ctrl-C (SIGINT) is forwarded the same way (the workers save and stop, exit code 130); a second Ctrl-C kills the
+    workers at once (they run in sessions of their own, so the terminal's SIGINT reaches this process only), and
+    marks the flag (``ignored`` < 0) so that the exit line says so.
     """
     handled = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT").split(",")
-    names = {signal.Signals(s).name for s in PREEMPTION_SIGNALS}
+    names = {signal.Signals(s).name for s in (*PREEMPTION_SIGNALS, signal.SIGINT)}
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(n.strip() for n in handled if n.strip() not in names)
     flag = PreemptionFlag()
 
     def handler(signum: int, frame: object) -> None:
+        if signum == signal.SIGINT and flag.is_set():  # a second Ctrl-C: stop now
+            flag.ignored = -1
+            for pid in _child_pids():
+                try:
+                    os.killpg(pid, signal.SIGKILL)  # each worker leads its own session (torch starts it so)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            return
         if flag.is_set() and flag.in_grace():
             flag.ignored += 1
             return
@@ -171,8 +197,23 @@ def _forward_preemption_signals() -> PreemptionFlag:
         flag.set(sigval.name)
         raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
 
-    flag.install(PREEMPTION_SIGNALS, handler)
+    flag.install((*PREEMPTION_SIGNALS, signal.SIGINT), handler)
     return flag
+
+
+def _child_pids() -> list[int]:
+    """This process's children (the workers), from /proc."""
+    me, found = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                if int(handle.read().rsplit(")", 1)[1].split()[1]) == me:
+                    found.append(int(entry))
+        except (OSError, IndexError, ValueError):
+            pass  # gone, or not ours to read
+    return found
 
 
 def unreachable_message(plan: LaunchPlan, result: ProbeResult) -> str:

@@ -27,6 +27,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                                      epilog=epilog, formatter_class=PlainHelpFormatter)
     parser.add_argument("--config", help="TOML file with [section] tables")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
+    parser.add_argument("--fresh", action="store_true",
+                        help="start a new run instead of resuming the one in run.dir, which is moved to "
+                        "<run.dir>.N first (--run.fresh=true; docs/training.md)")
     parser.add_argument("--dry-run", action="store_true",
                         help="build the mesh and apply the layout with a fake process group, then exit")
     parser.add_argument("--world-size", type=int, default=0, help="with --dry-run: the world size to check")
@@ -51,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args, overrides = parse_args(argv)
         job = load_config(args.config, overrides)
+        if args.fresh:
+            job.run.fresh = True
         if args.profile and not job.run.profile_steps:
             job.run.profile_steps = default_profile_steps(job.train.steps)
     except ConfigError as exc:
@@ -99,21 +104,59 @@ def _is_peer_failure(exc: BaseException) -> bool:
 
 
 def _stopped(trainer, result) -> int:
-    """A run stopped early by SIGTERM/SIGUSR1 (after its final checkpoint) is not a finished run: one line on
-    rank 0, and EXIT_PREEMPTED (143) on every rank so that schedulers and scripts can tell (and requeue)."""
-    from meshrun.ckpt.preemption import EXIT_PREEMPTED
+    """A run stopped early by SIGTERM/SIGUSR1 or Ctrl-C (after its final checkpoint) is not a finished run: one
+    line on rank 0, and EXIT_PREEMPTED (143), or 130 after Ctrl-C, on every rank so that schedulers and scripts can
+    tell (and requeue)."""
+    from meshrun.ckpt.preemption import exit_code, signal_label
 
+    code = exit_code(result.stopped_by)
     if trainer.env.is_rank_zero:
-        print(f"meshrun train: stopped at step {result.step} of {trainer.job.train.steps} by {result.stopped_by}; "
-              f"checkpoint in {trainer.ckpt.folder}; exit code {EXIT_PREEMPTED}; run the same command to resume",
-              file=sys.stderr, flush=True)
-    return EXIT_PREEMPTED
+        again = " without --fresh" if trainer.job.run.fresh else ""
+        _say(f"meshrun train: stopped at step {result.step} of {trainer.job.train.steps} by {signal_label(result.stopped_by)}; "
+             f"checkpoint in {trainer.ckpt.folder}; exit code {code}; run the same command{again} to resume")
+    return code
+
+
+def _say(line: str, rank: int = 0) -> None:
+    """One line on stderr in one write (ranks writing at the same moment never glue their lines together); other
+    ranks than 0 name themselves."""
+    text = line if rank == 0 else line.replace(": error: ", f": error: rank {rank}: ", 1)
+    sys.stderr.write(text.rstrip("\n") + "\n")  # one write of the whole line: stderr is line-buffered
+    sys.stderr.flush()
+
+
+def _rank(trainer) -> int:
+    from meshrun.env import ClusterEnv
+
+    try:
+        return trainer.env.rank if trainer is not None else ClusterEnv.detect().rank
+    except ValueError:
+        return 0
+
+
+def _clean_error(exc: BaseException) -> tuple[str, int, bool] | None:
+    """(line, exit code, every rank raises it alike) for the errors whose message says it all (no traceback helps),
+    else None. Checkpoint outcomes, version checks and the non-finite verdict are agreed by all ranks: rank 0 says
+    them once."""
+    import errno
+
+    from meshrun.ckpt.errors import CheckpointError
+    from meshrun.diag.fingerprint import FingerprintMismatch
+    from meshrun.placement import PlacementError
+    from meshrun.train.nonfinite import NonFiniteError
+
+    if isinstance(exc, (ConfigError, PlacementError)):  # the message names the option or variable and the fix
+        return str(exc), 2, False
+    if isinstance(exc, (NonFiniteError, CheckpointError, FingerprintMismatch)):
+        return str(exc), 1, True
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (f"{exc.filename or 'a file'}: no space left on the device ({exc.strerror}); free space or choose "
+                "another folder", 1, False)
+    return None
 
 
 def run(job) -> int:
     from meshrun.comm.process_group import shutdown
-    from meshrun.placement import PlacementError
-    from meshrun.train.nonfinite import NonFiniteError
     from meshrun.train.trainer import Trainer
 
     trainer, ending = None, ("failed", "interrupted")
@@ -125,16 +168,21 @@ def run(job) -> int:
             return _stopped(trainer, result)
         ending = ("finished", f"reached train.steps={job.train.steps}")
         return 0
-    except (ConfigError, PlacementError) as exc:  # the message names the option or variable and the fix
-        print(f"meshrun train: error: {exc}", file=sys.stderr)
-        ending = ("failed", _first_line(exc))
-        return 2
-    except NonFiniteError as exc:  # the message says it all; no traceback
-        print(f"meshrun train: error: {exc}", file=sys.stderr)
-        return 1
-    except Exception as exc:  # noqa: BLE001 - one clear line first, then the traceback
+    except KeyboardInterrupt:  # Ctrl-C before the trainer watches for it (or with checkpoint.final off)
+        if _rank(trainer) == 0:
+            _say(f"meshrun train: interrupted by Ctrl-C{f' at step {trainer.step}' if trainer else ''} before a "
+                 "checkpoint could be saved; exit code 130")
+        return 130
+    except Exception as exc:  # noqa: BLE001 - one clear line first, then (unless it says it all) the traceback
+        clean = _clean_error(exc)
         ending = ("failed", f"{_where(trainer)}{_first_line(exc)}")
-        print(f"meshrun train: error: {ending[1]}", file=sys.stderr)
+        rank = _rank(trainer)
+        if clean is not None:
+            line, code, agreed = clean
+            if rank == 0 or not agreed:
+                _say(f"meshrun train: error: {line}", rank)
+            return code
+        _say(f"meshrun train: error: {ending[1]}", rank)
         if trainer is not None and _is_peer_failure(exc):
             print("  a collective failed: another rank probably died or was killed first; the launcher's "
                   "'Root Cause' lines name it, and <run.dir>/logs/rank_*.log hold each rank's last steps",
@@ -144,7 +192,8 @@ def run(job) -> int:
     finally:
         if trainer is not None:
             trainer.close()
-            _write_summary(trainer, *ending)
+            if trainer.folder.opened:  # a run that never proceeded leaves its folder as it was
+                _write_summary(trainer, *ending)
         shutdown()
 
 

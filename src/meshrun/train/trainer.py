@@ -6,10 +6,7 @@ layout (engine) -> optimizer and schedule -> checkpointer (restoring state when 
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import math
 import os
 import socket
 import sys
@@ -20,7 +17,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from meshrun.config import BatchPlan, ConfigError, JobConfig, resolve_batch
 from meshrun.data.corpus import Corpus, load_corpus
@@ -34,9 +30,8 @@ from meshrun.rng import seed_rank_streams
 from meshrun.parallel.apply import build_engine, describe_layout
 from meshrun.parallel.engine import Engine
 from meshrun.parallel.kernels import describe_speed
-from meshrun.ckpt.checkpointer import Checkpointer
-from meshrun.ckpt.preemption import install_sigterm_handler
-from meshrun.ckpt.state import ModelOptimState, RNGState, SchedulerState, TrainProgress
+from meshrun.ckpt.preemption import signal_label
+from meshrun.ckpt.state import TrainProgress
 from meshrun.diag.fingerprint import check_consistency
 from meshrun.comm.mesh import ParallelDims, choose_data_parallel
 from meshrun.diag.flight_recorder import enable_flight_recorder
@@ -44,12 +39,14 @@ from meshrun.diag.gather import gather_floats
 from meshrun.diag.hang import HangWatchdog
 from meshrun.diag.stragglers import StragglerDetector, WorkTimer, gather_rank_infos
 from meshrun.train.gc_control import StepCollector
-from meshrun.train.console import ConsoleFormatter
 from meshrun.train.metrics import MetricsSink, SumMetrics, peak_flops
 from meshrun.train.nonfinite import NonFiniteGuard
 from meshrun.train.profiling import StepProfiler, build_profiler
 from meshrun.train.rank_timing import FIELDS as TIMING_FIELDS, ranks_record, timing_row
+from meshrun.train.run_folder import RunFolder, describe_resume
 from meshrun.train.runlog import start_record
+from meshrun.train.resuming import build_checkpointer, resume
+from meshrun.train.schedule import build_scheduler
 
 log = logging.getLogger("meshrun")
 
@@ -106,7 +103,7 @@ class Trainer:
             enable_flight_recorder(os.environ, run_dir=self.run_dir)  # NCCL reads these at group creation
         self.ctx: DistContext = init_distributed(self.env, job.dist)
         self.device = self.ctx.device
-        self.build_run_dir()
+        self.folder = RunFolder(job, self.env)  # nothing written into it until the run proceeds
         if self.env.is_distributed and job.health.check_versions:
             check_consistency(env=self.env, strict=True, script=sys.argv[0])  # collective: every rank
         self.mesh = self.dims.build_mesh(self.device.type)  # collective: every rank
@@ -117,26 +114,31 @@ class Trainer:
         seed_rank_streams(job.train.seed, self.env.rank)
         self.data, self.val = self.build_data()
         self.optimizer = self.build_optimizer()
-        self.scheduler = self.build_scheduler()
+        self.scheduler = build_scheduler(self.optimizer, job.train)
         self.rank_infos = gather_rank_infos(self.env)  # collective: every rank; host names, gathered once
         self.guard = NonFiniteGuard(job.train.nonfinite, device=self.device, rank=self.env.rank,
                                     fused_optimizer=bool(self.optimizer.param_groups[0].get("fused")),
                                     hosts=[info.host for info in self.rank_infos])
         self.progress = TrainProgress()
-        self.ckpt, self.app_state = self.build_checkpointer()
-        self.resume_notes = self.resume()
-        self.write_config()  # resuming at another world size may have re-derived the batch
+        self.ckpt, self.app_state = build_checkpointer(self)
+        self.resumed: dict[str, Any] | None = resume(self)  # a fresh run's folder is moved aside here
+        self.proceeds = self.step < job.train.steps
+        """False: nothing to train; the run folder is left as it was."""
+        if self.proceeds:  # after the resume: it may have re-derived the batch
+            self.folder.open(self.config_toml())
         self.start_step = self.last_saved_step = self.step
         self.sink = MetricsSink(self.run_dir, total_steps=job.train.steps, progress=job.run.progress,
-                                tensorboard=job.run.tensorboard, enabled=self.env.is_rank_zero, start_step=self.step)
+                                tensorboard=job.run.tensorboard, enabled=self.env.is_rank_zero and self.proceeds,
+                                start_step=self.step)
         self.timer = WorkTimer(self.engine.timed_modules, self.device)
         self.watchdog: HangWatchdog | None = None
         self.stragglers = (StragglerDetector(env=self.env, threshold=job.health.straggler_threshold,
                                              min_gap_s=0.01, gemm_check=job.health.straggler_gemm_check,
                                              compute_device=self.device, ranks=self.rank_infos)
                            if self.env.is_distributed and job.health.straggler_threshold else None)
-        self.print_header()
-        self.sink.record({**self.start_record(), "hosts": [info.host for info in self.rank_infos]})
+        if self.proceeds:
+            self.print_header()
+            self.sink.record({**self.start_record(), "hosts": [info.host for info in self.rank_infos]})
         self.profiler: StepProfiler | None = build_profiler(
             job.run, rank=self.env.rank, world_size=self.env.world_size, device=self.device, run_dir=self.run_dir,
             start_step=self.step, say=self.sink.print)
@@ -159,33 +161,30 @@ class Trainer:
         self.dims.resolve_pipeline_batch(batch.micro_batch * batch.grad_accum)
         return batch
 
-    def build_run_dir(self) -> None:
-        try:
-            (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ConfigError(f"run.dir={self.job.run.dir!r}: cannot create {self.run_dir / 'logs'} ({exc.strerror}); "
-                              "choose a folder this user can write") from None
-        _setup_logging(self.run_dir, self.env)
-        self.write_config()
-
-    def write_config(self) -> None:
-        """<run.dir>/config.toml: the options this run trains with. Written at start, and again after a resume
-        re-derived the batch; what the layout changes without an option of its own is recorded as comments."""
-        if not self.env.is_rank_zero:
-            return
+    def config_toml(self) -> str:
+        """<run.dir>/config.toml: the options this run trains with (after a resume re-derived the batch); what the
+        layout changes without an option of its own is recorded as comments."""
         notes = []
-        if getattr(self, "dims", None) is not None and self.dims.pp > 1 and self.job.model.tie_embeddings:
+        if self.dims.pp > 1 and self.job.model.tie_embeddings:
             notes.append("# model.tie_embeddings: trained untied (pipeline stages cannot share the embedding matrix)")
-        (self.run_dir / "config.toml").write_text("".join(f"{n}\n" for n in notes) + self.job.to_toml())
+        return "".join(f"{n}\n" for n in notes) + self.job.to_toml()
+
+    def run_config(self) -> dict[str, Any]:
+        """The resolved config each checkpoint carries (sample, export and resume read it), with the data's
+        content fingerprint."""
+        return {**self.job.to_dict(), "data_fingerprint": self.corpus.fingerprint}
 
     def build_data(self) -> tuple[StepBatches, list]:
         seq_len = self.model_cfg.seq_len
         train_set = TokenWindows(self.corpus.train, seq_len, self.model_cfg.vocab_size)
         val_set = TokenWindows(self.corpus.val, seq_len, self.model_cfg.vocab_size)
         dp_rank, dp_size = self.engine.dp_rank, self.engine.dp_size
-        data = StepBatches(train_set, dp_rank=dp_rank, dp_size=dp_size, seed=self.job.train.seed,
-                           micro_batch=self.batch.micro_batch, grad_accum=self.batch.grad_accum, device=self.device,
-                           num_workers=self.job.data.num_workers)
+        try:
+            data = StepBatches(train_set, dp_rank=dp_rank, dp_size=dp_size, seed=self.job.train.seed,
+                               micro_batch=self.batch.micro_batch, grad_accum=self.batch.grad_accum,
+                               device=self.device, num_workers=self.job.data.num_workers)
+        except ValueError as exc:  # too few samples (an empty file): name the option, not the sampler
+            raise ConfigError(f"data.source={self.job.data.source!r}: {exc}") from None
         val = []
         if self.job.train.eval_every:
             val = eval_batches(val_set, dp_rank=dp_rank, dp_size=dp_size, micro_batch=self.batch.micro_batch,
@@ -202,71 +201,6 @@ class Trainer:
                                   {"params": no_decay, "weight_decay": 0.0}],
                                  lr=t.lr, betas=(t.beta1, t.beta2), fused=fused or None)
 
-    def build_scheduler(self) -> torch.optim.lr_scheduler.LambdaLR:
-        t = self.job.train
-
-        def factor(step: int) -> float:  # linear warm-up, then cosine decay to min_lr
-            if step < t.warmup_steps:
-                return (step + 1) / t.warmup_steps
-            progress = min(1.0, (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps))
-            return (t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * progress))) / t.lr
-
-        return torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
-
-    def build_checkpointer(self) -> tuple[Checkpointer, dict[str, Any]]:
-        """The checkpointer and the state it saves: model+optimizer (sharded, via DCP), schedule, this trainer's
-        progress and its data loader's position (the live objects: loading restores them in place), every rank's RNG
-        streams. Collective: every rank (it creates gloo groups)."""
-        cfg = self.job.checkpoint
-        folder = Path(cfg.dir) if cfg.dir else self.run_dir / "checkpoints"
-        preemption = install_sigterm_handler(grace_s=cfg.signal_grace_s) if cfg.final else None
-        layout = {"world_size": self.env.world_size, "nodes": self.env.num_nodes, **self.dims.degrees(),
-                  "global_batch": self.batch.global_batch, "micro_batch": self.batch.micro_batch,
-                  "grad_accum": self.batch.grad_accum}
-        ckpt = Checkpointer(cfg, folder=folder, env=self.env, layout=layout, config_fingerprint=self.fingerprint(),
-                            preemption=preemption)
-        state = {"model_optim": ModelOptimState(self.engine.model_parts, [self.optimizer]),
-                 "scheduler": SchedulerState(self.scheduler), "trainer": self.progress, "data": self.data,
-                 "rng": RNGState(self.env, seed=self.job.train.seed)}
-        return ckpt, state
-
-    def fingerprint(self) -> str:
-        """What must match for a resume to continue the same run: model, data and optimisation settings."""
-        config = self.job.to_dict()
-        optimisation = ("lr", "min_lr", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip", "seed", "dtype")
-        relevant = {"model": config["model"], "data": config["data"], "data_fingerprint": self.corpus.fingerprint,
-                    "train": {k: config["train"][k] for k in optimisation}}
-        return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
-
-    def resume(self) -> list[str]:
-        """Load the checkpoint that checkpoint.resume names (newest valid by default); collective."""
-        manifest = self.ckpt.load(self.app_state)  # restores self.progress and self.data's position in place
-        if manifest is None:
-            return self.ckpt.notes
-        saved_batch = manifest.get("layout", {}).get("global_batch", self.batch.global_batch)
-        if saved_batch != self.batch.global_batch:
-            self.keep_global_batch(saved_batch)
-        return self.ckpt.notes
-
-    def keep_global_batch(self, saved: int) -> None:
-        """The world size changed: keep the checkpoint's global batch by re-deriving accumulation, or refuse."""
-        if self.job.train.global_batch and self.job.train.global_batch != saved:
-            raise ConfigError(f"train.global_batch={self.job.train.global_batch} differs from the checkpoint's "
-                              f"{saved}; the data position cannot continue exactly. Set --train.global_batch={saved}"
-                              " or start a new run with --checkpoint.resume=none")
-        before = self.batch
-        self.job.train.global_batch, self.job.train.grad_accum = saved, 0
-        self.batch = self.plan_batch()
-        position = self.data.position  # global: the new per-rank batches continue from it
-        self.data, self.val = self.build_data()
-        self.data.seek(position)
-        self.app_state["data"] = self.data
-        self.ckpt.layout.update(global_batch=self.batch.global_batch, grad_accum=self.batch.grad_accum)
-        message = (f"keeping the checkpoint's global batch {saved}: {before.dp_size} -> {self.batch.dp_size} "
-                   f"data-parallel ranks, accumulation {before.grad_accum} -> {self.batch.grad_accum}")
-        self.ckpt.notes.append(message)
-        log.warning(message)
-
     def save_checkpoint(self, *, final: bool = False) -> None:
         """Collective: every rank, at the same step. A step already saved (or just resumed from) is not saved again."""
         if self.step == self.last_saved_step:
@@ -277,7 +211,7 @@ class Trainer:
         started = time.perf_counter()
         self.ckpt.save(self.step, self.app_state, final=final,
                        meta={"epoch": self.data.position.epoch, "tokens_seen": self.tokens_seen,
-                             "samples_in_epoch": self.data.position.consumed})
+                             "samples_in_epoch": self.data.position.consumed, "config": self.run_config()})
         how = "published" if final or not self.job.checkpoint.async_save else "staged; writing in the background"
         seconds = time.perf_counter() - started
         self.sink.print(f"checkpoint step {self.step} -> {self.ckpt.folder} ({how}, {seconds:.2f} s)")
@@ -319,9 +253,9 @@ class Trainer:
         lines[1:1] = [f"layout: {describe_layout(self.dims)}", *([self.layout_note] if self.layout_note else []),
                       describe_speed(self.job, self.device, compute_dtype(self.job, self.device),
                                      cuda_graphs=getattr(self.engine, "cuda_graphs", False))]
-        if self.step:
-            lines.append(f"resumed at step {self.step} (epoch {self.data.position.epoch}, "
-                         f"{self.data.position.consumed:,} samples into it) from {self.ckpt.folder}")
+        lines.append(describe_resume(self.resumed, run_dir=self.run_dir, moved_to=self.folder.moved_to,
+                                     where=f"epoch {self.data.position.epoch}, {self.data.position.consumed:,} "
+                                           "samples into it"))
         for section, values in self.job.to_dict().items() if self.job.run.print_config else ():
             lines.append(f"  [{section}] " + " ".join(f"{k}={v}" for k, v in values.items()))
         self.sink.print("\n".join(lines))
@@ -385,9 +319,9 @@ class Trainer:
 
     def _loop(self) -> TrainResult:
         job, result = self.job, TrainResult(step=self.step, run_dir=self.run_dir)
-        if self.step >= job.train.steps:
-            self.sink.print(f"nothing to train: resumed at step {self.step} >= train.steps={job.train.steps}; raise "
-                            "--train.steps, or start over with a new --run.dir or --checkpoint.resume=none")
+        if not self.proceeds and self.env.is_rank_zero:
+            print(f"nothing to train: resumed at step {self.step} >= train.steps={job.train.steps}; {self.run_dir} is "
+                  "left as it was; raise --train.steps, or start a new run with --fresh", flush=True)
         sums = SumMetrics(("loss_sum", "tokens"), self.device)
         interval_start, interval_steps, gnorm = time.perf_counter(), 0, None
         while self.step < job.train.steps:
@@ -415,7 +349,8 @@ class Trainer:
                 interval_start = time.perf_counter()
                 if self.ckpt.stop_requested:
                     result.stopped_by = self.stop_signal()
-                    self.sink.print(f"stopping at step {self.step} after {result.stopped_by} (checkpoint saved)")
+                    self.sink.print(f"stopping at step {self.step} after {signal_label(result.stopped_by)} "
+                                    "(checkpoint saved)")
                     break
             if self.profiler is not None:  # after logging, evaluation and saving: they belong to this step
                 self.beat("profiler")  # writing the trace after the window's last step can take a while
@@ -491,21 +426,3 @@ class Trainer:
         if self.ckpt.preemption is not None:
             self.ckpt.preemption.restore()
 
-
-def _setup_logging(run_dir: Path, env: ClusterEnv) -> None:
-    """Rank 0 logs to the console; every rank logs to logs/rank_XXXXX.log with its rank in each line."""
-    logger = logging.getLogger("meshrun")
-    logger.setLevel(logging.INFO)
-    for handler in list(logger.handlers):
-        logger.removeHandler(handler)
-    fmt = logging.Formatter(f"%(asctime)s [rank {env.rank}] %(levelname)s %(message)s")
-    file_handler = logging.FileHandler(run_dir / "logs" / f"rank_{env.rank:05d}.log")
-    file_handler.setFormatter(fmt)
-    logger.addHandler(file_handler)
-    logger.propagate = False
-    if dist.is_initialized() and not env.is_rank_zero:
-        return
-    console = logging.StreamHandler()
-    console.setLevel(logging.WARNING)
-    console.setFormatter(ConsoleFormatter())  # the format of the trainer's own printed warnings
-    logger.addHandler(console)

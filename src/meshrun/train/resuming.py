@@ -1,0 +1,93 @@
+"""The trainer's checkpointer, and starting a run: resume the newest checkpoint (the default), or start anew.
+
+A resume restores the state in place and then says what it changed: the global batch kept at another world size
+(accumulation re-derived), and a learning rate that jumps because train.steps or the schedule's options changed.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from meshrun.ckpt.checkpointer import Checkpointer
+from meshrun.ckpt.preemption import announce, install_sigterm_handler
+from meshrun.ckpt.run_config import config_fingerprint, saved_config
+from meshrun.ckpt.state import ModelOptimState, RNGState, SchedulerState
+from meshrun.config import ConfigError
+from meshrun.train.schedule import describe_lr_change
+
+if TYPE_CHECKING:
+    from meshrun.train.trainer import Trainer
+
+log = logging.getLogger("meshrun")
+
+
+def build_checkpointer(trainer: Trainer) -> tuple[Checkpointer, dict[str, Any]]:
+    """The checkpointer and the state it saves: model+optimizer (sharded, via DCP), schedule, the trainer's
+    progress and its data loader's position (the live objects: loading restores them in place), every rank's RNG
+    streams. SIGTERM, SIGUSR1 and Ctrl-C then save and stop (checkpoint.final). Collective: every rank (it creates
+    gloo groups)."""
+    job, env, dims, batch = trainer.job, trainer.env, trainer.dims, trainer.batch
+    cfg = job.checkpoint
+    folder = Path(cfg.dir) if cfg.dir else trainer.run_dir / "checkpoints"
+    preemption = (install_sigterm_handler(grace_s=cfg.signal_grace_s, interrupt=True,
+                                          announce=announce if env.is_rank_zero else None)
+                  if cfg.final else None)
+    layout = {"world_size": env.world_size, "nodes": env.num_nodes, "dp_replicate": dims.dp_replicate,
+              "dp_shard": dims.dp_shard, "tp": dims.tp, "pp": dims.pp, "global_batch": batch.global_batch,
+              "micro_batch": batch.micro_batch, "grad_accum": batch.grad_accum}
+    config = trainer.run_config()
+    ckpt = Checkpointer(cfg, folder=folder, env=env, layout=layout, config_fingerprint=config_fingerprint(config),
+                        preemption=preemption)
+    ckpt.config = config
+    state = {"model_optim": ModelOptimState(trainer.engine.model_parts, [trainer.optimizer]),
+             "scheduler": SchedulerState(trainer.scheduler), "trainer": trainer.progress, "data": trainer.data,
+             "rng": RNGState(env, seed=job.train.seed)}
+    return ckpt, state
+
+
+def resume(trainer: Trainer) -> dict[str, Any] | None:
+    """Load the checkpoint that checkpoint.resume names (newest valid by default), or, with run.fresh, move an
+    earlier run aside and start anew (an elastic restart of a fresh run resumes it). Collective. Returns the manifest
+    loaded, or None. Refused: the process gets its signal handlers back (a test or notebook goes on)."""
+    try:
+        fresh = trainer.folder.start_fresh(trainer.job, trainer.ckpt.coord)
+        manifest = trainer.ckpt.load(trainer.app_state, resume="none" if fresh else None)
+        if manifest is None:
+            return None
+        layout = manifest.get("layout", {})
+        if layout.get("global_batch", trainer.batch.global_batch) != trainer.batch.global_batch:
+            keep_global_batch(trainer, layout)
+    except BaseException:
+        trainer.ckpt.close()
+        if trainer.ckpt.preemption is not None:
+            trainer.ckpt.preemption.restore()
+        raise
+    lr_change = describe_lr_change((saved_config(manifest) or {}).get("train"), trainer.job.train, trainer.step)
+    if lr_change and trainer.step < trainer.job.train.steps:
+        trainer.ckpt.notes.append(lr_change)
+        log.warning(lr_change)
+    return manifest
+
+
+def keep_global_batch(trainer: Trainer, layout: dict[str, Any]) -> None:
+    """The world size changed: keep the checkpoint's global batch (its ``layout``'s) by re-deriving accumulation,
+    or refuse."""
+    train, saved = trainer.job.train, layout["global_batch"]
+    if train.global_batch and train.global_batch != saved:
+        raise ConfigError(f"train.global_batch={train.global_batch} differs from the checkpoint's {saved}; the data "
+                          f"position cannot continue exactly. Set --train.global_batch={saved} or start a new run "
+                          "with --fresh")
+    saved_dp = layout.get("dp_replicate", 1) * layout.get("dp_shard", 1)
+    train.global_batch, train.grad_accum = saved, 0
+    trainer.batch = trainer.plan_batch()
+    position = trainer.data.position  # global: the new per-rank batches continue from it
+    trainer.data, trainer.val = trainer.build_data()
+    trainer.data.seek(position)
+    trainer.app_state["data"] = trainer.data
+    trainer.ckpt.layout.update(global_batch=trainer.batch.global_batch, grad_accum=trainer.batch.grad_accum)
+    message = (f"keeping the checkpoint's global batch {saved}: {saved_dp} -> {trainer.batch.dp_size} data-parallel "
+               f"ranks, accumulation {layout.get('grad_accum', '?')} -> {trainer.batch.grad_accum}")
+    trainer.ckpt.notes.append(message)
+    log.warning(message)

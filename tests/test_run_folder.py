@@ -1,0 +1,220 @@
+"""Run folders as a user meets them: a refused or no-op invocation leaves the run as it was, checkpoints carry their
+config, the header names the run it resumes, --fresh moves an earlier run aside, a longer resume names the
+learning-rate jump, and errors are one line (one process, CPU, the tiny model; plus pure logic)."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from meshrun.ckpt.cli import main as ckpt_main
+from meshrun.ckpt.run_config import describe_changes
+from meshrun.config import JobConfig, resolve_batch
+from meshrun.train.cli import _clean_error, _say
+from meshrun.train.cli import main as train_main
+from meshrun.train.resuming import keep_global_batch
+from meshrun.train.schedule import describe_lr_change, lr_at
+
+ARGS = ["--model.name=tiny", "--train.micro_batch=2", f"--data.source={json.__file__}", "--data.max_bytes=60000",
+        "--train.eval_every=0", "--train.log_every=2", "--train.warmup_steps=2", "--run.progress=lines",
+        "--health.straggler_threshold=0"]
+
+
+@pytest.fixture(autouse=True)
+def meshrun_logging():
+    """Undo the trainer's logging set-up (its handlers, propagate off) after each test."""
+    logger = logging.getLogger("meshrun")
+    saved = list(logger.handlers), logger.propagate, logger.level
+    yield
+    for handler in logger.handlers:
+        if handler not in saved[0]:
+            handler.close()
+    logger.handlers[:], logger.propagate = saved[0], saved[1]
+    logger.setLevel(saved[2])
+
+
+def train(run_dir: Path, steps: int, *extra: str) -> int:
+    return train_main([*ARGS, f"--run.dir={run_dir}", f"--train.steps={steps}", *extra])
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A run of 4 steps with its final checkpoint (step 4)."""
+    run_dir = tmp_path_factory.mktemp("trained") / "run"
+    assert train(run_dir, 4) == 0
+    logger = logging.getLogger("meshrun")
+    for handler in list(logger.handlers):  # the module fixture outlives the per-test logging fixture
+        handler.close()
+        logger.removeHandler(handler)
+    return run_dir
+
+
+def copy_of(run_dir: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "run"
+    shutil.copytree(run_dir, target)
+    return target
+
+
+def snapshot(folder: Path) -> dict[str, tuple[str, int]]:
+    """Every file under ``folder``: content hash and modification time."""
+    return {str(p.relative_to(folder)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_refused_and_noop_invocations_leave_the_run_folder_as_it_was(trained, tmp_path, capsys):
+    run_dir = copy_of(trained, tmp_path)
+    before = snapshot(run_dir)
+    assert train(run_dir, 4) == 0, "nothing to train is not an error"
+    assert f"nothing to train: resumed at step 4 >= train.steps=4; {run_dir} is left as it was" in capsys.readouterr().out
+    assert train(run_dir, 8, "--model.dim=128") == 1
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("meshrun train: error:")]
+    assert "Traceback" not in err and len(lines) == 1, err
+    assert ("resume refused: model_optim.model.tok_embeddings.weight has shape (256, 64) in "
+            f"{run_dir / 'checkpoints' / 'step_0000004'} but (256, 128) in this run") in lines[0], lines[0]
+    assert "a new --run.dir" in lines[0] and "--checkpoint.resume=none" in lines[0]
+    assert snapshot(run_dir) == before, "config.toml, metrics.jsonl, logs and summary.json must be untouched"
+
+
+def test_sample_and_export_read_the_config_the_checkpoint_carries(trained, tmp_path, capsys):
+    from meshrun.sample import main as sample_main
+    from safetensors import safe_open
+
+    run_dir = copy_of(trained, tmp_path)
+    config = run_dir / "config.toml"
+    config.write_text(config.read_text().replace("dim = 64", "dim = 128"))  # a later invocation rewrote it
+    assert sample_main([str(run_dir), "--tokens", "4", "--temperature", "0"]) == 0, capsys.readouterr().err
+    out = tmp_path / "model.safetensors"
+    assert ckpt_main(["export", str(run_dir / "checkpoints" / "step_0000004"), "--to", str(out)]) == 0
+    with safe_open(str(out), "pt") as handle:
+        metadata = handle.metadata()
+    assert json.loads(metadata["model_config"])["dim"] == 64
+    assert json.loads(metadata["meshrun_config"])["train"]["steps"] == 4
+
+
+def test_ckpt_verify_accepts_a_run_folder_and_checks_its_newest(trained, capsys):
+    assert ckpt_main(["verify", str(trained)]) == 0
+    assert capsys.readouterr().out.startswith(f"OK {trained / 'checkpoints' / 'step_0000004'}: step 4,")
+
+
+def test_resume_with_more_steps_names_the_lr_jump_and_the_run(trained, tmp_path, capsys):
+    run_dir = copy_of(trained, tmp_path)
+    assert train(run_dir, 8, "--train.weight_decay=0.05") == 0
+    captured = capsys.readouterr()
+    assert ("learning rate at step 4 jumps from 3.00e-04 to 2.32e-03: train.steps 4 -> 8: the cosine schedule is "
+            "recomputed over 8 steps; --train.lr_schedule=wsd") in captured.err, captured.err
+    assert "the configuration changed since (train.weight_decay 0.1 -> 0.05)" in captured.err, captured.err
+    assert f"resumed at step 4 (epoch 0, 8 samples into it) of the run in {run_dir}, from its checkpoint of " \
+        in captured.out
+    assert "saved by 1 rank(s); --fresh starts a new run instead" in captured.out
+
+
+def test_fresh_moves_the_earlier_run_aside(trained, tmp_path, capsys):
+    run_dir = copy_of(trained, tmp_path)
+    assert train(run_dir, 2, "--fresh") == 0
+    assert f"new run in {run_dir}; the earlier run was moved to {run_dir}.1" in capsys.readouterr().out
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_0000002"]
+    assert (tmp_path / "run.1" / "checkpoints" / "step_0000004" / "COMPLETE").is_file()
+    assert snapshot(tmp_path / "run.1") == snapshot(trained), "the earlier run is moved whole, not changed"
+
+
+def test_an_empty_data_file_is_one_line_naming_the_option(tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert train_main([*ARGS, f"--data.source={empty}", f"--run.dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"meshrun train: error: data.source='{empty}': the dataset has 0 samples")
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------- pure logic
+
+def test_wsd_extends_without_a_jump_and_cosine_names_it():
+    train = JobConfig().train
+    train.steps, train.warmup_steps, train.lr, train.min_lr = 200, 10, 1e-3, 1e-4
+    saved = {"lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 10, "steps": 100}
+    line = describe_lr_change(saved, train, 100)
+    assert line.startswith("learning rate at step 100 jumps from 1.00e-04 to 5.87e-04: train.steps 100 -> 200")
+    train.lr_schedule = "wsd"
+    stable = {**saved, "lr_schedule": "wsd"}
+    assert describe_lr_change(stable, train, 50) is None, "the stable phase does not depend on train.steps"
+    assert lr_at(50, lr=1e-3, min_lr=1e-4, warmup_steps=10, steps=100, schedule="wsd") == 1e-3
+    assert lr_at(100, lr=1e-3, min_lr=1e-4, warmup_steps=10, steps=100, schedule="wsd") == pytest.approx(1e-4)
+    assert lr_at(90, lr=1e-3, min_lr=1e-4, warmup_steps=10, steps=100, schedule="wsd") == pytest.approx(5.5e-4)
+
+
+def test_changed_options_are_named():
+    before, after = JobConfig().to_dict(), JobConfig().to_dict()
+    after["model"]["dim"], after["train"]["lr"], after["train"]["steps"] = 128, 1e-3, 999
+    assert describe_changes(before, after) == "model.dim 0 -> 128, train.lr 0.003 -> 0.001"
+
+
+def test_world_size_change_names_the_checkpoints_data_parallel_ranks():
+    """2 ranks saved global batch 16 (micro 8, no accumulation); 1 rank resumes it: 2 -> 1 ranks, 1 -> 2 steps."""
+    job = JobConfig()
+    notes: list[str] = []
+    data = SimpleNamespace(position=0, seek=lambda position: None)
+    trainer = SimpleNamespace(job=job, app_state={}, data=data, batch=None, build_data=lambda: (data, []),
+                              ckpt=SimpleNamespace(layout={}, notes=notes))
+    trainer.plan_batch = lambda: resolve_batch(job.train, dp_size=1, seq_len=64)
+    keep_global_batch(trainer, {"global_batch": 16, "dp_replicate": 2, "dp_shard": 1, "grad_accum": 1})
+    assert notes == ["keeping the checkpoint's global batch 16: 2 -> 1 data-parallel ranks, accumulation 1 -> 2"]
+
+
+def test_errors_that_say_it_all_have_no_traceback_and_keep_their_exit_code(capsys):
+    from meshrun.ckpt.errors import CheckpointError
+    from meshrun.diag.fingerprint import FingerprintMismatch
+
+    assert _clean_error(CheckpointError("x"))[1:] == (1, True)
+    assert _clean_error(FingerprintMismatch("node b runs other code"))[:2] == ("node b runs other code", 1)
+    full = _clean_error(OSError(errno.ENOSPC, "No space left on device", "/ckpt/x"))
+    assert full[0].startswith("/ckpt/x: no space left on the device") and full[1] == 1
+    assert _clean_error(RuntimeError("a bug")) is None, "an unexpected error keeps its traceback"
+    _say("meshrun train: error: run.dir='/proc/x': cannot create /proc/x", rank=1)
+    assert capsys.readouterr().err == "meshrun train: error: rank 1: run.dir='/proc/x': cannot create /proc/x\n"
+
+
+def test_a_rendezvous_error_without_a_cause_does_not_say_none():
+    from meshrun.launch.launcher import _with_cause
+
+    assert _with_cause(RuntimeError("closed")) == "closed"
+    try:
+        try:
+            raise ConnectionRefusedError("refused")
+        except ConnectionRefusedError as inner:
+            raise RuntimeError("rendezvous failed") from inner
+    except RuntimeError as exc:
+        assert _with_cause(exc) == "rendezvous failed (cause: ConnectionRefusedError: refused)"
+    bind = OSError(98, "Address already in use")
+    exc = RuntimeError("cannot listen on 127.0.0.1:29577 (Address already in use); choose another port")
+    exc.__context__ = bind
+    assert _with_cause(exc) == str(exc), "a cause the message already gives is not repeated"
+
+
+def test_fresh_on_an_elastic_restart_resumes_the_new_run_and_refuses_a_shared_checkpoint_dir(tmp_path, monkeypatch):
+    from meshrun.config import ConfigError
+    from meshrun.env import ClusterEnv
+    from meshrun.train.run_folder import RunFolder
+
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    job = JobConfig()
+    job.run.dir, job.run.fresh = str(tmp_path / "run"), True
+    coord = SimpleNamespace(barrier=lambda what: None)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # torchrun's agent restarted the fresh run's workers
+    folder = RunFolder(job, ClusterEnv.detect())
+    assert folder.start_fresh(job, coord) is False and not (tmp_path / "run.1").exists()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert folder.start_fresh(job, coord) is True and (tmp_path / "run.1" / "checkpoints").is_dir()
+    assert list((tmp_path / "run").iterdir()) == []
+    (tmp_path / "elsewhere" / "step_0000010").mkdir(parents=True)
+    (tmp_path / "elsewhere" / "step_0000010" / "COMPLETE").write_text("")
+    job.checkpoint.dir = str(tmp_path / "elsewhere")
+    with pytest.raises(ConfigError, match=r"run.fresh: checkpoint.dir=.*elsewhere holds checkpoints up to step 10"):
+        folder.start_fresh(job, coord)
