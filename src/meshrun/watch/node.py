@@ -1,0 +1,109 @@
+"""The trainer's view of system metrics: one sampler per node, gathered at log intervals, judged on rank 0.
+
+Local rank 0 of each node runs the :class:`~meshrun.watch.system.SystemSampler` (and the Prometheus endpoint when
+``run.prometheus_port`` is set). At each log interval :meth:`SystemWatch.collect` gathers the node leaders' records
+onto rank 0 (one ``gather_object``: a collective every rank reaches), which writes one ``system`` record per node to
+metrics.jsonl (with ``node``, ``rank`` and ``host``) and passes them to the tracker and to the verdicts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshrun.config import RunConfig
+from meshrun.env import ClusterEnv
+from meshrun.launch.net import LOCAL_ADDR_VAR, interface_of
+from meshrun.watch.system import SystemSampler
+from meshrun.watch.verdicts import SystemVerdicts
+
+log = logging.getLogger("meshrun")
+SOCKET_IFNAME_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+
+
+def comm_interface(environ=os.environ) -> str | None:
+    """The interface NCCL/gloo sockets use: the one ``NCCL_SOCKET_IFNAME``/``GLOO_SOCKET_IFNAME`` names (the
+    launcher pins them on several hosts), else the one owning the address the launcher chose, else None."""
+    for var in SOCKET_IFNAME_VARS:
+        spec = environ.get(var, "").lstrip("=^")
+        if spec and "," not in spec:
+            return spec
+    addr = environ.get(LOCAL_ADDR_VAR)
+    try:
+        return interface_of(addr) if addr else None
+    except ValueError:
+        return None
+
+
+def bind_address(run: RunConfig, environ=os.environ) -> str:
+    """run.prometheus_addr, else the launcher's address for this node, else loopback (never every interface)."""
+    return run.prometheus_addr or environ.get(LOCAL_ADDR_VAR) or "127.0.0.1"
+
+
+class SystemWatch:
+    """System metrics of every node, for the trainer. ``collect`` is a collective: every rank, each log step."""
+
+    def __init__(self, run: RunConfig, *, env: ClusterEnv, device: torch.device):
+        self.env = env
+        self.active = run.system_sample_s > 0
+        """The same on every rank: collect gathers only when it is on."""
+        self.leader = env.local_rank == 0
+        self.sampler: SystemSampler | None = None
+        self.endpoint = None
+        self.verdicts = SystemVerdicts() if env.is_rank_zero else None
+        if not self.leader or run.system_sample_s <= 0:
+            return
+        gpus = list(range(torch.cuda.device_count())) if device.type == "cuda" else []
+        self.sampler = SystemSampler(interval_s=run.system_sample_s, gpus=gpus, comm_iface=comm_interface()).start()
+        if run.prometheus_port:
+            from meshrun.watch.prometheus import MetricsEndpoint
+
+            self.endpoint = MetricsEndpoint(addr=bind_address(run), port=run.prometheus_port, node=env.node_rank)
+
+    @property
+    def enabled(self) -> bool:
+        return self.sampler is not None
+
+    def collect(self, step: int) -> tuple[list[dict[str, Any]], list[str]]:
+        """(records, verdicts) on rank 0, ([], []) elsewhere. Collective when distributed: every rank calls it."""
+        if not self.active:
+            return [], []
+        mine = None
+        if self.sampler is not None:
+            mine = {"kind": "system", "step": step, "node": self.env.node_rank, "rank": self.env.rank,
+                    "host": socket.gethostname(), **self.sampler.take()}
+            if self.endpoint is not None:
+                mine["prometheus"] = self.endpoint.url
+                self.endpoint.update_system(mine)
+        records = [mine] if mine is not None else []
+        if self.env.is_distributed and dist.is_initialized():
+            gathered: list = [None] * dist.get_world_size() if self.env.is_rank_zero else []
+            dist.gather_object(mine, gathered if self.env.is_rank_zero else None, dst=0)  # collective: every rank
+            records = sorted((g for g in gathered if g is not None), key=lambda r: r["node"])
+        if self.verdicts is None:
+            return [], []
+        return records, [line for record in records for line in self.verdicts.observe(record)]
+
+    def log_interval(self, step: int, train_record: dict[str, Any], sink) -> None:
+        """At a log step: rank 0's endpoint takes the training record; every node's system record goes to
+        ``sink`` (metrics.jsonl and the tracker), and a verdict that became due is printed and logged.
+        Collective when on: every rank calls it."""
+        if self.endpoint is not None:
+            self.endpoint.update_train(train_record)
+        records, verdicts = self.collect(step)
+        for record in records:
+            sink.record(record)
+        for verdict in verdicts:
+            sink.print(f"warning: {verdict}")
+            log.warning("%s", verdict)
+
+    def close(self) -> None:
+        if self.sampler is not None:
+            self.sampler.stop()
+        if self.endpoint is not None:
+            self.endpoint.close()
