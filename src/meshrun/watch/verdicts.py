@@ -42,9 +42,10 @@ class SystemVerdicts:
             util = gpu.get("util_pct")
             if util is None:
                 continue
-            if self._holds((node, "gpu", gpu["index"]), util < self.low_util_pct, util, seconds):
+            key = (node, "gpu", gpu["index"])
+            if self._holds(key, util < self.low_util_pct, util, seconds):
                 found.append(f"{where}: GPU {gpu['index']} below {self.low_util_pct:.0f}% busy for "
-                             f"{self._seconds((node, 'gpu', gpu['index'])):.0f} s (mean {self._mean((node, 'gpu', gpu['index'])):.0f}%): "
+                             f"{self._seconds(key):.0f} s (mean {self._mean(key):.0f}%): "
                              "it waits on data, the host or the network; compare the nodes' system plots in "
                              "`meshrun report`")
         for name, row in record.get("net", {}).items():
