@@ -15,7 +15,7 @@ import pytest
 from meshrun.config import ConfigError, load_config
 from meshrun.report.trackers import open_tracker, record_metrics
 from meshrun.train.metrics import MetricsSink
-from meshrun.watch.node import bind_address
+from meshrun.watch.node import bind_address, comm_interface
 from meshrun.watch.system import SystemSampler
 from meshrun.watch.verdicts import SystemVerdicts
 
@@ -222,6 +222,17 @@ def test_prometheus_endpoint_answers_on_loopback_and_moves_up_from_a_taken_port(
     assert 'meshrun_gpu_utilization_percent{gpu="0",node="1"} 40.0' in text
     assert 'meshrun_network_received_mb_per_second{comm="true",iface="eth0",node="1"} 2.0' in text
     assert 'meshrun_train_loss{node="1"} 2.25' in text and 'meshrun_cpu_utilization_percent{node="1"} 50.0' in text
+
+
+def test_the_nccl_or_gloo_interface_is_the_one_their_variables_select():
+    interfaces = ["lo", "docker0", "eth0", "ib0"]
+    nccl_only = {"NCCL_SOCKET_IFNAME": "^docker,lo"}  # NCCL's exclusion syntax
+    assert comm_interface(nccl_only, gpu=True, interfaces=interfaces) == "eth0"
+    both = {"NCCL_SOCKET_IFNAME": "=ib0", "GLOO_SOCKET_IFNAME": "eth0"}
+    assert comm_interface(both, gpu=True, interfaces=interfaces) == "ib0"
+    assert comm_interface(both, gpu=False, interfaces=interfaces) == "eth0"
+    assert comm_interface({"MESHRUN_LOCAL_ADDR": "127.0.0.1"}, gpu=False, interfaces=interfaces) == "lo"
+    assert comm_interface({}, gpu=False, interfaces=interfaces) is None
 
 
 def test_endpoint_binds_the_launchers_address_and_never_every_interface_by_default():

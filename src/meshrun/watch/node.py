@@ -18,21 +18,25 @@ import torch.distributed as dist
 
 from meshrun.config import RunConfig
 from meshrun.env import ClusterEnv
+from meshrun.diag.ifname import GLOO_VAR, NCCL_VAR, nccl_matches
 from meshrun.launch.net import LOCAL_ADDR_VAR, interface_of
-from meshrun.watch.system import SystemSampler
+from meshrun.watch.system import SystemSampler, net_bytes
 from meshrun.watch.verdicts import SystemVerdicts
 
 log = logging.getLogger("meshrun")
-SOCKET_IFNAME_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
 
 
-def comm_interface(environ=os.environ) -> str | None:
-    """The interface NCCL/gloo sockets use: the one ``NCCL_SOCKET_IFNAME``/``GLOO_SOCKET_IFNAME`` names (the
-    launcher pins them on several hosts), else the one owning the address the launcher chose, else None."""
-    for var in SOCKET_IFNAME_VARS:
-        spec = environ.get(var, "").lstrip("=^")
-        if spec and "," not in spec:
-            return spec
+def comm_interface(environ=os.environ, *, gpu: bool, interfaces: list[str] | None = None) -> str | None:
+    """The interface NCCL (``gpu``) or gloo sockets use: the first that ``NCCL_SOCKET_IFNAME`` (NCCL's syntax: prefixes,
+    ``^`` excludes, ``=`` exact) or ``GLOO_SOCKET_IFNAME`` (names) selects, as ``meshrun launch`` pins them on
+    several hosts; else the one owning the address the launcher chose; else None."""
+    interfaces = list(net_bytes()) if interfaces is None else interfaces
+    nccl, gloo = environ.get(NCCL_VAR, ""), environ.get(GLOO_VAR, "")
+    chosen = {NCCL_VAR: nccl_matches(nccl, interfaces) if nccl else [],
+              GLOO_VAR: [name for name in gloo.split(",") if name in interfaces]}
+    for var in (NCCL_VAR, GLOO_VAR) if gpu else (GLOO_VAR, NCCL_VAR):
+        if chosen[var]:
+            return chosen[var][0]
     addr = environ.get(LOCAL_ADDR_VAR)
     try:
         return interface_of(addr) if addr else None
@@ -59,7 +63,7 @@ class SystemWatch:
         if not self.leader or run.system_sample_s <= 0:
             return
         gpus = list(range(torch.cuda.device_count())) if device.type == "cuda" else []
-        self.sampler = SystemSampler(interval_s=run.system_sample_s, gpus=gpus, comm_iface=comm_interface()).start()
+        self.sampler = SystemSampler(interval_s=run.system_sample_s, gpus=gpus, comm_iface=comm_interface(gpu=bool(gpus))).start()
         if run.prometheus_port:
             from meshrun.watch.prometheus import MetricsEndpoint
 
