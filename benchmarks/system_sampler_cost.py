@@ -11,12 +11,16 @@ upper bound of what it can take from the training thread). The limit is 0.5% of 
         --train.micro_batch=16 --train.compile=true"                                 # one GPU
 
 On a shared CPU machine the tokens/s of two identical runs differ by more than 0.5%: the thread's own share is the
-number to read there; on a GPU both are.
+number to read there; on a GPU both are. Measured on a 2-core CPU machine shared with other jobs (tiny model, 120
+steps, 3 rounds): the thread took 0.031% of the wall time at 1 s and 0.29% at 0.1 s; tokens/s varied by +-50%
+between identical runs there, so they say nothing at the 0.5% level.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import shlex
 import statistics
@@ -37,10 +41,11 @@ def one_run(sample_s: float, *, steps: int, log_every: int, extra: list[str]) ->
         job = load_config(None, [f"--run.dir={run_dir}", f"--train.steps={steps}", f"--train.log_every={log_every}",
                                  "--run.progress=lines", "--checkpoint.final=false", "--train.eval_every=0",
                                  f"--run.system_sample_s={sample_s}", *extra])
-        trainer = Trainer(job)
-        started = time.perf_counter()
-        trainer.fit()
-        wall = time.perf_counter() - started
+        with contextlib.redirect_stdout(io.StringIO()):  # the table alone on stdout
+            trainer = Trainer(job)
+            started = time.perf_counter()
+            trainer.fit()
+            wall = time.perf_counter() - started
         sampler = trainer.system.sampler
         trainer.close()
         rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
