@@ -87,6 +87,7 @@ def test_each_node_serves_its_metrics_over_http_while_training(runs):
              for text in seen.values()}
     assert sorted(nodes) == ["0", "1"], f"endpoints that answered: {list(seen)}"
     assert 'meshrun_host_memory_used_gib{node="1"}' in nodes["1"]
+    assert "\nmeshrun_train_loss{" not in nodes["1"]  # training metrics come from rank 0's node only
     assert re.search(r'meshrun_network_sent_mb_per_second\{comm="true",iface="lo",node="0"\}', nodes["0"])
 
 

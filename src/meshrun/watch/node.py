@@ -97,7 +97,7 @@ class SystemWatch:
         """At a log step: rank 0's endpoint takes the training record; every node's system record goes to
         ``sink`` (metrics.jsonl and the tracker), and a verdict that became due is printed and logged.
         Collective when on: every rank calls it."""
-        if self.endpoint is not None:
+        if self.endpoint is not None and self.env.is_rank_zero:
             self.endpoint.update_train(train_record)
         records, verdicts = self.collect(step)
         for record in records:
