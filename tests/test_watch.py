@@ -30,7 +30,7 @@ NODE_RECORD = {"kind": "system", "step": 4, "node": 1, "rank": 2, "host": "b", "
 def _fake_proc(root, *, busy, idle, sent, recv, mem_available_kib):
     (root / "net").mkdir(parents=True, exist_ok=True)
     (root / "stat").write_text(f"cpu  {busy} 0 0 {idle} 0 0 0 0 0 0\ncpu0 1 0 0 1 0 0 0 0 0 0\n")
-    (root / "meminfo").write_text(f"MemTotal:       8388608 kB\nMemFree: 1 kB\nMemAvailable:   {mem_available_kib} kB\n")
+    (root / "meminfo").write_text(f"MemTotal: 8388608 kB\nMemFree: 1 kB\nMemAvailable: {mem_available_kib} kB\n")
     (root / "net" / "dev").write_text(
         "Inter-|   Receive                                                |  Transmit\n"
         " face |bytes    packets errs drop fifo frame compressed multicast|bytes    packets\n"
@@ -77,7 +77,7 @@ def test_verdicts_name_the_node_once_the_condition_has_lasted():
     assert verdicts.observe(busy) == []  # recovered: the episode starts again
     found = [verdicts.observe(NODE_RECORD) for _ in range(4)]  # 2, 4, 6, 8 s
     assert found[:2] == [[], []] and found[3] == []  # once per episode
-    assert found[2] == [f"node 1 (host b): GPU 0 below 70% busy for 6 s (mean 40%): it waits on data, the host "
+    assert found[2] == ["node 1 (host b): GPU 0 below 70% busy for 6 s (mean 40%): it waits on data, the host "
                         "or the network; compare the nodes' system plots in `meshrun report`"]
     link = {**NODE_RECORD, "gpus": [], "net": {"ib0": {"sent_mb_s": 12_000.0, "recv_mb_s": 1.0, "comm": True,
                                                        "speed_mb_s": 12_500.0}}}
@@ -241,3 +241,22 @@ def test_endpoint_binds_the_launchers_address_and_never_every_interface_by_defau
     assert bind_address(run, {"MESHRUN_LOCAL_ADDR": "10.1.2.3"}) == "10.1.2.3"
     run.prometheus_addr = "0.0.0.0"  # only when asked for
     assert bind_address(run, {"MESHRUN_LOCAL_ADDR": "10.1.2.3"}) == "0.0.0.0"
+
+
+@pytest.mark.gpu
+def test_sampler_reads_each_gpu_through_nvml():
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU on this machine")
+    pytest.importorskip("pynvml", reason="nvidia-ml-py (the gpu extra) is not installed")
+    x = torch.randn(8192, 8192, device="cuda")  # (n, n), 256 MiB
+    sampler = SystemSampler(interval_s=0.05, gpus=list(range(torch.cuda.device_count())), comm_iface=None).start()
+    for _ in range(200):
+        x @ x  # keeps GPU 0 busy while the sampler reads
+    torch.cuda.synchronize()
+    sampler.stop()
+    rows = sampler.take()["gpus"]
+    assert [row["index"] for row in rows] == list(range(torch.cuda.device_count()))
+    assert rows[0]["util_pct"] > 50 and rows[0]["mem_used_gib"] > 0.25 and rows[0]["power_w"] > 0
+    assert rows[0]["sm_clock_mhz"] > 0 and isinstance(rows[0]["throttle"], str)

@@ -27,8 +27,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="meshrun report", description=__doc__.split("\n\n")[0], epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (each a train run.dir)")
-    p.add_argument("--out", help="folder for index.html and the plots (default: RUN_DIR/report for one run; for several, "
-                        "report-A-vs-B beside the first, so no run's own page is overwritten)")
+    p.add_argument("--out", help="folder for index.html and the plots (default: RUN_DIR/report for one run; for "
+                   "several, report-A-vs-B beside the first, so no run's own page is overwritten)")
     p.add_argument("--sample-prompt", default="def ", help="prompt of the text sample (default 'def ')")
     p.add_argument("--sample-tokens", type=int, default=200,
                    help="bytes the last checkpoint of each run writes after the prompt (0: no sample; default 200)")

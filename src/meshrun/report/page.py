@@ -16,7 +16,8 @@ COLUMNS = (("status", "status"), ("steps", "steps"), ("tokens", "tokens"), ("fin
 CSS = """body{font-family:sans-serif;margin:1.5em;color:#222}table{border-collapse:collapse;font-size:14px}
 td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}th{background:#eee}td.text{text-align:left}
 img{max-width:100%;border:1px solid #ddd;margin:4px 0}pre{background:#f6f6f6;padding:8px;white-space:pre-wrap}
-.layout,.config{font-family:monospace;font-size:13px}figure{display:inline-block;vertical-align:top;margin:0.6em 1em 0.6em 0;max-width:100%}figcaption{font-size:13px;color:#555}"""
+.layout,.config{font-family:monospace;font-size:13px}figcaption{font-size:13px;color:#555}
+figure{display:inline-block;vertical-align:top;margin:0.6em 1em 0.6em 0;max-width:100%}"""
 
 
 def fmt(key: str, value: Any) -> str:

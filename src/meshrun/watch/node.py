@@ -63,7 +63,8 @@ class SystemWatch:
         if not self.leader or run.system_sample_s <= 0:
             return
         gpus = list(range(torch.cuda.device_count())) if device.type == "cuda" else []
-        self.sampler = SystemSampler(interval_s=run.system_sample_s, gpus=gpus, comm_iface=comm_interface(gpu=bool(gpus))).start()
+        self.sampler = SystemSampler(interval_s=run.system_sample_s, gpus=gpus,
+                                     comm_iface=comm_interface(gpu=bool(gpus))).start()
         if run.prometheus_port:
             from meshrun.watch.prometheus import MetricsEndpoint
 
