@@ -158,8 +158,8 @@ def _wandb_records(path):
             pos += 32768 - pos % 32768  # block trailer
             continue
         _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if length == kind == 0:
-            break
+        if length == kind == 0 or pos + 7 + length > len(data):
+            break  # the end, or a chunk still being written
         chunks = data[pos + 7:pos + 7 + length] if kind in (1, 2) else chunks + data[pos + 7:pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):
@@ -175,14 +175,18 @@ def test_wandb_offline_run_holds_params_training_and_each_nodes_metrics(tmp_path
     monkeypatch.setenv("WANDB_SILENT", "true")
     run_id = _write_run(tmp_path, "wandb", monkeypatch)
     (log,) = tmp_path.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb")
+    deadline = time.monotonic() + 60  # wandb-core (its own process) may still be writing when finish() returns
+    while not any(r.WhichOneof("record_type") == "exit" for r in _wandb_records(log)):
+        assert time.monotonic() < deadline, "W&B wrote no exit record to its transaction log within 60 s"
+        time.sleep(0.2)
     history, config = [], {}
     for record in _wandb_records(log):
         if record.WhichOneof("record_type") == "history":
             history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
                             for item in record.history.item})
-        elif record.WhichOneof("record_type") == "config":
-            config.update({item.key or ".".join(item.nested_key): json.loads(item.value_json)
-                           for item in record.config.update})
+        elif record.WhichOneof("record_type") in ("config", "run"):  # early updates may ride in the run record
+            updates = record.config.update if record.HasField("config") else record.run.config.update
+            config.update({item.key or ".".join(item.nested_key): json.loads(item.value_json) for item in updates})
     assert config["model.dim"] == 48 and config["layout"] == "DDP (2 ranks)"
     rows = {row["_step"]: row for row in history}
     assert rows[3]["train/loss"] == 2.5 and rows[6]["train/loss"] == 2.0
