@@ -72,9 +72,12 @@ def _records(run_dir, kind):
 @pytest.mark.slow
 def test_report_files_and_numbers(run_dir, report):
     page = report.read_text()
-    for name in ("loss.png", "lr.png", "throughput.png", "memory.png", "timeline.png", "ranks_0.png"):
+    for name in ("loss.svg", "lr.svg", "grad_norm.svg", "throughput.svg", "memory.svg", "timeline.svg",
+                 "ranks_0.svg", "system_0.svg"):
         assert (report.parent / name).stat().st_size > 5000, name
         assert f'src="{name}"' in page
+    assert "<th>MFU</th>" not in page and "MFU" not in (report.parent / "throughput.svg").read_text()  # CPU run
+    assert "[train]" in page and "steps = 12" in page  # the run's config.toml
     assert "http://" not in page and "https://" not in page and "<script" not in page  # works offline, file://
     last = _records(run_dir, "train")[-1]
     shown = re.search(r'class="num final_train_loss" data-value="([^"]+)">([^<]+)<', page)

@@ -119,5 +119,5 @@ def test_report_of_a_run_that_has_only_started(tmp_path):
 
     run = _write_run(tmp_path / "young", _records(restart_at=30)[:2])  # a start and one train record so far
     page = write_report([run], tmp_path / "out").read_text()
-    assert 'src="loss.png"' in page and 'src="ranks_0.png"' not in page  # no per-rank record yet: no heatmap
+    assert 'src="loss.svg"' in page and 'src="ranks_0.svg"' not in page  # no per-rank record yet: no heatmap
     assert '<td class="text status">running</td>' in page

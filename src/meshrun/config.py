@@ -39,6 +39,7 @@ HangAction = Literal["exit", "report"]
 ProgressMode = Literal["auto", "bar", "lines"]
 DdpGraphMode = Literal["auto", "split", "whole"]
 LrSchedule = Literal["cosine", "wsd"]
+TrackerName = Literal["none", "tensorboard", "wandb", "mlflow"]
 
 DATA_FORMATS: tuple[str, ...] = get_args(DataFormat)
 TOKEN_DTYPES: tuple[str, ...] = get_args(TokenDtype)
@@ -55,6 +56,7 @@ DEVICE_KINDS: tuple[str, ...] = get_args(DeviceKind)
 HANG_ACTIONS: tuple[str, ...] = get_args(HangAction)
 PROGRESS_MODES: tuple[str, ...] = get_args(ProgressMode)
 LR_SCHEDULES: tuple[str, ...] = get_args(LrSchedule)
+TRACKERS: tuple[str, ...] = get_args(TrackerName)
 
 
 class ConfigError(ValueError):
@@ -286,7 +288,21 @@ class RunConfig:
     """Start a new run, not resume: an earlier run in run.dir is moved to <run.dir>.N first (nothing is deleted);
     an elastic restart of this job continues the new run. `meshrun train --fresh` sets it."""
     tensorboard: bool = False
-    """Also write TensorBoard event files (needs the tensorboard package)."""
+    """Also write TensorBoard event files (needs the tensorboard package); the same as run.tracker=tensorboard."""
+    tracker: TrackerName = "none"
+    """Experiment tracker that rank 0 logs to: none, tensorboard, wandb or mlflow (each an extra of meshrun)."""
+    tracker_project: str = "meshrun"
+    """W&B project or MLflow experiment name."""
+    tracker_uri: str = ""
+    """MLflow tracking URI (default: MLFLOW_TRACKING_URI, else a file store in <run.dir>/mlruns); W&B ignores it."""
+    system_sample_s: float = 1.0
+    """Seconds between readings of each node's GPUs, CPU, memory and network (a thread off the training loop);
+    0 = no system metrics."""
+    prometheus_port: int = 0
+    """Each node serves its metrics for Prometheus from this port (the next free one when taken); 0 = off."""
+    prometheus_addr: str = ""
+    """Address the Prometheus endpoint binds to (default: the address meshrun launch chose for the node, else
+    127.0.0.1); 0.0.0.0 serves every interface."""
     progress: ProgressMode = "auto"
     """auto (a live bar on a terminal, log lines otherwise), bar, or lines."""
     print_config: bool = True
@@ -362,6 +378,13 @@ class JobConfig:
                               f"{self.parallel.fsdp_unit_blocks}")
         _check_choice("parallel.data_parallel", self.parallel.data_parallel, DATA_PARALLEL_MODES)
         _check_choice("run.progress", self.run.progress, PROGRESS_MODES)
+        _check_choice("run.tracker", self.run.tracker, TRACKERS)
+        if self.run.tensorboard and self.run.tracker not in ("none", "tensorboard"):
+            raise ConfigError(f"run.tensorboard=true and run.tracker={self.run.tracker}: one tracker per run; drop "
+                              "run.tensorboard (or set run.tracker=tensorboard)")
+        if not 0 <= self.run.prometheus_port < 65536 or self.run.system_sample_s < 0:
+            raise ConfigError(f"run.prometheus_port={self.run.prometheus_port} / run.system_sample_s="
+                              f"{self.run.system_sample_s}: give a port in 1..65535 (0 = off) and seconds >= 0")
         _check_choice("health.hang_action", self.health.hang_action, HANG_ACTIONS)
         for name in ("steps", "micro_batch"):
             if getattr(self.train, name) < 1:

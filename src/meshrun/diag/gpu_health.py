@@ -68,24 +68,39 @@ def memory_gbps(device: torch.device, *, nbytes: int | None = None, iters: int |
 def nvml_state(index: int) -> dict:
     """Clocks, temperature, power and throttle reasons of CUDA device ``index`` ({} without NVML). A field NVML
     does not answer for is left out."""
+    found = nvml_device(index)
+    return read_nvml(*found) if found is not None else {}
+
+
+def nvml_device(index: int) -> tuple | None:
+    """(pynvml, handle) of CUDA device ``index``, or None without nvidia-ml-py or a driver. Keep it to read the
+    device again with :func:`read_nvml` (the system-metrics sampler does, every second)."""
     try:
         import pynvml  # nvidia-ml-py, optional
 
         pynvml.nvmlInit()
-        handle = _nvml_handle(pynvml, index)
+        return pynvml, _nvml_handle(pynvml, index)
     except Exception:  # noqa: BLE001 - not installed, no driver: the numbers go without
-        return {}
+        return None
+
+
+def read_nvml(pynvml, handle, *, keys: tuple[str, ...] | None = None) -> dict:
+    """One reading of ``handle``: ``keys`` of sm_clock_mhz, max_sm_clock_mhz, temperature_c, power_w, throttle,
+    util_pct (busy time of the last sample period) and mem_used_gib (all by default). A field NVML does not answer
+    for is left out."""
     reasons = (getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
                or getattr(pynvml, "nvmlDeviceGetCurrentClocksThrottleReasons"))  # renamed in newer nvidia-ml-py
     queries = {"sm_clock_mhz": lambda: pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
                "max_sm_clock_mhz": lambda: pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM),
                "temperature_c": lambda: pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU),
                "power_w": lambda: pynvml.nvmlDeviceGetPowerUsage(handle) / 1e3,
-               "throttle": lambda: ", ".join(why for bit, why in _THROTTLE.items() if reasons(handle) & bit)}
+               "throttle": lambda: ", ".join(why for bit, why in _THROTTLE.items() if reasons(handle) & bit),
+               "util_pct": lambda: pynvml.nvmlDeviceGetUtilizationRates(handle).gpu,
+               "mem_used_gib": lambda: pynvml.nvmlDeviceGetMemoryInfo(handle).used / 2**30}
     state = {}
-    for key, query in queries.items():
+    for key in keys or tuple(queries):
         try:
-            state[key] = query()
+            state[key] = queries[key]()
         except Exception:  # noqa: BLE001 - an old driver or a field this GPU does not report
             continue
     return state

@@ -25,7 +25,7 @@ from meshrun.ckpt.preemption import PREEMPTION_SIGNALS, PreemptionFlag, exit_cod
 from meshrun.launch import stores
 from meshrun.launch.stores import StoreAnswer, probe_store
 from meshrun.launch.args import LaunchArgs, check_target
-from meshrun.launch.net import ProbeResult, probe_tcp
+from meshrun.launch.net import LOCAL_ADDR_VAR, ProbeResult, probe_tcp
 from meshrun.launch.rendezvous import LaunchPlan, apply_plan, format_plan, make_plan, parse_rdzv_conf
 
 MIN_JOIN_TIMEOUT_S = 10
@@ -75,6 +75,8 @@ def launch(largs: LaunchArgs) -> int:
     if plan.probe_first:
         _probe_endpoint(plan, largs)
     os.environ.update(plan.env_set)  # the agent copies its environment into every worker
+    if plan.local_addr:
+        os.environ[LOCAL_ADDR_VAR] = plan.local_addr  # where per-node servers bind (the metrics endpoint)
     apply_plan(largs.ns, plan)
     if plan.backend == "c10d":  # torch's c10d handler, its servers listening on one address (launch/stores.py)
         stores.register()

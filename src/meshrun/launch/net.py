@@ -17,6 +17,10 @@ import subprocess
 import time
 from dataclasses import dataclass
 
+LOCAL_ADDR_VAR = "MESHRUN_LOCAL_ADDR"
+"""Set by ``meshrun launch`` for its workers: the address it chose for this node (``--local-addr``, or the source
+address of the route to the rendezvous host). Per-node servers (the Prometheus endpoint) bind to it."""
+
 
 class EndpointError(ValueError):
     """An endpoint that cannot be parsed or resolved. The first line names it and the fix."""

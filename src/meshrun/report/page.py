@@ -1,4 +1,4 @@
-"""The report's HTML page: one self-contained file (inline CSS, no scripts, no network) next to its PNGs."""
+"""The report's HTML page: one self-contained file (inline CSS, no scripts, no network) next to its SVG plots."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ COLUMNS = (("status", "status"), ("steps", "steps"), ("tokens", "tokens"), ("fin
 CSS = """body{font-family:sans-serif;margin:1.5em;color:#222}table{border-collapse:collapse;font-size:14px}
 td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}th{background:#eee}td.text{text-align:left}
 img{max-width:100%;border:1px solid #ddd;margin:4px 0}pre{background:#f6f6f6;padding:8px;white-space:pre-wrap}
-.layout{font-family:monospace;font-size:13px}"""
+.layout,.config{font-family:monospace;font-size:13px}figcaption{font-size:13px;color:#555}
+figure{display:inline-block;vertical-align:top;margin:0.6em 1em 0.6em 0;max-width:100%}"""
 
 
 def fmt(key: str, value: Any) -> str:
@@ -35,11 +36,14 @@ def fmt(key: str, value: Any) -> str:
 
 
 def summary_table(runs: list[Run]) -> str:
-    head = "<tr><th>run</th>" + "".join(f"<th>{html.escape(label)}</th>" for _, label in COLUMNS) + "</tr>"
+    """One row per run. No MFU column where no run knows its device's peak (CPU runs)."""
+    columns = [(key, label) for key, label in COLUMNS
+               if key != "mfu" or any(run.summary.get("mfu") is not None for run in runs)]
+    head = "<tr><th>run</th>" + "".join(f"<th>{html.escape(label)}</th>" for _, label in columns) + "</tr>"
     rows = []
     for run in runs:
         cells = [f'<td class="text">{html.escape(run.name)}</td>']
-        for key, _ in COLUMNS:
+        for key, _ in columns:
             value = run.summary.get(key)
             css = "text" if key in ("status", "exit_reason") else "num"
             exact = f' data-value="{html.escape(repr(value))}"' if isinstance(value, (int, float)) else ""
@@ -66,6 +70,14 @@ def layout_block(run: Run) -> str:
     return '<pre class="layout">' + "\n".join(html.escape(line) for line in lines) + "</pre>"
 
 
+def config_block(run: Run) -> str:
+    """The run's resolved config.toml, folded (what ``meshrun train`` trained with)."""
+    path = run.path / "config.toml"
+    text = path.read_text() if path.is_file() else "(no config.toml in the run directory)"
+    return (f"<details open><summary>{html.escape(run.name)}: {html.escape(str(path))}</summary>"
+            f'<pre class="config">{html.escape(text)}</pre></details>')
+
+
 def render(runs: list[Run], images: list[tuple[str, str]], samples: dict[str, str]) -> str:
     """The page: summary table, each run's layout, the figures (``(file, caption)``), then text samples."""
     names = ", ".join(run.name for run in runs)
@@ -79,6 +91,7 @@ def render(runs: list[Run], images: list[tuple[str, str]], samples: dict[str, st
     for file, caption in images:
         parts.append(f'<figure><img src="{html.escape(file)}" alt="{html.escape(caption)}">'
                      f"<figcaption>{html.escape(caption)}</figcaption></figure>")
+    parts += ["<h2>Config</h2>", *(config_block(run) for run in runs)]
     if samples:
         parts.append("<h2>What the model writes</h2>")
         for name, text in samples.items():

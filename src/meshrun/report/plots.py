@@ -1,7 +1,9 @@
-"""The report's figures, one PNG each, every run on the same axes (matplotlib, Agg backend: no display needed).
+"""The report's figures, one SVG each (crisp at any screen density), every run on the same axes (matplotlib, Agg
+backend: no display needed).
 
 Each ``plot_*`` takes the runs and the output folder and returns the file it wrote, or None when no run has the
-data (e.g. MFU on a CPU, whose peak FLOP/s is unknown).
+data (e.g. MFU on a CPU, whose peak FLOP/s is unknown). Legends sit beside the axes, never over the curves; restarts
+are grey dash-dot lines and checkpoints grey triangles, so neither looks like a run's validation curve.
 """
 
 from __future__ import annotations
@@ -11,7 +13,10 @@ from typing import Any
 
 from meshrun.report.load import Run
 
-DPI = 80
+EXT = "svg"
+RESTART_STYLE = {"color": "0.45", "ls": "-.", "lw": 0.9}
+"""Restarts and resumes: grey dash-dot vertical lines (validation curves are coloured squares on a dotted line)."""
+VALIDATION_STYLE = {"ls": ":", "marker": "s", "ms": 4}
 
 
 def _plt():
@@ -23,6 +28,7 @@ def _plt():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    plt.rcParams["svg.hashsalt"] = "meshrun"  # the same figure writes the same file
     return plt
 
 
@@ -37,18 +43,31 @@ def _colors(runs: list[Run]) -> dict[str, Any]:
 
 
 def _markers(ax, run: Run, color, *, x: str = "step") -> None:
-    """Restarts and resumes as dashed vertical lines; checkpoints as small triangles on the x axis."""
-    for start in run.kind("start")[1:]:
-        ax.axvline(start.get(x, 0) if x == "step" else (start["time"] - run.t0) / 60, color=color, ls="--", lw=0.8)
+    """Restarts and resumes as grey dash-dot vertical lines; checkpoints as grey triangles on the x axis (one legend
+    entry each)."""
+    for i, start in enumerate(run.kind("start")[1:]):
+        ax.axvline(start.get(x, 0) if x == "step" else (start["time"] - run.t0) / 60, **RESTART_STYLE,
+                   label="restart/resume" if i == 0 and not _labelled(ax, "restart/resume") else None)
     ckpts = run.kind("checkpoint")
     xs = [c["step"] if x == "step" else (c["time"] - run.t0) / 60 for c in ckpts]
     if xs:
-        ax.plot(xs, [0] * len(xs), "v", color=color, ms=6, transform=ax.get_xaxis_transform(), clip_on=False)
+        ax.plot(xs, [0] * len(xs), "v", color="0.45", ms=5, transform=ax.get_xaxis_transform(), clip_on=False,
+                label=None if _labelled(ax, "checkpoint") else "checkpoint")
+
+
+def _labelled(ax, label: str) -> bool:
+    return label in ax.get_legend_handles_labels()[1]
+
+
+def legend_outside(ax) -> None:
+    """The legend to the right of the axes, where it cannot cover a curve."""
+    if ax.get_legend_handles_labels()[1]:
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, frameon=False)
 
 
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
+    fig.savefig(path, bbox_inches="tight")
     _plt().close(fig)
     return path
 
@@ -71,59 +90,78 @@ def plot_loss(runs: list[Run], out: Path) -> Path | None:
     if not any(run.kind("train") for run in runs):
         return None
     plt, colors = _plt(), _colors(runs)
-    fig, (by_step, by_tokens) = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig, (by_step, by_tokens) = plt.subplots(1, 2, figsize=(11, 3.6))
     for run in runs:
         c = colors[run.name]
         by_step.plot(*_series(run, "train", "loss"), color=c, label=f"{run.name} train")
-        by_step.plot(*_series(run, "eval", "loss"), "o--", color=c, ms=4, label=f"{run.name} validation")
+        by_step.plot(*_series(run, "eval", "loss"), color=c, **VALIDATION_STYLE, label=f"{run.name} validation")
         _markers(by_step, run, c)
-        by_tokens.plot(*_series(run, "train", "loss", x="tokens_seen"), color=c, label=run.name)
-        by_tokens.plot(*_eval_by_tokens(run), "o--", color=c, ms=4)
-    by_step.set(xlabel="step (dashed line: restart/resume, triangle: checkpoint)", ylabel="loss", title="loss")
+        by_tokens.plot(*_series(run, "train", "loss", x="tokens_seen"), color=c)
+        by_tokens.plot(*_eval_by_tokens(run), color=c, **VALIDATION_STYLE)
+    by_step.set(xlabel="step", ylabel="loss", title="loss")
     by_tokens.set(xlabel="tokens seen", ylabel="loss", title="loss against tokens")
-    by_step.legend(fontsize=8)
-    return _save(fig, out / "loss.png")
+    fig.legend(*by_step.get_legend_handles_labels(), fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 0.95),
+               frameon=False)
+    return _save(fig, out / f"loss.{EXT}")
 
 
 def _one_axes(runs: list[Run], out: Path, file: str, points, *, xlabel: str, ylabel: str, title: str,
-              style: str = "-", markers: bool = False) -> Path:
-    """One figure, one line per run: ``points(run)`` gives (xs, ys)."""
+              style: str = "-", markers: bool = False, adjust=None) -> Path:
+    """One figure, one line per run: ``points(run)`` gives (xs, ys); ``adjust(ax)`` last touches (axis limits)."""
     plt, colors = _plt(), _colors(runs)
-    fig, ax = plt.subplots(figsize=(5, 3.2))
+    fig, ax = plt.subplots(figsize=(5.5, 3.2))
     for run in runs:
         ax.plot(*points(run), style, ms=3, color=colors[run.name], label=run.name)
         if markers:
             _markers(ax, run, colors[run.name], x="time")
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
-    ax.legend(fontsize=8)
+    if adjust is not None:
+        adjust(ax)
+    legend_outside(ax)
     return _save(fig, out / file)
 
 
 def plot_lr(runs: list[Run], out: Path) -> Path | None:
     if not any(run.kind("train") for run in runs):
         return None
-    return _one_axes(runs, out, "lr.png", lambda run: _series(run, "train", "lr"), xlabel="step",
+    return _one_axes(runs, out, f"lr.{EXT}", lambda run: _series(run, "train", "lr"), xlabel="step",
                      ylabel="learning rate", title="learning rate")
+
+
+def plot_grad_norm(runs: list[Run], out: Path) -> Path | None:
+    """The gradient norm before clipping at each log step; log scale once it spans more than 20x (spikes)."""
+    values = [v for run in runs for v in _series(run, "train", "grad_norm")[1] if v > 0]
+    if not values:
+        return None
+    log_scale = max(values) / min(values) > 20
+    return _one_axes(runs, out, f"grad_norm.{EXT}", lambda run: _series(run, "train", "grad_norm"), xlabel="step",
+                     ylabel="gradient norm (before clipping)", title="gradient norm",
+                     adjust=lambda ax: ax.set_yscale("log") if log_scale else zero_based(ax, values))
+
+
+def has_mfu(runs: list[Run]) -> bool:
+    """MFU exists only where the device's peak FLOP/s is known (GPUs): CPU runs show no MFU anywhere."""
+    return any(_series(run, "train", "mfu")[0] for run in runs)
 
 
 def plot_throughput(runs: list[Run], out: Path) -> Path | None:
     """Tokens/s over all ranks, and MFU where the device's peak is known (GPUs)."""
     if not any(run.kind("train") for run in runs):
         return None
-    plt, colors = _plt(), _colors(runs)
-    has_mfu = any(_series(run, "train", "mfu")[0] for run in runs)
-    fig, axes = plt.subplots(1, 2 if has_mfu else 1, figsize=(10 if has_mfu else 5, 3.2), squeeze=False)
+    plt, colors, mfu_known = _plt(), _colors(runs), has_mfu(runs)
+    fig, axes = plt.subplots(1, 2 if mfu_known else 1, figsize=(11 if mfu_known else 5.5, 3.2), squeeze=False)
     for run in runs:
         axes[0][0].plot(*_series(run, "train", "tokens_per_s"), color=colors[run.name], label=run.name)
         _markers(axes[0][0], run, colors[run.name])
-        if has_mfu:
+        if mfu_known:
             steps, mfu = _series(run, "train", "mfu")
             axes[0][1].plot(steps, [100 * v for v in mfu], color=colors[run.name], label=run.name)
     axes[0][0].set(xlabel="step", ylabel="tokens/s (all ranks)", title="throughput")
-    axes[0][0].legend(fontsize=8)
-    if has_mfu:
+    axes[0][0].set_ylim(bottom=0)
+    legend_outside(axes[0][-1])
+    if mfu_known:
         axes[0][1].set(xlabel="step", ylabel="MFU %", title="model FLOPs utilisation")
-    return _save(fig, out / "throughput.png")
+    return _save(fig, out / f"throughput.{EXT}")
 
 
 def _peak_memory(run: Run) -> tuple[list[float], list[float]]:
@@ -136,19 +174,32 @@ def _progress(run: Run) -> tuple[list[float], list[float]]:
     return [(r["time"] - run.t0) / 60 for r in rows], [r["step"] for r in rows]
 
 
+def zero_based(ax, values: list[float]) -> None:
+    """The y axis from 0 to a little above the highest value, without an offset: a 0.2 MiB change on a 2 GiB
+    peak stays a flat line instead of filling the plot as a cliff."""
+    top = max(values, default=0.0)
+    ax.set_ylim(0, top * 1.15 if top > 0 else 1)
+    ax.ticklabel_format(axis="y", useOffset=False, style="plain")
+
+
 def plot_memory(runs: list[Run], out: Path) -> Path | None:
-    """Peak memory of the busiest rank (CUDA allocator peak on GPUs, peak resident set size on CPUs)."""
+    """Peak memory of the busiest rank (CUDA allocator peak on GPUs, peak resident set size on CPUs), in MiB
+    when every run stays under 1 GiB."""
     if not any(run.kind("ranks") for run in runs):
         return None
-    return _one_axes(runs, out, "memory.png", _peak_memory, xlabel="step",
-                     ylabel="GiB (highest rank; host RSS on CPU)", title="peak memory")
+    highest = [v for run in runs for v in _peak_memory(run)[1]]
+    scale, unit = (1024, "MiB") if max(highest, default=0) < 1 else (1, "GiB")
+    points = lambda run: (_peak_memory(run)[0], [scale * v for v in _peak_memory(run)[1]])  # noqa: E731
+    return _one_axes(runs, out, f"memory.{EXT}", points, xlabel="step",
+                     ylabel=f"{unit} (highest rank; host RSS on CPU)", title="peak memory",
+                     adjust=lambda ax: zero_based(ax, [scale * v for v in highest]))
 
 
 def plot_timeline(runs: list[Run], out: Path) -> Path | None:
-    """Step against wall-clock minutes: gaps are downtime, dashed lines restarts, triangles checkpoints."""
+    """Step against wall-clock minutes: gaps are downtime, grey dash-dot lines restarts, triangles checkpoints."""
     if not any(run.kind("train") for run in runs):
         return None
-    return _one_axes(runs, out, "timeline.png", _progress, xlabel="minutes since the first start", ylabel="step",
+    return _one_axes(runs, out, f"timeline.{EXT}", _progress, xlabel="minutes since the first start", ylabel="step",
                      title="progress over time", style=".-", markers=True)
 
 

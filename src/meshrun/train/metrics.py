@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshrun.report.trackers import START_PARAMS, TensorBoardTracker, Tracker, record_metrics
+
 # Dense bf16 peak of one device, from the vendors' datasheets (no sparsity).
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "GH200": 989e12, "B200": 2250e12,
                    "A100": 312e12, "A800": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
@@ -56,17 +58,20 @@ class SumMetrics:
 
 
 class MetricsSink:
-    """Rank 0's outputs: console (live bar on a terminal, lines otherwise), metrics.jsonl, optional TensorBoard."""
+    """Rank 0's outputs: console (live bar on a terminal, lines otherwise), metrics.jsonl, and a tracker
+    (TensorBoard, W&B, MLflow: :mod:`meshrun.report.trackers`) when one is given."""
 
-    def __init__(self, run_dir: Path, *, total_steps: int, progress: str, tensorboard: bool, enabled: bool,
-                 start_step: int = 0):
+    def __init__(self, run_dir: Path, *, total_steps: int, progress: str, enabled: bool, start_step: int = 0,
+                 tracker: Tracker | None = None, tensorboard: bool = False):
         self.enabled, self.total_steps = enabled, total_steps
         self.start_step = start_step
         """The step this process started from (a resumed run's checkpoint): ETAs count only steps done here."""
         self.jsonl = (run_dir / "metrics.jsonl").open("a") if enabled else None
         use_bar = progress == "bar" or (progress == "auto" and sys.stdout.isatty())
         self.bar = _RichBar(total_steps, start_step) if enabled and use_bar else None
-        self.writer = _tensorboard_writer(run_dir) if enabled and tensorboard else None
+        if enabled and tensorboard and tracker is None:
+            tracker = _tensorboard(run_dir)
+        self.tracker = tracker if enabled else None
         self.start = time.perf_counter()
 
     def record(self, record: dict[str, Any]) -> dict[str, Any]:
@@ -77,16 +82,10 @@ class MetricsSink:
             return record
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
-        if self.writer is not None and "step" in record:
-            kind = record.get("kind", "train")
-            for key, value in record.items():
-                if isinstance(value, bool) or key in ("step", "time"):
-                    continue
-                if isinstance(value, (int, float)):
-                    self.writer.add_scalar(f"{kind}/{key}", value, record["step"])
-                elif isinstance(value, list):
-                    for rank, item in enumerate(value):
-                        self.writer.add_scalar(f"{kind}/{key}/rank_{rank}", item, record["step"])
+        if self.tracker is not None and record.get("kind") == "start":
+            self.tracker.log_params({key: record[key] for key in START_PARAMS if key in record})
+        elif self.tracker is not None and "step" in record:
+            self.tracker.log_metrics(record_metrics(record), record["step"])
         return record
 
     def log(self, record: dict[str, Any]) -> None:
@@ -111,8 +110,8 @@ class MetricsSink:
             self.bar.stop()
         if self.jsonl is not None:
             self.jsonl.close()
-        if self.writer is not None:
-            self.writer.close()
+        if self.tracker is not None:
+            self.tracker.close()
 
 
 def format_record(record: dict[str, Any], total_steps: int, start: float, start_step: int = 0) -> str:
@@ -156,9 +155,9 @@ class _RichBar:
         self.progress.stop()
 
 
-def _tensorboard_writer(run_dir: Path):
+def _tensorboard(run_dir: Path) -> Tracker:
     try:
-        from torch.utils.tensorboard import SummaryWriter
+        return TensorBoardTracker(run_dir)
     except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise RuntimeError("run.tensorboard=true needs the tensorboard package: pip install tensorboard") from exc
-    return SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        raise RuntimeError("run.tensorboard=true needs the tensorboard package: pip install 'meshrun[tensorboard]'") \
+            from exc

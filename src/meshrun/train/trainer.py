@@ -39,7 +39,9 @@ from meshrun.diag.gather import gather_floats
 from meshrun.diag.hang import HangWatchdog
 from meshrun.diag.stragglers import StragglerDetector, WorkTimer, gather_rank_infos
 from meshrun.train.gc_control import StepCollector
+from meshrun.report.trackers import open_tracker
 from meshrun.train.metrics import MetricsSink, SumMetrics, peak_flops
+from meshrun.watch.node import SystemWatch
 from meshrun.train.nonfinite import NonFiniteGuard
 from meshrun.train.profiling import StepProfiler, build_profiler
 from meshrun.train.rank_timing import FIELDS as TIMING_FIELDS, ranks_record, timing_row
@@ -128,8 +130,10 @@ class Trainer:
             self.folder.open(self.config_toml())
         self.start_step = self.last_saved_step = self.step
         self.sink = MetricsSink(self.run_dir, total_steps=job.train.steps, progress=job.run.progress,
-                                tensorboard=job.run.tensorboard, enabled=self.env.is_rank_zero and self.proceeds,
-                                start_step=self.step)
+                                enabled=self.env.is_rank_zero and self.proceeds, start_step=self.step,
+                                tracker=open_tracker(job, self.run_dir) if self.env.is_rank_zero and self.proceeds
+                                else None)
+        self.system = SystemWatch(job.run, env=self.env, device=self.device)  # node leaders sample in a thread
         self.timer = WorkTimer(self.engine.timed_modules, self.device)
         self.watchdog: HangWatchdog | None = None
         self.stragglers = (StragglerDetector(env=self.env, threshold=job.health.straggler_threshold,
@@ -338,6 +342,8 @@ class Trainer:
                 self.sink.log(record)
                 self.check_nonfinite()
                 self.check_stragglers(interval_steps, elapsed)
+                self.beat("system_metrics")
+                self.system.log_interval(self.step, record, self.sink)  # collective when on: every rank
                 interval_start, interval_steps = time.perf_counter(), 0
             if job.train.eval_every and (self.step % job.train.eval_every == 0 or self.step == job.train.steps):
                 self.beat("evaluate")
@@ -422,6 +428,7 @@ class Trainer:
         """Finish pending checkpoint writes and metrics, and give the process its own SIGTERM/SIGUSR1 handlers back
         (a closed trainer in a notebook or test process must not keep catching them)."""
         self.ckpt.close()
+        self.system.close()
         self.sink.close()
         if self.ckpt.preemption is not None:
             self.ckpt.preemption.restore()
