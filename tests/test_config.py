@@ -94,7 +94,11 @@ def test_bad_values_name_the_option(override, message):
                                       "--parallel.dp_shard=-1", "--parallel.pp_microbatches=0",
                                       "--health.hang_action=report"])
 def test_edge_values_that_mean_off_or_default_are_accepted(override):
-    load_config(None, [override])
+    option, _, text = override[2:].partition("=")
+    section, key = option.split(".")
+    job = load_config(None, [override])
+    value = getattr(getattr(job, section), key)
+    assert (value == float(text)) if isinstance(value, (int, float)) else value == text  # kept, not clamped
 
 
 def test_unwritable_run_dir_is_one_line_naming_the_option(tmp_path, capsys):
@@ -122,8 +126,14 @@ def test_missing_config_file_is_named(tmp_path):
         load_config(tmp_path / "nope.toml")
 
 
-def test_defaults_validate():
-    JobConfig().validate()
+def test_defaults_validate_and_normalise_the_tri_state_options():
+    job = JobConfig()
+    job.train.compile = True  # a TOML boolean, as the field held before it took 'auto'
+    job.validate()
+    assert (job.train.compile, job.train.cuda_graphs, job.parallel.fsdp_reshard_after_forward) == ("true", "auto", "auto")
+    job.train.grad_clip = -1.0
+    with pytest.raises(ConfigError, match="train.grad_clip"):
+        job.validate()  # validate() checks the fields it is given, not only what load_config parsed
 
 
 def test_choice_lists_are_defined_once_and_shared():
