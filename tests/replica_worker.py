@@ -55,7 +55,8 @@ def paced_train_step(self):
     time.sleep(paced)
     result = train_step(self)
     if result is not None:
-        line = {"step": self.step, "time": time.time(), "paced": paced, "sha": weights_digest(self.engine.model_parts)}
+        line = {"step": self.step, "time": time.time(), "paced": paced, "sha": weights_digest(self.engine.model_parts),
+                "data": [self.data.position.epoch, self.data.position.consumed]}
         with open(self.run_dir / f"weights_rank_{self.env.rank}.jsonl", "a") as out:
             out.write(json.dumps(line) + "\n")
     return result

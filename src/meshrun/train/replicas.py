@@ -26,6 +26,7 @@ sample, so the learning rate stays and the effective batch is (live groups) x (g
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import time
 from datetime import timedelta
@@ -83,6 +84,10 @@ def probe_lighthouse(address: str, timeout_s: float) -> None:
                       "or fix the address")
 
 
+class ReplicaQuorumError(RuntimeError):
+    """No quorum: too few live groups, or the lighthouse is lost."""
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (FSDP, TP), or the tensor itself: rank r of every group holds the same one."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
@@ -97,6 +102,9 @@ class ReplicaGroups(Stateful):
     def __init__(self, cfg: ReplicaConfig, *, env: ClusterEnv, device: torch.device, seed: int,
                  parts: list[nn.Module], optimizer: torch.optim.Optimizer, data: Any, scheduler: Any = None,
                  progress: Any = None, store: tuple[str, int] | None = None):
+        os.environ.setdefault("RUST_LOG", "warn")  # torchft's per-step lines; meshrun prints quorum changes itself
+        ft_log = logging.getLogger("torchft")  # its Python lines go to this rank's log file, not the console
+        ft_log.handlers, ft_log.propagate = [h for h in log.handlers if isinstance(h, logging.FileHandler)], False
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
         self.cfg, self.env, self.seed = cfg, env, seed
@@ -146,7 +154,15 @@ class ReplicaGroups(Stateful):
         """Quorum (blocks until the lighthouse forms one; up to the heartbeat timeout after a group is lost). A
         group that is behind is healed here, before its forward pass."""
         before = self.live_groups
-        self.manager.start_quorum()  # sync quorum: heals now if this group is behind
+        try:
+            self.manager.start_quorum()  # sync quorum: heals now if this group is behind
+        except Exception as exc:  # noqa: BLE001 - torchft's gRPC status, with what it means here
+            c = self.cfg
+            raise ReplicaQuorumError(
+                f"replica group {c.group}: no quorum within replicas.quorum_timeout_s={c.quorum_timeout_s:g} s at step "
+                f"{self.step + 1}: fewer than replicas.min_groups={c.min_groups} groups are alive, or the lighthouse "
+                f"at {c.lighthouse} is gone (start it again with `meshrun lighthouse`; every group resumes from the "
+                f"last checkpoint) [{str(exc).splitlines()[0][:120]}]") from exc
         self.live_groups = self.manager.num_participants()
         if self.live_groups != before:
             self.say(f"replica groups: {self.live_groups} live at step {self.step + 1} (was {before})")
