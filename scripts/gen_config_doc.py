@@ -6,7 +6,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = {"ModelConfig": "model", "DataConfig": "data", "TrainConfig": "train", "ParallelConfig": "parallel",
-            "DistConfig": "dist", "CheckpointConfig": "checkpoint", "HealthConfig": "health", "RunConfig": "run"}
+            "DistConfig": "dist", "CheckpointConfig": "checkpoint", "HealthConfig": "health", "RunConfig": "run",
+            "ReplicaConfig": "replicas"}
 
 
 def main() -> None:

@@ -5,7 +5,8 @@
 - MESHRUN_TEST_STEP_SLEEP=<s> paces steps, and MESHRUN_TEST_ALONE_SLEEP=<s> those a group runs alone (a survivor
   must still be training when its peer has restarted); the digest line says how long the step slept;
 - MESHRUN_TEST_KILL=<where>:<step> SIGKILLs this process at a chosen point of step <step> (counted from 1):
-  ``allreduce`` (the other groups are inside the cross-group gradient all-reduce, waiting for this group), ``save`` (the checkpoint's shards are on disk,
+  ``forward`` (rank 1, first attempt only, before its forward pass), ``allreduce`` (the other groups are inside
+  the cross-group gradient all-reduce, waiting for this group), ``save`` (the checkpoint's shards are on disk,
   its manifest and COMPLETE are not) or ``heal`` (while loading the state a live group sent).
 
 Run as `meshrun launch --nproc-per-node N tests/replica_worker.py <train options>`.
@@ -51,6 +52,8 @@ train_step = trainer.Trainer.train_step
 
 
 def paced_train_step(self):
+    if WHERE == "forward" and self.step + 1 == KILL_STEP and self.env.rank == 1 and not self.env.restart_count:
+        die()  # the launcher's restart path: rank 1 dies once, before its forward pass
     paced = ALONE_S if self.replicas is not None and self.replicas.live_groups == 1 else PACE_S
     time.sleep(paced)
     result = train_step(self)

@@ -56,10 +56,11 @@ class Job:
         return proc
 
     def group(self, group: int, *, nproc: int = 1, steps: int, extra: tuple[str, ...] = (), kill: str = "",
-              pace_s: float = 0.0, log_name: str = "") -> subprocess.Popen:
-        """Group ``group`` under `meshrun launch --nproc-per-node nproc`, or as one plain process with nproc=0."""
+              pace_s: float = 0.0, log_name: str = "", gpu: bool = False) -> subprocess.Popen:
+        """Group ``group`` under `meshrun launch --nproc-per-node nproc`, or as one plain process with nproc=0;
+        ``gpu``: on GPU ``group`` alone (one GPU per group)."""
         env = {"MESHRUN_TEST_STEP_SLEEP": str(pace_s), "MESHRUN_TEST_ALONE_SLEEP": "1.0", "MESHRUN_TEST_KILL": kill,
-               "OMP_NUM_THREADS": "1"}
+               "OMP_NUM_THREADS": "1", **({"CUDA_VISIBLE_DEVICES": str(group)} if gpu else {})}
         launch = ["launch", "--nproc-per-node", str(nproc)] if nproc else []
         return self._spawn([*launch, WORKER, *TRAIN_ARGS, f"--train.steps={steps}",
                             f"--replicas.group={group}", f"--replicas.lighthouse={self.address}",
@@ -116,7 +117,7 @@ def finish(proc: subprocess.Popen, job: Job, timeout: float = 180) -> None:
 
 
 def kill_restart_heal(job_factory, tmp_path: Path, *, nproc: int, extra: tuple[str, ...] = (),
-                      die_healing: bool = False) -> None:
+                      die_healing: bool = False, gpu: bool = False) -> None:
     """Both groups train; group 1 is SIGKILLed mid-all-reduce at step KILL; group 0 goes on alone; group 1 starts
     again (with ``die_healing``: first once more, SIGKILLed while it loads the survivor's state), heals, and both
     end at STEPS with equal weights and data positions at every step both ran."""
@@ -124,15 +125,16 @@ def kill_restart_heal(job_factory, tmp_path: Path, *, nproc: int, extra: tuple[s
     steps, kill, kills = (60 if die_healing else 40), 8, (2 if die_healing else 1)
     job = job_factory()
     run = tmp_path / "run"
-    survivor = job.group(0, nproc=nproc, steps=steps, extra=extra)
-    victim = job.group(1, nproc=nproc, steps=steps, extra=extra, kill=f"allreduce:{kill}")
+    survivor = job.group(0, nproc=nproc, steps=steps, extra=extra, gpu=gpu)
+    victim = job.group(1, nproc=nproc, steps=steps, extra=extra, kill=f"allreduce:{kill}", gpu=gpu)
     victim.wait(timeout=180)
     assert victim.returncode != 0, job.logs[-1].read_text()[-3000:]
     if die_healing:
-        healing = job.group(1, nproc=nproc, steps=steps, extra=extra, kill="heal:1", log_name="group_1_healing.log")
+        healing = job.group(1, nproc=nproc, steps=steps, extra=extra, kill="heal:1", log_name="group_1_healing.log",
+                            gpu=gpu)
         healing.wait(timeout=180)
         assert healing.returncode != 0, job.logs[-1].read_text()[-3000:]
-    restarted = job.group(1, nproc=nproc, steps=steps, extra=extra, log_name="group_1_restarted.log")
+    restarted = job.group(1, nproc=nproc, steps=steps, extra=extra, log_name="group_1_restarted.log", gpu=gpu)
     finish(survivor, job)
     finish(restarted, job)
 
@@ -166,6 +168,16 @@ def test_group_killed_mid_allreduce_and_again_mid_heal_survivor_goes_on_and_rest
 @pytest.mark.slow
 def test_fsdp_groups_of_two_ranks_survive_a_kill_mid_allreduce_and_heal(job, tmp_path):
     kill_restart_heal(job, tmp_path, nproc=2, extra=("--parallel.dp_shard=2", "--parallel.dp_replicate=1"))
+
+
+@pytest.mark.gpu
+def test_gpu_groups_nccl_across_groups_survive_a_kill_mid_allreduce_and_heal(job, tmp_path):
+    """One GPU per group (CUDA_VISIBLE_DEVICES), NCCL inside torchft's cross-group process group."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
+    kill_restart_heal(job, tmp_path, nproc=1, gpu=True, extra=("--train.dtype=fp32",))
 
 
 @pytest.mark.slow

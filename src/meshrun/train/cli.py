@@ -12,7 +12,7 @@ EPILOG = """\
 Options are set as --section.key=value (or --section.key value), on top of an optional TOML file, e.g.
   meshrun train --model.name=tiny --train.steps=100 --train.global_batch=64
   meshrun launch --nproc-per-node 2 train --config job.toml --train.micro_batch=4
-Sections: model, data, train, parallel, dist, checkpoint, health, run (see docs/config.md).
+Sections: model, data, train, parallel, dist, checkpoint, health, run, replicas (see docs/config.md).
 """
 
 

@@ -101,7 +101,7 @@ class ReplicaGroups(Stateful):
 
     def __init__(self, cfg: ReplicaConfig, *, env: ClusterEnv, device: torch.device, seed: int,
                  parts: list[nn.Module], optimizer: torch.optim.Optimizer, data: Any, scheduler: Any = None,
-                 progress: Any = None, store: tuple[str, int] | None = None):
+                 progress: Any = None):
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's per-step lines; meshrun prints quorum changes itself
         ft_log = logging.getLogger("torchft")  # its Python lines go to this rank's log file, not the console
         ft_log.handlers, ft_log.propagate = [h for h in log.handlers if isinstance(h, logging.FileHandler)], False
@@ -111,15 +111,14 @@ class ReplicaGroups(Stateful):
         self.parts, self.optimizer, self.data = parts, optimizer, data
         self.scheduler, self.progress = scheduler, progress
         self.params = [p for part in parts for p in part.parameters() if p.requires_grad]
-        self.live_groups, self.healed_at, self.discarded = 0, [], 0
+        self.live_groups, self.discarded = 0, 0
         self.say: Callable[[str], None] = log.info
         self.record: Callable[[dict[str, Any]], None] = lambda _record: None
         if env.rank == 0:
             probe_lighthouse(cfg.lighthouse, cfg.connect_timeout_s)
         timeout = timedelta(seconds=cfg.timeout_s)
         self._own_store = None
-        if store is None:
-            store = self._store_address()
+        store = self._store_address()
         pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
         self.manager = Manager(
             pg=pg, load_state_dict=None, state_dict=None, min_replica_size=cfg.min_groups, use_async_quorum=False,
@@ -228,7 +227,6 @@ class ReplicaGroups(Stateful):
             self.progress.load_state_dict(state["progress"])
         step = int(state["progress"]["step"]) if self.progress is not None else self.manager.current_step()
         self.reseed(step)
-        self.healed_at.append(step)
         self.say(f"replica group {self.cfg.group}: healed from a live group at step {step} (model, optimizer, "
                  "scheduler, data position; random streams re-derived)")
         self.record({"kind": "replicas", "step": step, "healed": True})
