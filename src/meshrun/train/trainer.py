@@ -274,6 +274,8 @@ class Trainer:
         self.data, self.val = self.build_data()
         self.data.seek(position)
         self.app_state["data"] = self.data
+        if self.replicas is not None:
+            self.replicas.data = self.data  # a healing peer continues this loader's position
         self.ckpt.layout.update(global_batch=self.batch.global_batch, grad_accum=self.batch.grad_accum)
         message = (f"keeping the checkpoint's global batch {saved}: {before.dp_size} -> {self.batch.dp_size} "
                    f"data-parallel ranks, accumulation {before.grad_accum} -> {self.batch.grad_accum}")
