@@ -181,19 +181,22 @@ def test_gpu_groups_nccl_across_groups_survive_a_kill_mid_allreduce_and_heal(job
 
 
 @pytest.mark.slow
-def test_whole_job_lost_after_the_saver_died_mid_save_resumes_from_the_last_complete_checkpoint(job, tmp_path):
-    """Two plain-process groups that both must take part (min 2). Group 0, which writes the checkpoints, is SIGKILLed
-    while writing step 15 (shards on disk, no manifest); group 1 cannot commit alone and stops after the quorum
-    timeout. Started again, both resume from step 10 (the half-written 15 is never read) and repeat steps 11-15
-    bitwise as the first run computed them."""
-    first, run = job(min_groups=2), tmp_path / "run"
-    extra = ("--checkpoint.interval_steps=5", "--replicas.min_groups=2", "--replicas.quorum_timeout_s=4")
-    saver = first.group(0, nproc=0, steps=20, extra=extra, kill="save:15")
-    other = first.group(1, nproc=0, steps=20, extra=extra)
+def test_whole_job_loss_and_a_lost_lighthouse_resume_from_the_last_complete_checkpoint(job, tmp_path):
+    """Plain-process groups that both must take part (min 2), checkpoints every 5 steps.
+    1. Group 0, which writes the checkpoints, is SIGKILLed while writing step 15 (shards on disk, no manifest);
+       group 1 cannot commit alone and stops after the quorum timeout: the whole job is lost.
+    2. Started again, both resume from step 10 (the half-written 15 is never read) and repeat steps 11-15 bitwise as
+       the first run computed them. Then the lighthouse is SIGKILLed: both stop within the quorum timeout with one
+       line, group 0 saving the last committed step first.
+    3. A new lighthouse and the same commands resume at that step: nothing lost."""
+    run, checkpoints = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    extra = ("--checkpoint.interval_steps=5", "--replicas.min_groups=2", "--replicas.quorum_timeout_s=3")
+    first = job(min_groups=2)
+    saver = first.group(0, nproc=0, steps=200, extra=extra, kill="save:15")
+    other = first.group(1, nproc=0, steps=200, extra=extra)
     saver.wait(timeout=180)
     other.wait(timeout=60)
-    assert saver.returncode == -9 and other.returncode != 0, (saver.returncode, other.returncode)
-    checkpoints = run / "checkpoints"
+    assert saver.returncode == -9 and other.returncode == 1, (saver.returncode, other.returncode)
     assert (checkpoints / "step_0000010" / "COMPLETE").exists() and not (checkpoints / "step_0000015").exists()
     assert list(checkpoints.glob(".step_0000015.tmp-*")), sorted(p.name for p in checkpoints.iterdir())
     before = {g: weights(run, g) for g in (0, 1)}
@@ -201,16 +204,35 @@ def test_whole_job_lost_after_the_saver_died_mid_save_resumes_from_the_last_comp
     first.close()
 
     second = job(min_groups=2)
-    procs = [second.group(g, nproc=0, steps=20, extra=extra, log_name=f"resumed_{g}.log") for g in (0, 1)]
+    procs = [second.group(g, nproc=0, steps=200, extra=extra, pace_s=0.1, log_name=f"resumed_{g}.log")
+             for g in (0, 1)]
+    wait_for(lambda: min(max(weights(run, g)) for g in (0, 1)) >= 18, "step 18 in both groups", second)
+    stop_tree(second.lighthouse)
+    lost_at = time.monotonic()
     for proc in procs:
-        finish(proc, second)
+        proc.wait(timeout=120)
+    stopped_s = time.monotonic() - lost_at
     after = {g: weights(run, g) for g in (0, 1)}
+    last = max(after[0])
+    assert max(after[1]) == last and [proc.returncode for proc in procs] == [1, 1]
+    assert stopped_s < 3 + 30, f"the groups took {stopped_s:.1f} s to stop"  # 3 s quorum timeout + a final save
     for g in (0, 1):
-        assert "resumed at step 10 " in (tmp_path / f"resumed_{g}.log").read_text()
+        log = (tmp_path / f"resumed_{g}.log").read_text()
+        assert "resumed at step 10 " in log and "no quorum within replicas.quorum_timeout_s=3 s" in log
         assert [after[g][s]["sha"] for s in range(11, 16)] == [before[g][s]["sha"] for s in range(11, 16)]
-        assert [after[g][s]["sha"] for s in range(11, 21)] == [after[1 - g][s]["sha"] for s in range(11, 21)]
-    assert (checkpoints / "step_0000020" / "COMPLETE").exists()
-    manifest = json.loads((checkpoints / "step_0000020" / "manifest.json").read_text())
+        shared = range(11, last + 1)
+        assert [after[g][s]["sha"] for s in shared] == [after[1 - g][s]["sha"] for s in shared]
+    assert (checkpoints / f"step_{last:07d}" / "COMPLETE").exists()
+    second.close()
+
+    third = job(min_groups=2)
+    procs = [third.group(g, nproc=0, steps=last + 2, extra=extra, log_name=f"again_{g}.log") for g in (0, 1)]
+    for proc in procs:
+        finish(proc, third)
+    for g in (0, 1):
+        assert f"resumed at step {last} " in (tmp_path / f"again_{g}.log").read_text()
+        assert max(weights(run, g)) == last + 2
+    manifest = json.loads((checkpoints / f"step_{last + 2:07d}" / "manifest.json").read_text())
     assert manifest["state"].get("replicas") == "ReplicaGroups", manifest["state"]  # the manager's state is saved
 
 

@@ -111,7 +111,7 @@ class ReplicaGroups(Stateful):
         self.parts, self.optimizer, self.data = parts, optimizer, data
         self.scheduler, self.progress = scheduler, progress
         self.params = [p for part in parts for p in part.parameters() if p.requires_grad]
-        self.live_groups, self.discarded = 0, 0
+        self.live_groups, self.discarded, self._first = 0, 0, False
         self.say: Callable[[str], None] = log.info
         self.record: Callable[[dict[str, Any]], None] = lambda _record: None
         if env.rank == 0:
@@ -163,6 +163,7 @@ class ReplicaGroups(Stateful):
                 f"at {c.lighthouse} is gone (start it again with `meshrun lighthouse`; every group resumes from the "
                 f"last checkpoint) [{str(exc).splitlines()[0][:120]}]") from exc
         self.live_groups = self.manager.num_participants()
+        self._first = self.manager.participating_rank() == 0  # kept: a failed quorum cannot be asked any more
         if self.live_groups != before:
             self.say(f"replica groups: {self.live_groups} live at step {self.step + 1} (was {before})")
             self.record({"kind": "replicas", "step": self.step, "live_groups": self.live_groups})
@@ -198,8 +199,9 @@ class ReplicaGroups(Stateful):
         self.record({"kind": "replicas", "step": self.step, "discarded": True, "live_groups": self.live_groups})
 
     def saves_checkpoints(self) -> bool:
-        """One group writes the shared checkpoints: the first live group of the current quorum."""
-        return self.manager.participating_rank() == 0
+        """One group writes the shared checkpoints: the first live group of the last quorum (also after the
+        lighthouse is lost: it saves the last committed step before stopping)."""
+        return self._first
 
     # ---- healing: what a live group sends, what a healing group loads --------------------------------------------
 

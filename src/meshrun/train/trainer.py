@@ -47,7 +47,7 @@ from meshrun.train.metrics import MetricsSink, SumMetrics, peak_flops
 from meshrun.train.nonfinite import NonFiniteGuard
 from meshrun.train.profiling import StepProfiler, build_profiler
 from meshrun.train.rank_timing import FIELDS as TIMING_FIELDS, ranks_record, timing_row
-from meshrun.train.replicas import ReplicaGroups, data_shard, group_run_dir
+from meshrun.train.replicas import ReplicaGroups, ReplicaQuorumError, data_shard, group_run_dir
 from meshrun.train.runlog import start_record
 
 log = logging.getLogger("meshrun")
@@ -395,6 +395,9 @@ class Trainer:
             self.profiler.start()
         try:
             return self._loop()
+        except ReplicaQuorumError:  # lighthouse lost or too few groups: keep the last committed step, then stop
+            self.save_checkpoint(final=True)
+            raise
         finally:
             if self.profiler is not None:
                 self.profiler.close()  # an error or SIGTERM inside the window: writes what was recorded
