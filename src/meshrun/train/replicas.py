@@ -105,7 +105,10 @@ class ReplicaGroups(Stateful):
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's per-step lines; meshrun prints quorum changes itself
         ft_log = logging.getLogger("torchft")  # its Python lines go to this rank's log file, not the console
         ft_log.handlers, ft_log.propagate = [h for h in log.handlers if isinstance(h, logging.FileHandler)], False
-        from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
+        try:
+            from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
+        except ImportError:
+            raise ConfigError(f"replicas.groups={cfg.groups} needs torchft: pip install 'meshrun[ft]'") from None
 
         self.cfg, self.env, self.seed = cfg, env, seed
         self.parts, self.optimizer, self.data = parts, optimizer, data
