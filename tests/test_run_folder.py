@@ -162,7 +162,7 @@ def test_world_size_change_names_the_checkpoints_data_parallel_ranks():
     notes: list[str] = []
     data = SimpleNamespace(position=0, seek=lambda position: None)
     trainer = SimpleNamespace(job=job, app_state={}, data=data, batch=None, build_data=lambda: (data, []),
-                              ckpt=SimpleNamespace(layout={}, notes=notes))
+                              ckpt=SimpleNamespace(layout={}, notes=notes), replicas=None)
     trainer.plan_batch = lambda: resolve_batch(job.train, dp_size=1, seq_len=64)
     keep_global_batch(trainer, {"global_batch": 16, "dp_replicate": 2, "dp_shard": 1, "grad_accum": 1})
     assert notes == ["keeping the checkpoint's global batch 16: 2 -> 1 data-parallel ranks, accumulation 1 -> 2"]

@@ -12,6 +12,7 @@ import sys
 COMMANDS = {
     "train": ("meshrun.train.cli", "train the reference model (or check a layout with --dry-run)"),
     "launch": ("meshrun.launch.cli", "start workers like torchrun, with the network worked out for you"),
+    "lighthouse": ("meshrun.launch.lighthouse", "start the torchft lighthouse that joins replica groups (fault tolerance)"),
     "slurm": ("meshrun.launch.sbatch_cli", "write (and --submit) the sbatch script of a multi-node job"),
     "plan": ("meshrun.planner.cli", "offline: rank layout, groups, memory and traffic of a layout; time for a token budget"),
     "ckpt": ("meshrun.ckpt.cli", "list, verify and export checkpoints"),

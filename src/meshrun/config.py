@@ -339,6 +339,37 @@ class RunConfig:
 
 
 @dataclass
+class ReplicaConfig:
+    """Replica groups joined by torchft: several whole jobs of this layout that survive the loss of one
+    (docs/fault_tolerance.md)."""
+
+    groups: int = 0
+    """Replica groups in the job (0 = off); each reads its own share of the data."""
+    group: int = 0
+    """This group's id, 0 .. groups-1."""
+    lighthouse: str = ""
+    """host:port of the torchft lighthouse (`meshrun lighthouse`)."""
+    min_groups: int = 1
+    """Live groups a step needs to commit."""
+    timeout_s: float = 30.0
+    """Limit of a cross-group all-reduce, commit vote and weight transfer to a healing group."""
+    quorum_timeout_s: float = 60.0
+    """Limit of one quorum (a lost lighthouse stops every group after it)."""
+    connect_timeout_s: float = 10.0
+    """How long a group tries to reach the lighthouse at start before it stops with one line."""
+
+    def check(self) -> None:
+        if self.groups < 0 or (self.groups and not 0 <= self.group < self.groups):
+            raise ConfigError(f"replicas.group={self.group} with replicas.groups={self.groups}: give groups >= 1 "
+                              "and a group id from 0 to groups-1 (groups=0 turns replica groups off)")
+        if self.groups and not self.lighthouse:
+            raise ConfigError("replicas.groups is set but replicas.lighthouse is empty: start `meshrun lighthouse` "
+                              "and pass its address, e.g. --replicas.lighthouse=10.0.0.5:29510")
+        if not 1 <= self.min_groups <= max(self.groups, 1):
+            raise ConfigError(f"replicas.min_groups={self.min_groups}: give 1 .. replicas.groups ({self.groups})")
+
+
+@dataclass
 class JobConfig:
     """The whole job."""
 
@@ -350,6 +381,7 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    replicas: ReplicaConfig = field(default_factory=ReplicaConfig)
 
     def validate(self) -> None:
         """Static checks of fields against each other; raises ConfigError naming the option."""
@@ -408,6 +440,7 @@ class JobConfig:
             raise ConfigError(f"run.profile_steps={self.run.profile_steps!r} ends after train.steps="
                               f"{self.train.steps}; choose steps up to {self.train.steps}")
         self.run.profiled_ranks()  # raises on a malformed list
+        self.replicas.check()
         for option, valid, fix in _RANGES:
             section, _, key = option.partition(".")
             value = getattr(getattr(self, section), key)

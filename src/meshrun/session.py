@@ -15,6 +15,11 @@
         if step % 100 == 0:
             session.save(step, model=model, optimizer=optimizer, batches=batches)
     totals = session.sum_metrics(correct=..., total=...)   # exact: every sample counted once
+
+Replica groups (torchft; docs/fault_tolerance.md): ``Session(replicas=ReplicaConfig(groups=2, group=g,
+lighthouse="host:29510"))``, then after ``resume``: ``ft = session.join_replicas(start, model=..., optimizer=...,
+batches=...)`` and per step ``ft.start_step()``; forward/backward; ``if not ft.average_gradients(): continue``
+(the step did not commit: run it again); ``optimizer.step()``; the step counter is ``ft.step``.
     session.print(...)                                      # rank 0 only
 
 Runs unchanged as one process (``python train.py``) and under ``meshrun launch``/``torchrun``/``srun``. Layouts
@@ -33,7 +38,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from meshrun.config import CheckpointConfig, ConfigError, DistConfig, TrainConfig, resolve_batch
+from meshrun.config import CheckpointConfig, ConfigError, DistConfig, ReplicaConfig, TrainConfig, resolve_batch
 from meshrun.data.loader import StepBatches
 from meshrun.comm.process_group import init_distributed, shutdown
 from meshrun.env import ClusterEnv
@@ -44,13 +49,18 @@ from meshrun.ckpt.script import SessionCheckpoints, model_fingerprint
 from meshrun.diag.hang import HangWatchdog
 from meshrun.diag.stragglers import StragglerDetector, WorkTimer
 from meshrun.train.metrics import SumMetrics
+from meshrun.train.replicas import ReplicaGroups, data_shard
 
 
 class Session:
     """Process layout, device, parallel layouts, data sharding, exact metrics, checkpoints and health."""
 
     def __init__(self, *, seed: int = 1234, dist_config: DistConfig | None = None, env: ClusterEnv | None = None,
-                 checkpoint: CheckpointConfig | str | None = None):
+                 checkpoint: CheckpointConfig | str | None = None, replicas: ReplicaConfig | None = None):
+        if replicas is not None:
+            replicas.check()
+        self.replicas_config = replicas if replicas is not None and replicas.groups else None
+        self.replicas: ReplicaGroups | None = None
         self.env = env or ClusterEnv.detect()
         self.ctx = init_distributed(self.env, dist_config or DistConfig())
         self.device = self.ctx.device
@@ -127,7 +137,8 @@ class Session:
         Call it after prepare_model, so TP ranks share their data."""
         plan = resolve_batch(TrainConfig(micro_batch=micro_batch, global_batch=global_batch, grad_accum=grad_accum),
                              dp_size=self.dp_size, seq_len=1)
-        self._batches = StepBatches(dataset, dp_rank=self.dp_rank, dp_size=self.dp_size, seed=self.seed,
+        dp_rank, dp_size = data_shard(self.replicas_config, self.dp_rank, self.dp_size)  # a group reads its share
+        self._batches = StepBatches(dataset, dp_rank=dp_rank, dp_size=dp_size, seed=self.seed,
                                     micro_batch=micro_batch, grad_accum=plan.grad_accum, device=self.device)
         return self._batches
 
@@ -153,12 +164,32 @@ class Session:
         tp = self.layout.dims.tp if self.layout else 1
         return {k: v / tp for k, v in totals.items()} if tp > 1 else totals
 
+    def join_replicas(self, step: int = 0, *, model: nn.Module | PipelinedModule, optimizer: torch.optim.Optimizer,
+                      batches: StepBatches | None = None, scheduler: Any = None) -> ReplicaGroups:
+        """Join the other replica groups (``Session(replicas=...)``) at ``step`` (what ``resume`` returned). The
+        returned object runs the per-step protocol: ``start_step()`` (quorum; heals this group from a live one when
+        it is behind), ``average_gradients()`` (after backward: True = step the optimizer), ``step``."""
+        if self.replicas_config is None:
+            raise ConfigError("join_replicas needs Session(replicas=ReplicaConfig(groups=N, group=G, lighthouse=...))")
+        batches = batches or self._batches
+        if batches is None:
+            raise ValueError("join_replicas needs the StepBatches (session.step_batches) a healing group continues")
+        self.replicas = ReplicaGroups(self.replicas_config, env=self.env, device=self.device, seed=self.seed,
+                                      parts=self._parts(model), optimizer=optimizer, data=batches,
+                                      scheduler=scheduler)
+        self.replicas.manager.load_state_dict({"step": step, "batches_committed": 0})
+        self.replicas.say = self.print
+        return self.replicas
+
     # ---- checkpoints ----------------------------------------------------------------------------------------------
 
     def save(self, step: int, *, model: nn.Module | PipelinedModule, optimizer: torch.optim.Optimizer | None = None,
              batches: StepBatches | None = None, scheduler: Any = None, extra: dict[str, float] | None = None,
-             final: bool = False) -> Path:
-        """Save a sharded checkpoint of step ``step`` (collective: every rank, same step); returns its folder."""
+             final: bool = False) -> Path | None:
+        """Save a sharded checkpoint of step ``step`` (collective: every rank, same step); returns its folder. With
+        replica groups only the quorum's first group writes (the others return None)."""
+        if self.replicas is not None and not self.replicas.saves_checkpoints():
+            return None
         return self._checkpoints().save(step, parts=self._parts(model), fingerprint=self._fingerprint(model),
                                         optimizer=optimizer, batches=batches or self._batches, scheduler=scheduler,
                                         extra=extra, layout=self.layout, final=final)
@@ -236,6 +267,9 @@ class Session:
         """Finish pending checkpoint writes, stop the watchdog and destroy the process group (idempotent)."""
         if self.checkpoints is not None:
             self.checkpoints.close()
+        if self.replicas is not None:
+            self.replicas.close()
+            self.replicas = None
         if self._watchdog is not None:
             self._watchdog.stop()  # before the process group (and its store) goes away
             self._watchdog = None

@@ -44,6 +44,8 @@ def build_checkpointer(trainer: Trainer) -> tuple[Checkpointer, dict[str, Any]]:
     state = {"model_optim": ModelOptimState(trainer.engine.model_parts, [trainer.optimizer]),
              "scheduler": SchedulerState(trainer.scheduler), "trainer": trainer.progress, "data": trainer.data,
              "rng": RNGState(env, seed=job.train.seed)}
+    if trainer.replicas is not None:
+        state["replicas"] = trainer.replicas  # the manager's step; loading it re-derives the random streams
     return ckpt, state
 
 
@@ -86,6 +88,8 @@ def keep_global_batch(trainer: Trainer, layout: dict[str, Any]) -> None:
     trainer.data, trainer.val = trainer.build_data()
     trainer.data.seek(position)
     trainer.app_state["data"] = trainer.data
+    if trainer.replicas is not None:
+        trainer.replicas.data = trainer.data  # a healing peer continues this loader's position
     trainer.ckpt.layout.update(global_batch=trainer.batch.global_batch, grad_accum=trainer.batch.grad_accum)
     message = (f"keeping the checkpoint's global batch {saved}: {saved_dp} -> {trainer.batch.dp_size} data-parallel "
                f"ranks, accumulation {layout.get('grad_accum', '?')} -> {trainer.batch.grad_accum}")

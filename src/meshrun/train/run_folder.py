@@ -28,8 +28,8 @@ RECORD_FILES = ("config.toml", "metrics.jsonl", "summary.json", "logs", "checkpo
 class RunFolder:
     """``run.dir`` of this process: created if absent at start, its record written by :meth:`open` only."""
 
-    def __init__(self, job: JobConfig, env: ClusterEnv):
-        self.path = Path(job.run.dir)
+    def __init__(self, job: JobConfig, env: ClusterEnv, *, path: Path | None = None):
+        self.path = Path(job.run.dir) if path is None else path  # path: a replica group's own folder
         self.env = env
         self.opened = False
         self.moved_to: Path | None = None

@@ -45,6 +45,7 @@ from meshrun.watch.node import SystemWatch
 from meshrun.train.nonfinite import NonFiniteGuard
 from meshrun.train.profiling import StepProfiler, build_profiler
 from meshrun.train.rank_timing import FIELDS as TIMING_FIELDS, ranks_record, timing_row
+from meshrun.train.replicas import ReplicaGroups, ReplicaQuorumError, data_shard, group_run_dir
 from meshrun.train.run_folder import RunFolder, describe_resume
 from meshrun.train.runlog import start_record
 from meshrun.train.resuming import build_checkpointer, resume
@@ -98,14 +99,14 @@ class Trainer:
                                              gpus_per_node=self.env.local_world_size, model=self.model_cfg,
                                              spec=self.spec)
         self.batch: BatchPlan = self.plan_batch()
-        self.run_dir = Path(job.run.dir)
+        self.run_dir = group_run_dir(job)  # <run.dir>/group_<g> with replica groups
         if job.train.deterministic:
             use_deterministic_algorithms()
         if self.env.is_distributed and torch.cuda.is_available():
             enable_flight_recorder(os.environ, run_dir=self.run_dir)  # NCCL reads these at group creation
         self.ctx: DistContext = init_distributed(self.env, job.dist)
         self.device = self.ctx.device
-        self.folder = RunFolder(job, self.env)  # nothing written into it until the run proceeds
+        self.folder = RunFolder(job, self.env, path=self.run_dir)  # nothing written into it until the run proceeds
         if self.env.is_distributed and job.health.check_versions:
             check_consistency(env=self.env, strict=True, script=sys.argv[0])  # collective: every rank
         self.mesh = self.dims.build_mesh(self.device.type)  # collective: every rank
@@ -122,6 +123,7 @@ class Trainer:
                                     fused_optimizer=bool(self.optimizer.param_groups[0].get("fused")),
                                     hosts=[info.host for info in self.rank_infos])
         self.progress = TrainProgress()
+        self.replicas = self.build_replicas()
         self.ckpt, self.app_state = build_checkpointer(self)
         self.resumed: dict[str, Any] | None = resume(self)  # a fresh run's folder is moved aside here
         self.proceeds = self.step < job.train.steps
@@ -140,6 +142,8 @@ class Trainer:
                                              min_gap_s=0.01, gemm_check=job.health.straggler_gemm_check,
                                              compute_device=self.device, ranks=self.rank_infos)
                            if self.env.is_distributed and job.health.straggler_threshold else None)
+        if self.replicas is not None:
+            self.replicas.say, self.replicas.record = self.sink.print, self.sink.record
         if self.proceeds:
             self.print_header()
             self.sink.record({**self.start_record(), "hosts": [info.host for info in self.rank_infos]})
@@ -182,7 +186,7 @@ class Trainer:
         seq_len = self.model_cfg.seq_len
         train_set = TokenWindows(self.corpus.train, seq_len, self.model_cfg.vocab_size)
         val_set = TokenWindows(self.corpus.val, seq_len, self.model_cfg.vocab_size)
-        dp_rank, dp_size = self.engine.dp_rank, self.engine.dp_size
+        dp_rank, dp_size = data_shard(self.job.replicas, self.engine.dp_rank, self.engine.dp_size)
         try:
             data = StepBatches(train_set, dp_rank=dp_rank, dp_size=dp_size, seed=self.job.train.seed,
                                micro_batch=self.batch.micro_batch, grad_accum=self.batch.grad_accum,
@@ -205,9 +209,17 @@ class Trainer:
                                   {"params": no_decay, "weight_decay": 0.0}],
                                  lr=t.lr, betas=(t.beta1, t.beta2), fused=fused or None)
 
+    def build_replicas(self) -> ReplicaGroups | None:
+        """replicas.groups: this group's torchft manager (train/replicas.py); None without replica groups."""
+        if not self.job.replicas.groups:
+            return None
+        return ReplicaGroups(self.job.replicas, env=self.env, device=self.device, seed=self.job.train.seed,
+                             parts=self.engine.model_parts, optimizer=self.optimizer, scheduler=self.scheduler,
+                             data=self.data, progress=self.progress)
+
     def save_checkpoint(self, *, final: bool = False) -> None:
         """Collective: every rank, at the same step. A step already saved (or just resumed from) is not saved again."""
-        if self.step == self.last_saved_step:
+        if self.step == self.last_saved_step or (self.replicas is not None and not self.replicas.saves_checkpoints()):
             return
         self.last_saved_step = self.step
         # a save may take up to checkpoint.timeout_s: not a hang until then
@@ -253,6 +265,7 @@ class Trainer:
             f"{self.data.sampler.steps_per_epoch:,} steps ({len(self.data.sampler.dataset) - self.data.sampler.usable}"
             " tail samples dropped per epoch)",
             f"config: {self.run_dir / 'config.toml'}",
+            *([self.replicas.describe()] if self.replicas is not None else []),
         ]
         lines[1:1] = [f"layout: {describe_layout(self.dims)}", *([self.layout_note] if self.layout_note else []),
                       describe_speed(self.job, self.device, compute_dtype(self.job, self.device),
@@ -266,8 +279,11 @@ class Trainer:
 
     # ---- the loop -------------------------------------------------------------------------------------------------
 
-    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """One optimizer step over grad_accum micro-batches: returns (loss_sum, tokens, grad_norm), on device."""
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """One optimizer step over grad_accum micro-batches: returns (loss_sum, tokens, grad_norm), on device; None
+        when replica groups discarded the step (a group failed during it; it runs again)."""
+        if self.replicas is not None:
+            self.replicas.start_step()  # quorum across groups; a group that is behind heals here
         start = time.perf_counter()
         batches = self.data.next_step()
         self.timer.add_data(time.perf_counter() - start)
@@ -275,14 +291,16 @@ class Trainer:
         self.beat("forward_backward", timeout_s=max(1800.0, self.job.health.hang_timeout_s) if first else None)
         loss_sum, tokens = self.engine.forward_backward(batches)
         self.beat("optimizer")
+        if self.replicas is not None and not self.replicas.average_gradients():
+            return None
         clip = self.job.train.grad_clip or (float("inf") if self.guard.enabled else 0.0)  # inf: the norm alone
         grad_norm = self.engine.clip_grad_norm(clip) if clip else None
         if grad_norm is None or self.guard.allow_step(self.step + 1, grad_norm, loss_sum, self.optimizer):
             self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.progress.step += 1
-        self.progress.tokens_seen += self.batch.tokens_per_step
+        self.progress.step = self.replicas.step if self.replicas is not None else self.progress.step + 1
+        self.progress.tokens_seen += self.batch.tokens_per_step * (self.replicas.live_groups if self.replicas else 1)
         return loss_sum, tokens, grad_norm
 
     @torch.no_grad()
@@ -314,6 +332,9 @@ class Trainer:
         self.collector = StepCollector(self.job.train.gc_every)
         try:
             return self._loop()
+        except ReplicaQuorumError:  # lighthouse lost or too few groups: keep the last committed step, then stop
+            self.save_checkpoint(final=True)
+            raise
         finally:
             self.collector.close()
             if self.profiler is not None:
@@ -329,7 +350,10 @@ class Trainer:
         sums = SumMetrics(("loss_sum", "tokens"), self.device)
         interval_start, interval_steps, gnorm = time.perf_counter(), 0, None
         while self.step < job.train.steps:
-            loss_sum, tokens, grad_norm = self.train_step()
+            stepped = self.train_step()
+            if stepped is None:
+                continue
+            loss_sum, tokens, grad_norm = stepped
             self.collector.step(self.step)
             sums.add(loss_sum=loss_sum, tokens=tokens)
             interval_steps += 1
@@ -422,12 +446,15 @@ class Trainer:
                 "tokens_seen": self.tokens_seen, "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": per_device,
                 "mfu": mfu, "grad_norm": gnorm, "step_time_s": elapsed / max(steps, 1),
                 "peak_mem_gib": torch.cuda.max_memory_allocated(self.device) / 2**30
-                if self.device.type == "cuda" else None}
+                if self.device.type == "cuda" else None,
+                **({"live_groups": self.replicas.live_groups} if self.replicas is not None else {})}
 
     def close(self) -> None:
         """Finish pending checkpoint writes and metrics, and give the process its own SIGTERM/SIGUSR1 handlers back
         (a closed trainer in a notebook or test process must not keep catching them)."""
         self.ckpt.close()
+        if self.replicas is not None:
+            self.replicas.close()
         self.system.close()
         self.sink.close()
         if self.ckpt.preemption is not None:
