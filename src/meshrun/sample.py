@@ -37,31 +37,38 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def resolve_checkpoint(path: Path) -> Path:
-    """A step directory from a step directory, a checkpoints folder or a run directory (newest complete)."""
+def resolve_checkpoint(path: Path | str) -> Path | str:
+    """A step directory from a step directory, a checkpoints folder or a run directory (newest complete); paths
+    or ``s3://`` / ``gs://`` URLs."""
     from meshrun.ckpt.layout import complete_steps, scan, step_dir_name
+    from meshrun.ckpt.storage import is_url, store_for
 
-    if (path / "manifest.json").is_file():
-        return path
-    for folder in (path, path / "checkpoints"):
-        steps = complete_steps(scan(folder)) if folder.is_dir() else []
+    store, location = store_for(path), str(path).rstrip("/")
+    if store.exists(store.join(location, "COMPLETE")) or store.exists(store.join(location, "manifest.json")):
+        return location if is_url(location) else Path(location)
+    for folder in (location, store.join(location, "checkpoints")):
+        steps = complete_steps(scan(folder))
         if steps:
-            return folder / step_dir_name(max(steps))
+            found = store.join(folder, step_dir_name(max(steps)))
+            return found if is_url(found) else Path(found)
     raise CheckpointError(f"{path}: no complete checkpoint here (looked for manifest.json, step_* directories and "
                           "checkpoints/step_*); give a checkpoint directory, e.g. runs/default/checkpoints/step_0000300")
 
 
-def find_config(step_dir: Path, explicit: str | None) -> JobConfig:
+def find_config(step_dir: Path | str, explicit: str | None) -> JobConfig:
     """The run's config: --config, else config.toml in the run directory above the checkpoints folder."""
     if explicit:
         return load_config(explicit)
+    if not isinstance(step_dir, Path):
+        raise ConfigError(f"{step_dir}: a checkpoint in an object store has no run directory above it; pass "
+                          "--config RUN_DIR/config.toml (the run's config)")
     for folder in (step_dir.parent.parent, step_dir.parent, step_dir):
         if (folder / "config.toml").is_file():
             return load_config(folder / "config.toml")
     raise ConfigError(f"{step_dir}: no config.toml in the run directory above it; pass --config RUN_DIR/config.toml")
 
 
-def load_model(step_dir: Path, job: JobConfig):
+def load_model(step_dir: Path | str, job: JobConfig):
     """The reference model with the checkpoint's weights, on the CPU, in fp32."""
     from meshrun.ckpt.reader import load_model_weights
     from meshrun.models.build import model_config
@@ -83,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        step_dir = resolve_checkpoint(Path(args.checkpoint))
+        step_dir = resolve_checkpoint(args.checkpoint)
         job = find_config(step_dir, args.config)
         if job.model.vocab_size and job.model.vocab_size > 256:
             raise ConfigError(f"{step_dir}: model.vocab_size={job.model.vocab_size} is not byte-level text; "

@@ -20,8 +20,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from meshrun.ckpt.errors import CheckpointError
 from meshrun.ckpt.layout import scan
-from meshrun.ckpt.manifest import check_checksums, check_structure, read_manifest
-from meshrun.ckpt.safe_metadata import SafeFileSystemReader
+from meshrun.ckpt.manifest import check_checksums, check_structure, data_location, read_manifest
+from meshrun.ckpt.storage import Store, store_for
 from meshrun.units import format_bytes
 
 DEFAULT_FOLDER = Path("runs/default/checkpoints")
@@ -38,7 +38,7 @@ class Row:
     step: int
     status: str
     size: int
-    path: Path
+    path: str
     world_size: int | None = None
     layout: dict[str, Any] | None = None
     epoch: int | None = None
@@ -46,21 +46,26 @@ class Row:
     created: float | None = None
 
 
-def resolve_folder(arg: str | None) -> Path:
-    """The folder to list: the argument (a checkpoint folder, or a run folder holding checkpoints/)."""
-    folder = Path(arg) if arg else DEFAULT_FOLDER
-    return folder / "checkpoints" if (folder / "checkpoints").is_dir() else folder
+def resolve_folder(arg: str | None) -> str:
+    """The folder to list (a path or URL): the argument (a checkpoint folder, or a run folder holding
+    checkpoints/)."""
+    folder = arg.rstrip("/") if arg else str(DEFAULT_FOLDER)
+    store = store_for(folder)
+    inner = store.join(folder, "checkpoints")
+    return inner if store.is_dir(inner) else folder
 
 
-def list_checkpoints(folder: Path) -> list[Row]:
+def list_checkpoints(folder: str | Path) -> list[Row]:
+    store = store_for(folder)
     rows = []
     for entry in scan(folder):
-        size = _dir_size(entry.path) if entry.kind != "symlink" else 0
+        size = _dir_size(store, entry.path) if entry.kind != "symlink" else 0
+        mtime = store.mtime(entry.path)
         row = Row(step=entry.step, status=_STATUS[entry.kind], size=size, path=entry.path,
-                  created=entry.path.lstat().st_mtime)
+                  created=None if mtime == float("inf") else mtime)
         if entry.kind == "complete":
             try:
-                manifest = read_manifest(entry.path)
+                manifest = read_manifest(data_location(entry.path))
             except CheckpointError as exc:
                 row = Row(step=entry.step, status=f"DAMAGED: {exc}", size=size, path=entry.path, created=row.created)
             else:
@@ -72,17 +77,13 @@ def list_checkpoints(folder: Path) -> list[Row]:
     return rows
 
 
-def _dir_size(path: Path) -> int:
-    total = 0
-    for child in path.iterdir():
-        try:
-            total += child.lstat().st_size
-        except OSError:  # deleted while we look
-            pass
-    return total
+def _dir_size(store: Store, path: str) -> int:
+    """Bytes of the files in ``path`` and, on an object store, in its attempt folders."""
+    return sum(item.size if item.kind == "file" else _dir_size(store, item.path) if store.kind == "object" else 0
+               for item in store.list(path))
 
 
-def render_table(rows: list[Row], folder: Path, *, now: float | None = None) -> Table:
+def render_table(rows: list[Row], folder: Path | str, *, now: float | None = None) -> Table:
     now = time.time() if now is None else now
     table = Table(title=f"checkpoints in {folder}", title_justify="left")
     for column, justify in (("step", "right"), ("status", "left"), ("size", "right"), ("ranks", "right"),
@@ -94,7 +95,7 @@ def render_table(rows: list[Row], folder: Path, *, now: float | None = None) -> 
         layout = " ".join(f"{k}={v}" for k, v in (row.layout or {}).items()) or "-"
         table.add_row(str(row.step), row.status, format_bytes(row.size), _or_dash(row.world_size), layout,
                       _or_dash(row.epoch), _or_dash(row.tokens_seen), human_age(now - row.created) if row.created
-                      else "-", row.path.name, style=style)
+                      else "-", store_for(row.path).name(row.path), style=style)
     return table
 
 
@@ -112,18 +113,21 @@ def human_age(seconds: float) -> str:
     return f"{seconds / 86400:.1f} d"
 
 
-def verify(path: Path, *, checksums: bool = True) -> tuple[dict[str, Any] | None, list[str]]:
+def verify(path: Path | str, *, checksums: bool = True) -> tuple[dict[str, Any] | None, list[str]]:
     """(manifest, problems): marker, manifest, names, sizes and, unless disabled, every file's SHA-256."""
-    if not path.is_dir():
+    store, path = store_for(path), os.fspath(path)
+    if not store.is_dir(path):
         return None, [f"{path}: no such checkpoint directory"]
     manifest, problems = check_structure(path)
     if manifest is not None and checksums:
-        present = [name for name in manifest["files"] if (path / name).is_file()]
-        problems += check_checksums(path, manifest, present, threads=os.cpu_count() or 4)
+        data = data_location(path)
+        files = {item.name for item in store.list(data) if item.kind == "file"}
+        present = [name for name in manifest["files"] if name in files]
+        problems += check_checksums(data, manifest, present, threads=os.cpu_count() or 4)
     return manifest, problems
 
 
-def export_model(path: Path, out: Path) -> dict[str, Any]:
+def export_model(path: Path | str, out: Path) -> dict[str, Any]:
     """Write the model weights of checkpoint ``path`` (no optimizer state) to ``out`` as safetensors, keyed by
     the model's own parameter names, in the dtype stored. The checkpoint is verified first."""
     from safetensors.torch import save_file
@@ -137,7 +141,7 @@ def export_model(path: Path, out: Path) -> dict[str, Any]:
             "dtypes": sorted({str(t.dtype).removeprefix("torch.") for t in weights.values()})}
 
 
-def load_model_weights(path: Path, *, purpose: str = "load") -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def load_model_weights(path: Path | str, *, purpose: str = "load") -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(manifest, weights): checkpoint ``path`` verified, then its whole (unsharded) model weights read on one
     process, keyed by the model's own parameter names, whatever layout saved them."""
     manifest, problems = verify(path)
@@ -147,7 +151,8 @@ def load_model_weights(path: Path, *, purpose: str = "load") -> tuple[dict[str, 
     if len(owners) != 1:
         raise CheckpointError(f"{path}: the manifest names {len(owners)} ModelOptimState entries; {purpose} needs one")
     prefix = f"{owners[0]}.model."
-    reader = SafeFileSystemReader(str(path))
+    data = data_location(path)
+    reader = store_for(data).dcp_reader(data)
     entries = {key: entry for key, entry in reader.read_metadata().state_dict_metadata.items()
                if key.startswith(prefix)}
     odd = sorted(key for key, entry in entries.items() if not isinstance(entry, TensorStorageMetadata))

@@ -216,7 +216,7 @@ class Trainer:
         progress and its data loader's position (the live objects: loading restores them in place), every rank's RNG
         streams. Collective: every rank (it creates gloo groups)."""
         cfg = self.job.checkpoint
-        folder = Path(cfg.dir) if cfg.dir else self.run_dir / "checkpoints"
+        folder = cfg.dir if cfg.dir else self.run_dir / "checkpoints"  # a path, or an s3:// / gs:// URL
         preemption = install_sigterm_handler(grace_s=cfg.signal_grace_s) if cfg.final else None
         layout = {"world_size": self.env.world_size, "nodes": self.env.num_nodes, "dp_replicate": self.dims.dp_replicate,
                   "dp_shard": self.dims.dp_shard, "tp": self.dims.tp, "pp": self.dims.pp,
