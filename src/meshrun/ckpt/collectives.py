@@ -112,8 +112,8 @@ def check_shared_folder(coord: Coordinator, folder: str) -> None:
             store.makedirs(folder)
             store.write(store.join(folder, f".shared-check-{nonce}"), nonce.encode())
             store.sync(folder)
-        except CheckpointError as exc:
-            failure = f"checkpoint.dir={folder}: {exc}"
+        except CheckpointError as exc:  # the store's line names the URL already
+            failure = f"checkpoint.dir={exc}" if str(exc).startswith(folder) else f"checkpoint.dir={folder}: {exc}"
         except OSError as exc:  # raised on every rank below, not on rank 0 alone
             failure = (f"checkpoint.dir={folder}: rank 0 cannot write there: "
                        f"{store.describe_error(exc, folder) or exc}")

@@ -53,7 +53,6 @@ class ObjectStore(Store):
             config.setdefault("connect_timeout", 2 if fast else 10)
             if fast:
                 config.update(read_timeout=_PROBE_TIMEOUT_S, retries={"max_attempts": 1, "mode": "standard"})
-                kwargs["retries"] = 1
             kwargs["config_kwargs"] = config
         if self.scheme == "gs" and os.environ.get("STORAGE_EMULATOR_HOST"):
             kwargs.setdefault("token", "anon")  # an emulator takes no credentials
@@ -148,9 +147,16 @@ class ObjectStore(Store):
             try:
                 if self._probe_fs is None:
                     self._probe_fs = type(self.fs)(**self._kwargs(fast=True))
-                bucket = self._probe_fs._strip_protocol(location).split("/")[0]
-                if not self._probe_fs.exists(bucket):
-                    raise FileNotFoundError(errno.ENOENT, "no such bucket", bucket)
+                    if hasattr(self._probe_fs, "retries"):  # s3fs's own retry loop (class attribute), not botocore's
+                        self._probe_fs.retries = 1
+                try:  # exists() would hide a connection error as False: list, then look at the bucket
+                    self._probe_fs.ls(location)
+                except FileNotFoundError:  # an empty prefix, or no bucket
+                    bucket = self._probe_fs._strip_protocol(location).split("/")[0]
+                    try:
+                        self._probe_fs.info(bucket)
+                    except FileNotFoundError:
+                        raise FileNotFoundError(errno.ENOENT, "no such bucket", bucket) from None
                 outcome["error"] = None
             except BaseException as exc:  # noqa: BLE001 - reported below
                 outcome["error"] = exc
@@ -242,6 +248,12 @@ class _BoundFileSystem(_DcpFsspecFileSystem):
 
     def mkdir(self, path: Any) -> None:
         """Prefixes need no creation (and fsspec's makedirs would create a missing bucket)."""
+
+    def rename(self, path: Any, new_path: Any) -> None:
+        """Copy, then delete (DCP renames ``.metadata.tmp`` once per save): what an object store's rename is anyway,
+        without gcsfs's move API, which a bucket without hierarchical namespace answers with errors it retries."""
+        self.fs.cp_file(os.fspath(path), os.fspath(new_path))
+        self.fs.rm_file(os.fspath(path))
 
 
 class SafeObjectReader(SafeMetadataMixin, FileSystemReader):

@@ -320,12 +320,15 @@ LOCAL = LocalStore()
 
 def _import_filesystem(scheme: str) -> Any:
     """The fsspec file system class of ``scheme``; a CheckpointError naming the extra when its client is missing."""
-    if scheme in ("gs", "gcs") and os.environ.get("STORAGE_EMULATOR_HOST"):
-        # An emulator has no storage-control API; gcsfs's bucket-type probe would retry it for a minute.
-        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
     try:
         import fsspec
 
+        if scheme in ("gs", "gcs") and os.environ.get("STORAGE_EMULATOR_HOST"):
+            # An emulator has no storage-control API: gcsfs's bucket-type probe (its default class since 2025)
+            # would retry it for a minute at every open; the plain class does not probe.
+            from gcsfs.core import GCSFileSystem
+
+            return GCSFileSystem
         return fsspec.get_filesystem_class(scheme)
     except (ImportError, ValueError) as exc:
         package, extra = _EXTRAS.get(scheme, (None, None))

@@ -1,0 +1,270 @@
+"""Checkpoints in object storage (``s3://``, ``gs://``) against real servers on loopback: moto's S3 server and the GCS
+emulator, through s3fs and gcsfs (no mock of either client).
+
+Covered: the store's operations and fresh listings, `ckpt verify` refusing damage, fast one-line failures (closed
+endpoint, no credentials, unknown scheme), a 2-rank bitwise round trip with sync and async saves and a resume at
+another world size, a rank SIGKILLed during a save, and the server stopped mid-run.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from dist_utils import run_distributed
+from object_servers import Server, free_port
+from test_ckpt_support import Job, assert_same, checkpointer
+
+from meshrun.ckpt import cli, storage
+from meshrun.ckpt.errors import CheckpointError
+from meshrun.ckpt.layout import scan
+from meshrun.env import ClusterEnv
+
+ENV = ClusterEnv.detect({})
+KINDS = [pytest.param(kind, marks=pytest.mark.skipif(bool(Server.available(kind)),
+                                                      reason=Server.available(kind) or ""))
+         for kind in ("s3", "gs")]
+
+
+@pytest.fixture(scope="module")
+def servers():
+    started: dict[str, Server] = {}
+    for kind in ("s3", "gs"):
+        if Server.available(kind) is None:
+            server = Server(kind, bucket=f"ckpt-{kind}")
+            os.environ.update({k: v for k, v in server.env.items() if k.startswith("GCSFS")})  # before gcsfs loads
+            server.start()
+            started[kind] = server
+    yield started
+    for server in started.values():
+        server.stop()
+
+
+@pytest.fixture
+def server(servers, request, monkeypatch) -> Server:
+    """The server of the test's parameter, with its client environment set (spawned ranks inherit it)."""
+    if request.param not in servers:
+        pytest.skip(Server.available(request.param) or "server did not start")
+    current = servers[request.param]
+    for other in servers.values():
+        for key, value in other.env.items():
+            monkeypatch.setenv(key, value)
+    storage._stores.clear()  # a fresh client: it reads the environment set above
+    yield current
+    storage._stores.clear()
+
+
+def _object_names(server: Server, prefix: str) -> list[str]:
+    fs = server.filesystem()
+    return sorted(path.split(f"{server.bucket}/", 1)[1] for path in fs.find(f"{server.bucket}/{prefix}"))
+
+
+@pytest.mark.parametrize("server", KINDS, indirect=True)
+def test_store_operations_and_fresh_listings(server):
+    folder = server.folder("ops")
+    store = storage.store_for(folder)
+    assert store.kind == "object" and store.list(folder) == []
+    store.write(f"{folder}/a", b"one")
+    assert store.read(f"{folder}/a") == b"one" and store.size(f"{folder}/a") == 3
+    if server.kind == "s3":  # the GCS emulator ignores ifGenerationMatch (real GCS honours it)
+        with pytest.raises(FileExistsError):
+            store.write(f"{folder}/a", b"two", exclusive=True)
+    # Another client (another node) adds and removes objects: the store must see it at once.
+    other = server.filesystem()
+    caching = server.filesystem(use_listings_cache=True)
+    assert [i.name for i in store.list(folder)] == ["a"] and caching.ls(f"{server.bucket}/ops", detail=False)
+    other.pipe(f"{server.bucket}/ops/b", b"x")
+    other.rm(f"{server.bucket}/ops/a")
+    assert [i.name for i in store.list(folder)] == ["b"]
+    assert not store.exists(f"{folder}/a") and store.exists(f"{folder}/b")
+    if server.kind == "s3":  # the hazard the store avoids: s3fs's listing cache still shows the old listing
+        assert [p.rsplit("/", 1)[1] for p in caching.ls(f"{server.bucket}/ops", detail=False)] == ["a"]
+    store.delete(folder, recursive=True)
+    assert store.list(folder) == []
+
+
+@pytest.mark.parametrize("server", KINDS, indirect=True)
+def test_verify_refuses_damage_in_a_bucket(server, capsys):
+    folder = server.folder("verify")
+    job = Job(ENV)
+    job.train(1, data_seed=1)
+    checkpointer(folder, ENV).save(1, job.state)
+    step = f"{folder}/step_0000001"
+    assert cli.main(["verify", step]) == 0
+    attempt = [n for n in _object_names(server, "verify/step_0000001/") if n.endswith("/.metadata")][0]
+    attempt = attempt.rsplit("/", 1)[0]
+    fs, shard = server.filesystem(), f"{server.bucket}/{attempt}/__0_0.distcp"
+    data = bytearray(fs.cat_file(shard))
+    data[len(data) // 2] ^= 0x01
+    fs.pipe(shard, bytes(data))
+    capsys.readouterr()
+    assert cli.main(["verify", step]) == 1
+    assert f"{server.kind}://{server.bucket}/{attempt}/__0_0.distcp: sha256" in capsys.readouterr().out
+    fs.pipe(f"{server.bucket}/{attempt}/extra.bin", b"stray")
+    assert cli.main(["verify", step, "--no-checksums"]) == 1
+    assert "extra.bin: not listed in the manifest" in capsys.readouterr().out
+    fs.rm(f"{server.bucket}/verify/step_0000001/COMPLETE")
+    assert cli.main(["verify", step]) == 1
+    assert "COMPLETE: missing; the save did not finish" in capsys.readouterr().out
+    assert checkpointer(folder, ENV).load(Job(ENV).state) is None  # nothing a COMPLETE names: a fresh start
+    assert cli.main(["ls", folder]) == 0 and "INCOMPLETE" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("server", KINDS[:1], indirect=True)
+def test_unreachable_endpoint_and_unknown_scheme_fail_fast(server, monkeypatch, tmp_path):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    storage._stores.clear()
+    started = time.monotonic()
+    with pytest.raises(CheckpointError) as err:
+        checkpointer(server.folder("down"), ENV).save(1, Job(ENV).state)
+    assert time.monotonic() - started < 15
+    assert str(err.value).startswith(f"checkpoint.dir={server.folder('down')}: cannot reach the object store at "
+                                     "http://127.0.0.1:") and "AWS_ENDPOINT_URL" in str(err.value)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError, match=r"^ftp://host/ck: checkpoint locations are local paths, s3:// or gs://"):
+        checkpointer("ftp://host/ck", ENV)
+    assert list(tmp_path.iterdir()) == []  # and no local folder named 'ftp:' or 's3:'
+
+
+def test_missing_credentials_line(servers, monkeypatch, tmp_path, capsys):
+    if "s3" not in servers:
+        pytest.skip(Server.available("s3") or "server did not start")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", servers["s3"].url)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    storage._stores.clear()
+    try:
+        assert cli.main(["ls", servers["s3"].folder("run")]) == 1
+    finally:
+        storage._stores.clear()
+    line = capsys.readouterr().err.strip()
+    assert line.startswith(f"meshrun ckpt ls: {servers['s3'].folder('run')}: no usable credentials for s3://")
+    assert "AWS_ACCESS_KEY_ID" in line and len(line.splitlines()) == 1
+
+
+def _ddp(model):
+    return torch.nn.parallel.DistributedDataParallel(model)
+
+
+def _round_trips(rank: int, world_size: int, folders: list[str]) -> dict:
+    """Per folder: train, sync save, train, async save, train, resume (auto): bitwise what was saved."""
+    env, out = ClusterEnv.detect(), {}
+    for folder in folders:
+        job = Job(env, seed=0, wrap=_ddp)
+        job.train(1, data_seed=10 + rank)
+        ckpt = checkpointer(folder, env, async_save=True)
+        ckpt.save(1, job.state, final=True)  # final: a sync save
+        job.train(1, data_seed=20 + rank)
+        ckpt.save(2, job.state)  # async: returns after staging
+        saved = job.snapshot()
+        job.train(1, data_seed=30 + rank)
+        manifest = ckpt.load(job.state)
+        ckpt.close()
+        out[folder] = {"step": manifest["step"], "async": manifest["async_save"], "saved": saved,
+                       "loaded": job.snapshot()}
+    return out
+
+
+@pytest.mark.slow
+def test_two_ranks_round_trip_and_resume_at_another_world_size(servers, monkeypatch):
+    if not servers:
+        pytest.skip("neither moto_server nor gcp-storage-emulator is installed")
+    for server in servers.values():
+        for key, value in server.env.items():
+            monkeypatch.setenv(key, value)
+    storage._stores.clear()
+    folders = [server.folder("two") for server in servers.values()]
+    results = run_distributed(_round_trips, 2, folders, timeout=300)
+    for folder in folders:
+        for result in results:
+            assert result[folder]["step"] == 2 and result[folder]["async"]
+            assert_same(result[folder]["loaded"], result[folder]["saved"])
+        # 2 -> 1: the same state in one process (resharded load of the DDP checkpoint)
+        job = Job(ENV, seed=7)
+        manifest = checkpointer(folder, ENV).load(job.state)
+        assert manifest["step"] == 2 and manifest["world_size"] == 2
+        assert_same(job.snapshot(), results[0][folder]["saved"])
+    storage._stores.clear()
+
+
+_KILLED_RANK = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, {tests!r})
+    import torch, torch.distributed as dist
+    from test_ckpt_support import Job, checkpointer
+    from meshrun.env import ClusterEnv
+
+    dist.init_process_group("gloo")
+    env = ClusterEnv.detect()
+    job = Job(env, wrap=torch.nn.parallel.DistributedDataParallel)
+    ckpt = checkpointer({folder!r}, env, timeout_s=120)
+    job.train(1, data_seed=1)
+    ckpt.save(1, job.state)
+    job.train(1, data_seed=2)
+    if env.rank == 1:  # its shards of step 2 are uploaded (dcp.save returned); killed before they are checked
+        ckpt._hash_own_files = lambda tmp: os.kill(os.getpid(), signal.SIGKILL)
+    ckpt.save(2, job.state)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("server", KINDS[:1], indirect=True)
+def test_rank_killed_during_a_save_leaves_the_previous_checkpoint(server, tmp_path):
+    folder = server.folder("killed")
+    script = tmp_path / "job.py"
+    script.write_text(_KILLED_RANK.format(tests=str(Path(__file__).parent), folder=folder))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "--max-restarts", "0", str(script)], capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0 and "Signal 9 (SIGKILL) received" in proc.stderr, proc.stderr[-3000:]
+    attempts = [n for n in _object_names(server, "killed/step_0000002/") if n.endswith(".distcp")]
+    assert attempts, "rank 1's shards of step 2 were uploaded"
+    assert not storage.store_for(folder).exists(f"{folder}/step_0000002/COMPLETE")
+    job = Job(ENV, seed=3)
+    ckpt = checkpointer(folder, ENV)
+    manifest = ckpt.load(job.state)
+    assert manifest["step"] == 1 and any("is an unfinished save" in note for note in ckpt.notes)
+    # The next job's first save publishes step 2 anew and collects the killed attempt.
+    ckpt.save(2, job.state)
+    entries = scan(folder)
+    assert [(e.step, e.kind) for e in entries] == [(1, "complete"), (2, "complete")]
+    names = _object_names(server, "killed/step_0000002/")
+    assert len({n.split("/")[2] for n in names if "/attempt-" in f"/{n}"}) == 1, names
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("server", KINDS[:1], indirect=True)
+def test_server_stopped_mid_run(server):
+    folder = server.folder("outage")
+    job = Job(ENV)
+    job.train(1, data_seed=1)
+    ckpt = checkpointer(folder, ENV)
+    ckpt.save(1, job.state)
+    job.train(1, data_seed=2)
+    before = job.snapshot()
+    server.stop()
+    try:
+        started = time.monotonic()
+        with pytest.raises(CheckpointError) as err:
+            ckpt.save(2, job.state)
+        elapsed = time.monotonic() - started
+    finally:
+        server.start()  # the bucket is created again: moto keeps objects in memory only
+    message = str(err.value)
+    assert len(message.splitlines()) == 1 and elapsed < 60, (elapsed, message)
+    assert f"{folder}: cannot reach the object store at {server.url}" in message, message
+    assert_same(job.snapshot(), before)  # the training state is untouched
+    job.train(1, data_seed=3)
+    ckpt.save(3, job.state)  # the server is back: the next save works
+    saved = job.snapshot()
+    fresh = Job(ENV, seed=5)
+    assert checkpointer(folder, ENV).load(fresh.state)["step"] == 3
+    assert_same(fresh.snapshot(), saved)
