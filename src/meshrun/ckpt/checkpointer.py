@@ -179,12 +179,16 @@ class Checkpointer:
             raise
 
     def _new_job(self, step: int, tree: dict[str, Any], **fields: Any) -> _SaveJob:
-        """Collective. The save's temporary folder, named by rank 0, which first refuses (on every rank) when the
-        folder has less free space than the checkpoint's tensors take."""
+        """Collective. The save's attempt folder, named by rank 0, which first refuses (on every rank) when the
+        folder has less free space than the checkpoint's tensors take, or its object store does not answer."""
         needed = payload_bytes(tree)
         verdict = None
         if self.coord.rank == 0:
-            no_room = check_room(self.folder, needed)
+            try:  # an object store that stopped answering: one line within seconds, before any rank writes
+                self.store.probe(self.folder)
+                no_room = check_room(self.folder, needed)
+            except CheckpointError as exc:
+                no_room = str(exc)
             verdict = {"error": no_room} if no_room else {"token": secrets.token_hex(4)}
         verdict = self.coord.broadcast(verdict)
         if "error" in verdict:
