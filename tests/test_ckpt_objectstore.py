@@ -306,3 +306,22 @@ def test_storage_options_from_toml_and_overrides(tmp_path):
     assert job.checkpoint.storage_options == {"profile": "ckpt", "config_kwargs": {"connect_timeout": 3}}
     with pytest.raises(ConfigError, match="checkpoint.storage_options=.*JSON object"):
         load_config(None, ["--checkpoint.storage_options=endpoint"])
+
+
+@pytest.mark.parametrize("server", KINDS[:1], indirect=True)
+def test_trainer_saves_and_resumes_through_a_bucket(server, tmp_path):
+    """`meshrun train --checkpoint.dir=s3://...`: a job dies after step 4 (its checkpoint saved); the next resumes
+    at 4 and ends bitwise where a job that ran 6 steps straight does (single process; every rank of a launched job
+    takes the same code path)."""
+    from test_resume import train, token_file
+
+    data = (f"--data.source={token_file(tmp_path)}", "--data.val_fraction=0", "--model.seq_len=16",
+            "--model.vocab_size=104", "--train.global_batch=4", "--train.micro_batch=4")
+    bucket = (*data, f"--checkpoint.dir={server.folder('trainer')}")
+    train(tmp_path / "a", 6, bucket, crash_after=4)
+    assert [(e.step, e.kind) for e in scan(server.folder("trainer"))] == [(4, "complete")]
+    assert not (tmp_path / "a" / "checkpoints").exists() and not any(tmp_path.glob("**/s3:"))
+    resumed_losses, resumed, _ = train(tmp_path / "a", 6, bucket)
+    straight_losses, straight, _ = train(tmp_path / "b", 6, (*data, "--checkpoint.interval_steps=0"))
+    assert len(resumed_losses) == 2 and resumed_losses == straight_losses[4:]
+    assert_same(resumed, straight)
