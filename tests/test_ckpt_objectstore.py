@@ -325,3 +325,28 @@ def test_trainer_saves_and_resumes_through_a_bucket(server, tmp_path):
     straight_losses, straight, _ = train(tmp_path / "b", 6, (*data, "--checkpoint.interval_steps=0"))
     assert len(resumed_losses) == 2 and resumed_losses == straight_losses[4:]
     assert_same(resumed, straight)
+    from meshrun import sample
+
+    assert sample.main([server.folder("trainer"), "--config", str(tmp_path / "a" / "config.toml"), "--tokens", "3",
+                        "--temperature", "0"]) == 0
+    assert sample.main([server.folder("trainer"), "--tokens", "3"]) == 2  # no run directory above a bucket
+
+
+@pytest.mark.parametrize("server", KINDS, indirect=True)
+def test_session_checkpoint_url(server):
+    import meshrun
+
+    session = meshrun.Session(seed=0, checkpoint=server.folder("session"))
+    try:
+        model = torch.nn.Linear(4, 4)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+        assert session.save(3, model=model, optimizer=optimizer) == f"{server.folder('session')}/step_0000003"
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+        with torch.no_grad():
+            model.weight.zero_()
+        assert session.resume(model=model, optimizer=optimizer) == 3
+        assert_same(model.state_dict(), saved)
+    finally:
+        session.close()

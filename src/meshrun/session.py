@@ -148,8 +148,9 @@ class Session:
 
     def save(self, step: int, *, model: nn.Module | PipelinedModule, optimizer: torch.optim.Optimizer | None = None,
              batches: StepBatches | None = None, scheduler: Any = None, extra: dict[str, float] | None = None,
-             final: bool = False) -> Path:
-        """Save a sharded checkpoint of step ``step`` (collective: every rank, same step); returns its folder."""
+             final: bool = False) -> Path | str:
+        """Save a sharded checkpoint of step ``step`` (collective: every rank, same step); returns its folder (a
+        URL for an ``s3://`` or ``gs://`` checkpoint folder)."""
         return self._checkpoints().save(step, parts=self._parts(model), fingerprint=self._fingerprint(model),
                                         optimizer=optimizer, batches=batches or self._batches, scheduler=scheduler,
                                         extra=extra, layout=self.layout, final=final)
