@@ -55,9 +55,9 @@ def server(servers, request, monkeypatch) -> Server:
     for other in servers.values():
         for key, value in other.env.items():
             monkeypatch.setenv(key, value)
-    storage._stores.clear()  # a fresh client: it reads the environment set above
+    storage.forget_clients()  # a fresh client: it reads the environment set above
     yield current
-    storage._stores.clear()
+    storage.forget_clients()
 
 
 def _object_names(server: Server, prefix: str) -> list[str]:
@@ -119,7 +119,7 @@ def test_verify_refuses_damage_in_a_bucket(server, capsys):
 @pytest.mark.parametrize("server", KINDS[:1], indirect=True)
 def test_unreachable_endpoint_and_unknown_scheme_fail_fast(server, monkeypatch, tmp_path):
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
-    storage._stores.clear()
+    storage.forget_clients()
     started = time.monotonic()
     with pytest.raises(CheckpointError) as err:
         checkpointer(server.folder("down"), ENV).save(1, Job(ENV).state)
@@ -141,11 +141,11 @@ def test_missing_credentials_line(servers, monkeypatch, tmp_path, capsys):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    storage._stores.clear()
+    storage.forget_clients()
     try:
         assert cli.main(["ls", servers["s3"].folder("run")]) == 1
     finally:
-        storage._stores.clear()
+        storage.forget_clients()
     line = capsys.readouterr().err.strip()
     assert line.startswith(f"meshrun ckpt ls: {servers['s3'].folder('run')}: no usable credentials for s3://")
     assert "AWS_ACCESS_KEY_ID" in line and len(line.splitlines()) == 1
@@ -181,7 +181,7 @@ def test_two_ranks_round_trip_and_resume_at_another_world_size(servers, monkeypa
     for server in servers.values():
         for key, value in server.env.items():
             monkeypatch.setenv(key, value)
-    storage._stores.clear()
+    storage.forget_clients()
     folders = [server.folder("two") for server in servers.values()]
     results = run_distributed(_round_trips, 2, folders, timeout=300)
     for folder in folders:
@@ -193,7 +193,7 @@ def test_two_ranks_round_trip_and_resume_at_another_world_size(servers, monkeypa
         manifest = checkpointer(folder, ENV).load(job.state)
         assert manifest["step"] == 2 and manifest["world_size"] == 2
         assert_same(job.snapshot(), results[0][folder]["saved"])
-    storage._stores.clear()
+    storage.forget_clients()
 
 
 _KILLED_RANK = textwrap.dedent("""
@@ -284,7 +284,7 @@ def test_doctor_checkpoint_row_for_a_bucket(server, monkeypatch):
     assert [r.status for r in rows] == [PASS, PASS] and "object store" in rows[0].detail
     if server.kind == "s3":
         monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
-        storage._stores.clear()
+        storage.forget_clients()
         error = doctor_storage.write_probe(folder, "tok", 0)
         assert error.startswith("cannot reach the object store at http://127.0.0.1:") and "AWS_ENDPOINT_URL" in error
         facts[1] = doctor_storage.FolderFacts(node=1, host="h1", writable=False, error=error, free=None)

@@ -77,6 +77,13 @@ def register_options(location: str | os.PathLike, options: dict[str, Any] | None
                     del _stores[key]
 
 
+def forget_clients() -> None:
+    """Drop the object-store clients made so far; the next :func:`store_for` builds new ones from the environment
+    as it is then (a test that changes endpoints or credentials, a long-lived process whose credentials rotated)."""
+    with _lock:
+        _stores.clear()
+
+
 def store_for(location: str | os.PathLike) -> Store:
     """The store that holds ``location``. A URL whose scheme has no installed client is refused: it would
     otherwise become a local folder named ``s3:``."""
