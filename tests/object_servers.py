@@ -44,7 +44,8 @@ class Server:
     @property
     def env(self) -> dict[str, str]:
         if self.kind == "s3":
-            return {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+            return {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                    "AWS_DEFAULT_REGION": "us-east-1",
                     "AWS_ENDPOINT_URL": self.url, "AWS_EC2_METADATA_DISABLED": "true"}
         return {"STORAGE_EMULATOR_HOST": self.url, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
                 "NO_GCE_CHECK": "true"}

@@ -85,6 +85,14 @@ def test_store_operations_and_fresh_listings(server):
     assert not store.exists(f"{folder}/a") and store.exists(f"{folder}/b")
     if server.kind == "s3":  # the hazard the store avoids: s3fs's listing cache still shows the old listing
         assert [p.rsplit("/", 1)[1] for p in caching.ls(f"{server.bucket}/ops", detail=False)] == ["a"]
+    if server.kind == "s3":  # two writers publishing one step: the conditional create lets only the first in
+        final = f"{folder}/step_0000009"
+        store.write(f"{final}/attempt-aa/x", b"1")
+        store.write(f"{final}/attempt-bb/x", b"2")
+        store.publish(f"{final}/attempt-aa", final, b"manifest-sha256 0\n", replace=False)
+        with pytest.raises(CheckpointError, match="exists already"):
+            store.publish(f"{final}/attempt-bb", final, b"manifest-sha256 0\n", replace=False)
+        assert storage.attempt_named(store.read(f"{final}/COMPLETE")) == "attempt-aa"
     store.delete(folder, recursive=True)
     assert store.list(folder) == []
 
@@ -302,7 +310,8 @@ def test_storage_options_from_toml_and_overrides(tmp_path):
     again = tmp_path / "again.toml"
     again.write_text(job.to_toml())
     assert load_config(again).checkpoint.storage_options == job.checkpoint.storage_options
-    job = load_config(None, ['--checkpoint.storage_options={"profile": "ckpt", "config_kwargs": {"connect_timeout": 3}}'])
+    options = '{"profile": "ckpt", "config_kwargs": {"connect_timeout": 3}}'
+    job = load_config(None, [f"--checkpoint.storage_options={options}"])
     assert job.checkpoint.storage_options == {"profile": "ckpt", "config_kwargs": {"connect_timeout": 3}}
     with pytest.raises(ConfigError, match="checkpoint.storage_options=.*JSON object"):
         load_config(None, ["--checkpoint.storage_options=endpoint"])

@@ -241,7 +241,8 @@ class Checkpointer:
     def _staging_writer(self) -> _StagingWriter:
         if self._writer is None:
             # DCP's pinned staging buffers, kept between saves, where CUDA can pin them; CPU-only builds cannot.
-            self._writer = self.store.dcp_writer(self.folder, thread_count=self.io_threads, staging_cls=_StagingWriter,
+            self._writer = self.store.dcp_writer(self.folder, thread_count=self.io_threads,
+                                                 staging_cls=_StagingWriter,
                                                  cache_staged_state_dict=torch.cuda.is_available())
         return self._writer
 

@@ -3,9 +3,10 @@
 The manifest lists every file of the checkpoint with its size and SHA-256. SHA-256 rather than a faster
 non-cryptographic hash (CRC32, xxHash): it is strong against both bit rot and a crafted file, ``sha256sum``
 checks it by hand, and it costs little where it runs: each rank hashes only the shard it just wrote (still in
-the page cache; read back once on an object store), in parallel with the others, at about 1 GB/s per core (hashlib releases the GIL, so several
-files hash on several threads). Load verifies sizes of every candidate and checksums of the one chosen, again
-split over ranks. Pure logic plus I/O through :mod:`meshrun.ckpt.storage`: no process group.
+the page cache; read back once on an object store), in parallel with the others, at about 1 GB/s per core
+(hashlib releases the GIL, so several files hash on several threads). Load verifies sizes of every candidate
+and checksums of the one chosen, again split over ranks. Pure logic plus I/O through :mod:`meshrun.ckpt.storage`:
+no process group.
 """
 
 from __future__ import annotations
@@ -204,7 +205,8 @@ def check_checksums(folder: Path | str, manifest: dict[str, Any], names: list[st
     for name in names:
         expected = manifest["files"][name][CHECKSUM]
         if actual[name][CHECKSUM] != expected:
-            problems.append(f"{store_for(folder).join(os.fspath(folder), name)}: {CHECKSUM} {actual[name][CHECKSUM][:16]}... differs from the "
+            path = store_for(folder).join(os.fspath(folder), name)
+            problems.append(f"{path}: {CHECKSUM} {actual[name][CHECKSUM][:16]}... differs from the "
                             f"manifest's {expected[:16]}... (the file is damaged)")
     return problems
 

@@ -176,7 +176,8 @@ class ObjectStore(Store):
         for cause in _causes(exc):
             name, text = type(cause).__name__, str(cause)
             if name in ("NoCredentialsError", "PartialCredentialsError") or "credentials" in text.lower():
-                return f"{location}: no usable credentials for {self.scheme}:// ({name}); {_CREDENTIAL_HINT[self.scheme]}"
+                return (f"{location}: no usable credentials for {self.scheme}:// ({name}); "
+                        f"{_CREDENTIAL_HINT[self.scheme]}")
             if isinstance(cause, FileNotFoundError) and "bucket" in text:
                 bucket = location.split("://", 1)[1].split("/")[0]
                 return (f"{location}: the bucket {bucket!r} does not exist at {self.endpoint()}; create it (meshrun "
