@@ -1,9 +1,10 @@
 """Checkpoints in object storage (``s3://``, ``gs://``) against real servers on loopback: moto's S3 server and the GCS
 emulator, through s3fs and gcsfs (no mock of either client).
 
-Covered: the store's operations and fresh listings, `ckpt verify` refusing damage, fast one-line failures (closed
-endpoint, no credentials, unknown scheme), a 2-rank bitwise round trip with sync and async saves and a resume at
-another world size, a rank SIGKILLed during a save, and the server stopped mid-run.
+Covered: the store's operations, fresh listings and the conditional create of COMPLETE, `ckpt verify` refusing
+damage, fast one-line failures (closed endpoint, no credentials, unknown scheme), a 2-rank bitwise round trip with
+sync and async saves and a resume at another world size, a rank SIGKILLed during a save, the server stopped
+mid-run, the trainer, Session and `meshrun sample` on a bucket, doctor's checkpoint row, checkpoint.storage_options.
 """
 
 from __future__ import annotations
