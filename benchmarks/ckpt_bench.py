@@ -11,9 +11,14 @@ Reads come from the page cache (the file was just written; dropping caches would
 users), so load numbers are an upper bound for a cold start. Prints a table and one JSON line (``--json`` also
 writes it to a file).
 
+``--dir`` may be an ``s3://`` or ``gs://`` URL (credentials and endpoint from the environment, as for training):
+then "raw" is one upload per rank of its shard's size, and the save and load go through the object store.
+
     python3 benchmarks/ckpt_bench.py --model small --nproc 2             # CPU, gloo, 2 ranks
     torchrun --nproc-per-node 8 benchmarks/ckpt_bench.py --model 1b --device cuda
     python3 benchmarks/ckpt_bench.py --model 1b --device cuda --nproc 1  # one GPU
+    AWS_ENDPOINT_URL=http://127.0.0.1:9000 python3 benchmarks/ckpt_bench.py --model 1b --device cuda --nproc 1 \
+        --dir s3://bench/ckpt                                            # an S3 server
 """
 
 from __future__ import annotations
@@ -21,10 +26,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
+import secrets
 import statistics
 import sys
-import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -35,6 +39,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from meshrun.ckpt.checkpointer import Checkpointer
+from meshrun.ckpt.manifest import data_location, read_manifest
+from meshrun.ckpt.storage import Store, is_url, store_for
 from meshrun.ckpt.state import ModelOptimState, RNGState, TrainProgress
 from meshrun.config import CheckpointConfig
 from meshrun.env import ClusterEnv
@@ -47,7 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not started by torchrun")
     parser.add_argument("--repeat", type=int, default=3, help="timed repetitions of each measurement")
-    parser.add_argument("--dir", default="", help="folder on the disk to measure (default: a temp dir in runs/)")
+    parser.add_argument("--dir", default="", help="folder on the disk to measure, or an s3:// or gs:// URL (default: "
+                                                  "a temp dir in runs/)")
     parser.add_argument("--json", default="", help="also write the JSON result to this file")
     return parser.parse_args(argv)
 
@@ -65,19 +72,24 @@ def build_state(args: argparse.Namespace, env: ClusterEnv, device: torch.device)
     return state, params
 
 
-def raw_write(folder: Path, size: int, rank: int) -> float:
-    """Seconds to write and fsync ``size`` bytes (incompressible) on this rank."""
+def raw_write(store: Store, folder: str, size: int, rank: int) -> float:
+    """Seconds to write and fsync (local) or upload (object store) ``size`` incompressible bytes on this rank."""
     block = np.random.default_rng(rank).bytes(min(size, 64 << 20))
-    path = folder / f"raw-{rank}.bin"
-    start = time.perf_counter()
-    with open(path, "wb") as handle:
-        left = size
-        while left > 0:
-            left -= handle.write(block[:left])
-        handle.flush()
-        os.fsync(handle.fileno())
+    path = store.join(folder, f"raw-{rank}.bin")
+    if is_url(folder):
+        data = (block * (size // len(block) + 1))[:size] if block else b""
+        start = time.perf_counter()
+        store.write(path, data)
+    else:
+        start = time.perf_counter()
+        with open(path, "wb") as handle:
+            left = size
+            while left > 0:
+                left -= handle.write(block[:left])
+            handle.flush()
+            os.fsync(handle.fileno())
     elapsed = time.perf_counter() - start
-    path.unlink()
+    store.delete(path)
     return elapsed
 
 
@@ -93,13 +105,14 @@ def timed(fn, *, sync: bool = True) -> float:
     return float(elapsed)
 
 
-def measure(args: argparse.Namespace, env: ClusterEnv, folder: Path) -> dict:
+def measure(args: argparse.Namespace, env: ClusterEnv, folder: str) -> dict:
     device = torch.device("cuda", env.local_rank) if args.device == "cuda" else torch.device("cpu")
     state, params = build_state(args, env, device)
+    store = store_for(folder)
 
     def checkpointer(name: str, *, verify: bool = True, **overrides) -> Checkpointer:
         # keep_last=1: at most two checkpoints per folder on disk at a time (1b: 13 GB each)
-        return Checkpointer(CheckpointConfig(keep_last=1, **overrides), folder=folder / name, env=env,
+        return Checkpointer(CheckpointConfig(keep_last=1, **overrides), folder=store.join(folder, name), env=env,
                             layout={"dp_replicate": env.world_size}, config_fingerprint="bench",
                             verify_checksums=verify)
 
@@ -107,10 +120,10 @@ def measure(args: argparse.Namespace, env: ClusterEnv, folder: Path) -> dict:
     sync_ckpt, async_ckpt = checkpointer("sync"), checkpointer("async", async_save=True)
     first_sync = timed(lambda: sync_ckpt.save(0, state))  # also checks the folder is shared; not steady state
     sync_s = [timed(lambda s=s: sync_ckpt.save(s, state)) for s in steps]
-    manifest = json.loads((folder / "sync" / f"step_{args.repeat:07d}" / "manifest.json").read_text())
+    manifest = read_manifest(data_location(store.join(folder, "sync", f"step_{args.repeat:07d}")))
     total = sum(info["size"] for info in manifest["files"].values())
     mine = sum(info["size"] for name, info in manifest["files"].items() if name.startswith(f"__{env.rank}_"))
-    raw_s = [timed(lambda: raw_write(folder, mine, env.rank)) for _ in steps]
+    raw_s = [timed(lambda: raw_write(store, folder, mine, env.rank)) for _ in steps]
     first_stall = timed(lambda: async_ckpt.save(0, state))  # allocates the staging buffers
     async_ckpt.wait()
     stall_s, async_total_s = [], []
@@ -119,12 +132,13 @@ def measure(args: argparse.Namespace, env: ClusterEnv, folder: Path) -> dict:
         async_total_s.append(stall_s[-1] + timed(async_ckpt.wait, sync=False))
     async_ckpt.close()
     if env.rank == 0:
-        shutil.rmtree(folder / "async", ignore_errors=True)
+        store.delete(store.join(folder, "async"), recursive=True)
     load_s = [timed(lambda: sync_ckpt.load(state, resume="auto")) for _ in steps]
     fast = checkpointer("sync", verify=False)
     load_nohash_s = [timed(lambda: fast.load(state, resume="auto")) for _ in steps]
     med = statistics.median
     result = {"model": args.model, "params": params, "device": args.device, "ranks": env.world_size,
+              "storage": "object store" if is_url(folder) else "local folder",
               "checkpoint_bytes": total, "rank0_shard_bytes": mine, "torch": torch.__version__,
               "first_sync_save_s": first_sync, "first_async_stall_s": first_stall,
               "save_breakdown_rank0_s": manifest["timings"]}
@@ -142,7 +156,7 @@ ROWS = (("raw write + fsync (same bytes)", "raw_write_s"), ("sync save", "sync_s
 
 def report(result: dict, json_path: str) -> None:
     title = (f"checkpoint speed: {result['model']} ({result['params'] / 1e6:.1f}M params), {result['ranks']} rank(s) "
-             f"on {result['device']}, {result['checkpoint_bytes'] / 1e6:.1f} MB")
+             f"on {result['device']}, {result['checkpoint_bytes'] / 1e6:.1f} MB, {result['storage']}")
     rows = [(label, f"{result[key]:.3f}", f"{result['checkpoint_bytes'] / result[key] / 1e9:.2f}",
              f"{result[key] / result['raw_write_s']:.2f}x") for label, key in ROWS]
     header = ("what", "seconds", "GB/s", "time vs raw write")
@@ -168,20 +182,21 @@ def report(result: dict, json_path: str) -> None:
 def run(args: argparse.Namespace) -> dict | None:
     """One rank's run (the process group is up, or this is the only rank)."""
     env = ClusterEnv.detect()
-    base = Path(args.dir) if args.dir else Path("runs")
-    base.mkdir(parents=True, exist_ok=True)
-    folder = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=base)) if env.rank == 0 else None
+    base = args.dir.rstrip("/") or "runs"
+    store = store_for(base)
+    folder = store.join(base, f"ckpt-bench-{secrets.token_hex(4)}")
     if dist.is_initialized():
-        box = [str(folder)]
+        box = [folder]
         dist.broadcast_object_list(box, src=0)
-        folder = Path(box[0])
+        folder = box[0]
+    store.makedirs(folder)
     try:
         result = measure(args, env, folder)
     finally:
         if dist.is_initialized():
             dist.barrier()
         if env.rank == 0:
-            shutil.rmtree(folder, ignore_errors=True)
+            store.delete(folder, recursive=True)
     return result if env.rank == 0 else None
 
 

@@ -160,7 +160,7 @@ _KILLED_SAVE = textwrap.dedent("""
     job.train(1, data_seed=2)
     write = module.write_durable
     def die_before_manifest(path, data):
-        if path.name == "manifest.json":
+        if os.path.basename(path) == "manifest.json":
             os.kill(os.getpid(), signal.SIGKILL)  # shards of step 2 are on disk, manifest and COMPLETE are not
         write(path, data)
     module.write_durable = die_before_manifest

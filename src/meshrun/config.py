@@ -12,7 +12,7 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal, get_args, get_type_hints
+from typing import Any, Callable, Literal, get_args, get_origin, get_type_hints
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -237,7 +237,10 @@ class CheckpointConfig:
     """Sharded checkpoints."""
 
     dir: str = ""
-    """Checkpoint folder; empty means <run.dir>/checkpoints."""
+    """Checkpoint folder, a path or an s3:// or gs:// URL; empty means <run.dir>/checkpoints."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """fsspec options for an s3:// or gs:// checkpoint.dir (endpoint_url, profile, project, ...); keep secrets in
+    the environment: the config is saved with the run."""
     interval_steps: int = 0
     """Save every N steps (0 = only by time or at the end)."""
     interval_minutes: float = 0.0
@@ -498,6 +501,8 @@ def _toml_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
+    if isinstance(value, dict):  # an inline table
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml_value(v)}" for k, v in value.items()) + "}"
     return json.dumps(value)
 
 
@@ -582,6 +587,15 @@ def _convert(option: str, value: Any, kind: Any) -> Any:
         if text in ("0", "false", "no", "off"):
             return False
         raise ConfigError(f"{option}={value!r} is not a boolean; use true or false")
+    if get_origin(kind) is dict:
+        try:
+            value = json.loads(value) if isinstance(value, str) else value
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{option}={value!r} is not a JSON object ({exc}); e.g. "
+                              f"'{{\"endpoint_url\": \"http://127.0.0.1:9000\"}}'") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"{option}={value!r} must be a table (TOML) or a JSON object")
+        return dict(value)
     if kind in (int, float):
         if isinstance(value, bool):
             raise ConfigError(f"{option}={value!r} must be a {kind.__name__}")

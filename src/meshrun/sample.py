@@ -40,27 +40,30 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def find_config(step_dir: Path, explicit: str | None) -> JobConfig:
+def find_config(step_dir: Path | str, explicit: str | None) -> JobConfig:
     """The run's config: --config, else the one the checkpoint carries, else (a checkpoint of an older meshrun)
     config.toml in the run directory above the checkpoints folder."""
-    from meshrun.ckpt.manifest import read_manifest
+    from meshrun.ckpt.manifest import data_location, read_manifest
     from meshrun.ckpt.run_config import job_from_dict, saved_config
 
     if explicit:
         return load_config(explicit)
     try:
-        stored = saved_config(read_manifest(step_dir))
+        stored = saved_config(read_manifest(data_location(step_dir)))
     except CheckpointError:
         stored = None  # verified (and named) when the weights are loaded
     if stored is not None:
         return job_from_dict(stored)
+    if not isinstance(step_dir, Path):
+        raise ConfigError(f"{step_dir}: this checkpoint carries no config (an older meshrun) and an object store has "
+                          "no run directory above it; pass --config RUN_DIR/config.toml (the run's config)")
     for folder in (step_dir.parent.parent, step_dir.parent, step_dir):
         if (folder / "config.toml").is_file():
             return load_config(folder / "config.toml")
     raise ConfigError(f"{step_dir}: no config.toml in the run directory above it; pass --config RUN_DIR/config.toml")
 
 
-def load_model(step_dir: Path, job: JobConfig):
+def load_model(step_dir: Path | str, job: JobConfig):
     """The reference model with the checkpoint's weights, on the CPU, in fp32."""
     from meshrun.ckpt.reader import load_model_weights
     from meshrun.models.build import model_config
@@ -82,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        step_dir = resolve_checkpoint(Path(args.checkpoint))
+        step_dir = resolve_checkpoint(args.checkpoint)
         job = find_config(step_dir, args.config)
         if job.model.vocab_size and job.model.vocab_size > 256:
             raise ConfigError(f"{step_dir}: model.vocab_size={job.model.vocab_size} is not byte-level text; "

@@ -185,9 +185,10 @@ class Session:
 
     def save(self, step: int, *, model: nn.Module | PipelinedModule, optimizer: torch.optim.Optimizer | None = None,
              batches: StepBatches | None = None, scheduler: Any = None, extra: dict[str, float] | None = None,
-             final: bool = False) -> Path | None:
-        """Save a sharded checkpoint of step ``step`` (collective: every rank, same step); returns its folder. With
-        replica groups only the quorum's first group writes (the others return None)."""
+             final: bool = False) -> Path | str | None:
+        """Save a sharded checkpoint of step ``step`` (collective: every rank, same step); returns its folder (a
+        URL for an ``s3://`` or ``gs://`` checkpoint folder). With replica groups only the quorum's first group
+        writes (the others return None)."""
         if self.replicas is not None and not self.replicas.saves_checkpoints():
             return None
         return self._checkpoints().save(step, parts=self._parts(model), fingerprint=self._fingerprint(model),

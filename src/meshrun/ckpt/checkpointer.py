@@ -4,14 +4,16 @@ A save, on every rank (the checkpointer's methods are collectives over its ranks
 
 1. wait for the previous save (at most one in flight); check that every rank arrived and agrees on the step
    and on the state that DCP stores once for all (counters, scheduler, metrics);
-2. DCP writes every rank's shard into ``.step_N.tmp-<id>/`` (fsync'd; rank 0 adds DCP's ``.metadata``), from the
-   training thread (sync) or, after staging to CPU, from a background thread (``checkpoint.async_save``);
-3. each rank hashes the files it wrote; rank 0 gathers the sizes and SHA-256s, writes ``manifest.json`` and then
-   ``COMPLETE`` (both fsync'd), fsyncs the directory, renames it to ``step_N/`` and fsyncs the folder; then it
-   applies retention. The outcome is broadcast, so a failure raises on every rank.
+2. DCP writes every rank's shard into the save's attempt folder (``.step_N.tmp-<id>/``, fsync'd, on a local
+   folder; ``step_N/attempt-<id>/`` on an object store; rank 0 adds DCP's ``.metadata``), from the training
+   thread (sync) or, after staging to CPU, from a background thread (``checkpoint.async_save``);
+3. each rank hashes the files it wrote; rank 0 gathers the sizes and SHA-256s, writes ``manifest.json``, and
+   publishes (:meth:`meshrun.ckpt.storage.Store.publish`): ``COMPLETE`` last, then the rename to ``step_N/``
+   (local), or ``step_N/COMPLETE`` naming the attempt, created only where absent (object store); then it applies
+   retention. The outcome is broadcast, so a failure raises on every rank.
 
-So a directory under its final name is complete, and a job killed at any point leaves the previous checkpoint
-as the newest complete one.
+So a checkpoint is trusted only once its COMPLETE exists, and a job killed at any point leaves the previous
+checkpoint as the newest complete one.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import logging
 import os
 import re
 import secrets
-import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -37,14 +38,14 @@ from torch.distributed.checkpoint.stateful import Stateful
 from meshrun.ckpt import loading
 from meshrun.ckpt.collectives import Coordinator, check_shared_folder
 from meshrun.ckpt.errors import CheckpointError
-from meshrun.ckpt.layout import (COMPLETE, MANIFEST, complete_steps, scan, step_dir_name, steps_to_keep,
-                                 tmp_dir_name, trash_dir_name)
-from meshrun.ckpt.manifest import (build_manifest, check_structure, code_version, describe_files, fsync_dir,
-                                   write_durable)
+from meshrun.ckpt.layout import MANIFEST, complete_steps, scan, step_dir_name, steps_to_keep
+from meshrun.ckpt.manifest import build_manifest, check_structure, code_version, describe_files, write_durable
 from meshrun.ckpt.preemption import PreemptionFlag, signal_label
 from meshrun.ckpt.run_config import describe_changes, saved_config
 from meshrun.ckpt.space import check_room, describe_failure, payload_bytes
-from meshrun.ckpt.state import is_blob_key, walk
+from meshrun.ckpt.staging import StagingWriter as _StagingWriter
+from meshrun.ckpt.state import walk
+from meshrun.ckpt.storage import register_options, store_for
 from meshrun.config import CheckpointConfig
 from meshrun.env import ClusterEnv
 from meshrun.units import format_bytes
@@ -56,7 +57,8 @@ _SHARD_RE = re.compile(r"^__(\d+)_\d+\.distcp$")
 @dataclass
 class _SaveJob:
     step: int
-    tmp: Path
+    tmp: str
+    """The attempt folder the save writes into (a path or URL), published as the step's checkpoint."""
     meta: dict[str, Any]
     final: bool
     kinds: dict[str, str]
@@ -78,7 +80,10 @@ class Checkpointer:
                  config_fingerprint: str, process_group: Any = None, preemption: PreemptionFlag | None = None,
                  verify_checksums: bool = True, io_threads: int | None = None):
         self.cfg = cfg
-        self.folder = Path(folder)
+        self.folder = os.fspath(folder)
+        """The checkpoint folder: a path, or an ``s3://`` / ``gs://`` URL."""
+        register_options(self.folder, getattr(cfg, "storage_options", None))
+        self.store = store_for(self.folder)  # refuses a URL whose client is not installed
         self.env = env
         self.layout = dict(layout)
         self.config_fingerprint = config_fingerprint
@@ -155,7 +160,7 @@ class Checkpointer:
         job = self._new_job(step, tree, meta=meta, final=final, kinds=kinds, started=started)
         self._last_save_time = time.monotonic()
         if self.cfg.async_save and not final:
-            upload = dcp.async_save(tree, checkpoint_id=str(job.tmp), storage_writer=self._staging_writer(),
+            upload = dcp.async_save(tree, checkpoint_id=job.tmp, storage_writer=self._staging_writer(),
                                     process_group=self.coord.io)
             job.timings["stall_s"] = time.perf_counter() - started
             self._pending = self._executor.submit(self._finish, job, upload)
@@ -166,29 +171,35 @@ class Checkpointer:
     def _write(self, job: _SaveJob, tree: dict[str, Any]) -> None:
         """Collective (DCP). Write the shards into the temporary folder; on failure, remove it and raise one line
         (CheckpointException is a BaseException: ``except Exception`` alone would skip the cleanup)."""
-        writer = dcp.FileSystemWriter(str(job.tmp), sync_files=True, thread_count=self.io_threads)
+        writer = self.store.dcp_writer(job.tmp, thread_count=self.io_threads)
         try:
             dcp.save(tree, storage_writer=writer, process_group=self.coord.io)
         except (Exception, CheckpointException) as exc:
             if self.coord.rank == 0:  # DCP raises on every rank; leave no half-written directory behind
-                shutil.rmtree(job.tmp, ignore_errors=True)
-            if isinstance(exc, (OSError, CheckpointException)):
+                _delete_quietly(self.store, job.tmp)
+            if isinstance(exc, (OSError, CheckpointException)) or self.store.describe_error(exc, self.folder):
                 raise CheckpointError(f"{describe_failure(exc, self.folder, job.needed)} (save of step {job.step} "
                                       f"to {job.tmp})") from exc
             raise
 
     def _new_job(self, step: int, tree: dict[str, Any], **fields: Any) -> _SaveJob:
-        """Collective. The save's temporary folder, named by rank 0, which first refuses (on every rank) when the
-        folder has less free space than the checkpoint's tensors take."""
+        """Collective. The save's attempt folder, named by rank 0, which first refuses (on every rank) when the
+        folder has less free space than the checkpoint's tensors take, or its object store does not answer."""
         needed = payload_bytes(tree)
         verdict = None
         if self.coord.rank == 0:
-            no_room = check_room(self.folder, needed)
+            try:  # an object store that stopped answering: one line within seconds, before any rank writes
+                self.store.probe(self.folder)
+                no_room = check_room(self.folder, needed)
+            except CheckpointError as exc:
+                no_room = str(exc)
             verdict = {"error": no_room} if no_room else {"token": secrets.token_hex(4)}
         verdict = self.coord.broadcast(verdict)
         if "error" in verdict:
             raise CheckpointError(f"{verdict['error']} (save of step {step})")
-        return _SaveJob(step=step, tmp=self.folder / tmp_dir_name(step, verdict["token"]), needed=needed, **fields)
+        final = self.store.join(self.folder, step_dir_name(step))
+        return _SaveJob(step=step, tmp=self.store.attempt_path(self.folder, final, verdict["token"]), needed=needed,
+                        **fields)
 
     def wait(self) -> None:
         """Block until the in-flight async save is published; raise its error. No collective of its own."""
@@ -234,8 +245,9 @@ class Checkpointer:
     def _staging_writer(self) -> _StagingWriter:
         if self._writer is None:
             # DCP's pinned staging buffers, kept between saves, where CUDA can pin them; CPU-only builds cannot.
-            self._writer = _StagingWriter(str(self.folder), sync_files=True, thread_count=self.io_threads,
-                                          cache_staged_state_dict=torch.cuda.is_available())
+            self._writer = self.store.dcp_writer(self.folder, thread_count=self.io_threads,
+                                                 staging_cls=_StagingWriter,
+                                                 cache_staged_state_dict=torch.cuda.is_available())
         return self._writer
 
     def _finish(self, job: _SaveJob, upload: Future | None) -> None:
@@ -260,21 +272,21 @@ class Checkpointer:
         job.timings["total_s"] = time.perf_counter() - job.started
         self._last_step = job.step
 
-    def _hash_own_files(self, tmp: Path) -> dict[str, dict[str, Any]]:
+    def _hash_own_files(self, tmp: str) -> dict[str, dict[str, Any]]:
         """Sizes and SHA-256 of the shard files this rank wrote (DCP names them __<rank>_<n>.distcp), plus, on
         rank 0, every other file (.metadata)."""
         def owner(name: str) -> int:
             match = _SHARD_RE.match(name)
             return int(match.group(1)) if match and int(match.group(1)) < self.coord.size else 0
 
-        names = sorted(p.name for p in tmp.iterdir() if owner(p.name) == self.coord.rank)
+        names = sorted(i.name for i in self.store.list(tmp) if i.kind == "file" and owner(i.name) == self.coord.rank)
         return describe_files(tmp, names, threads=self.io_threads)
 
     def _publish(self, job: _SaveJob, contributions: list[dict[str, Any]]) -> str | None:
         """Rank 0: manifest, COMPLETE, rename, retention. Returns None, or the error every rank will raise."""
         errors = [f"rank {r}: {c['error']}" for r, c in enumerate(contributions) if "error" in c]
         if errors:
-            shutil.rmtree(job.tmp, ignore_errors=True)
+            _delete_quietly(self.store, job.tmp)
             full = [c["error"] for c in contributions if c.get("error", "").startswith("no space left")]
             if full:  # one line, as for a sync save
                 return f"{full[0]} (save of step {job.step} to {job.tmp})"
@@ -283,7 +295,7 @@ class Checkpointer:
             files: dict[str, dict[str, Any]] = {}
             for contribution in contributions:
                 files.update(contribution["files"])
-            unhashed = sorted(p.name for p in job.tmp.iterdir() if p.name not in files)
+            unhashed = sorted(i.name for i in self.store.list(job.tmp) if i.name not in files)
             files.update(describe_files(job.tmp, unhashed, threads=self.io_threads))  # files no rank claimed (a DCP naming change)
             job.timings["total_s"] = time.perf_counter() - job.started
             manifest = build_manifest(
@@ -291,33 +303,29 @@ class Checkpointer:
                 config_fingerprint=self.config_fingerprint, code=self.code, meta=job.meta, state_kinds=job.kinds,
                 final=job.final, async_save=self.cfg.async_save and not job.final, timings=job.timings)
             payload = json.dumps(manifest, indent=1).encode()
-            write_durable(job.tmp / MANIFEST, payload)
+            write_durable(self.store.join(job.tmp, MANIFEST), payload)
             # COMPLETE last, binding the manifest's digest: a damaged manifest is then told from a damaged shard.
-            write_durable(job.tmp / COMPLETE, f"manifest-sha256 {hashlib.sha256(payload).hexdigest()}\n".encode())
-            fsync_dir(job.tmp)
-            final_dir = self._rename_into_place(job)
+            final_dir = self._publish_step(job, f"manifest-sha256 {hashlib.sha256(payload).hexdigest()}\n".encode())
             log.info("saved step %d to %s (%s, %.2fs)", job.step, final_dir,
                      format_bytes(sum(f["size"] for f in files.values())), time.perf_counter() - job.started)
             self._apply_retention(protect=(job.step,))
         except Exception as exc:  # noqa: BLE001 - returned so that every rank raises it
-            return f"save of step {job.step}: publishing {job.tmp} failed: {type(exc).__name__}: {exc}"
+            reason = self.store.describe_error(exc, self.folder) or f"{type(exc).__name__}: {exc}"
+            return f"save of step {job.step}: publishing {job.tmp} failed: {reason}"
         return None
 
-    def _rename_into_place(self, job: _SaveJob) -> Path:
-        final_dir = self.folder / step_dir_name(job.step)
-        if final_dir.exists():  # same step saved before (resume=none, or a fallback past a damaged one): replaced
+    def _publish_step(self, job: _SaveJob, marker: bytes) -> str:
+        """Rank 0: make the attempt the step's checkpoint (COMPLETE last; see Store.publish)."""
+        final_dir = self.store.join(self.folder, step_dir_name(job.step))
+        if self.store.exists(self.store.join(final_dir, "COMPLETE")) or (self.store.atomic_rename
+                                                                         and self.store.exists(final_dir)):
+            # same step saved before (resume=none, or a fallback past a damaged one): replaced
             log.warning("replacing %s: %s", final_dir, self._describe_existing(final_dir, job.step))
-            aside = self.folder / trash_dir_name(job.step, secrets.token_hex(4))
-            final_dir.rename(aside)
-            job.tmp.rename(final_dir)
-            shutil.rmtree(aside, ignore_errors=True)
-        else:
-            job.tmp.rename(final_dir)
-        fsync_dir(self.folder)
+        self.store.publish(job.tmp, final_dir, marker, replace=True)
         self._published.add(job.step)
         return final_dir
 
-    def _describe_existing(self, path: Path, step: int) -> str:
+    def _describe_existing(self, path: str, step: int) -> str:
         """Rank 0: what the checkpoint directory of ``step``, about to be replaced, holds, and whether this
         Checkpointer published it."""
         try:
@@ -336,15 +344,14 @@ class Checkpointer:
         keep = steps_to_keep(complete_steps(entries), keep_last=self.cfg.keep_last, keep_every=self.cfg.keep_every,
                              protect=protect)
         for entry in entries:
-            stale = entry.kind in ("tmp", "trash") and _mtime(entry.path) < self._started
-            if (entry.kind == "complete" and entry.step not in keep) or stale:
-                aside = entry.path
-                if entry.kind == "complete":  # out of sight first, so no reader finds it half-deleted
-                    aside = self.folder / trash_dir_name(entry.step, secrets.token_hex(4))
-                    entry.path.rename(aside)
-                shutil.rmtree(aside, ignore_errors=True)
-                log.info("retention: deleted %s", entry.path)
-        fsync_dir(self.folder)
+            if entry.kind == "complete" and entry.step not in keep:
+                self.store.retire(entry.path)  # COMPLETE (object store) or the name (local) goes first
+            elif entry.kind in ("tmp", "trash") and self.store.mtime(entry.path) < self._started:
+                self.store.delete(entry.path, recursive=True)  # left by a job that ended before this one started
+            else:
+                continue
+            log.info("retention: deleted %s", entry.path)
+        self.store.sync(self.folder)
 
     # ------------------------------------------------------------------ load
     def load(self, state: dict[str, Any], resume: str | None = None) -> dict[str, Any] | None:
@@ -361,7 +368,7 @@ class Checkpointer:
         if resume == "none":
             self._note_existing()
             return None
-        explicit = None if resume == "auto" else Path(resume)
+        explicit = None if resume == "auto" else resume
         if explicit is None:
             self._ensure_folder_checked()
         chosen = loading.choose(self.coord, self.folder, explicit=explicit, strict=self.cfg.strict,
@@ -388,7 +395,7 @@ class Checkpointer:
                 self._report(f"checkpoint.resume=none, but {self.folder} holds checkpoints up to step {steps[-1]}; "
                              "a later resume=auto may pick them up: use a fresh checkpoint.dir for a new run")
 
-    def _report_changes(self, path: Path, manifest: dict[str, Any], state: dict[str, Any]) -> None:
+    def _report_changes(self, path: str, manifest: dict[str, Any], state: dict[str, Any]) -> None:
         if self.coord.rank == 0:
             log.info("resumed from %s (step %s)", path, manifest["step"])
         if manifest["world_size"] != self.coord.size:
@@ -403,11 +410,12 @@ class Checkpointer:
                          + (f" ({changed})" if changed else ""))
 
 
-def _mtime(path: Path) -> float:
+def _delete_quietly(store: Any, location: str) -> None:
+    """Remove a failed save's attempt; a store that cannot be reached keeps it (retention collects it later)."""
     try:
-        return path.stat().st_mtime
-    except OSError:  # already gone
-        return float("inf")
+        store.delete(location, recursive=True)
+    except Exception as exc:  # noqa: BLE001 - the save's own error is the one to report
+        log.warning("could not remove %s after a failed save: %s", location, exc)
 
 
 def _materialize(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
@@ -422,45 +430,3 @@ def _materialize(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]
                 raise TypeError(f"checkpoint state entry {key!r} is a {type(leaf).__name__}; only tensors are saved "
                                 "(use the helpers of meshrun.ckpt.state, which store other values as JSON blobs)")
     return tree, kinds
-
-
-class _StagingWriter(dcp.FileSystemWriter):
-    """FileSystemWriter whose async staging (the copy the training stalls for) is DCP's own, minus the JSON blobs.
-
-    With CUDA, DCP keeps its pinned staging buffers between saves (``cache_staged_state_dict``); their layout is
-    fixed by the first save, so the blobs, fresh CPU tensors already that may change length from save to save, are
-    left out of the copy. Should the layout change all the same, the cache is dropped and built again.
-    """
-
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        bulk, blobs = _split_blobs(state_dict)
-        try:
-            staged = super().stage(bulk)
-        except (RuntimeError, KeyError, ValueError, TypeError):
-            if getattr(self, "state_dict_cache", None) is None:
-                raise
-            self.state_dict_cache = None  # the state's layout changed since the cache was built
-            staged = super().stage(bulk)
-        return _merge(staged, blobs)
-
-
-def _split_blobs(tree: dict[str, Any], prefix: str = "") -> tuple[dict[str, Any], dict[str, Any]]:
-    bulk: dict[str, Any] = {}
-    blobs: dict[str, Any] = {}
-    for key, value in tree.items():
-        dotted = f"{prefix}{key}"
-        if isinstance(value, dict):
-            bulk[key], blobs[key] = _split_blobs(value, dotted + ".")
-        elif is_blob_key(dotted):
-            blobs[key] = value
-        else:
-            bulk[key] = value
-    return bulk, blobs
-
-
-def _merge(staged: dict[str, Any], blobs: dict[str, Any]) -> dict[str, Any]:
-    """A new nested dict: staged entries plus blobs (the staging cache itself is not modified)."""
-    out = dict(staged)
-    for key, value in blobs.items():
-        out[key] = _merge(out.get(key, {}), value) if isinstance(value, dict) else value
-    return out

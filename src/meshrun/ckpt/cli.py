@@ -4,6 +4,8 @@
     meshrun ckpt verify PATH [--no-checksums]      exit 1, naming each bad file, if PATH (or a run folder's newest
                                                    checkpoint) is not intact or would be refused by a resume
     meshrun ckpt export PATH --to model.safetensors   consolidated model weights for inference
+
+DIR and PATH may be ``s3://`` or ``gs://`` URLs (credentials and endpoint from the environment, docs/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from rich.console import Console
 from meshrun.ckpt import reader
 from meshrun.ckpt.errors import CheckpointError
 from meshrun.help_format import PlainHelpFormatter
+from meshrun.ckpt.storage import is_url, store_for
 from meshrun.units import format_bytes
 
 
@@ -40,22 +43,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    location = getattr(args, "dir", None) or getattr(args, "path", None) or ""
     try:
+        if is_url(location):  # fail within seconds, naming the URL and what to set, when the store cannot be reached
+            store_for(location).probe(location)
         return {"ls": _ls, "verify": _verify, "export": _export}[args.command](args)
     except CheckpointError as exc:
         print(f"meshrun ckpt {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        line = store_for(location).describe_error(exc, location) if is_url(location) else None
+        print(f"meshrun ckpt {args.command}: {line or f'{type(exc).__name__}: {exc}'}", file=sys.stderr)
         return 1
 
 
 def _ls(args: argparse.Namespace) -> int:
     folder = reader.resolve_folder(args.dir)
-    if not folder.is_dir():
+    if not store_for(folder).is_dir(folder):
         print(f"meshrun ckpt ls: {folder} does not exist; give the checkpoint folder (checkpoint.dir) or the "
               "run folder (run.dir)", file=sys.stderr)
         return 2
     rows = reader.list_checkpoints(folder)
     if args.json:
-        print(json.dumps([{**row.__dict__, "path": str(row.path)} for row in rows], indent=1))
+        print(json.dumps([{**row.__dict__, "path": row.path} for row in rows], indent=1))
     elif not rows:
         print(f"no checkpoints in {folder}")
     else:
@@ -64,7 +74,7 @@ def _ls(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    path = reader.resolve_checkpoint(Path(args.path))
+    path = reader.resolve_checkpoint(args.path.rstrip("/"))  # a run folder or a checkpoints folder: its newest
     manifest, problems = reader.verify(path, checksums=not args.no_checksums)
     for problem in problems:
         print(f"FAILED {problem}")
@@ -79,7 +89,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    summary = reader.export_model(Path(args.path), args.to)
+    summary = reader.export_model(args.path.rstrip("/"), args.to)
     print(f"wrote {args.to}: {summary['tensors']} tensors, {format_bytes(summary['bytes'])}, "
           f"{'/'.join(summary['dtypes'])}, from step {summary['step']}")
     return 0

@@ -11,19 +11,17 @@ that did not arrive.
 
 from __future__ import annotations
 
-import os
 import secrets
 import socket
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from meshrun.ckpt.errors import CheckpointError
-from meshrun.ckpt.manifest import fsync_dir, write_durable
+from meshrun.ckpt.storage import Store, store_for
 
 SHARED_CHECK_WAIT_S = 5.0
 """How long a rank keeps looking for rank 0's probe file (network file systems cache directory lookups)."""
@@ -96,49 +94,55 @@ class Coordinator:
         return tensor.tolist()
 
 
-def check_shared_folder(coord: Coordinator, folder: Path) -> None:
+def check_shared_folder(coord: Coordinator, folder: str) -> None:
     """Collective. Refuse a checkpoint folder that some rank does not see as rank 0 does.
 
-    Rank 0 writes a probe file holding a random nonce; every rank looks for it (retrying a few seconds for
-    network file system caches); the answers are gathered and the ranks and hosts that cannot see it are named.
-    Without this, node-local folders would each receive some shards and no node would hold a whole checkpoint.
+    Rank 0 checks that the store answers (an object store: within a few seconds, with the URL and what to set
+    when it does not), then writes a probe file holding a random nonce; every rank looks for it (retrying a few
+    seconds for network file system caches); the answers are gathered and the ranks and hosts that cannot see it
+    are named. Without this, node-local folders would each receive some shards and no node would hold a whole
+    checkpoint; on an object store, it catches nodes given another endpoint or bucket.
     """
+    store = store_for(folder)
     nonce, failure = None, None
     if coord.rank == 0:
         nonce = secrets.token_hex(8)
         try:
-            folder.mkdir(parents=True, exist_ok=True)
-            write_durable(folder / f".shared-check-{nonce}", nonce.encode())
-            fsync_dir(folder)
+            store.probe(folder)
+            store.makedirs(folder)
+            store.write(store.join(folder, f".shared-check-{nonce}"), nonce.encode())
+            store.sync(folder)
+        except CheckpointError as exc:  # the store's line names the URL already
+            failure = f"checkpoint.dir={exc}" if str(exc).startswith(folder) else f"checkpoint.dir={folder}: {exc}"
         except OSError as exc:  # raised on every rank below, not on rank 0 alone
-            failure = f"checkpoint.dir={folder}: rank 0 cannot write there: {exc}"
+            failure = (f"checkpoint.dir={folder}: rank 0 cannot write there: "
+                       f"{store.describe_error(exc, folder) or exc}")
     nonce, failure = coord.broadcast((nonce, failure))
     if failure:
         raise CheckpointError(failure)
-    probe = folder / f".shared-check-{nonce}"
+    probe = store.join(folder, f".shared-check-{nonce}")
     coord.barrier(f"checkpoint folder check of {folder}")
-    seen = _sees(probe, nonce, SHARED_CHECK_WAIT_S if coord.rank != 0 else 0.0)
+    seen = _sees(store, probe, nonce, SHARED_CHECK_WAIT_S if coord.rank != 0 else 0.0)
     reports = coord.all_gather((seen, socket.gethostname()))
     if coord.rank == 0:
-        probe.unlink(missing_ok=True)
+        store.delete(probe)
     blind = [f"rank {r} on {host}" for r, (ok, host) in enumerate(reports) if not ok]
     if blind:
         raise CheckpointError(
             f"checkpoint.dir={folder} is not on storage shared by all ranks: {', '.join(blind)} cannot see the file "
             f"rank 0 on {reports[0][1]} wrote there; point checkpoint.dir at a file system that every node mounts "
-            "at the same path (NFS, Lustre, GPFS, ...)")
+            "at the same path (NFS, Lustre, GPFS, ...) or at one bucket URL with the same endpoint on every node")
 
 
-def _sees(probe: Path, nonce: str, wait_s: float) -> bool:
+def _sees(store: Store, probe: str, nonce: str, wait_s: float) -> bool:
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            if probe.read_text() == nonce:
+            if store.read(probe) == nonce.encode():
                 return True
-        except OSError:
+        except (OSError, CheckpointError):
             pass
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.2)
-        if probe.parent.is_dir():  # re-reading the parent defeats some clients' negative lookup cache
-            os.listdir(probe.parent)
+        store.list(store.parent(probe))  # re-reading the parent defeats some clients' negative lookup cache

@@ -19,7 +19,7 @@ pickled objects: DCP then only reads tensors, with ``torch.load(weights_only=Tru
 from __future__ import annotations
 
 import logging
-from pathlib import Path
+import os
 from typing import Any
 
 import torch
@@ -30,18 +30,18 @@ from torch.distributed.checkpoint.stateful import Stateful
 from meshrun.ckpt.collectives import Coordinator
 from meshrun.ckpt.errors import CheckpointError
 from meshrun.ckpt.layout import scan
-from meshrun.ckpt.manifest import check_checksums, check_structure, share_of_files
-from meshrun.ckpt.safe_metadata import SafeFileSystemReader
+from meshrun.ckpt.manifest import check_checksums, check_structure, data_location, share_of_files
 from meshrun.ckpt.state import MOVED_KEYS, is_blob_key, walk
+from meshrun.ckpt.storage import store_for
 
 log = logging.getLogger("meshrun.ckpt")
 
 
-def choose(coord: Coordinator, folder: Path, *, explicit: Path | None, strict: bool, verify_checksums: bool,
-           threads: int, notes: list[str]) -> tuple[Path, dict[str, Any]] | None:
+def choose(coord: Coordinator, folder: str, *, explicit: str | None, strict: bool, verify_checksums: bool,
+           threads: int, notes: list[str]) -> tuple[str, dict[str, Any]] | None:
     """Collective. The checkpoint to load and its manifest, or None (auto, and nothing valid: start fresh)."""
     refusal = _refusal_hint(explicit, strict) if explicit is not None or strict else None
-    candidates: list[Path] = []
+    candidates: list[str] = []
     pick: dict[str, Any] | None = None
     if coord.rank == 0:
         try:
@@ -57,7 +57,7 @@ def choose(coord: Coordinator, folder: Path, *, explicit: Path | None, strict: b
             return None
         if "error" in pick:
             raise CheckpointError(pick["error"])
-        path, manifest = Path(pick["path"]), pick["manifest"]
+        path, manifest = pick["path"], pick["manifest"]
         problems = _verify_shares(coord, path, manifest, threads) if verify_checksums else []
         if not problems:
             return path, manifest
@@ -70,10 +70,10 @@ def choose(coord: Coordinator, folder: Path, *, explicit: Path | None, strict: b
         pick = None
 
 
-def _candidates(folder: Path, explicit: Path | None, notes: list[str]) -> list[Path]:
+def _candidates(folder: str, explicit: str | None, notes: list[str]) -> list[str]:
     """Rank 0: the paths to try, newest first; the directories passed over are noted."""
     if explicit is not None:
-        if not explicit.is_dir():
+        if not store_for(explicit).is_dir(explicit):
             raise CheckpointError(f"checkpoint.resume={explicit}: no such checkpoint directory; give a step_* "
                                   "directory, 'auto' or 'none'")
         return [explicit]
@@ -87,7 +87,7 @@ def _candidates(folder: Path, explicit: Path | None, notes: list[str]) -> list[P
     return [e.path for e in reversed(entries) if e.kind == "complete"]
 
 
-def _next_sound(candidates: list[Path], position: int, *, refusal: str | None,
+def _next_sound(candidates: list[str], position: int, *, refusal: str | None,
                 notes: list[str]) -> tuple[dict[str, Any] | None, int]:
     """Rank 0: the first candidate from ``position`` that passes the cheap checks, as a broadcastable dict."""
     for index in range(position, len(candidates)):
@@ -97,7 +97,7 @@ def _next_sound(candidates: list[Path], position: int, *, refusal: str | None,
         except OSError as exc:
             manifest, problems = None, [f"{path}: cannot be read: {exc}"]
         if not problems:
-            return {"path": str(path), "manifest": manifest}, index + 1
+            return {"path": path, "manifest": manifest}, index + 1
         message = f"checkpoint {path} is damaged: {'; '.join(problems[:3])}"
         if refusal is not None:
             return {"error": message + refusal}, index + 1
@@ -106,31 +106,34 @@ def _next_sound(candidates: list[Path], position: int, *, refusal: str | None,
     return None, len(candidates)
 
 
-def _refusal_hint(explicit: Path | None, strict: bool) -> str:
+def _refusal_hint(explicit: str | None, strict: bool) -> str:
     if explicit is not None:
         return f" (checkpoint.resume={explicit} names this checkpoint; choose another one or resume=auto)"
     return " (checkpoint.strict=true refuses to fall back; set it to false to resume from the previous one)"
 
 
-def _verify_shares(coord: Coordinator, path: Path, manifest: dict[str, Any], threads: int) -> list[str]:
+def _verify_shares(coord: Coordinator, path: str, manifest: dict[str, Any], threads: int) -> list[str]:
     """Collective. Each rank hashes its share of the files; every rank gets all the findings."""
     mine = share_of_files(manifest, coord.rank, coord.size)
-    found = coord.all_gather(check_checksums(path, manifest, mine, threads=threads))
+    found = coord.all_gather(check_checksums(data_location(path), manifest, mine, threads=threads))
     return [problem for problems in found for problem in problems]
 
 
-def load_into(coord: Coordinator, state: dict[str, Any], path: Path) -> None:
+def load_into(coord: Coordinator, state: dict[str, Any], path: str | os.PathLike) -> None:
     """Collective. Load the checkpoint at ``path`` into ``state`` (Stateful helpers or dicts of tensors).
 
     The Stateful entries go to ``dcp.load`` as Stateful objects: DCP fills their tensors in place and calls their
     ``load_state_dict``, so the trainer's progress and data position are restored where they live.
     """
-    seen = coord.all_gather((path / ".metadata").is_file())
+    path = os.fspath(path)
+    data = data_location(path)
+    store = store_for(data)
+    seen = coord.all_gather(store.exists(store.join(data, ".metadata")))
     blind = [r for r, ok in enumerate(seen) if not ok]
     if blind:
         raise CheckpointError(f"{path}: rank(s) {blind} cannot read this checkpoint's .metadata; it must be on "
-                              "storage every rank mounts at the same path")
-    reader = SafeFileSystemReader(str(path))
+                              "storage every rank mounts at the same path, or in one bucket every rank reaches")
+    reader = store.dcp_reader(data)
     saved = reader.read_metadata().state_dict_metadata
     optional = {name for name, obj in state.items() if getattr(obj, "missing_ok", False)}
     tree = {name: obj.state_dict() if isinstance(obj, Stateful) else obj for name, obj in state.items()}
@@ -186,7 +189,7 @@ def _with_moved(node: dict[str, Any]) -> dict[str, Any]:
             for k, v in node.items()}
 
 
-def _prepare(node: dict[str, Any], prefix: str, saved: dict[str, Any], *, path: Path, optional: bool,
+def _prepare(node: dict[str, Any], prefix: str, saved: dict[str, Any], *, path: str, optional: bool,
              missing: list[str], moved: dict[str, _Moved]) -> dict[str, Any]:
     """The load targets under ``node``: blobs sized from the checkpoint, absent optional entries dropped, entries
     an older checkpoint holds under another key marked ``_Moved`` (and listed in ``moved`` by that key)."""

@@ -3,9 +3,10 @@
 The manifest lists every file of the checkpoint with its size and SHA-256. SHA-256 rather than a faster
 non-cryptographic hash (CRC32, xxHash): it is strong against both bit rot and a crafted file, ``sha256sum``
 checks it by hand, and it costs little where it runs: each rank hashes only the shard it just wrote (still in
-the page cache), in parallel with the others, at about 1 GB/s per core (hashlib releases the GIL, so several
-files hash on several threads). Load verifies sizes of every candidate and checksums of the one chosen, again
-split over ranks. Pure logic plus file I/O: no process group.
+the page cache; read back once on an object store), in parallel with the others, at about 1 GB/s per core
+(hashlib releases the GIL, so several files hash on several threads). Load verifies sizes of every candidate
+and checksums of the one chosen, again split over ranks. Pure logic plus I/O through :mod:`meshrun.ckpt.storage`:
+no process group.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import functools
 import hashlib
 import json
 import os
-import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from meshrun.ckpt.errors import CheckpointError
-from meshrun.ckpt.layout import COMPLETE, MANIFEST
+from meshrun.ckpt.layout import MANIFEST
+from meshrun.ckpt.storage import ATTEMPT_RE, COMPLETE, Store, attempt_named, store_for
 from meshrun.gitstate import git_state
 
 FORMAT = "meshrun.checkpoint"
@@ -43,33 +44,17 @@ def check_file_name(name: Any) -> str:
     return name
 
 
-def _open_regular(path: Path) -> int:
-    """Open for reading without following a symlink; refuse anything that is not a regular file."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise CheckpointError(f"{path}: not a regular file")
-    return fd
+def sha256_file(path: Path | str) -> str:
+    return store_for(path).sha256(os.fspath(path), _CHUNK)
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    buffer = bytearray(_CHUNK)
-    view = memoryview(buffer)
-    fd = _open_regular(path)
-    try:
-        while count := os.readv(fd, [buffer]):
-            digest.update(view[:count])
-    finally:
-        os.close(fd)
-    return digest.hexdigest()
+def describe_files(folder: Path | str, names: list[str], *, threads: int = 4) -> dict[str, dict[str, Any]]:
+    """{name: {"size", "sha256"}} for files in ``folder`` (a path or URL), hashed on up to ``threads`` threads."""
+    store = store_for(folder)
 
-
-def describe_files(folder: Path, names: list[str], *, threads: int = 4) -> dict[str, dict[str, Any]]:
-    """{name: {"size", "sha256"}} for files in ``folder``, hashed on up to ``threads`` threads."""
     def one(name: str) -> tuple[str, dict[str, Any]]:
-        path = folder / check_file_name(name)
-        return name, {"size": path.lstat().st_size, CHECKSUM: sha256_file(path)}
+        path = store.join(os.fspath(folder), check_file_name(name))
+        return name, {"size": store.size(path), CHECKSUM: store.sha256(path, _CHUNK)}
 
     if not names:
         return {}
@@ -77,26 +62,14 @@ def describe_files(folder: Path, names: list[str], *, threads: int = 4) -> dict[
         return dict(pool.map(one, names))
 
 
-def write_durable(path: Path, data: bytes) -> None:
-    """Write and fsync one file, so that it survives a crash once this returns."""
-    with open(path, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
+def write_durable(path: Path | str, data: bytes) -> None:
+    """Write one file (fsync'd) or object, so that it survives a crash once this returns."""
+    store_for(path).write(os.fspath(path), data)
 
 
-def fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path | str) -> None:
     """fsync a directory so that the names created or renamed in it are durable (no-op where unsupported)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some network file systems refuse fsync on directories; their renames are synchronous
-        pass
-    finally:
-        os.close(fd)
+    store_for(path).sync(os.fspath(path))
 
 
 @functools.lru_cache(maxsize=4)
@@ -133,13 +106,13 @@ def _meshrun_version() -> str:
     return __version__
 
 
-def read_manifest(folder: Path) -> dict[str, Any]:
-    """Parse and validate ``folder/manifest.json``; CheckpointError naming the file and what is wrong."""
-    path = folder / MANIFEST
+def read_manifest(folder: Path | str) -> dict[str, Any]:
+    """Parse and validate ``folder/manifest.json`` (``folder``: where the checkpoint's data is, see
+    :func:`data_location`); CheckpointError naming the file and what is wrong."""
+    store = store_for(folder)
+    path = store.join(os.fspath(folder), MANIFEST)
     try:
-        fd = _open_regular(path)
-        with os.fdopen(fd, "rb") as handle:
-            manifest = json.loads(handle.read().decode("utf-8"))
+        manifest = json.loads(store.read(path).decode("utf-8"))
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing; the checkpoint was not finished or was damaged") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -167,45 +140,62 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     return manifest
 
 
-def check_structure(folder: Path) -> tuple[dict[str, Any] | None, list[str]]:
-    """Cheap checks (marker, manifest, names, sizes, no stray or linked files). Returns (manifest, problems)."""
-    if not (folder / COMPLETE).is_file():
-        return None, [f"{folder / COMPLETE}: missing; the save did not finish"]
+def data_location(checkpoint: Path | str) -> str:
+    """Where the files of ``checkpoint`` (a step_* directory) are: beside its COMPLETE on a local folder, in the
+    attempt its COMPLETE names on an object store. The checkpoint itself when it has no COMPLETE."""
+    store, location = store_for(checkpoint), os.fspath(checkpoint)
     try:
-        manifest = read_manifest(folder)
-    except CheckpointError as exc:
+        attempt = attempt_named(store.read(store.join(location, COMPLETE)))
+    except (FileNotFoundError, IsADirectoryError):
+        return location
+    return store.join(location, attempt) if attempt else location
+
+
+def check_structure(folder: Path | str) -> tuple[dict[str, Any] | None, list[str]]:
+    """Cheap checks of a checkpoint (marker, manifest, names, sizes, no stray or linked files). Returns
+    (manifest, problems)."""
+    store, location = store_for(folder), os.fspath(folder)
+    marker_path = store.join(location, COMPLETE)
+    try:
+        marker = store.read(marker_path)
+        data = data_location(location)
+        manifest = read_manifest(data)
+    except FileNotFoundError:
+        return None, [f"{marker_path}: missing; the save did not finish"]
+    except (CheckpointError, OSError) as exc:
         return None, [str(exc)]
-    problems = _check_marker(folder)
+    problems = _check_marker(store, marker, data)
+    present = {item.name: item for item in store.list(data)}
     for name, info in manifest["files"].items():
-        path = folder / name
-        try:
-            st = path.lstat()
-        except FileNotFoundError:
+        path, item = store.join(data, name), present.get(name)
+        if item is None:
             problems.append(f"{path}: missing (listed in the manifest)")
-            continue
-        if not stat.S_ISREG(st.st_mode):
+        elif item.kind != "file":
             problems.append(f"{path}: not a regular file (symlinks are refused)")
-        elif st.st_size != info["size"]:
-            problems.append(f"{path}: size {st.st_size} bytes, the manifest says {info['size']}")
-    for child in sorted(folder.iterdir()):
-        if child.name not in manifest["files"] and child.name not in (MANIFEST, COMPLETE):
-            problems.append(f"{child}: not listed in the manifest")
+        elif item.size != info["size"]:
+            problems.append(f"{path}: size {item.size} bytes, the manifest says {info['size']}")
+    for name, item in present.items():
+        if name not in manifest["files"] and name not in (MANIFEST, COMPLETE):
+            problems.append(f"{item.path}: not listed in the manifest")
+    if data != location:  # beside the attempts, only COMPLETE (other attempts are unfinished saves, not trusted)
+        problems += [f"{item.path}: not listed in the manifest" for item in store.list(location)
+                     if item.name != COMPLETE and not (item.kind == "dir" and ATTEMPT_RE.match(item.name))]
     return manifest, problems
 
 
-def _check_marker(folder: Path) -> list[str]:
+def _check_marker(store: Store, marker: bytes, data: str) -> list[str]:
     """COMPLETE records the manifest's SHA-256: a damaged manifest is told from a damaged shard."""
-    words = (folder / COMPLETE).read_text(errors="replace").split()
-    if len(words) == 2 and words[0] == "manifest-sha256":
-        with os.fdopen(_open_regular(folder / MANIFEST), "rb") as handle:
-            actual = hashlib.sha256(handle.read()).hexdigest()
-        if actual != words[1]:
-            return [f"{folder / MANIFEST}: {CHECKSUM} differs from the one recorded in {COMPLETE} (the manifest is "
-                    "damaged)"]
+    words = [line.split() for line in marker.decode(errors="replace").splitlines()]
+    for pair in words:
+        if len(pair) == 2 and pair[0] == "manifest-sha256":
+            actual = hashlib.sha256(store.read(store.join(data, MANIFEST))).hexdigest()
+            if actual != pair[1]:
+                return [f"{store.join(data, MANIFEST)}: {CHECKSUM} differs from the one recorded in {COMPLETE} (the "
+                        "manifest is damaged)"]
     return []
 
 
-def check_checksums(folder: Path, manifest: dict[str, Any], names: list[str], *, threads: int = 4) -> list[str]:
+def check_checksums(folder: Path | str, manifest: dict[str, Any], names: list[str], *, threads: int = 4) -> list[str]:
     """Hash ``names`` (a share of the manifest's files) and report each mismatch, naming the file."""
     problems = []
     try:
@@ -215,7 +205,8 @@ def check_checksums(folder: Path, manifest: dict[str, Any], names: list[str], *,
     for name in names:
         expected = manifest["files"][name][CHECKSUM]
         if actual[name][CHECKSUM] != expected:
-            problems.append(f"{folder / name}: {CHECKSUM} {actual[name][CHECKSUM][:16]}... differs from the "
+            path = store_for(folder).join(os.fspath(folder), name)
+            problems.append(f"{path}: {CHECKSUM} {actual[name][CHECKSUM][:16]}... differs from the "
                             f"manifest's {expected[:16]}... (the file is damaged)")
     return problems
 

@@ -21,9 +21,10 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from meshrun.ckpt.errors import CheckpointError
 from meshrun.ckpt.layout import STEP_RE, complete_steps, scan, step_dir_name
-from meshrun.ckpt.manifest import check_checksums, check_structure, read_manifest
+from meshrun.ckpt.manifest import check_checksums, check_structure, data_location, read_manifest
 from meshrun.ckpt.run_config import saved_config
-from meshrun.ckpt.safe_metadata import METADATA_FILE, SafeFileSystemReader, load_metadata
+from meshrun.ckpt.safe_metadata import METADATA_FILE, load_metadata
+from meshrun.ckpt.storage import Store, is_url, store_for
 from meshrun.units import format_bytes
 
 DEFAULT_FOLDER = Path("runs/default/checkpoints")
@@ -40,7 +41,7 @@ class Row:
     step: int
     status: str
     size: int
-    path: Path
+    path: str
     world_size: int | None = None
     layout: dict[str, Any] | None = None
     epoch: int | None = None
@@ -48,34 +49,43 @@ class Row:
     created: float | None = None
 
 
-def resolve_folder(arg: str | None) -> Path:
-    """The folder to list: the argument (a checkpoint folder, or a run folder holding checkpoints/)."""
-    folder = Path(arg) if arg else DEFAULT_FOLDER
-    return folder / "checkpoints" if (folder / "checkpoints").is_dir() else folder
+def resolve_folder(arg: str | None) -> str:
+    """The folder to list (a path or URL): the argument (a checkpoint folder, or a run folder holding
+    checkpoints/)."""
+    folder = arg.rstrip("/") if arg else str(DEFAULT_FOLDER)
+    store = store_for(folder)
+    inner = store.join(folder, "checkpoints")
+    return inner if store.is_dir(inner) else folder
 
 
-def resolve_checkpoint(path: Path) -> Path:
+def resolve_checkpoint(path: Path | str) -> Path | str:
     """A step directory from a step directory, a checkpoints folder or a run directory (its newest complete one, the
-    one a resume picks first)."""
-    if (path / "manifest.json").is_file() or STEP_RE.match(path.name):
-        return path
-    for folder in (path, path / "checkpoints"):
-        steps = complete_steps(scan(folder)) if folder.is_dir() else []
+    one a resume picks first); paths or ``s3://`` / ``gs://`` URLs."""
+    store, location = store_for(path), str(path).rstrip("/")
+    name = location.rsplit("/", 1)[-1]
+    if (store.exists(store.join(location, "COMPLETE")) or store.exists(store.join(location, "manifest.json"))
+            or STEP_RE.match(name)):
+        return location if is_url(location) else Path(location)
+    for folder in (location, store.join(location, "checkpoints")):
+        steps = complete_steps(scan(folder)) if store.is_dir(folder) else []
         if steps:
-            return folder / step_dir_name(max(steps))
+            found = store.join(folder, step_dir_name(max(steps)))
+            return found if is_url(found) else Path(found)
     raise CheckpointError(f"{path}: no complete checkpoint here (looked for manifest.json, step_* directories and "
                           "checkpoints/step_*); give a checkpoint directory, e.g. runs/default/checkpoints/step_0000300")
 
 
-def list_checkpoints(folder: Path) -> list[Row]:
+def list_checkpoints(folder: str | Path) -> list[Row]:
+    store = store_for(folder)
     rows = []
     for entry in scan(folder):
-        size = _dir_size(entry.path) if entry.kind != "symlink" else 0
+        size = _dir_size(store, entry.path) if entry.kind != "symlink" else 0
+        mtime = store.mtime(entry.path)
         row = Row(step=entry.step, status=_STATUS[entry.kind], size=size, path=entry.path,
-                  created=entry.path.lstat().st_mtime)
+                  created=None if mtime == float("inf") else mtime)
         if entry.kind == "complete":
             try:
-                manifest = read_manifest(entry.path)
+                manifest = read_manifest(data_location(entry.path))
             except CheckpointError as exc:
                 row = Row(step=entry.step, status=f"DAMAGED: {exc}", size=size, path=entry.path, created=row.created)
             else:
@@ -87,17 +97,13 @@ def list_checkpoints(folder: Path) -> list[Row]:
     return rows
 
 
-def _dir_size(path: Path) -> int:
-    total = 0
-    for child in path.iterdir():
-        try:
-            total += child.lstat().st_size
-        except OSError:  # deleted while we look
-            pass
-    return total
+def _dir_size(store: Store, path: str) -> int:
+    """Bytes of the files in ``path`` and, on an object store, in its attempt folders."""
+    return sum(item.size if item.kind == "file" else _dir_size(store, item.path) if store.kind == "object" else 0
+               for item in store.list(path))
 
 
-def render_table(rows: list[Row], folder: Path, *, now: float | None = None) -> Table:
+def render_table(rows: list[Row], folder: Path | str, *, now: float | None = None) -> Table:
     now = time.time() if now is None else now
     table = Table(title=f"checkpoints in {folder}", title_justify="left")
     for column, justify in (("step", "right"), ("status", "left"), ("size", "right"), ("ranks", "right"),
@@ -109,7 +115,7 @@ def render_table(rows: list[Row], folder: Path, *, now: float | None = None) -> 
         layout = " ".join(f"{k}={v}" for k, v in (row.layout or {}).items()) or "-"
         table.add_row(str(row.step), row.status, format_bytes(row.size), _or_dash(row.world_size), layout,
                       _or_dash(row.epoch), _or_dash(row.tokens_seen), human_age(now - row.created) if row.created
-                      else "-", row.path.name, style=style)
+                      else "-", store_for(row.path).name(row.path), style=style)
     return table
 
 
@@ -127,36 +133,40 @@ def human_age(seconds: float) -> str:
     return f"{seconds / 86400:.1f} d"
 
 
-def verify(path: Path, *, checksums: bool = True) -> tuple[dict[str, Any] | None, list[str]]:
+def verify(path: Path | str, *, checksums: bool = True) -> tuple[dict[str, Any] | None, list[str]]:
     """(manifest, problems): marker, manifest, names, sizes, unless disabled every file's SHA-256, and DCP's
     ``.metadata`` as a resume reads it (so verify refuses what a resume refuses, however well the hashes match)."""
-    if not path.is_dir():
+    store, path = store_for(path), os.fspath(path)
+    if not store.is_dir(path):
         return None, [f"{path}: no such checkpoint directory"]
     manifest, problems = check_structure(path)
     if manifest is not None and checksums:
-        present = [name for name in manifest["files"] if (path / name).is_file()]
-        problems += check_checksums(path, manifest, present, threads=os.cpu_count() or 4)
+        data = data_location(path)
+        files = {item.name for item in store.list(data) if item.kind == "file"}
+        present = [name for name in manifest["files"] if name in files]
+        problems += check_checksums(data, manifest, present, threads=os.cpu_count() or 4)
     if manifest is not None and not problems:
-        problems += metadata_problems(path)
+        problems += metadata_problems(data_location(path))
     return manifest, problems
 
 
-def metadata_problems(path: Path) -> list[str]:
-    """What a resume refuses in DCP's ``.metadata``: a global DCP never uses, or an entry stored as a pickled
-    object rather than a tensor."""
+def metadata_problems(data: str) -> list[str]:
+    """What a resume refuses in DCP's ``.metadata`` (in the folder ``data`` that holds a checkpoint's files): a
+    global DCP never uses, or an entry stored as a pickled object rather than a tensor."""
+    location = store_for(data).join(data, METADATA_FILE)
     try:
-        entries = load_metadata(path / METADATA_FILE).state_dict_metadata
+        entries = load_metadata(location).state_dict_metadata
     except CheckpointError as exc:
         return [str(exc)]
     odd = sorted(key for key, entry in entries.items() if not isinstance(entry, TensorStorageMetadata))
     if not odd:
         return []
     more = f" (and {len(odd) - 1} more)" if len(odd) > 1 else ""
-    return [f"{path / METADATA_FILE}: entry {odd[0]!r}{more} is stored as a pickled object; meshrun never writes those "
+    return [f"{location}: entry {odd[0]!r}{more} is stored as a pickled object; meshrun never writes those "
             "and a resume refuses them (the checkpoint is foreign or crafted)"]
 
 
-def export_model(path: Path, out: Path) -> dict[str, Any]:
+def export_model(path: Path | str, out: Path) -> dict[str, Any]:
     """Write the model weights of checkpoint ``path`` (no optimizer state) to ``out`` as safetensors, keyed by
     the model's own parameter names, in the dtype stored. The checkpoint is verified first."""
     from safetensors.torch import save_file
@@ -175,7 +185,7 @@ def export_model(path: Path, out: Path) -> dict[str, Any]:
             "dtypes": sorted({str(t.dtype).removeprefix("torch.") for t in weights.values()})}
 
 
-def load_model_weights(path: Path, *, purpose: str = "load") -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def load_model_weights(path: Path | str, *, purpose: str = "load") -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(manifest, weights): checkpoint ``path`` verified, then its whole (unsharded) model weights read on one
     process, keyed by the model's own parameter names, whatever layout saved them."""
     manifest, problems = verify(path)
@@ -185,7 +195,8 @@ def load_model_weights(path: Path, *, purpose: str = "load") -> tuple[dict[str, 
     if len(owners) != 1:
         raise CheckpointError(f"{path}: the manifest names {len(owners)} ModelOptimState entries; {purpose} needs one")
     prefix = f"{owners[0]}.model."
-    reader = SafeFileSystemReader(str(path))
+    data = data_location(path)
+    reader = store_for(data).dcp_reader(data)
     entries = {key: entry for key, entry in reader.read_metadata().state_dict_metadata.items()
                if key.startswith(prefix)}
     odd = sorted(key for key, entry in entries.items() if not isinstance(entry, TensorStorageMetadata))

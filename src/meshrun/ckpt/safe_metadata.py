@@ -68,10 +68,13 @@ def _is_torch_constant(module: str, name: str) -> bool:
                                             (torch.dtype, torch.layout, torch.memory_format))
 
 
-def load_metadata(path: Path) -> Any:
-    """DCP's Metadata from the pickle at ``path``; CheckpointError naming the file when it is refused or damaged."""
+def load_metadata(path: Path | str) -> Any:
+    """DCP's Metadata from the pickle at ``path`` (a path or URL); CheckpointError naming the file when it is
+    refused or damaged."""
+    from meshrun.ckpt.storage import store_for
+
     try:
-        with open(path, "rb") as handle:
+        with store_for(path).open_read(os.fspath(path)) as handle:
             metadata = _MetadataUnpickler(handle, path).load()
     except CheckpointError:
         raise
@@ -85,20 +88,29 @@ def load_metadata(path: Path) -> Any:
     return metadata
 
 
-class SafeFileSystemReader(dcp.FileSystemReader):
-    """DCP's FileSystemReader, with ``read_metadata`` going through :func:`load_metadata`.
+class SafeMetadataMixin:
+    """``read_metadata`` of a DCP file-system reader (local or fsspec) going through :func:`load_metadata`.
 
     DCP calls ``read_metadata`` itself inside ``dcp.load``, so overriding it covers every read. The rest mirrors
     torch's own method (2.8 to 2.13): the optional ``rank`` names a per-rank ``__<rank>.metadata``, and the load id
     is stamped on ``storage_meta``.
     """
 
+    path: Any
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        from meshrun.ckpt.storage import store_for
+
         rank = kwargs.get("rank")
         name = METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
-        metadata = load_metadata(Path(os.fspath(self.path)) / name)
+        location = os.fspath(self.path)
+        metadata = load_metadata(store_for(location).join(location, name))
         if getattr(metadata, "storage_meta", None) is None and hasattr(dcp_metadata, "StorageMeta"):
             metadata.storage_meta = dcp_metadata.StorageMeta()
         if getattr(metadata, "storage_meta", None) is not None and hasattr(self, "load_id"):
-            metadata.storage_meta.load_id = self.load_id
+            metadata.storage_meta.load_id = self.load_id  # type: ignore[attr-defined] - set by DCP's reader
         return metadata
+
+
+class SafeFileSystemReader(SafeMetadataMixin, dcp.FileSystemReader):
+    """DCP's FileSystemReader (a local folder), with ``.metadata`` read by the restricted unpickler."""

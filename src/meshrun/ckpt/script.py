@@ -20,6 +20,7 @@ from torch import nn
 
 from meshrun.ckpt.checkpointer import Checkpointer
 from meshrun.ckpt.layout import step_dir_name
+from meshrun.ckpt.storage import is_url, store_for
 from meshrun.ckpt.state import MetricsState, ModelOptimState, RNGState, SchedulerState, TrainProgress
 from meshrun.comm.axes import MESH_DIMS
 from meshrun.config import CheckpointConfig
@@ -58,13 +59,15 @@ class SessionCheckpoints:
 
     def save(self, step: int, *, parts: Sequence[nn.Module], fingerprint: str, optimizer: Any,
              batches: StepBatches | None, scheduler: Any, extra: dict[str, float] | None, layout: Any,
-             final: bool) -> Path:
+             final: bool) -> Path | str:
         """``parts``: this rank's model parts (one module, or its pipeline stages); ``fingerprint``: the whole
         model's (:func:`model_fingerprint`)."""
         ckpt = self._checkpointer(fingerprint, layout, batches)
         state = self._state(parts, optimizer, batches, scheduler, extra, step=step)
         meta = {"epoch": batches.position.epoch, "samples_in_epoch": batches.position.consumed} if batches else {}
         ckpt.save(step, state, final=final, meta=meta)
+        if is_url(self.cfg.dir):
+            return store_for(self.cfg.dir).join(self.cfg.dir, step_dir_name(step))
         return Path(self.cfg.dir) / step_dir_name(step)
 
     def resume(self, *, parts: Sequence[nn.Module], fingerprint: str, optimizer: Any, batches: StepBatches | None,

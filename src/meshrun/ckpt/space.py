@@ -3,13 +3,14 @@ into one line that says so.
 
 A full disk shows up in DCP as a ``CheckpointException`` (a ``BaseException``, so ``except Exception`` misses it)
 wrapping either ``OSError(ENOSPC)`` or, from the zip writer inside ``torch.save``, a bare RuntimeError such as
-``[enforce fail at inline_container.cc:672] unexpected pos 704 vs 598``. Pure logic plus ``shutil.disk_usage``.
+``[enforce fail at inline_container.cc:672] unexpected pos 704 vs 598``. On an object store there is no free space
+to check; a failure there is described by the store (unreachable endpoint, missing credentials).
 """
 
 from __future__ import annotations
 
 import errno
-import shutil
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 from torch.distributed.checkpoint import CheckpointException
 
 from meshrun.ckpt.state import walk
+from meshrun.ckpt.storage import store_for
 
 
 def payload_bytes(tree: dict[str, Any]) -> int:
@@ -25,29 +27,31 @@ def payload_bytes(tree: dict[str, Any]) -> int:
     return sum(leaf.numel() * leaf.element_size() for _, leaf in walk(tree) if isinstance(leaf, torch.Tensor))
 
 
-def free_bytes(folder: Path) -> int | None:
-    """Free bytes on the file system of ``folder`` (for an unprivileged user), or None where it cannot be known."""
-    try:
-        return shutil.disk_usage(folder).free
-    except (OSError, ValueError):
-        return None
+def free_bytes(folder: Path | str) -> int | None:
+    """Free bytes on the file system of ``folder`` (for an unprivileged user), or None where it cannot be known or
+    has no meaning (object stores)."""
+    return store_for(folder).free_bytes(os.fspath(folder))
 
 
-def no_space_message(folder: Path, needed: int, free: int | None) -> str:
+def no_space_message(folder: Path | str, needed: int, free: int | None) -> str:
     free_text = "an unknown amount" if free is None else f"{free:,} bytes"
     return (f"no space left on {folder}: {needed:,} bytes needed, {free_text} free; free some space there, lower "
             "checkpoint.keep_last, or set checkpoint.dir to a larger file system")
 
 
-def check_room(folder: Path, needed: int) -> str | None:
+def check_room(folder: Path | str, needed: int) -> str | None:
     """The no-space message when ``folder`` has less than ``needed`` bytes free, else None (also when unknown)."""
     free = free_bytes(folder)
     return no_space_message(folder, needed, free) if free is not None and free < needed else None
 
 
-def describe_failure(exc: BaseException, folder: Path, needed: int) -> str:
+def describe_failure(exc: BaseException, folder: Path | str, needed: int) -> str:
     """One line for a failed write: the no-space message when the disk is full (ENOSPC anywhere in the failure,
-    or less free space than the save needs, as after a zip writer's 'unexpected pos'), else each rank's error."""
+    or less free space than the save needs, as after a zip writer's 'unexpected pos'), the store's line for an
+    unreachable object store or missing credentials, else each rank's error."""
+    store_line = store_for(folder).describe_error(exc, os.fspath(folder))
+    if store_line:
+        return store_line
     causes = _causes(exc)
     full = any(isinstance(c, OSError) and c.errno == errno.ENOSPC for c in causes)
     free = free_bytes(folder)

@@ -217,6 +217,9 @@ def job_targets(args: argparse.Namespace) -> tuple[str | None, str | None, int]:
         job = load_config(args.config)
         data = data or (job.data.source if job.data.source != "stdlib" else None)
         folder = folder or job.checkpoint.dir or str(Path(job.run.dir) / "checkpoints")
+        from meshrun.ckpt.storage import register_options
+
+        register_options(folder, job.checkpoint.storage_options)
         needed = needed or model_spec(job).count_params(model_config(job)) * storage.BYTES_PER_PARAM
     return data, folder, needed
 

@@ -6,7 +6,10 @@
 * Checkpoint folder: each node creates it, writes a small probe file named after the node, and reads back the
   other nodes' probe files. Every rank writes its shards into one folder and every rank reads them all back on
   resume, so with several nodes the folder must be the same shared storage; nodes that see a different folder are
-  named, grouped by what they see. Free space is compared with the estimated size of the next checkpoint.
+  named, grouped by what they see. Free space is compared with the estimated size of the next checkpoint. The
+  folder may be an ``s3://`` or ``gs://`` URL: then each node checks that the store answers (within seconds, naming
+  what to set when it does not), writes, reads back and deletes its probe object, and reads the other nodes'
+  (the same bucket contents seen by all nodes); free space has no meaning there.
 
 The collectives (``all_gather_object`` on the default group) are in :func:`check_dataset` and
 :func:`check_checkpoint_folder`; every rank must call them. The judging is pure logic.
@@ -15,7 +18,6 @@ The collectives (``all_gather_object`` on the default group) are in :func:`check
 from __future__ import annotations
 
 import hashlib
-import os
 import uuid
 from collections import Counter
 from dataclasses import dataclass
@@ -23,7 +25,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from meshrun.ckpt.space import free_bytes
+from meshrun.ckpt.errors import CheckpointError
+from meshrun.ckpt.storage import is_url, store_for
 from meshrun.diag.gather import gather_node_facts
 from meshrun.diag.rows import FAIL, PASS, CheckRow, node_label
 from meshrun.env import ClusterEnv
@@ -115,23 +118,31 @@ class FolderFacts:
     """Nodes whose probe file this node reads back (itself included when it could write)."""
 
 
-def write_probe(folder: Path, token: str, node: int) -> str | None:
-    """Create ``folder`` and a probe file in it; the error in words, or None."""
+def write_probe(folder: Path | str, token: str, node: int) -> str | None:
+    """Create ``folder`` (a path or URL) and a probe file in it; the error in words, or None."""
+    location = str(folder)
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / _PROBE.format(token=token, node=node)).write_text(f"{token} {node}\n")
+        store = store_for(location)
+        store.probe(location)  # an object store that does not answer: within seconds, with what to set
+        store.makedirs(location)
+        store.write(store.join(location, _PROBE.format(token=token, node=node)), f"{token} {node}\n".encode())
         return None
+    except CheckpointError as exc:
+        return str(exc).removeprefix(f"{location}: ")
     except OSError as exc:
-        return f"cannot write there ({exc.strerror or exc})"
+        line = store_for(location).describe_error(exc, location) if is_url(location) else None
+        return line.removeprefix(f"{location}: ") if line else f"cannot write there ({exc.strerror or exc})"
 
 
-def seen_probes(folder: Path, token: str, nodes: int) -> tuple[int, ...]:
+def seen_probes(folder: Path | str, token: str, nodes: int) -> tuple[int, ...]:
+    store, location = store_for(folder), str(folder)
     found = []
     for node in range(nodes):
         try:
-            if (folder / _PROBE.format(token=token, node=node)).read_text().split() == [token, str(node)]:
+            data = store.read(store.join(location, _PROBE.format(token=token, node=node)))
+            if data.decode(errors="replace").split() == [token, str(node)]:
                 found.append(node)
-        except OSError:
+        except (OSError, CheckpointError):
             pass
     return tuple(found)
 
@@ -140,16 +151,17 @@ def check_checkpoint_folder(env: ClusterEnv, folder: str, *, host: str, needed: 
     """Collective (every rank): write, read back across nodes, clean up; rows on every rank."""
     token_box = [uuid.uuid4().hex[:12]]
     dist.broadcast_object_list(token_box, src=0)  # note: collective; one token for this run
-    token, path, leader = token_box[0], Path(folder), env.local_rank == 0
+    token, path, leader = token_box[0], folder, env.local_rank == 0
+    store = store_for(folder)
     error = write_probe(path, token, env.node_rank) if leader else None
     dist.barrier()  # note: collective; every node has written before anyone reads
     mine = FolderFacts(node=env.node_rank, host=host, writable=error is None, error=error,
-                       free=free_bytes(path) if error is None else None,
+                       free=store.free_bytes(path) if error is None else None,
                        seen=seen_probes(path, token, env.num_nodes)) if leader else None
     facts = gather_node_facts(mine)  # also: every node has read before anyone removes its file
     if leader and error is None:
         try:
-            os.remove(path / _PROBE.format(token=token, node=env.node_rank))
+            store.delete(store.join(path, _PROBE.format(token=token, node=env.node_rank)))
         except OSError:
             pass
     return judge_folder(folder, facts, needed=needed)
@@ -178,7 +190,8 @@ def _room_row(folder: str, facts: list[FolderFacts], needed: int) -> CheckRow:
                         fix="free space there, lower checkpoint.keep_last, or set checkpoint.dir to a larger "
                             "file system", next_command=f"df -h {folder}", hosts=tuple(f.host for f in short))
     known = [f.free for f in facts if f.free is not None]
-    room = f"at least {format_bytes(min(known))} free" if known else "free space unknown"
+    room = (f"at least {format_bytes(min(known))} free" if known else "an object store (no free-space limit)"
+            if is_url(folder) else "free space unknown")
     return CheckRow("checkpoint folder", PASS, f"{folder}: writable, {room} for about {format_bytes(needed)} per "
                                                "checkpoint")
 

@@ -30,7 +30,7 @@ def build_checkpointer(trainer: Trainer) -> tuple[Checkpointer, dict[str, Any]]:
     gloo groups)."""
     job, env, dims, batch = trainer.job, trainer.env, trainer.dims, trainer.batch
     cfg = job.checkpoint
-    folder = Path(cfg.dir) if cfg.dir else trainer.run_dir / "checkpoints"
+    folder = cfg.dir if cfg.dir else trainer.run_dir / "checkpoints"  # a path, or an s3:// / gs:// URL
     preemption = (install_sigterm_handler(grace_s=cfg.signal_grace_s, interrupt=True,
                                           announce=announce if env.is_rank_zero else None)
                   if cfg.final else None)
