@@ -83,8 +83,8 @@ if WHERE == "allreduce":
 elif WHERE == "save":
     write = checkpointer_module.write_durable
 
-    def write_or_die(path, data):
-        if path.name == "manifest.json" and f"step_{KILL_STEP:07d}" in str(path):
+    def write_or_die(path, data):  # path: a local path or a URL (the storage seam's location)
+        if str(path).endswith("manifest.json") and f"step_{KILL_STEP:07d}" in str(path):
             die()
         write(path, data)
 

@@ -346,7 +346,8 @@ def test_trainer_saves_and_resumes_through_a_bucket(server, tmp_path):
 
     assert sample.main([server.folder("trainer"), "--config", str(tmp_path / "a" / "config.toml"), "--tokens", "3",
                         "--temperature", "0"]) == 0
-    assert sample.main([server.folder("trainer"), "--tokens", "3"]) == 2  # no run directory above a bucket
+    # no run directory above a bucket: the config the checkpoint carries is enough
+    assert sample.main([server.folder("trainer"), "--tokens", "3"]) == 0
 
 
 @pytest.mark.parametrize("server", KINDS, indirect=True)
