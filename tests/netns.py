@@ -25,8 +25,13 @@ class Host:
 
     def launch(self, args: list[str], *, stdout=subprocess.PIPE, stderr=subprocess.PIPE) -> subprocess.Popen:
         """`meshrun launch ARGS` inside this host's namespace."""
-        return subprocess.Popen(["ip", "netns", "exec", self.netns, sys.executable, "-m", "meshrun", "launch", *args],
-                                stdout=stdout, stderr=stderr, text=True)
+        return self.popen([sys.executable, "-m", "meshrun", "launch", *args], stdout=stdout, stderr=stderr)
+
+    def popen(self, command: list[str], *, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+              env: dict[str, str] | None = None) -> subprocess.Popen:
+        """``command`` inside this host's namespace (`ip netns exec` execs it: the pid is the command's)."""
+        return subprocess.Popen(["ip", "netns", "exec", self.netns, *command], stdout=stdout, stderr=stderr,
+                                text=True, env=env)
 
     def pids(self) -> list[int]:
         """Every process in this namespace (only what the test started: the namespace is the test's own)."""

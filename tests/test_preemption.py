@@ -206,3 +206,33 @@ def test_ctrl_c_saves_and_exits_130_and_a_second_ctrl_c_stops_at_once(tmp_path, 
     out = finish(resumed, second_log, timeout=15)
     assert resumed.returncode in (130, -signal.SIGINT), out[-6000:]  # -2: the system ended it (the shell says 130)
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-6000:]
+
+
+@pytest.mark.slow
+def test_ctrl_c_under_simulated_nodes_saves_exits_130_and_a_second_ctrl_c_stops_at_once(tmp_path):
+    """`meshrun launch --simulate-nodes 2`: a terminal's Ctrl-C reaches the parent only (each agent runs in a session
+    of its own); it forwards it once to every agent, which forwards it to its workers: a checkpoint, exit 130, no
+    traceback, the same as under a plain launch. Started again, it resumes; two Ctrl-C in a row stop it at once."""
+    command = ["launch", "--simulate-nodes", "2", "--nproc-per-node", "1", "train"]
+    run_dir, log = tmp_path / "run", tmp_path / "run.log"
+    proc = start(command, run_dir, log)
+    wait_for_checkpoint(proc, run_dir, log)
+    os.kill(proc.pid, signal.SIGINT)
+    out = finish(proc, log, timeout=60)
+    newest = assert_stopped_with_a_checkpoint(proc, out, run_dir, "SIGINT", label="Ctrl-C (SIGINT)", code=130)
+    assert "run the same command to resume" in out and "Traceback" not in out, out[-6000:]
+    assert "meshrun launch: Ctrl-C (SIGINT): forwarded to every agent" in out and "exit code 130." in out, out[-6000:]
+
+    second_log = tmp_path / "second.log"
+    resumed = start(command, run_dir, second_log)
+    deadline = time.monotonic() + 60
+    while f"resumed at step {newest} " not in second_log.read_text():
+        assert resumed.poll() is None and time.monotonic() < deadline, second_log.read_text()[-6000:]
+        time.sleep(0.02)
+    os.kill(resumed.pid, signal.SIGINT)
+    time.sleep(0.05)
+    os.kill(resumed.pid, signal.SIGINT)
+    started = time.monotonic()
+    out = finish(resumed, second_log, timeout=30)
+    assert resumed.returncode == 130 and time.monotonic() - started < 15, out[-6000:]
+    assert "stopped at once by a second Ctrl-C" in out and "Traceback" not in out, out[-6000:]

@@ -36,21 +36,27 @@ TRAIN_ARGS = ["--model.name=tiny", "--train.micro_batch=2", f"--data.source={arg
 class Job:
     """A lighthouse and the replica groups of one run folder; everything still running at the end is SIGKILLed."""
 
-    def __init__(self, tmp_path: Path, *, min_groups: int = 1):
-        self.tmp, self.procs, self.logs = tmp_path, [], []
-        self.lighthouse = self._spawn(["lighthouse", "--port", "0", "--heartbeat-timeout-s", str(HEARTBEAT_S),
-                                       "--join-timeout-s", "1", "--min-groups", str(min_groups)], "lighthouse.log")
+    def __init__(self, tmp_path: Path, *, min_groups: int = 1, hosts: list | None = None):
+        """``hosts``: network-namespace hosts (tests/netns.py), group g on hosts[g] and the lighthouse on hosts[0],
+        listening on its address; else everything on this host's loopback."""
+        self.tmp, self.procs, self.logs, self.hosts = tmp_path, [], [], hosts
+        where = ["--host", hosts[0].addr] if hosts else []
+        self.lighthouse = self._spawn(["lighthouse", *where, "--port", "0", "--heartbeat-timeout-s", str(HEARTBEAT_S),
+                                       "--join-timeout-s", "1", "--min-groups", str(min_groups)], "lighthouse.log",
+                                      host=hosts[0] if hosts else None)
         deadline = time.monotonic() + 30
         while not (found := re.search(r"listening on (\S+)", self.logs[0].read_text())):
             assert self.lighthouse.poll() is None and time.monotonic() < deadline, self.logs[0].read_text()
             time.sleep(0.05)
         self.address = found.group(1)
 
-    def _spawn(self, args: list[str], log_name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    def _spawn(self, args: list[str], log_name: str, env: dict[str, str] | None = None, host=None) -> subprocess.Popen:
         log = self.tmp / log_name
         command = [sys.executable, *args] if args[0] == WORKER else [sys.executable, "-m", "meshrun", *args]
+        env = {**os.environ, **(env or {})}
         with log.open("w") as out:
-            proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+            proc = (host.popen(command, stdout=out, stderr=subprocess.STDOUT, env=env) if host else
+                    subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env))
         self.procs.append(proc)
         self.logs.append(log)
         return proc
@@ -64,7 +70,8 @@ class Job:
         launch = ["launch", "--nproc-per-node", str(nproc)] if nproc else []
         return self._spawn([*launch, WORKER, *TRAIN_ARGS, f"--train.steps={steps}",
                             f"--replicas.group={group}", f"--replicas.lighthouse={self.address}",
-                            f"--run.dir={self.tmp / 'run'}", *extra], log_name or f"group_{group}.log", env)
+                            f"--run.dir={self.tmp / 'run'}", *extra], log_name or f"group_{group}.log", env,
+                           host=self.hosts[group] if self.hosts else None)
 
     def close(self) -> None:
         for proc in self.procs:
@@ -117,13 +124,13 @@ def finish(proc: subprocess.Popen, job: Job, timeout: float = 180) -> None:
 
 
 def kill_restart_heal(job_factory, tmp_path: Path, *, nproc: int, extra: tuple[str, ...] = (),
-                      die_healing: bool = False, gpu: bool = False) -> None:
+                      die_healing: bool = False, gpu: bool = False, hosts: list | None = None) -> None:
     """Both groups train; group 1 is SIGKILLed mid-all-reduce at step KILL; group 0 goes on alone; group 1 starts
     again (with ``die_healing``: first once more, SIGKILLed while it loads the survivor's state), heals, and both
     end at STEPS with equal weights and data positions at every step both ran."""
     # a group alone sleeps 1 s a step: the survivor still trains when the restarted group joins
     steps, kill, kills = (60 if die_healing else 40), 8, (2 if die_healing else 1)
-    job = job_factory()
+    job = job_factory(hosts=hosts)
     run = tmp_path / "run"
     survivor = job.group(0, nproc=nproc, steps=steps, extra=extra, gpu=gpu)
     victim = job.group(1, nproc=nproc, steps=steps, extra=extra, kill=f"allreduce:{kill}", gpu=gpu)

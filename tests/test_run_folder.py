@@ -83,6 +83,23 @@ def test_refused_and_noop_invocations_leave_the_run_folder_as_it_was(trained, tm
     assert snapshot(run_dir) == before, "config.toml, metrics.jsonl, logs and summary.json must be untouched"
 
 
+def test_refused_and_noop_invocations_in_a_new_run_dir_leave_no_folder_behind(trained, tmp_path, capsys):
+    """run.dir did not exist: a resume refused (a changed model) or nothing to train (both from the trained run's
+    checkpoint.dir) removes the folders this invocation created, and nothing else."""
+    run_dir = tmp_path / "new" / "runs" / "a"
+    elsewhere = ["--checkpoint.dir", str(trained / "checkpoints")]
+    assert train(run_dir, 8, *elsewhere, "--model.dim=128") == 1
+    assert "resume refused" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists() and tmp_path.is_dir()
+    assert train(run_dir, 4, *elsewhere) == 0
+    assert "nothing to train" in capsys.readouterr().out
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "new").mkdir()
+    (tmp_path / "new" / "notes.txt").write_text("mine")
+    assert train(run_dir, 8, *elsewhere, "--model.dim=128") == 1
+    assert sorted(p.name for p in (tmp_path / "new").iterdir()) == ["notes.txt"]  # only what it created is gone
+
+
 def test_sample_and_export_read_the_config_the_checkpoint_carries(trained, tmp_path, capsys):
     from meshrun.sample import main as sample_main
     from safetensors import safe_open

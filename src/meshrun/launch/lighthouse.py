@@ -68,8 +68,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     port = server.address().rpartition(":")[2]  # the server names this host; the bound address is what we gave
     address = f"[{args.host}]:{port}" if ":" in args.host else f"{args.host}:{port}"
+    give = address
+    if args.host in ("0.0.0.0", "::"):  # every interface: the groups need one of this host's addresses
+        give = f"ADDRESS:{port}, ADDRESS an address of this host that every group reaches"
     print(f"meshrun lighthouse: listening on {address} (min groups {args.min_groups}, heartbeat timeout "
-          f"{args.heartbeat_timeout_s:g} s); give each group --replicas.lighthouse={address}", flush=True)
+          f"{args.heartbeat_timeout_s:g} s); give each group --replicas.lighthouse={give}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -26,6 +26,9 @@ from meshrun.launch.rendezvous import parse_rdzv_conf
 GRACE_S = 5.0
 """After one agent fails, how long the others get to finish on their own before being stopped. Survivors whose
 workers succeeded would otherwise sit in torch's exit barrier (300 s) waiting for the failed node."""
+SIGNAL_WAIT_S = 60.0
+"""After a forwarded Ctrl-C or SIGTERM, how long the agents get to stop on their own: each waits up to torch's
+shutdown timeout (30 s) for its workers' final checkpoint."""
 STOP_WAIT_S = 5.0
 """SIGTERM to SIGKILL. An agent blocked inside a store call (exit barrier, rendezvous) only sees signals when the
 call returns, and such an agent has no live workers to leave behind."""
@@ -99,23 +102,50 @@ def _visible_gpus() -> list[str]:
 def _run_agents(commands: list[list[str]], envs: list[dict[str, str] | None]) -> int:
     agents: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # so that `finally` stops the agents
+    stop = _Forward(agents)
+    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         for i, (command, env) in enumerate(zip(commands, envs)):
+            # a session of its own: a terminal's Ctrl-C reaches this process only, which forwards it once
             agent = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
-                                     env=env)
+                                     env=env, start_new_session=True)
             agents.append(agent)
+            if stop.signum is not None:  # a signal came while the agents were starting
+                agent.send_signal(stop.signum)
             pumps += [_pump(agent.stdout, sys.stdout, f"[agent {i}] "), _pump(agent.stderr, sys.stderr, f"[agent {i}] ")]
-        code = _wait(agents)
-    except KeyboardInterrupt:
-        code = 130
+        code = _wait(agents, stop)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
         _stop(agents)
         for pump in pumps:
             pump.join(timeout=5)
+    if stop.signum is not None:
+        name = "Ctrl-C (SIGINT)" if stop.signum == signal.SIGINT else signal.Signals(stop.signum).name
+        done = ("stopped at once by a second Ctrl-C (no checkpoint of the current step)" if stop.count > 1 and
+                stop.signum == signal.SIGINT else "forwarded to every agent, whose workers saved a checkpoint")
+        print(f"meshrun launch: {name}: {done}; exit code {128 + stop.signum}.", file=sys.stderr, flush=True)
+        return 128 + stop.signum
     return code
 
+
+class _Forward:
+    """The signal handler while agents run: each SIGINT/SIGTERM goes to every agent, as a terminal or a scheduler
+    would send it to each node's launcher. An agent forwards the first to its workers (they save a checkpoint and
+    stop); a second Ctrl-C makes it kill them at once. The wait for the agents then ends after SIGNAL_WAIT_S
+    (STOP_WAIT_S after a second Ctrl-C)."""
+
+    def __init__(self, agents: list[subprocess.Popen]):
+        self.agents, self.signum, self.count, self.deadline = agents, None, 0, None
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.signum = self.signum or signum
+        self.count += 1
+        repeat = self.count > 1 and signum == signal.SIGINT
+        self.deadline = time.monotonic() + (STOP_WAIT_S if repeat else SIGNAL_WAIT_S)
+        for agent in self.agents:
+            if agent.poll() is None:
+                agent.send_signal(signum)
 
 def agent_command(largs: LaunchArgs, *, index: int, nodes: int, port: int, run_id: str) -> list[str]:
     """The ``meshrun launch`` line of simulated node ``index``: the user's options plus a fixed rendezvous."""
@@ -140,10 +170,6 @@ def _check_options(largs: LaunchArgs, nodes: int) -> None:
                                f"{largs.ns.rdzv_backend}.")
 
 
-def _raise_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -162,11 +188,15 @@ def _pump(source: IO[str] | None, sink: IO[str], prefix: str) -> threading.Threa
     return thread
 
 
-def _wait(agents: list[subprocess.Popen]) -> int:
-    """Wait for every agent; once one fails, give the rest GRACE_S, then stop them. Returns the first failure."""
+def _wait(agents: list[subprocess.Popen], stop: _Forward) -> int:
+    """Wait for every agent; once one fails, give the rest GRACE_S, then stop them; after a forwarded signal, wait
+    until ``stop.deadline``. Returns the first failure."""
     first_failure, deadline = 0, None
     while None in [agent.poll() for agent in agents]:  # a list, so that every agent is polled
-        if first_failure == 0:
+        if stop.deadline is not None:
+            if time.monotonic() > stop.deadline:
+                break
+        elif first_failure == 0:
             failed = [(i, agent.returncode) for i, agent in enumerate(agents) if agent.returncode not in (None, 0)]
             if failed:
                 (index, first_failure), deadline = failed[0], time.monotonic() + GRACE_S

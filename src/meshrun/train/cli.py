@@ -156,10 +156,14 @@ def _clean_error(exc: BaseException) -> tuple[str, int, bool] | None:
 
 
 def run(job) -> int:
+    from pathlib import Path
+
     from meshrun.comm.process_group import shutdown
+    from meshrun.train.run_folder import first_missing, remove_empty_folders
     from meshrun.train.trainer import Trainer
 
     trainer, ending = None, ("failed", "interrupted")
+    created = first_missing(Path(job.run.dir))  # removed again (if still empty) when the run does not proceed
     try:
         trainer = Trainer(job)
         result = trainer.fit()
@@ -194,6 +198,8 @@ def run(job) -> int:
             trainer.close()
             if trainer.folder.opened:  # a run that never proceeded leaves its folder as it was
                 _write_summary(trainer, *ending)
+        if trainer is None or not trainer.folder.opened:  # ... and leaves no empty folder it created
+            remove_empty_folders(created)
         shutdown()
 
 

@@ -40,7 +40,9 @@ from torch.distributed.tensor import DTensor
 
 from meshrun.config import ConfigError, JobConfig, ReplicaConfig
 from meshrun.ckpt.state import reseed_rng
+from meshrun.comm.store import bound_tcp_store
 from meshrun.env import ClusterEnv
+from meshrun.launch.net import EndpointError, Route, is_loopback, route_to
 
 log = logging.getLogger("meshrun")
 
@@ -119,6 +121,10 @@ class ReplicaGroups(Stateful):
         self.record: Callable[[dict[str, Any]], None] = lambda _record: None
         if env.rank == 0:
             probe_lighthouse(cfg.lighthouse, cfg.connect_timeout_s)
+        route = lighthouse_route(cfg.lighthouse)
+        self.host = route.source if route else "127.0.0.1"
+        if route and route.iface and device.type != "cuda":  # gloo's default device is the host name's address
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", route.iface)
         timeout = timedelta(seconds=cfg.timeout_s)
         self._own_store = None
         store = self._store_address()
@@ -129,16 +135,26 @@ class ReplicaGroups(Stateful):
             connect_timeout=timedelta(seconds=cfg.connect_timeout_s), rank=env.rank, world_size=env.world_size,
             store_addr=store[0], store_port=store[1],
             lighthouse_addr=f"http://{cfg.lighthouse.removeprefix('http://')}",
-            replica_id=f"group_{cfg.group}", hostname=_advertised_host(cfg.lighthouse), init_sync=True)
+            replica_id=f"group_{cfg.group}", hostname=self.host, init_sync=True,
+            checkpoint_transport=_served_at(self.host, timeout))
         self.manager.register_state_dict_fn("meshrun", self._load_peer_state, self._peer_state)
         self._position_before = None
 
     def _store_address(self) -> tuple[str, int]:
-        """The group's TCPStore (the launcher's); one process without a launcher starts its own on loopback."""
-        if self.env.is_distributed:
-            return self.env.master_addr, self.env.master_port
-        self._own_store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        return "127.0.0.1", self._own_store.port
+        """The store the group's ranks meet in, where the other groups reach it too: the cross-group process group of
+        a quorum meets in its first group's store. The launcher's, unless it listens on loopback only (`meshrun
+        launch` on one host) while the lighthouse is on another host; then, as for one process without a launcher,
+        rank 0 serves one on this host's address."""
+        addr = self.env.master_addr
+        if self.env.is_distributed and (is_loopback(self.host) or not is_loopback(addr)):
+            return addr, self.env.master_port
+        where: list[Any] = [None]
+        if self.env.rank == 0:
+            self._own_store = bound_tcp_store(self.host, 0, timeout=timedelta(seconds=self.cfg.timeout_s))
+            where = [(self.host, self._own_store.port)]
+        if self.env.world_size > 1:
+            torch.distributed.broadcast_object_list(where, src=0)  # collective: every rank of the group
+        return where[0]
 
     @property
     def step(self) -> int:
@@ -280,7 +296,27 @@ def _as_dtensors(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> dic
     return {**state, "state": rebuilt}
 
 
-def _advertised_host(lighthouse: str) -> str:
-    """The address peers reach this group at: loopback for a lighthouse on loopback (one host), else the host name."""
+def lighthouse_route(lighthouse: str) -> Route | None:
+    """How this host reaches the lighthouse; None for one on loopback (every group on this host). Its source
+    address is what the other groups reach this group at (torchft would advertise the host name, which resolves to
+    loopback on many hosts)."""
     host = lighthouse.removeprefix("http://").rpartition(":")[0].strip("[]")
-    return "127.0.0.1" if host in ("127.0.0.1", "localhost", "::1") else socket.gethostname()
+    if is_loopback(host):
+        return None
+    try:
+        return route_to(host)
+    except EndpointError as exc:
+        raise ConfigError(f"replicas.lighthouse={lighthouse}: {exc}") from None
+
+
+def _served_at(host: str, timeout: timedelta) -> Any:
+    """torchft's HTTP transport (a healing group fetches the live state from it), named by ``host``: it listens on
+    every interface but names itself by the host name."""
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class Transport(HTTPTransport):
+        def address(self) -> str:
+            port = self._server.socket.getsockname()[1]
+            return f"http://{f'[{host}]' if ':' in host else host}:{port}/checkpoint/"
+
+    return Transport(timeout=timeout, num_chunks=0)

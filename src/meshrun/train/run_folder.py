@@ -3,6 +3,7 @@
 Nothing is written into the record until the run is known to proceed: an invocation refused at start (a bad option,
 a resume refused for a changed model) or one with nothing to train leaves an earlier run's folder as it was. Until
 then the rank logs are kept in memory; :meth:`RunFolder.open` writes them, with config.toml, once training starts.
+Where run.dir did not exist, such an invocation removes the empty folders it created (:func:`remove_empty_folders`).
 
 meshrun resumes by default (the same command continues after a preemption, a Slurm requeue or an elastic restart);
 ``run.fresh`` (``meshrun train --fresh``) starts a new run instead, moving an earlier run in ``run.dir`` aside to
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import logging.handlers
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -95,6 +97,27 @@ class RunFolder:
         if self.env.is_rank_zero:
             (self.path / "config.toml").write_text(config_toml)
         self.opened = True
+
+
+def first_missing(path: Path) -> Path | None:
+    """The outermost folder of ``path`` that does not exist yet (where creating ``path`` starts); None when it
+    exists."""
+    path, missing = path.absolute(), None
+    while not path.exists() and path.parent != path:
+        missing, path = path, path.parent
+    return missing
+
+
+def remove_empty_folders(top: Path | None) -> None:
+    """Remove ``top`` and every folder under it that is empty, deepest first: what an invocation that never
+    proceeded created (``top`` from :func:`first_missing` before it started). A file keeps its folders."""
+    if top is None or not top.is_dir():
+        return
+    for folder, _, _ in os.walk(top, topdown=False):
+        try:
+            os.rmdir(folder)
+        except OSError:
+            pass  # not empty: another process (or this run) wrote there
 
 
 def _setup_logging(env: ClusterEnv) -> logging.handlers.MemoryHandler:
