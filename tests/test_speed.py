@@ -88,6 +88,8 @@ def test_cuda_graphs_auto_is_on_exactly_where_true_is_accepted():
     for device, compiled, local in ((CPU, True, True), (gpu, False, True), (gpu, True, False)):
         assert not use_cuda_graphs("auto", device, compiled=compiled, local=local, layout="FSDP")  # no refusal
     assert not use_cuda_graphs("false", gpu, compiled=True, local=True, layout="DDP")
+    assert not use_cuda_graphs("auto", gpu, compiled=True, local=True, layout="DDP", measured=False)  # float8...
+    assert use_cuda_graphs("true", gpu, compiled=True, local=True, layout="DDP", measured=False)  # asked for
     with pytest.raises(ConfigError, match="not for FSDP"):
         use_cuda_graphs("true", gpu, compiled=True, local=False, layout="FSDP")
     assert load_config(None, []).train.cuda_graphs == "auto"

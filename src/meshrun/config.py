@@ -141,7 +141,8 @@ class TrainConfig:
     cuda_graphs: str = "auto"
     """Compile the step with CUDA graphs (torch.compile mode reduce-overhead): each compiled graph is recorded once
     and replayed, so the host no longer launches every kernel. auto: on for one process and DDP when compiled on
-    CUDA GPUs, off elsewhere; true refuses the layouts it cannot serve; false launches every kernel."""
+    CUDA GPUs with the full loss and without float8 (the combinations tested on GPUs), off elsewhere; true refuses
+    the layouts it cannot serve; false launches every kernel."""
     gc_every: int = 50
     """Python's garbage collector runs every N optimizer steps (young generations only) instead of whenever
     allocations trigger it, with the objects alive after the first step frozen out of its scans; 0 leaves Python's
