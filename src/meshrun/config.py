@@ -31,6 +31,7 @@ TrainDtype = Literal["auto", "fp32", "bf16"]
 LossMode = Literal["full", "chunked"]
 AttentionBackend = Literal["auto", "cudnn", "flash", "efficient", "math", "default"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved1f1b"]
+PipelineBalance = Literal["cost", "blocks"]
 DataParallelMode = Literal["auto", "ddp", "fsdp"]
 ActivationCheckpointMode = Literal["none", "selective", "full"]
 Backend = Literal["auto", "nccl", "gloo"]
@@ -48,6 +49,7 @@ TRAIN_DTYPES: tuple[str, ...] = get_args(TrainDtype)
 LOSS_MODES: tuple[str, ...] = get_args(LossMode)
 ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
 PIPELINE_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
+PIPELINE_BALANCES: tuple[str, ...] = get_args(PipelineBalance)
 DATA_PARALLEL_MODES: tuple[str, ...] = get_args(DataParallelMode)
 ACTIVATION_CHECKPOINT_MODES: tuple[str, ...] = get_args(ActivationCheckpointMode)
 BACKENDS: tuple[str, ...] = get_args(Backend)
@@ -185,6 +187,9 @@ class ParallelConfig:
     data-parallel rank), the smallest bubble the step allows."""
     pp_virtual_stages: int = 2
     """Stages per rank for interleaved1f1b."""
+    pp_balance: PipelineBalance = "cost"
+    """Cut the blocks into stages so each stage's estimated FLOPs are even (cost: the last stage, which also runs the
+    output head and loss, gets fewer blocks) or give every stage the same block count (blocks)."""
     sequence_parallel: bool = False
     """Shard norms and dropout along the sequence in TP regions."""
     async_tp: bool = False
@@ -391,6 +396,7 @@ class JobConfig:
         _check_choice("data.format", self.data.format, DATA_FORMATS)
         _check_choice("data.token_dtype", self.data.token_dtype, TOKEN_DTYPES)
         _check_choice("parallel.pp_schedule", self.parallel.pp_schedule, PIPELINE_SCHEDULES)
+        _check_choice("parallel.pp_balance", self.parallel.pp_balance, PIPELINE_BALANCES)
         _check_choice("parallel.activation_checkpoint", self.parallel.activation_checkpoint,
                       ACTIVATION_CHECKPOINT_MODES)
         _check_choice("train.attention", self.train.attention, ATTENTION_BACKENDS)

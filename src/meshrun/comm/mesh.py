@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from meshrun.comm.axes import AXES, FLAT_DIMS, MESH_DIMS, Axis, RankCoords, resolve_degrees
 from meshrun.config import PIPELINE_SCHEDULES, ConfigError, ParallelConfig
+from meshrun.parallel.stage_cut import describe_cut, resolve_cut
 
 __all__ = ["AXES", "FLAT_DIMS", "MESH_DIMS", "Axis", "ParallelDims", "RankCoords", "choose_data_parallel",
            "node_mesh", "resolve_degrees"]
@@ -65,6 +66,12 @@ class ParallelDims:
     """Pipeline micro-batches per optimizer step (resolved; 1 without PP)."""
     pp_virtual_stages: int = 1
     """Stages per pipeline rank (>1 only with interleaved1f1b)."""
+    pp_balance: str = "cost"
+    """How the blocks are cut into stages: by estimated cost or by count (parallel.pp_balance)."""
+    pp_layers: tuple[int, ...] = ()
+    """Blocks per pipeline stage, resolved by validate_model (empty: not resolved, an even cut)."""
+    pp_shares: tuple[float, ...] = ()
+    """Each stage's estimated share of the work, beside pp_layers."""
     gpus_per_node: int = 0
     """GPUs (processes) per node; 0 when unknown (then TP-across-nodes is not checked)."""
     allow_tp_across_nodes: bool = False
@@ -98,7 +105,8 @@ class ParallelDims:
         # with PP, 0 = one per sample of the step, resolved with the batch (resolve_pipeline_batch)
         microbatches = parallel.pp_microbatches if degrees["pp"] > 1 else 1
         dims = cls(**degrees, world_size=world_size, pp_schedule=parallel.pp_schedule,
-                   pp_microbatches=microbatches, pp_virtual_stages=virtual, gpus_per_node=gpus_per_node,
+                   pp_microbatches=microbatches, pp_virtual_stages=virtual, pp_balance=parallel.pp_balance,
+                   gpus_per_node=gpus_per_node,
                    allow_tp_across_nodes=parallel.allow_tp_across_nodes)
         dims.validate()
         if model is not None:
@@ -176,6 +184,9 @@ class ParallelDims:
                               f"{model.n_layers}; every stage needs at least one layer. Lower parallel.pp")
         if spec.validate is not None:
             spec.validate(model, self)
+        if self.pp > 1:
+            counts, shares = resolve_cut(spec, model, stages, self.pp_balance)
+            self.pp_layers, self.pp_shares = tuple(counts), tuple(shares)
 
     def resolve_pipeline_batch(self, samples_per_step: int) -> None:
         """With PP, a dp rank's samples per step (micro_batch x grad_accum) must split into the micro-batches;
@@ -276,6 +287,8 @@ class ParallelDims:
             text += f"; pipeline {self.pp_schedule}, {self.pp_microbatches} micro-batches"
             if self.pp_virtual_stages > 1:
                 text += f", {self.pp_virtual_stages} stages per rank"
+            if self.pp_layers:
+                text += f", {describe_cut(self.pp_layers, self.pp_shares)}"
         return text
 
     # ---- the DeviceMesh ---------------------------------------------------------------------------------------

@@ -22,7 +22,8 @@ from meshrun.config import ConfigError, JobConfig
 from meshrun.comm.mesh import ParallelDims, RankCoords
 from meshrun.models.build import model_config, model_spec
 from meshrun.models.shape import ModelShape
-from meshrun.parallel.pipeline import effective_model_config, layer_ranges, stage_ids
+from meshrun.parallel.pipeline import effective_model_config, stage_ids
+from meshrun.parallel.stage_cut import stage_ranges
 from meshrun.units import format_bytes, format_ranks
 
 
@@ -77,7 +78,7 @@ def simulate_rank(job: JobConfig, model_cfg: ModelShape, dims: ParallelDims, ran
         params = _shards(parts, blocks_attr=model_spec(job).blocks)
     finally:
         dist.destroy_process_group()
-    ranges = layer_ranges(cfg.n_layers, dims.stages)
+    ranges = stage_ranges(dims, cfg.n_layers)
     layers = [i for s in ids for i in ranges[s]]
     return RankLayout(rank=rank, coords=coords, stages=ids, layers=layers, engine=layout_name(dims), params=params)
 

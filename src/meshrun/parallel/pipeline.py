@@ -1,7 +1,7 @@
 """Pipeline parallelism with ``torch.distributed.pipelining``: stage splitting, schedules and the PipelineEngine.
 
-Splitting: the model's layers are cut into ``pp x virtual`` contiguous stages by layer count (earlier stages take
-one extra layer when it does not divide). Each stage is a copy of the full (meta-device) model with the blocks it
+Splitting: the model's layers are cut into ``pp x virtual`` contiguous stages, by estimated cost or by layer count
+(``parallel.pp_balance``, see meshrun.parallel.stage_cut). Each stage is a copy of the full (meta-device) model with the blocks it
 does not own deleted; the blocks (the ModelSpec's ``blocks``, e.g. ``layers``) are a ModuleDict keyed by the global
 layer index, so a stage's parameter names are the same as in the whole model ("layers.7.attention.wq.weight") and
 checkpoints line up across layouts. The first stage keeps the spec's ``first_stage`` modules (the embedding), the
@@ -69,19 +69,21 @@ def stage_ids(pp_rank: int, *, pp: int, virtual_stages: int) -> list[int]:
     return [pp_rank + v * pp for v in range(virtual_stages)]
 
 
-def split_stage(model: nn.Module, stage: int, n_stages: int, *, spec: ModelSpec | None = None) -> nn.Module:
+def split_stage(model: nn.Module, stage: int, n_stages: int, *, spec: ModelSpec | None = None,
+                ranges: Sequence[range] | None = None) -> nn.Module:
     """A copy of ``model`` (best on the meta device) holding only ``stage``'s blocks, with the original names.
 
     Blocks in an nn.ModuleDict are deleted; in an nn.ModuleList they become None (``forward`` must skip them).
 
-    ``spec`` names the blocks and the first/last-stage modules (the built-in GPT's when None)."""
+    ``spec`` names the blocks and the first/last-stage modules (the built-in GPT's when None); ``ranges`` are the
+    block indices of every stage (meshrun.parallel.stage_cut; an even cut when None)."""
     if spec is None:
         from meshrun.models.spec import get_model_spec
 
         spec = get_model_spec("gpt")
     part = copy.deepcopy(model)
     blocks = spec.model_blocks(part)
-    owned = {str(i) for i in layer_ranges(len(blocks), n_stages)[stage]}
+    owned = {str(i) for i in (ranges if ranges is not None else layer_ranges(len(blocks), n_stages))[stage]}
     for name in list(blocks._modules):
         if name in owned:
             continue

@@ -125,10 +125,11 @@ def data_parallel_name(dims: ParallelDims) -> str:
 # ---- parameter counts, memory ------------------------------------------------------------------------------------
 
 def pipeline_rank_layers(plan: Plan, pp_rank: int) -> list[int]:
-    from meshrun.parallel.pipeline import layer_ranges, stage_ids
+    from meshrun.parallel.pipeline import stage_ids
+    from meshrun.parallel.stage_cut import stage_ranges
 
     d = plan.dims
-    ranges = layer_ranges(plan.model.n_layers, d.stages)
+    ranges = stage_ranges(d, plan.model.n_layers)
     return [i for s in stage_ids(pp_rank, pp=d.pp, virtual_stages=d.pp_virtual_stages) for i in ranges[s]]
 
 
