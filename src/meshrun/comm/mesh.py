@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from meshrun.comm.axes import AXES, FLAT_DIMS, MESH_DIMS, Axis, RankCoords, resolve_degrees
-from meshrun.config import PIPELINE_SCHEDULES, ConfigError, ParallelConfig
+from meshrun.config import MULTI_STAGE_SCHEDULES, PIPELINE_SCHEDULES, ConfigError, ParallelConfig
 from meshrun.parallel.stage_cut import describe_cut, resolve_cut
 
 __all__ = ["AXES", "FLAT_DIMS", "MESH_DIMS", "Axis", "ParallelDims", "RankCoords", "choose_data_parallel",
@@ -65,7 +65,7 @@ class ParallelDims:
     pp_microbatches: int = 1
     """Pipeline micro-batches per optimizer step (resolved; 1 without PP)."""
     pp_virtual_stages: int = 1
-    """Stages per pipeline rank (>1 only with interleaved1f1b)."""
+    """Stages per pipeline rank (>1 only with the MULTI_STAGE_SCHEDULES)."""
     pp_balance: str = "cost"
     """How the blocks are cut into stages: by estimated cost or by count (parallel.pp_balance)."""
     pp_layers: tuple[int, ...] = ()
@@ -98,7 +98,7 @@ class ParallelDims:
         if parallel.pp_schedule not in PIPELINE_SCHEDULES:
             raise ConfigError(f"parallel.pp_schedule={parallel.pp_schedule!r} is not one of "
                               f"{', '.join(PIPELINE_SCHEDULES)}")
-        interleaved = parallel.pp_schedule == "interleaved1f1b"
+        interleaved = parallel.pp_schedule in MULTI_STAGE_SCHEDULES
         virtual = parallel.pp_virtual_stages if interleaved and degrees["pp"] > 1 else 1
         if virtual < 1:
             raise ConfigError(f"parallel.pp_virtual_stages must be >= 1, got {parallel.pp_virtual_stages}")
@@ -150,9 +150,9 @@ class ParallelDims:
             raise ConfigError(
                 f"parallel.pp_microbatches={m} is fewer than the {p} pipeline stages (parallel.pp={p}); the "
                 f"{self.pp_schedule} schedule never fills the pipeline. Use --parallel.pp_microbatches={2 * p} or more")
-        if self.pp_schedule == "interleaved1f1b" and m % p:
+        if self.pp_schedule in ("interleaved1f1b", "interleavedzb") and m % p:
             raise ConfigError(
-                f"parallel.pp_microbatches={m} must be a multiple of parallel.pp={p} for interleaved1f1b; "
+                f"parallel.pp_microbatches={m} must be a multiple of parallel.pp={p} for {self.pp_schedule}; "
                 f"use {p * math.ceil(m / p)}")
 
     def validate_model(self, model: ModelShape, spec: ModelSpec | None = None) -> None:
