@@ -171,9 +171,9 @@ def inflight_microbatches(plan: Plan, pp_rank: int) -> int:
     d = plan.dims
     if d.pp == 1:
         return 1
-    if d.pp_schedule == "gpipe":
+    if d.pp_schedule in ("gpipe", "loopedbfs"):  # every forward before the first backward
         return d.pp_microbatches
-    return min(d.pp_microbatches, d.pp - pp_rank)  # 1F1B warm-up depth (interleaved: about the same)
+    return min(d.pp_microbatches, d.pp - pp_rank)  # 1F1B warm-up depth (interleaved, zero bubble: about the same)
 
 
 def stage_memory(plan: Plan, pp_rank: int, *, dtype_bytes: int) -> dict[str, Any]:
