@@ -3,6 +3,8 @@ saved under the even cut resuming under the cost cut through the trainer (CPU, g
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -57,6 +59,16 @@ def test_plan_shows_the_cut(capsys):
     assert plan_main(["--model", "1b", "--pp", "2", "--gpus-per-node", "2"]) == 0
     out = capsys.readouterr().out
     assert "stages cut by cost" in out and "blocks 10+8" in out
+
+
+def test_train_dry_run_resolves_the_micro_batches_and_shows_the_cut(capsys):
+    from meshrun.parallel.dryrun import dry_run
+
+    job = load_config(None, ["--model.name=1b", "--parallel.pp=2", "--parallel.dp_replicate=1",
+                             "--train.micro_batch=2", "--train.grad_accum=3"])
+    assert dry_run(job, world_size=2, gpus_per_node=2, ranks=[1]) == 0  # pp_microbatches=0: one per sample, 6
+    out = capsys.readouterr().out
+    assert "6 micro-batches, blocks 10+8" in out and re.search(r"layers\s+10-17", out)  # rich may wrap the line
 
 
 # ---- a checkpoint moves from the even cut to the cost cut ---------------------------------------------------------
