@@ -106,8 +106,7 @@ class ParallelDims:
         microbatches = parallel.pp_microbatches if degrees["pp"] > 1 else 1
         dims = cls(**degrees, world_size=world_size, pp_schedule=parallel.pp_schedule,
                    pp_microbatches=microbatches, pp_virtual_stages=virtual, pp_balance=parallel.pp_balance,
-                   gpus_per_node=gpus_per_node,
-                   allow_tp_across_nodes=parallel.allow_tp_across_nodes)
+                   gpus_per_node=gpus_per_node, allow_tp_across_nodes=parallel.allow_tp_across_nodes)
         dims.validate()
         if model is not None:
             dims.validate_model(model, spec)
