@@ -144,12 +144,17 @@ def test_choice_lists_are_defined_once_and_shared():
     from meshrun.planner import parse_args
 
     hints = typing.get_type_hints(c.ParallelConfig)
-    assert typing.get_args(hints["pp_schedule"]) == c.PIPELINE_SCHEDULES == ("gpipe", "1f1b", "interleaved1f1b")
+    assert typing.get_args(hints["pp_schedule"]) == c.PIPELINE_SCHEDULES == ("gpipe", "1f1b", "interleaved1f1b",
+                                                                             "interleavedzb", "loopedbfs")
+    assert typing.get_args(hints["pp_balance"]) == c.PIPELINE_BALANCES == ("cost", "blocks")
+    assert set(c.MULTI_STAGE_SCHEDULES) < set(c.PIPELINE_SCHEDULES)
     assert typing.get_args(hints["activation_checkpoint"]) == c.ACTIVATION_CHECKPOINT_MODES
     for schedule in c.PIPELINE_SCHEDULES:
         assert parse_args(["--pp-schedule", schedule]).pp_schedule == schedule
     for mode in c.ACTIVATION_CHECKPOINT_MODES:
         assert parse_args(["--activation-checkpoint", mode]).activation_checkpoint == mode
+    for balance in c.PIPELINE_BALANCES:
+        assert parse_args(["--pp-balance", balance]).pp_balance == balance
     with pytest.raises(SystemExit):
         parse_args(["--pp-schedule", "zigzag"])
     for option in ("parallel.pp_schedule=zigzag", "dist.backend=mpi", "data.format=csv", "train.dtype=fp16"):

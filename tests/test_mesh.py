@@ -81,6 +81,13 @@ def test_default_pipeline_microbatches_are_one_per_sample():
     interleaved = dims_for(2, dp_replicate=1, pp=2, pp_schedule="interleaved1f1b", pp_virtual_stages=2)
     with pytest.raises(ConfigError, match="must be a multiple of parallel.pp=2 for interleaved1f1b"):
         interleaved.resolve_pipeline_batch(3)
+    zero_bubble = dims_for(2, dp_replicate=1, pp=2, pp_schedule="interleavedzb")
+    assert zero_bubble.pp_virtual_stages == 2 and zero_bubble.stages == 4
+    with pytest.raises(ConfigError, match="must be a multiple of parallel.pp=2 for interleavedzb"):
+        zero_bubble.resolve_pipeline_batch(3)
+    looped = dims_for(2, dp_replicate=1, pp=2, pp_schedule="loopedbfs")
+    looped.resolve_pipeline_batch(3)  # any count of at least pp
+    assert looped.pp_virtual_stages == 2 and looped.pp_microbatches == 3
 
 
 def test_64_gpu_dp8_tp4_pp2_groups():

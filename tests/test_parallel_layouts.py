@@ -1,6 +1,6 @@
 """Every parallel layout trains exactly like a single process (CPU, gloo, fp32), and checkpoints move between layouts.
 
-Each layout runs the tiny model (2 layers, 4 for the interleaved pipeline; seq 32) for 10 AdamW steps (lr 3e-3, gradient clipping at 0.5, so
+Each layout runs the tiny model (2 layers, 4 for the pipelines with 2 stages per rank; seq 32) for 10 AdamW steps (lr 3e-3, gradient clipping at 0.5, so
 clipping is active and a wrong global norm changes the trajectory) on a global batch of 8 random sequences, from
 the single-process reference's initial weights. Compared with the reference:
 
@@ -12,7 +12,8 @@ the single-process reference's initial weights. Compared with the reference:
   move by more than 1e-2 in total, so a missing gradient sync, a wrong shard or a wrong scale is far outside);
 * the validation loss after training (eval_loss): atol 1e-5.
 
-Layouts are grouped into one spawn per world size (2 and 4 ranks) to keep the suite fast; each layout is still
+The pipeline schedules run 4 layers where they place 2 stages per rank (interleaved1f1b, interleavedzb: input and
+weight gradients as separate passes, loopedbfs). Layouts are grouped into one spawn per world size (2 and 4 ranks) to keep the suite fast; each layout is still
 its own test. Pipeline layouts use untied embeddings (pipelines untie them), the others tied ones. The same two
 spawns then move one checkpoint FSDP 4 -> TP 2 x DP 2 -> PP 2 x DP 2 and -> DDP 2 with plain DCP, and check that
 every parameter arrives bit for bit.
@@ -188,6 +189,10 @@ TWO_RANKS = {
     "pp2_1f1b": Layout(tied=False, grad_accum=2, parallel={"dp_replicate": 1, "pp": 2, "pp_microbatches": 4}),
     "pp2_interleaved": Layout(tied=False, grad_accum=1, n_layers=4, parallel={
         "dp_replicate": 1, "pp": 2, "pp_microbatches": 4, "pp_schedule": "interleaved1f1b"}),
+    "pp2_interleaved_zero_bubble": Layout(tied=False, grad_accum=1, n_layers=4, parallel={
+        "dp_replicate": 1, "pp": 2, "pp_microbatches": 4, "pp_schedule": "interleavedzb"}),
+    "pp2_looped_bfs": Layout(tied=False, grad_accum=2, n_layers=4, parallel={
+        "dp_replicate": 1, "pp": 2, "pp_microbatches": 0, "pp_schedule": "loopedbfs"}),
 }
 FOUR_RANKS = {
     "fsdp2_tp2": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 1, "dp_shard": 2, "tp": 2,
@@ -273,7 +278,8 @@ def test_data_parallel_ranks_reported_to_the_sampler(two_rank_results, four_rank
     assert [r["dp"] for r in two_rank_results["tp2"]] == [(0, 1), (0, 1)]  # TP peers read the same data
     assert [r["dp"] for r in four_rank_results["pp2_dp2"]] == [(0, 2), (1, 2), (0, 2), (1, 2)]
     assert [r["dp"] for r in four_rank_results["hsdp2x2"]] == [(0, 4), (1, 4), (2, 4), (3, 4)]
-    assert [r["parts"] for r in two_rank_results["pp2_interleaved"]] == [2, 2]  # two virtual stages per rank
+    for name in ("pp2_interleaved", "pp2_interleaved_zero_bubble", "pp2_looped_bfs"):
+        assert [r["parts"] for r in two_rank_results[name]] == [2, 2], name  # two virtual stages per rank
 
 
 @pytest.mark.slow
@@ -372,6 +378,19 @@ def test_split_stage_keeps_original_names_and_owners():
     assert last.output is not None and last.norm is not None and last.tok_embeddings is None
     names = set().union(*(dict(p.named_parameters()).keys() for p in (first, middle, last)))
     assert names == set(dict(whole.named_parameters()).keys())
+
+
+def test_zero_bubble_refuses_blocks_compiled_in_place():
+    from types import SimpleNamespace
+
+    from meshrun.config import ConfigError
+    from meshrun.parallel.pipeline import check_split_backward
+
+    plain, compiled = torch.nn.Sequential(torch.nn.Linear(2, 2)), torch.nn.Sequential(torch.nn.Linear(2, 2))
+    compiled[0].compile()  # as meshrun compiles blocks: in place, no OptimizedModule for torch's own check to see
+    check_split_backward([SimpleNamespace(submod=plain)])
+    with pytest.raises(ConfigError, match="parallel.pp_schedule=interleavedzb.*train.compile=false"):
+        check_split_backward([SimpleNamespace(submod=compiled)])
 
 
 def test_pipelines_untie_embeddings_only_when_split():

@@ -132,7 +132,7 @@ def test_dry_run_on_a_fake_512_rank_mesh(capsys):
     assert planner.main(argv) == 0
     text = capsys.readouterr().out
     assert "rank 511 (node 63, local 7): pp 1, dp_replicate 7, dp_shard 3, cp 0, tp 7 | PP 1f1b + TP + HSDP" in text
-    assert "layers 9-17" in text  # 18 layers over 2 stages
+    assert "layers 10-17" in text  # 18 layers over 2 stages, cut by cost: 10 + 8 (the last runs the head)
     w1 = next(line for line in text.splitlines() if "feed_forward.w1.weight" in line)
     assert "5,632 x 2,048" in w1 and "176 x 2,048" in w1  # 5632 rows / tp 8 = 704, / dp_shard 4 = 176
 

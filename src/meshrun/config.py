@@ -30,7 +30,8 @@ NonfiniteMode = Literal["skip", "stop", "off"]
 TrainDtype = Literal["auto", "fp32", "bf16"]
 LossMode = Literal["full", "chunked"]
 AttentionBackend = Literal["auto", "cudnn", "flash", "efficient", "math", "default"]
-PipelineSchedule = Literal["gpipe", "1f1b", "interleaved1f1b"]
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved1f1b", "interleavedzb", "loopedbfs"]
+PipelineBalance = Literal["cost", "blocks"]
 DataParallelMode = Literal["auto", "ddp", "fsdp"]
 ActivationCheckpointMode = Literal["none", "selective", "full"]
 Backend = Literal["auto", "nccl", "gloo"]
@@ -48,6 +49,9 @@ TRAIN_DTYPES: tuple[str, ...] = get_args(TrainDtype)
 LOSS_MODES: tuple[str, ...] = get_args(LossMode)
 ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
 PIPELINE_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
+PIPELINE_BALANCES: tuple[str, ...] = get_args(PipelineBalance)
+MULTI_STAGE_SCHEDULES: tuple[str, ...] = ("interleaved1f1b", "interleavedzb", "loopedbfs")
+"""Pipeline schedules that run parallel.pp_virtual_stages stages per rank (looped placement)."""
 DATA_PARALLEL_MODES: tuple[str, ...] = get_args(DataParallelMode)
 ACTIVATION_CHECKPOINT_MODES: tuple[str, ...] = get_args(ActivationCheckpointMode)
 BACKENDS: tuple[str, ...] = get_args(Backend)
@@ -180,12 +184,16 @@ class ParallelConfig:
     cp: int = 1
     """Context parallelism: each sequence split over cp ranks, attention as a ring (CUDA; docs/parallelism.md)."""
     pp_schedule: PipelineSchedule = "1f1b"
-    """Pipeline schedule: gpipe, 1f1b or interleaved1f1b."""
+    """Pipeline schedule: gpipe, 1f1b, or with pp_virtual_stages per rank interleaved1f1b, interleavedzb (zero
+    bubble; uncompiled blocks only) or loopedbfs (docs/parallelism.md)."""
     pp_microbatches: int = 0
     """Pipeline micro-batches per step; 0 means one per sample of the step (micro_batch x grad_accum per
     data-parallel rank), the smallest bubble the step allows."""
     pp_virtual_stages: int = 2
-    """Stages per rank for interleaved1f1b."""
+    """Stages per rank for interleaved1f1b, interleavedzb and loopedbfs."""
+    pp_balance: PipelineBalance = "cost"
+    """Cut the blocks into stages so each stage's estimated FLOPs are even (cost: the last stage, which also runs the
+    output head and loss, gets fewer blocks) or give every stage the same block count (blocks)."""
     sequence_parallel: bool = False
     """Shard norms and dropout along the sequence in TP regions."""
     async_tp: bool = False
@@ -395,6 +403,7 @@ class JobConfig:
         _check_choice("data.format", self.data.format, DATA_FORMATS)
         _check_choice("data.token_dtype", self.data.token_dtype, TOKEN_DTYPES)
         _check_choice("parallel.pp_schedule", self.parallel.pp_schedule, PIPELINE_SCHEDULES)
+        _check_choice("parallel.pp_balance", self.parallel.pp_balance, PIPELINE_BALANCES)
         _check_choice("parallel.activation_checkpoint", self.parallel.activation_checkpoint,
                       ACTIVATION_CHECKPOINT_MODES)
         _check_choice("train.attention", self.train.attention, ATTENTION_BACKENDS)

@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from meshrun.comm.axes import AXES, FLAT_DIMS, MESH_DIMS, Axis, RankCoords, resolve_degrees
-from meshrun.config import PIPELINE_SCHEDULES, ConfigError, ParallelConfig
+from meshrun.config import MULTI_STAGE_SCHEDULES, PIPELINE_SCHEDULES, ConfigError, ParallelConfig
+from meshrun.parallel.stage_cut import describe_cut, resolve_cut
 
 __all__ = ["AXES", "FLAT_DIMS", "MESH_DIMS", "Axis", "ParallelDims", "RankCoords", "choose_data_parallel",
            "node_mesh", "resolve_degrees"]
@@ -64,7 +65,13 @@ class ParallelDims:
     pp_microbatches: int = 1
     """Pipeline micro-batches per optimizer step (resolved; 1 without PP)."""
     pp_virtual_stages: int = 1
-    """Stages per pipeline rank (>1 only with interleaved1f1b)."""
+    """Stages per pipeline rank (>1 only with the MULTI_STAGE_SCHEDULES)."""
+    pp_balance: str = "cost"
+    """How the blocks are cut into stages: by estimated cost or by count (parallel.pp_balance)."""
+    pp_layers: tuple[int, ...] = ()
+    """Blocks per pipeline stage, resolved by validate_model (empty: not resolved, an even cut)."""
+    pp_shares: tuple[float, ...] = ()
+    """Each stage's estimated share of the work, beside pp_layers."""
     gpus_per_node: int = 0
     """GPUs (processes) per node; 0 when unknown (then TP-across-nodes is not checked)."""
     allow_tp_across_nodes: bool = False
@@ -91,15 +98,15 @@ class ParallelDims:
         if parallel.pp_schedule not in PIPELINE_SCHEDULES:
             raise ConfigError(f"parallel.pp_schedule={parallel.pp_schedule!r} is not one of "
                               f"{', '.join(PIPELINE_SCHEDULES)}")
-        interleaved = parallel.pp_schedule == "interleaved1f1b"
+        interleaved = parallel.pp_schedule in MULTI_STAGE_SCHEDULES
         virtual = parallel.pp_virtual_stages if interleaved and degrees["pp"] > 1 else 1
         if virtual < 1:
             raise ConfigError(f"parallel.pp_virtual_stages must be >= 1, got {parallel.pp_virtual_stages}")
         # with PP, 0 = one per sample of the step, resolved with the batch (resolve_pipeline_batch)
         microbatches = parallel.pp_microbatches if degrees["pp"] > 1 else 1
         dims = cls(**degrees, world_size=world_size, pp_schedule=parallel.pp_schedule,
-                   pp_microbatches=microbatches, pp_virtual_stages=virtual, gpus_per_node=gpus_per_node,
-                   allow_tp_across_nodes=parallel.allow_tp_across_nodes)
+                   pp_microbatches=microbatches, pp_virtual_stages=virtual, pp_balance=parallel.pp_balance,
+                   gpus_per_node=gpus_per_node, allow_tp_across_nodes=parallel.allow_tp_across_nodes)
         dims.validate()
         if model is not None:
             dims.validate_model(model, spec)
@@ -142,9 +149,9 @@ class ParallelDims:
             raise ConfigError(
                 f"parallel.pp_microbatches={m} is fewer than the {p} pipeline stages (parallel.pp={p}); the "
                 f"{self.pp_schedule} schedule never fills the pipeline. Use --parallel.pp_microbatches={2 * p} or more")
-        if self.pp_schedule == "interleaved1f1b" and m % p:
+        if self.pp_schedule in ("interleaved1f1b", "interleavedzb") and m % p:
             raise ConfigError(
-                f"parallel.pp_microbatches={m} must be a multiple of parallel.pp={p} for interleaved1f1b; "
+                f"parallel.pp_microbatches={m} must be a multiple of parallel.pp={p} for {self.pp_schedule}; "
                 f"use {p * math.ceil(m / p)}")
 
     def validate_model(self, model: ModelShape, spec: ModelSpec | None = None) -> None:
@@ -176,6 +183,9 @@ class ParallelDims:
                               f"{model.n_layers}; every stage needs at least one layer. Lower parallel.pp")
         if spec.validate is not None:
             spec.validate(model, self)
+        if self.pp > 1:
+            counts, shares = resolve_cut(spec, model, stages, self.pp_balance)
+            self.pp_layers, self.pp_shares = tuple(counts), tuple(shares)
 
     def resolve_pipeline_batch(self, samples_per_step: int) -> None:
         """With PP, a dp rank's samples per step (micro_batch x grad_accum) must split into the micro-batches;
@@ -276,6 +286,8 @@ class ParallelDims:
             text += f"; pipeline {self.pp_schedule}, {self.pp_microbatches} micro-batches"
             if self.pp_virtual_stages > 1:
                 text += f", {self.pp_virtual_stages} stages per rank"
+            if self.pp_layers:
+                text += f", {describe_cut(self.pp_layers, self.pp_shares)}"
         return text
 
     # ---- the DeviceMesh ---------------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ from meshrun.parallel.float8 import check_float8, convert_blocks_to_float8
 from meshrun.parallel.kernels import compile_enabled, require_compiled_cuda, select_attention
 from meshrun.parallel.pipeline import (PipelineEngine, bubble_fraction, effective_model_config, split_stage,
                                       stage_ids)
+from meshrun.parallel.stage_cut import stage_ranges
 from meshrun.parallel.sharded import ShardedEngine
 from meshrun.parallel.tied import TP_FIX, find_shared
 from meshrun.parallel.tp import apply_tp
@@ -170,7 +171,8 @@ def build_parts(cfg: ModelShape, dims: ParallelDims, ids: list[int], *, job: Job
     spec = model_spec(job)
     with torch.device("meta"):
         whole = spec.build(cfg)
-    parts = [split_stage(whole, i, dims.stages, spec=spec) for i in ids] if dims.pp > 1 else [whole]
+    ranges = stage_ranges(dims, cfg.n_layers)
+    parts = [split_stage(whole, i, dims.stages, spec=spec, ranges=ranges) for i in ids] if dims.pp > 1 else [whole]
     for part in parts:
         parallelize(part, dims, job=job, compute_dtype=compute_dtype, compiled=compiled, device=device, spec=spec)
     return parts

@@ -18,11 +18,12 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from meshrun.config import ConfigError, JobConfig
+from meshrun.config import ConfigError, JobConfig, resolve_batch
 from meshrun.comm.mesh import ParallelDims, RankCoords
 from meshrun.models.build import model_config, model_spec
 from meshrun.models.shape import ModelShape
-from meshrun.parallel.pipeline import effective_model_config, layer_ranges, stage_ids
+from meshrun.parallel.pipeline import effective_model_config, stage_ids
+from meshrun.parallel.stage_cut import stage_ranges
 from meshrun.units import format_bytes, format_ranks
 
 
@@ -77,7 +78,7 @@ def simulate_rank(job: JobConfig, model_cfg: ModelShape, dims: ParallelDims, ran
         params = _shards(parts, blocks_attr=model_spec(job).blocks)
     finally:
         dist.destroy_process_group()
-    ranges = layer_ranges(cfg.n_layers, dims.stages)
+    ranges = stage_ranges(dims, cfg.n_layers)
     layers = [i for s in ids for i in ranges[s]]
     return RankLayout(rank=rank, coords=coords, stages=ids, layers=layers, engine=layout_name(dims), params=params)
 
@@ -125,6 +126,8 @@ def dry_run(job: JobConfig, *, world_size: int, gpus_per_node: int = 8, ranks: l
             raise ConfigError("--world-size N is needed with --dry-run (the number of ranks to simulate)")
         dims = ParallelDims.from_config(job.parallel, world_size=world_size, gpus_per_node=gpus_per_node,
                                         model=model_cfg, spec=model_spec(job))
+        batch = resolve_batch(job.train, dp_size=dims.dp_size, seq_len=model_cfg.seq_len)
+        dims.resolve_pipeline_batch(batch.micro_batch * batch.grad_accum)  # pp_microbatches=0: one per sample
         layouts = [simulate_rank(job, model_cfg, dims, r) for r in (ranks or default_ranks(dims))]
     except (ConfigError, ValueError) as exc:
         print(f"meshrun: error: {exc}", file=sys.stderr)

@@ -32,7 +32,7 @@ from torch import nn
 
 from meshrun.ckpt.script import model_fingerprint
 from meshrun.comm.mesh import ParallelDims
-from meshrun.config import PIPELINE_SCHEDULES, ConfigError, JobConfig, PipelineSchedule
+from meshrun.config import MULTI_STAGE_SCHEDULES, PIPELINE_SCHEDULES, ConfigError, JobConfig, PipelineSchedule
 from meshrun.models.spec import ModelSpec
 from meshrun.parallel.module import ModuleLayout, prebuilt, find_blocks, layout_dims, resolve_compute_dtype
 from meshrun.parallel.pipeline import layer_ranges
@@ -46,11 +46,11 @@ class PipelineOptions:
     """How layout='pp' / 'pp+fsdp' runs a user's model (``Session.prepare_model(..., pipeline=...)``)."""
 
     schedule: PipelineSchedule = "1f1b"
-    """gpipe, 1f1b or interleaved1f1b (torch.distributed.pipelining schedules)."""
+    """gpipe, 1f1b, interleaved1f1b, interleavedzb or loopedbfs (torch.distributed.pipelining schedules)."""
     microbatches: int = 0
     """Pipeline micro-batches each step() batch is split into (it must divide the batch); 0: two per stage."""
     virtual_stages: int = 2
-    """Stages per rank with interleaved1f1b (gpipe and 1f1b run one)."""
+    """Stages per rank with interleaved1f1b, interleavedzb and loopedbfs (gpipe and 1f1b run one)."""
     loss_fn: LossFn | None = None
     """(last stage's output, targets) -> the mean loss of a micro-batch; None: cross-entropy over the last dim."""
     first_stage: tuple[str, ...] | None = None
@@ -154,16 +154,16 @@ def pipeline_dims(layout: str, options: PipelineOptions, *, world_size: int, nod
     if options.schedule not in PIPELINE_SCHEDULES:
         raise ConfigError(f"PipelineOptions.schedule={options.schedule!r} is not one of "
                           f"{', '.join(PIPELINE_SCHEDULES)}")
-    interleaved = options.schedule == "interleaved1f1b"
+    interleaved = options.schedule in MULTI_STAGE_SCHEDULES
     if interleaved and options.virtual_stages < 2:
-        raise ConfigError(f"PipelineOptions.virtual_stages={options.virtual_stages}: interleaved1f1b runs 2 or "
+        raise ConfigError(f"PipelineOptions.virtual_stages={options.virtual_stages}: {options.schedule} runs 2 or "
                           "more stages per rank; pass virtual_stages=2 or use schedule='1f1b'")
     p, m = dims.pp, options.microbatches or 2 * dims.pp
     if m < p:
         raise ConfigError(f"PipelineOptions.microbatches={m} is fewer than the pp={p} stages, so the schedule never "
                           f"fills the pipeline; use microbatches={2 * p} or more")
-    if interleaved and m % p:
-        raise ConfigError(f"PipelineOptions.microbatches={m} must be a multiple of pp={p} for interleaved1f1b; "
+    if options.schedule in ("interleaved1f1b", "interleavedzb") and m % p:
+        raise ConfigError(f"PipelineOptions.microbatches={m} must be a multiple of pp={p} for {options.schedule}; "
                           f"use {p * -(-m // p)}")
     return replace(dims, pp_schedule=options.schedule, pp_microbatches=m,
                    pp_virtual_stages=options.virtual_stages if interleaved else 1)

@@ -1,15 +1,16 @@
 """Pipeline parallelism with ``torch.distributed.pipelining``: stage splitting, schedules and the PipelineEngine.
 
-Splitting: the model's layers are cut into ``pp x virtual`` contiguous stages by layer count (earlier stages take
-one extra layer when it does not divide). Each stage is a copy of the full (meta-device) model with the blocks it
+Splitting: the model's layers are cut into ``pp x virtual`` contiguous stages, by estimated cost or by layer count
+(``parallel.pp_balance``, see meshrun.parallel.stage_cut). Each stage is a copy of the full (meta-device) model with the blocks it
 does not own deleted; the blocks (the ModelSpec's ``blocks``, e.g. ``layers``) are a ModuleDict keyed by the global
 layer index, so a stage's parameter names are the same as in the whole model ("layers.7.attention.wq.weight") and
 checkpoints line up across layouts. The first stage keeps the spec's ``first_stage`` modules (the embedding), the
 last its ``last_stage`` modules (final norm and output head); elsewhere they are None. Tied embeddings cannot be
 shared between two stages, so pipeline layouts untie them (see :func:`effective_model_config`).
 
-Stages per rank: GPipe and 1F1B give each pp rank one stage; Interleaved1F1B gives rank r the stages
-r, r + pp, r + 2 pp, ... (``parallel.pp_virtual_stages`` of them).
+Stages per rank: GPipe and 1F1B give each pp rank one stage; Interleaved1F1B, InterleavedZeroBubble and LoopedBFS
+give rank r the stages r, r + pp, r + 2 pp, ... (``parallel.pp_virtual_stages`` of them). The V-shaped schedules
+(ZBVZeroBubble, DualPipeV) are not offered: see docs/parallelism.md.
 
 Batches: ``forward_backward`` concatenates this dp rank's grad-accumulation micro-batches into one batch of
 ``micro_batch x grad_accum`` samples, and the schedule splits it into ``parallel.pp_microbatches`` pipeline
@@ -30,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshrun.config import PipelineSchedule
+from meshrun.config import ConfigError, PipelineSchedule
 from meshrun.models.shape import ModelShape
 from meshrun.parallel.engine import Batch, autocast, count_tensor, token_loss_sum
 from meshrun.parallel.grad_norm import clip_grad_norm
@@ -69,19 +70,21 @@ def stage_ids(pp_rank: int, *, pp: int, virtual_stages: int) -> list[int]:
     return [pp_rank + v * pp for v in range(virtual_stages)]
 
 
-def split_stage(model: nn.Module, stage: int, n_stages: int, *, spec: ModelSpec | None = None) -> nn.Module:
+def split_stage(model: nn.Module, stage: int, n_stages: int, *, spec: ModelSpec | None = None,
+                ranges: Sequence[range] | None = None) -> nn.Module:
     """A copy of ``model`` (best on the meta device) holding only ``stage``'s blocks, with the original names.
 
     Blocks in an nn.ModuleDict are deleted; in an nn.ModuleList they become None (``forward`` must skip them).
 
-    ``spec`` names the blocks and the first/last-stage modules (the built-in GPT's when None)."""
+    ``spec`` names the blocks and the first/last-stage modules (the built-in GPT's when None); ``ranges`` are the
+    block indices of every stage (meshrun.parallel.stage_cut; an even cut when None)."""
     if spec is None:
         from meshrun.models.spec import get_model_spec
 
         spec = get_model_spec("gpt")
     part = copy.deepcopy(model)
     blocks = spec.model_blocks(part)
-    owned = {str(i) for i in layer_ranges(len(blocks), n_stages)[stage]}
+    owned = {str(i) for i in (ranges if ranges is not None else layer_ranges(len(blocks), n_stages))[stage]}
     for name in list(blocks._modules):
         if name in owned:
             continue
@@ -103,8 +106,10 @@ def build_schedule(stages: list, *, schedule: PipelineSchedule, microbatches: in
     if forward_only:  # evaluation: any micro-batch count, no backward
         cls = pl.ScheduleGPipe if len(stages) == 1 else pl.ScheduleLoopedBFS
     else:
-        cls = {"gpipe": pl.ScheduleGPipe, "1f1b": pl.Schedule1F1B,
-               "interleaved1f1b": pl.ScheduleInterleaved1F1B}[schedule]
+        cls = {"gpipe": pl.ScheduleGPipe, "1f1b": pl.Schedule1F1B, "interleaved1f1b": pl.ScheduleInterleaved1F1B,
+               "interleavedzb": pl.ScheduleInterleavedZeroBubble, "loopedbfs": pl.ScheduleLoopedBFS}[schedule]
+        if schedule == "interleavedzb":
+            check_split_backward(stages)
     single = cls in (pl.ScheduleGPipe, pl.Schedule1F1B)
     # loss_fn returns sum / tokens-of-the-step, so the schedule must not divide gradients by the micro-batch count
     # (torch versions before the scale_grads argument never divided them)
@@ -119,6 +124,17 @@ def build_schedule(stages: list, *, schedule: PipelineSchedule, microbatches: in
         built.pipeline_order = {rank: [a for a in actions if a is None or a.computation_type.name == "FORWARD"]
                                 for rank, actions in built.pipeline_order.items()}
     return built
+
+
+def check_split_backward(stages: list) -> None:
+    """Zero-bubble schedules run each backward as two passes (input gradients now, weight gradients later), which
+    torch does not support for compiled modules; it only detects torch.compile(module) wrappers, not blocks
+    compiled in place (``module.compile()``, as meshrun does), so this checks those too."""
+    for stage in stages:
+        if any(getattr(m, "_compiled_call_impl", None) is not None for m in stage.submod.modules()):
+            raise ConfigError("parallel.pp_schedule=interleavedzb splits each backward into input and weight "
+                              "gradients, which torch does not support for compiled blocks; set --train.compile=false "
+                              "or use --parallel.pp_schedule=interleaved1f1b")
 
 
 class PipelineEngine:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from meshrun.config import (ACTIVATION_CHECKPOINT_MODES, DATA_PARALLEL_MODES, PIPELINE_SCHEDULES, TRAIN_DTYPES,
-                            ConfigError, JobConfig, join_overrides, load_config)
+from meshrun.config import (ACTIVATION_CHECKPOINT_MODES, DATA_PARALLEL_MODES, PIPELINE_BALANCES, PIPELINE_SCHEDULES,
+                            TRAIN_DTYPES, ConfigError, JobConfig, join_overrides, load_config)
 from meshrun.comm.axes import AXES, MESH_DIMS
 from meshrun.help_format import PlainHelpFormatter
 
@@ -35,7 +35,8 @@ ALIASES: dict[str, str] = {
     "ffn": "model.ffn_dim", "untied": "model.tie_embeddings",
     **{name: f"parallel.{name}" for name in MESH_DIMS},
     "pp_schedule": "parallel.pp_schedule", "pp_microbatches": "parallel.pp_microbatches",
-    "pp_virtual_stages": "parallel.pp_virtual_stages", "sequence_parallel": "parallel.sequence_parallel",
+    "pp_virtual_stages": "parallel.pp_virtual_stages", "pp_balance": "parallel.pp_balance",
+    "sequence_parallel": "parallel.sequence_parallel",
     "activation_checkpoint": "parallel.activation_checkpoint", "data_parallel": "parallel.data_parallel",
     "allow_tp_across_nodes": "parallel.allow_tp_across_nodes",
     "micro_batch": "train.micro_batch", "grad_accum": "train.grad_accum", "global_batch": "train.global_batch",
@@ -88,6 +89,7 @@ def _add_layout_aliases(d) -> None:
         _alias(d, axis.name.replace("_", "-"), f"degree: splits {axis.splits}", type=int)
     _alias(d, "data-parallel", "auto (FSDP2 from 1B parameters on GPUs), ddp or fsdp", choices=DATA_PARALLEL_MODES)
     _alias(d, "pp-schedule", "pipeline schedule", choices=PIPELINE_SCHEDULES)
+    _alias(d, "pp-balance", "cut the blocks into stages by estimated cost or by count", choices=PIPELINE_BALANCES)
     _alias(d, "pp-microbatches", "pipeline micro-batches per step (0: one per sample)", type=int)
     _alias(d, "pp-virtual-stages", "stages per rank for interleaved1f1b", type=int)
     _alias(d, "sequence-parallel", "shard norms along the sequence", action="store_const", const="true")

@@ -125,10 +125,11 @@ def data_parallel_name(dims: ParallelDims) -> str:
 # ---- parameter counts, memory ------------------------------------------------------------------------------------
 
 def pipeline_rank_layers(plan: Plan, pp_rank: int) -> list[int]:
-    from meshrun.parallel.pipeline import layer_ranges, stage_ids
+    from meshrun.parallel.pipeline import stage_ids
+    from meshrun.parallel.stage_cut import stage_ranges
 
     d = plan.dims
-    ranges = layer_ranges(plan.model.n_layers, d.stages)
+    ranges = stage_ranges(d, plan.model.n_layers)
     return [i for s in stage_ids(pp_rank, pp=d.pp, virtual_stages=d.pp_virtual_stages) for i in ranges[s]]
 
 
@@ -170,9 +171,9 @@ def inflight_microbatches(plan: Plan, pp_rank: int) -> int:
     d = plan.dims
     if d.pp == 1:
         return 1
-    if d.pp_schedule == "gpipe":
+    if d.pp_schedule in ("gpipe", "loopedbfs"):  # every forward before the first backward
         return d.pp_microbatches
-    return min(d.pp_microbatches, d.pp - pp_rank)  # 1F1B warm-up depth (interleaved: about the same)
+    return min(d.pp_microbatches, d.pp - pp_rank)  # 1F1B warm-up depth (interleaved, zero bubble: about the same)
 
 
 def stage_memory(plan: Plan, pp_rank: int, *, dtype_bytes: int) -> dict[str, Any]:

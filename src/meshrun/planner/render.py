@@ -8,6 +8,7 @@ from typing import Any
 from meshrun.config import ConfigError
 from meshrun.planner.estimate import (Plan, batch_formula, bubble, crosses_nodes, data_parallel_mode, group_dims,
                                       pipeline_rank_layers, tp_shards)
+from meshrun.parallel.stage_cut import describe_cut
 from meshrun.units import format_bytes, format_ranks
 
 def to_json(plan: Plan) -> dict[str, Any]:
@@ -16,7 +17,8 @@ def to_json(plan: Plan) -> dict[str, Any]:
         "world_size": plan.world_size, "nodes": plan.nodes, "gpus_per_node": plan.gpus_per_node,
         "model": dataclasses.asdict(plan.model) | {"ffn_dim": plan.model.hidden_dim},
         "parallel": d.degrees() | {"dp_size": d.dp_size, "pp_schedule": d.pp_schedule,
-                                   "pp_microbatches": d.pp_microbatches, "pp_virtual_stages": d.pp_virtual_stages},
+                                   "pp_microbatches": d.pp_microbatches, "pp_virtual_stages": d.pp_virtual_stages,
+                                   "pp_balance": d.pp_balance},
         "data_parallel": {"mode": data_parallel_mode(d), "note": plan.data_parallel},
         "batch": {"micro_batch": b.micro_batch, "dp_size": b.dp_size, "grad_accum": b.grad_accum,
                   "global_batch": b.global_batch, "tokens_per_step": b.tokens_per_step,
@@ -25,7 +27,8 @@ def to_json(plan: Plan) -> dict[str, Any]:
         "groups": {name: d.groups(name) for name in group_dims(d)},
         "memory": plan.memory, "tp_shards": tp_shards(plan),
         "pipeline": {"stages": d.stages, "microbatches": d.pp_microbatches, "bubble_fraction": bubble(plan),
-                     "layers_per_rank": [pipeline_rank_layers(plan, r) for r in range(d.pp)]},
+                     "layers_per_rank": [pipeline_rank_layers(plan, r) for r in range(d.pp)],
+                     "blocks_per_stage": list(d.pp_layers), "cost_share_per_stage": list(d.pp_shares)},
         "communication": plan.comm, "warnings": plan.warnings,
     }
 
@@ -133,6 +136,8 @@ def print_shards_and_comm(plan: Plan, *, console) -> None:
             else f"({d.pp} - 1) / {d.pp_microbatches}"
         console.print(f"pipeline: {d.pp} stages{v}, {d.pp_schedule}, {d.pp_microbatches} micro-batches; bubble "
                       f"{formula} = {bubble(plan):.1%}")
+        console.print(f"stages cut by {d.pp_balance} (--pp-balance): {describe_cut(d.pp_layers, d.pp_shares)}, "
+                      "costs from the model's FLOP formulas (the last stage also runs the head and loss)")
     if not plan.comm:
         return
     table = Table(title="communication per optimizer step, per GPU (estimate)", title_justify="left")
