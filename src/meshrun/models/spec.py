@@ -36,7 +36,7 @@ The built-in GPT is one spec (meshrun.models.gpt_spec); ``register_model(spec)``
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 from meshrun.models.shape import ModelShape
@@ -92,10 +92,11 @@ def _default_init(model: nn.Module, device: torch.device | None) -> None:
             module.reset_parameters()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelStructure:
     """Where ``meshrun.parallel`` finds the parts of a built model and how it computes its loss; every field has a
-    default, so a built model with its blocks in ``layers`` needs none (see the module docstring)."""
+    default, so a built model with its blocks in ``layers`` needs none (see the module docstring). Fields are given
+    by keyword."""
 
     blocks: str = "layers"
     """Attribute (or dotted path) of the repeated blocks: an nn.ModuleDict keyed by layer index, or an
@@ -137,16 +138,16 @@ class ModelStructure:
         return [block for block in found if block is not None]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelSpec(ModelStructure):
     """One architecture meshrun can build and parallelise: its :class:`ModelStructure` plus how to build, initialise,
     size and count it; see the module docstring for each field. Fields are given by keyword."""
 
-    arch: str = field(kw_only=True)
+    arch: str
     """The name ``--model.arch`` selects."""
-    build: Callable[[ModelShape], nn.Module] = field(kw_only=True)
+    build: Callable[[ModelShape], nn.Module]
     """Whole model from its shape (called on the meta device)."""
-    sizes: Mapping[str, ModelShape] = field(kw_only=True)
+    sizes: Mapping[str, ModelShape]
     """Named sizes ``--model.name`` selects; ``[model]`` fields other than 0 override them."""
     init_weights: Callable[[nn.Module, Any], None] = _default_init
     """(model or pipeline stage, device) -> None: initialise every parameter and buffer in place."""

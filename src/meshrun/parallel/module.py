@@ -1,8 +1,9 @@
 """Layouts for a user's own ``nn.Module`` (``Session.prepare_model``), through the trainer's own code.
 
 ``layout`` is one word: ``ddp``, ``fsdp``, ``hsdp``, ``tp`` or ``tp+fsdp`` (``none`` for a single process). It
-resolves to a :class:`~meshrun.comm.mesh.ParallelDims` (the same DeviceMesh builder as the trainer) and the model
-is parallelised by :func:`meshrun.parallel.apply.parallelize`, the trainer's own front door and fixed order: TP (the model's plan)
+resolves to a :class:`~meshrun.comm.mesh.ParallelDims` (the same DeviceMesh builder as the trainer) and the model,
+described by a :class:`~meshrun.models.spec.ModelStructure` (its blocks and TP plan), is parallelised by
+:func:`meshrun.parallel.apply.parallelize`, the trainer's own front door and fixed order: TP (the model's plan)
 -> activation checkpointing -> FSDP2 / HSDP over each repeated block, then the root. DDP wraps the whole module.
 
 The repeated blocks are ``blocks`` when given (a dotted module path, e.g. ``"model.layers"``), else found: the

@@ -42,7 +42,8 @@ def parallel_options(job: JobConfig, *, compute_dtype: torch.dtype | None, compi
                      device: torch.device | None = None) -> ParallelOptions:
     """The trainer's options: its ``[parallel]`` and ``[train]`` choices, with the resolved dtype and compilation."""
     p = job.parallel
-    return ParallelOptions(compute_dtype=compute_dtype, compiled=compiled, activation_checkpoint=p.activation_checkpoint,
-                           sequence_parallel=p.sequence_parallel, float8=job.train.float8,
+    return ParallelOptions(compute_dtype=compute_dtype, compiled=compiled,
+                           activation_checkpoint=p.activation_checkpoint, sequence_parallel=p.sequence_parallel,
+                           float8=job.train.float8,
                            fsdp_reshard_after_forward=p.fsdp_reshard_after_forward,
                            fsdp_unit_blocks=p.fsdp_unit_blocks, device=device)
