@@ -155,3 +155,26 @@ def test_nothing_in_parallel_or_comm_names_a_model():
     named = [f"{path.relative_to(src)}:{i}" for path in files
              for i, line in enumerate(path.read_text().splitlines(), 1) if re.search(r"gpt", line, re.IGNORECASE)]
     assert named == []
+
+
+def test_the_auxiliary_term_joins_a_vocabulary_parallel_loss():
+    """Under TP's loss_parallel the token-loss sum is a replicated DTensor: the plain auxiliary term is lifted onto
+    its mesh (one process, a 1-rank gloo group; the placement logic is the same at any size)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from meshrun.parallel.engine import with_aux_loss
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        logit = torch.tensor(2.0, requires_grad=True)
+        weight = torch.tensor(3.0, requires_grad=True)
+        summed = DTensor.from_local(logit * 5.0, mesh, [Replicate()])
+        out = with_aux_loss(summed, weight * 0.5, tokens=4)
+        assert isinstance(out, DTensor) and float(out.full_tensor().detach()) == 10.0  # the value stays the loss sum
+        out.full_tensor().backward()
+        assert float(logit.grad) == 5.0 and float(weight.grad) == 0.5 * 4  # d/d(aux) = tokens
+    finally:
+        dist.destroy_process_group()
