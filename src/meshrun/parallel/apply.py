@@ -65,8 +65,7 @@ def build_engine(*, job: JobConfig, model_cfg: ModelShape, dims: ParallelDims, m
     cfg = effective_model_config(model_cfg, pp=dims.pp)
     if cfg is not model_cfg:
         log.warning("parallel.pp=%d: untying the embeddings (the input embedding on the first stage, the output head "
-                    "on the last); "
-                    "set --model.tie_embeddings=false to make this explicit", dims.pp)
+                    "on the last); set --model.tie_embeddings=false to make this explicit", dims.pp)
     dims.validate_model(cfg, spec)
     if batch is None:
         batch = resolve_batch(job.train, dp_size=dims.dp_size, seq_len=cfg.seq_len)
