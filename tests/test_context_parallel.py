@@ -39,7 +39,8 @@ def no_attention_gpt() -> GPT:
 
 
 def dims_for(world: int, model=None, **parallel) -> ParallelDims:
-    return ParallelDims.from_config(ParallelConfig(**parallel), world_size=world, gpus_per_node=8, model=model)
+    return ParallelDims.from_config(ParallelConfig(**parallel), world_size=world, gpus_per_node=8, model=model,
+                                    spec=GPT_SPEC)
 
 
 # ---- pure logic --------------------------------------------------------------------------------------------------

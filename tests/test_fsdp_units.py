@@ -41,7 +41,7 @@ def test_blocks_are_grouped_into_units_of_the_given_size(unit_blocks, expected):
     try:
         model = Blocks(5)
         apply_fsdp(model, init_device_mesh("cpu", (2,)), compute_dtype=None, reshard_after_forward=True,
-                   unit_blocks=unit_blocks)
+                   blocks=list(model.layers.values()), unit_blocks=unit_blocks)
         assert _units(model) == expected
         assert [p.to_local().shape[0] for p in model.layers["0"].parameters()] == [2, 2]  # sharded over 2 ranks
     finally:

@@ -12,11 +12,12 @@ import torch.distributed as dist
 from meshrun.config import ConfigError, ParallelConfig
 from meshrun.comm.mesh import MESH_DIMS, ParallelDims
 from meshrun.models.gpt import SIZES
+from meshrun.models.gpt_spec import GPT_SPEC
 
 
 def dims_for(world: int, gpus_per_node: int = 8, model=None, **parallel) -> ParallelDims:
     return ParallelDims.from_config(ParallelConfig(**parallel), world_size=world, gpus_per_node=gpus_per_node,
-                                    model=model)
+                                    model=model, spec=GPT_SPEC)
 
 
 def test_minus_one_is_inferred_from_the_world_size():

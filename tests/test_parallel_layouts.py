@@ -33,6 +33,7 @@ from dist_utils import mesh_group_timeouts, run_distributed
 from meshrun.config import JobConfig, load_config
 from meshrun.comm.mesh import ParallelDims
 from meshrun.models.gpt import GPT, SIZES, GPTConfig
+from meshrun.models.gpt_spec import GPT_SPEC
 from meshrun.parallel.apply import build_engine
 from meshrun.parallel.engine import LocalEngine
 from meshrun.parallel.pipeline import effective_model_config, layer_ranges, split_stage, stage_ids
@@ -119,7 +120,7 @@ def build(cfg: GPTConfig, parallel: dict, *, grad_accum: int, train: dict | None
                                      world_size=world)
     job = job_for(grad_accum=grad_accum, micro_batch=GLOBAL_BATCH // probe.dp_size // grad_accum, parallel=parallel,
                   train=train)
-    dims = ParallelDims.from_config(job.parallel, world_size=world, model=cfg)
+    dims = ParallelDims.from_config(job.parallel, world_size=world, model=cfg, spec=GPT_SPEC)
     mesh = dims.build_mesh(device.type)
     engine = build_engine(job=job, model_cfg=cfg, dims=dims, mesh=mesh, device=device, compute_dtype=compute_dtype)
     return dims, engine
@@ -370,7 +371,7 @@ def test_layer_ranges_split_by_count_with_extras_first():
 def test_split_stage_keeps_original_names_and_owners():
     with torch.device("meta"):
         whole = GPT(replace(model_config(tied=False), n_layers=6))
-    first, middle, last = (split_stage(whole, s, 3) for s in range(3))
+    first, middle, last = (split_stage(whole, s, 3, spec=GPT_SPEC) for s in range(3))
     assert list(middle.layers.keys()) == ["2", "3"]
     assert "layers.2.attention.wq.weight" in dict(middle.named_parameters())
     assert first.tok_embeddings is not None and first.output is None and first.norm is None

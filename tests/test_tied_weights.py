@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from meshrun.config import ConfigError
-from meshrun.models.spec import ModelSpec
-from meshrun.parallel.module import layout_dims, layout_note, prebuilt, prepare_module
+from meshrun.models.spec import ModelStructure
+from meshrun.parallel.module import layout_dims, layout_note, prepare_module
 from meshrun.parallel.module_pipeline import check_stage_ties, prepare_pipeline
 from meshrun.parallel.tied import find_shared
 from mlp_lm import MLPLM
@@ -79,8 +79,7 @@ def test_pipelines_refuse_a_tie_across_stages_before_any_collective(layout):
 
 
 def test_a_tie_within_one_pipeline_stage_is_kept():
-    spec = ModelSpec(arch="MLPLM", build=prebuilt, sizes={}, blocks="blocks", first_stage=("embed", "pos"),
-                     last_stage=("norm", "head"))
+    spec = ModelStructure(blocks="blocks", first_stage=("embed", "pos"), last_stage=("norm", "head"))
     check_stage_ties(shared_blocks(0, 1), spec, stages=2, layout="pp")  # blocks 0-1 on stage 0, 2-3 on stage 1
     with pytest.raises(ConfigError, match=r"blocks\.0\.up\.weight and blocks\.3\.up\.weight .* stages 0 and 1"):
         check_stage_ties(shared_blocks(0, 3), spec, stages=2, layout="pp")

@@ -109,6 +109,8 @@ class ParallelDims:
                    gpus_per_node=gpus_per_node, allow_tp_across_nodes=parallel.allow_tp_across_nodes)
         dims.validate()
         if model is not None:
+            if spec is None:
+                raise ValueError("ParallelDims.from_config: model= needs spec= (the model's ModelSpec)")
             dims.validate_model(model, spec)
         return dims
 
@@ -154,14 +156,17 @@ class ParallelDims:
                 f"parallel.pp_microbatches={m} must be a multiple of parallel.pp={p} for {self.pp_schedule}; "
                 f"use {p * math.ceil(m / p)}")
 
-    def validate_model(self, model: ModelShape, spec: ModelSpec | None = None) -> None:
-        """Through the model's contract (the built-in GPT's when ``spec`` is None): TP must divide the sizes the
-        spec's ``tp_checks`` names (heads, widths, vocabulary); PP needs at least one block per stage; then the
+    def validate_model(self, model: ModelShape, spec: ModelSpec) -> None:
+        """Through the model's contract: TP needs the spec's plan and must divide the sizes its ``tp_checks`` names
+        (heads, widths, vocabulary); PP needs at least one block per stage and no auxiliary loss term; then the
         spec's own ``validate``."""
-        if spec is None:
-            from meshrun.models.spec import get_model_spec
-
-            spec = get_model_spec("gpt")
+        if self.tp > 1 and spec.tp_plan is None:
+            raise ConfigError(f"parallel.tp={self.tp}: model.arch={spec.arch!r} has no tensor-parallel plan "
+                              "(ModelSpec.tp_plan); use --parallel.tp=1")
+        if self.pp > 1 and spec.aux_loss is not None:
+            raise ConfigError(f"parallel.pp={self.pp}: model.arch={spec.arch!r} has an auxiliary loss term "
+                              "(ModelSpec.aux_loss), which pipeline stages do not add to the loss; use --parallel.pp=1 "
+                              "(FSDP, TP and CP add it)")
         for option, value in spec.tp_checks(model) if self.tp > 1 else ():
             if value % self.tp:
                 raise ConfigError(

@@ -1,5 +1,6 @@
-"""The built-in GPT as a ModelSpec: how to build it, initialise it, split it into stages, shard it with TP and which
-buffer context parallelism shards along the sequence (the RoPE table).
+"""The built-in GPT as a ModelSpec: how to build it, initialise it, split it into stages, shard it with TP, which
+buffer context parallelism shards along the sequence (the RoPE table) and where the chunked loss finds the output
+head's input and weight.
 
 Kept apart from gpt.py, which holds no distributed code. The tensor-parallel plan is Megatron-style, on DTensor:
 
@@ -100,6 +101,16 @@ def gpt_sequence_buffers(model: nn.Module) -> list[tuple[torch.Tensor, int]]:
     return [(model.rope, 0)]
 
 
+def gpt_hidden_states(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """The final norm's output (B, T, C), the input of the output head (train.loss=chunked applies the head)."""
+    return model(tokens, head=False)
+
+
+def gpt_head_weight(model: nn.Module) -> torch.Tensor:
+    """The output head's weight (V, C) (the token embedding's when tied)."""
+    return model.output.weight
+
+
 def _init(model: nn.Module, device) -> None:
     model.init_weights(buffer_device=device)
 
@@ -107,4 +118,4 @@ def _init(model: nn.Module, device) -> None:
 GPT_SPEC = register_model(ModelSpec(
     arch="gpt", build=GPT, sizes=SIZES, init_weights=_init, blocks="layers", first_stage=("tok_embeddings",),
     last_stage=("norm", "output"), tp_plan=gpt_tp_plan, tie_weights=tie_gpt_weights,
-    sequence_buffers=gpt_sequence_buffers))
+    sequence_buffers=gpt_sequence_buffers, hidden_states=gpt_hidden_states, head_weight=gpt_head_weight))

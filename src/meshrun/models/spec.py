@@ -19,7 +19,15 @@ A :class:`ModelSpec` says, for one architecture:
   context parallelism shards them together with the tokens, so each rank's positions match its part of the
   sequence; None = the model does not support context parallelism;
 * ``tp_checks``: the sizes tensor parallelism must divide (heads, widths, vocabulary) and ``validate``: any
-  other check of a shape against a layout. Both raise ConfigError naming the option.
+  other check of a shape against a layout. Both raise ConfigError naming the option;
+* the loss: ``hidden_states(model, tokens)`` and ``head_weight(model)``, the output head's input and its weight,
+  for ``train.loss=chunked`` (None: the model does not support it), and ``aux_loss(model)``, an auxiliary term
+  (an MoE router's load-balancing loss) the engines add to the training objective after each forward.
+
+The fields that describe a built model (where its blocks are, what stays on the first and last pipeline stage, its
+tensor-parallel plan, tied weights, position buffers and the loss hooks) form :class:`ModelStructure`, which is
+all that ``meshrun.parallel`` reads; a ModelSpec is a ModelStructure plus how to build, initialise, size and count
+the model. ``Session.prepare_model`` describes a user's already built model by a ModelStructure alone.
 
 The built-in GPT is one spec (meshrun.models.gpt_spec); ``register_model(spec)`` adds another, and
 ``--model.arch=NAME`` (or ``module:NAME``, importing ``module`` first) selects it.
@@ -84,21 +92,16 @@ def _default_init(model: nn.Module, device: torch.device | None) -> None:
             module.reset_parameters()
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    """One architecture meshrun can build and parallelise; see the module docstring for each field."""
+@dataclass(frozen=True, kw_only=True)
+class ModelStructure:
+    """Where ``meshrun.parallel`` finds the parts of a built model and how it computes its loss; every field has a
+    default, so a built model with its blocks in ``layers`` needs none (see the module docstring). Fields are given
+    by keyword."""
 
-    arch: str
-    """The name ``--model.arch`` selects."""
-    build: Callable[[ModelShape], nn.Module]
-    """Whole model from its shape (called on the meta device)."""
-    sizes: Mapping[str, ModelShape]
-    """Named sizes ``--model.name`` selects; ``[model]`` fields other than 0 override them."""
-    init_weights: Callable[[nn.Module, Any], None] = _default_init
-    """(model or pipeline stage, device) -> None: initialise every parameter and buffer in place."""
     blocks: str = "layers"
     """Attribute (or dotted path) of the repeated blocks: an nn.ModuleDict keyed by layer index, or an
-    nn.ModuleList (a pipeline stage sets the other stages' entries to None: ``forward`` must skip them)."""
+    nn.ModuleList (a pipeline stage sets the other stages' entries to None: ``forward`` must skip them); '' when
+    the model has none."""
     first_stage: tuple[str, ...] = ()
     """Modules only the first pipeline stage keeps (e.g. the token embedding)."""
     last_stage: tuple[str, ...] = ()
@@ -107,20 +110,18 @@ class ModelSpec:
     """Tensor-parallel plan (dict of module globs to styles, or a function); None: the model has no TP."""
     tie_weights: Callable[[nn.Module], None] | None = None
     """Re-share tied parameters after to_empty / TP (None when the model ties nothing)."""
-    block_params: Callable[[ModelShape], tuple[int, int]] = transformer_block_params
-    """(matrix, norm) parameters of one block: the planner's memory and traffic formulas."""
-    edge_params: Callable[..., tuple[tuple[int, int], tuple[int, int]]] = transformer_edge_params
-    """(shape, *, tied) -> ((TP-sharded, replicated) parameters of the first stage outside the blocks, the same for
-    the last stage): the planner's formulas."""
-    flops_per_token: Callable[[ModelShape], float] = transformer_flops_per_token
-    """Training FLOPs per token (the trainer's MFU)."""
-    tp_checks: Callable[[ModelShape], list[tuple[str, int]]] = transformer_tp_checks
-    """Sizes a tensor-parallel degree must divide, as (option, size)."""
     sequence_buffers: Callable[[nn.Module], list[tuple[torch.Tensor, int]]] | None = None
     """model -> [(buffer, sequence dim)]: what context parallelism shards with the tokens (RoPE tables; [] for
     none); None: the model does not support context parallelism."""
-    validate: Callable[[ModelShape, Any], None] | None = None
-    """(shape, ParallelDims) -> None: further checks for a layout; raise ConfigError naming the option."""
+    hidden_states: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
+    """(model, tokens (B, T)) -> the output head's input (B, T, C), for train.loss=chunked, which applies the head
+    itself chunk by chunk; None: the model does not support the chunked loss."""
+    head_weight: Callable[[nn.Module], torch.Tensor] | None = None
+    """model -> the output head's weight (V, C) (a head without bias), for train.loss=chunked."""
+    aux_loss: Callable[[nn.Module], torch.Tensor] | None = None
+    """model -> an auxiliary loss term of the forward just run (0-d, already weighted: an MoE router's
+    load-balancing loss), added to each micro-batch's mean token loss in the gradients; the logged loss stays the
+    cross-entropy. None: no auxiliary term."""
 
     def model_blocks(self, model: nn.Module) -> nn.Module:
         """The container of the repeated blocks of ``model`` or of one of its pipeline stages (``blocks`` may be a
@@ -135,6 +136,32 @@ class ModelSpec:
         container = self.model_blocks(model)
         found = container.values() if isinstance(container, nn.ModuleDict) else container
         return [block for block in found if block is not None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec(ModelStructure):
+    """One architecture meshrun can build and parallelise: its :class:`ModelStructure` plus how to build, initialise,
+    size and count it; see the module docstring for each field. Fields are given by keyword."""
+
+    arch: str
+    """The name ``--model.arch`` selects."""
+    build: Callable[[ModelShape], nn.Module]
+    """Whole model from its shape (called on the meta device)."""
+    sizes: Mapping[str, ModelShape]
+    """Named sizes ``--model.name`` selects; ``[model]`` fields other than 0 override them."""
+    init_weights: Callable[[nn.Module, Any], None] = _default_init
+    """(model or pipeline stage, device) -> None: initialise every parameter and buffer in place."""
+    block_params: Callable[[ModelShape], tuple[int, int]] = transformer_block_params
+    """(matrix, norm) parameters of one block: the planner's memory and traffic formulas."""
+    edge_params: Callable[..., tuple[tuple[int, int], tuple[int, int]]] = transformer_edge_params
+    """(shape, *, tied) -> ((TP-sharded, replicated) parameters of the first stage outside the blocks, the same for
+    the last stage): the planner's formulas."""
+    flops_per_token: Callable[[ModelShape], float] = transformer_flops_per_token
+    """Training FLOPs per token (the trainer's MFU)."""
+    tp_checks: Callable[[ModelShape], list[tuple[str, int]]] = transformer_tp_checks
+    """Sizes a tensor-parallel degree must divide, as (option, size)."""
+    validate: Callable[[ModelShape, Any], None] | None = None
+    """(shape, ParallelDims) -> None: further checks for a layout; raise ConfigError naming the option."""
 
     def count_params(self, shape: ModelShape) -> int:
         """Unique parameters of the whole model, counted on the meta device (no memory)."""

@@ -34,8 +34,8 @@ def _selective_policy(saved: set, ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str, *, blocks: list[nn.Module] | None = None) -> None:
-    """Checkpoint every block (``blocks``, by default those of ``model.layers``) in place according to ``mode``."""
+def apply_activation_checkpointing(model: nn.Module, mode: str, *, blocks: list[nn.Module]) -> None:
+    """Checkpoint every block of ``model`` (``blocks``: the model's repeated blocks) in place according to ``mode``."""
     if mode not in ACTIVATION_CHECKPOINT_MODES:
         raise ValueError(f"parallel.activation_checkpoint={mode!r} is not one of "
                          f"{', '.join(ACTIVATION_CHECKPOINT_MODES)}")
@@ -45,7 +45,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, *, blocks: list[
     if mode == "selective":
         policy = functools.partial(_selective_policy, _saved_ops())
         context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
-    for block in blocks if blocks is not None else model.layers.values():
+    for block in blocks:
         block.forward = _checkpointed(block.forward, context_fn)
 
 

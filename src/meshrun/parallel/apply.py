@@ -23,6 +23,7 @@ the original parameter names, so torch.distributed.checkpoint can reshard a chec
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -31,7 +32,7 @@ from meshrun.config import BatchPlan, ConfigError, JobConfig, resolve_batch
 from meshrun.comm.mesh import ParallelDims
 from meshrun.models.build import model_spec
 from meshrun.models.shape import ModelShape
-from meshrun.models.spec import ModelSpec
+from meshrun.models.spec import ModelSpec, ModelStructure
 from meshrun.parallel.activation_checkpoint import apply_activation_checkpointing
 from meshrun.parallel.context_parallel import SequenceShards, check_context_parallel
 from meshrun.parallel.data_parallel import apply_ddp, apply_fsdp, fsdp_units
@@ -39,6 +40,7 @@ from meshrun.parallel.engine import Engine, LocalEngine, LossStep, loss_function
 from meshrun.parallel.async_tp import check_async_tp, enable_async_tp
 from meshrun.parallel.float8 import check_float8, convert_blocks_to_float8
 from meshrun.parallel.kernels import compile_enabled, require_compiled_cuda, select_attention
+from meshrun.parallel.options import ParallelOptions, parallel_options
 from meshrun.parallel.pipeline import (PipelineEngine, bubble_fraction, effective_model_config, split_stage,
                                       stage_ids)
 from meshrun.parallel.stage_cut import stage_ranges
@@ -63,8 +65,8 @@ def build_engine(*, job: JobConfig, model_cfg: ModelShape, dims: ParallelDims, m
     spec = model_spec(job)
     cfg = effective_model_config(model_cfg, pp=dims.pp)
     if cfg is not model_cfg:
-        log.warning("parallel.pp=%d: untying the embeddings (tok_embeddings on the first stage, output on the last); "
-                    "set --model.tie_embeddings=false to make this explicit", dims.pp)
+        log.warning("parallel.pp=%d: untying the embeddings (the input embedding on the first stage, the output head "
+                    "on the last); set --model.tie_embeddings=false to make this explicit", dims.pp)
     dims.validate_model(cfg, spec)
     if batch is None:
         batch = resolve_batch(job.train, dp_size=dims.dp_size, seq_len=cfg.seq_len)
@@ -86,14 +88,13 @@ def build_engine(*, job: JobConfig, model_cfg: ModelShape, dims: ParallelDims, m
     local = dims.pp == 1 and dims.tp == 1 and dims.dp_shard == 1 and dims.cp == 1
     graphs = use_cuda_graphs(job.train.cuda_graphs, device, compiled=compiled, local=local,
                              layout=layout_name(dims), measured=job.train.loss == "full" and not job.train.float8)
+    check_chunked_loss(job.train.loss, spec, dims=dims, local=local)
+    options = parallel_options(job, compute_dtype=compute_dtype, compiled=compiled, device=device)
     if local:
         return _local_engine(job, spec, cfg, dims, device, rank=rank, autocast_dtype=None if fp32 else compute_dtype,
-                             compiled=compiled, cuda_graphs=graphs)
-    if job.train.loss == "chunked":
-        raise ConfigError(f"train.loss=chunked runs for one process and DDP only, not for {layout_name(dims)}; "
-                          "drop --train.loss=chunked (the other layouts compile the full loss, without fp32 logits)")
+                             options=options, cuda_graphs=graphs)
     ids = stage_ids(dims.coords(rank).pp, pp=dims.pp, virtual_stages=dims.pp_virtual_stages) if dims.pp > 1 else [0]
-    parts = build_parts(cfg, dims, ids, job=job, compute_dtype=compute_dtype, compiled=compiled, device=device)
+    parts = build_parts(cfg, dims, ids, spec=spec, options=options)
     materialize(parts, device=device, seed=job.train.seed, dims=dims, rank=rank, spec=spec)
     sharded_dp = uses_fsdp(dims)
     autocast = None if fp32 or sharded_dp else compute_dtype  # FSDP casts itself (MixedPrecisionPolicy)
@@ -108,7 +109,7 @@ def build_engine(*, job: JobConfig, model_cfg: ModelShape, dims: ParallelDims, m
         return pipeline
     engine = ShardedEngine(parts[0], dp_rank=dims.dp_rank(rank), dp_size=dims.dp_size, reports_loss=coords.tp == 0,
                            fsdp=sharded_dp, loss_parallel=use_loss_parallel(dims), autocast_dtype=autocast,
-                           loss_fn=loss_fn,
+                           loss_fn=loss_fn, aux_loss=spec.aux_loss,
                            sequence_shards=SequenceShards(dims.get_mesh("cp"), spec) if dims.cp > 1 else None)
     engine.timed_modules = timed_modules(parts[0], spec, dims=dims, compiled=compiled)
     return engine
@@ -164,41 +165,50 @@ def use_loss_parallel(dims: ParallelDims) -> bool:
     return dims.tp > 1 and dims.pp == 1
 
 
-def build_parts(cfg: ModelShape, dims: ParallelDims, ids: list[int], *, job: JobConfig,
-                compute_dtype: torch.dtype | None, compiled: bool = False,
-                device: torch.device | None = None) -> list[nn.Module]:
+def check_chunked_loss(loss: str, spec: ModelSpec, *, dims: ParallelDims, local: bool) -> None:
+    """Refuse train.loss=chunked where it cannot run: outside one process and DDP, or for a model without the hooks
+    that give the output head's input and weight."""
+    if loss != "chunked":
+        return
+    if not local:
+        raise ConfigError(f"train.loss=chunked runs for one process and DDP only, not for {layout_name(dims)}; "
+                          "drop --train.loss=chunked (the other layouts compile the full loss, without fp32 logits)")
+    if spec.hidden_states is None or spec.head_weight is None:
+        raise ConfigError(f"train.loss=chunked: model.arch={spec.arch!r} does not give its output head's input and "
+                          "weight (ModelSpec.hidden_states, head_weight); drop --train.loss=chunked")
+
+
+def build_parts(cfg: ModelShape, dims: ParallelDims, ids: list[int], *, spec: ModelSpec,
+                options: ParallelOptions) -> list[nn.Module]:
     """Steps 1-5 of the fixed order, on the meta device: this rank's model parts, parallelised, not materialised."""
-    spec = model_spec(job)
     with torch.device("meta"):
         whole = spec.build(cfg)
     ranges = stage_ranges(dims, cfg.n_layers)
     parts = [split_stage(whole, i, dims.stages, spec=spec, ranges=ranges) for i in ids] if dims.pp > 1 else [whole]
     for part in parts:
-        parallelize(part, dims, job=job, compute_dtype=compute_dtype, compiled=compiled, device=device, spec=spec)
+        parallelize(part, spec, dims, options)
     return parts
 
 
-def parallelize(part: nn.Module, dims: ParallelDims, *, job: JobConfig, compute_dtype: torch.dtype | None,
-                compiled: bool = False, device: torch.device | None = None, spec: ModelSpec | None = None,
-                layout: str = "") -> None:
+def parallelize(part: nn.Module, structure: ModelStructure, dims: ParallelDims, options: ParallelOptions) -> None:
     """TP -> float8 -> activation checkpointing -> compile -> FSDP/HSDP, in place (DDP is applied after
-    materialising). Tied parameters stay one parameter or are refused (parallel/tied.py); ``layout`` names the
-    layout in that message (default: :func:`layout_name`)."""
-    spec = spec or model_spec(job)
-    layout = layout or layout_name(dims)
+    materialising): the one front door of the trainer and Session. ``structure`` says where the blocks and the
+    TP plan are (a ModelSpec, or Session's description of a built model); ``options`` the resolved choices. Tied
+    parameters stay one parameter or are refused (parallel/tied.py), naming ``options.layout``."""
+    layout = options.layout or layout_name(dims)
     shared = find_shared(part)  # before any step replaces parameters
-    blocks = spec.block_modules(part)
+    blocks = structure.block_modules(part)
     if dims.tp > 1:
-        if spec.tp_plan is None:
-            raise ConfigError(f"parallel.tp={dims.tp}: model.arch={spec.arch!r} has no tensor-parallel plan "
-                              "(ModelSpec.tp_plan); use --parallel.tp=1")
-        apply_tp(part, spec.tp_plan, dims.get_mesh("tp"), sequence_parallel=job.parallel.sequence_parallel,
+        if structure.tp_plan is None:  # the trainer refuses it earlier, naming model.arch (ParallelDims.validate_model)
+            raise ConfigError(f"parallel.tp={dims.tp}: {layout} has no tensor-parallel plan for "
+                              f"{type(part).__name__}; give one, or use tp=1")
+        apply_tp(part, structure.tp_plan, dims.get_mesh("tp"), sequence_parallel=options.sequence_parallel,
                  loss_parallel=use_loss_parallel(dims))
         shared.restore(part, layout=layout, after="tensor parallelism", fix=TP_FIX)
-    if job.train.float8:
-        convert_blocks_to_float8(part, fsdp=uses_fsdp(dims), blocks_attr=spec.blocks)
-    apply_activation_checkpointing(part, job.parallel.activation_checkpoint, blocks=blocks)
-    if compiled:
+    if options.float8:
+        convert_blocks_to_float8(part, fsdp=uses_fsdp(dims), blocks_attr=structure.blocks)
+    apply_activation_checkpointing(part, options.activation_checkpoint, blocks=blocks)
+    if options.compiled:
         for block in blocks:
             block.compile()  # in place: parameter names stay as they are (no "_orig_mod.")
     shared.restore(part, layout=layout, after="float8 and activation checkpointing")
@@ -206,11 +216,11 @@ def parallelize(part: nn.Module, dims: ParallelDims, *, job: JobConfig, compute_
         # cp=1: "dp_shard" (not "dp_shard_cp", the same ranks), so FSDP-replicate finds its degree-1 dimension
         shard = "dp_shard_cp" if dims.cp > 1 else "dp_shard"
         dp_mesh = dims.get_mesh(shard) if dims.dp_replicate == 1 else dims.get_mesh(("dp_replicate", shard))
-        reshard = dims.pp == 1 and reshard_after_forward(job.parallel.fsdp_reshard_after_forward, part,
-                                                         compute_dtype=compute_dtype, device=device)
-        shared.check_units(part, fsdp_units(blocks, job.parallel.fsdp_unit_blocks), layout=layout)
-        apply_fsdp(part, dp_mesh, compute_dtype=compute_dtype, reshard_after_forward=reshard, blocks=blocks,
-                   unit_blocks=job.parallel.fsdp_unit_blocks)
+        reshard = dims.pp == 1 and reshard_after_forward(options.fsdp_reshard_after_forward, part,
+                                                         compute_dtype=options.compute_dtype, device=options.device)
+        shared.check_units(part, fsdp_units(blocks, options.fsdp_unit_blocks), layout=layout)
+        apply_fsdp(part, dp_mesh, compute_dtype=options.compute_dtype, reshard_after_forward=reshard, blocks=blocks,
+                   unit_blocks=options.fsdp_unit_blocks)
         shared.restore(part, layout=layout, after="FSDP2", reshare=False)
 
 
@@ -291,8 +301,9 @@ def check_cuda_graphs(device: torch.device, *, compiled: bool, local: bool, layo
                           "--train.cuda_graphs, or set --parallel.data_parallel=ddp for pure data parallelism")
 
 
-def _local_engine(job: JobConfig, spec: ModelSpec, cfg: ModelShape, dims: ParallelDims, device: torch.device, *, rank: int,
-                  autocast_dtype: torch.dtype | None, compiled: bool, cuda_graphs: bool) -> LocalEngine:
+def _local_engine(job: JobConfig, spec: ModelSpec, cfg: ModelShape, dims: ParallelDims, device: torch.device, *,
+                  rank: int, autocast_dtype: torch.dtype | None, options: ParallelOptions,
+                  cuda_graphs: bool) -> LocalEngine:
     """One process, or DDP over dp_replicate: every rank holds the whole model, initialised like 1 process.
 
     Compile covers the whole model and its loss (``LossStep``), not each block: one graph lets inductor fuse the
@@ -306,16 +317,15 @@ def _local_engine(job: JobConfig, spec: ModelSpec, cfg: ModelShape, dims: Parall
     with torch.device("meta"):
         model = spec.build(cfg)
     shared = find_shared(model)
-    if job.train.float8:
-        convert_blocks_to_float8(model, fsdp=False, blocks_attr=spec.blocks)
-    apply_activation_checkpointing(model, job.parallel.activation_checkpoint, blocks=spec.block_modules(model))
+    compiled = options.compiled
+    parallelize(model, spec, dims, replace(options, compiled=False))  # float8, activation checkpointing; compiled below
     model.to_empty(device=device)
     if spec.tie_weights is not None:
         spec.tie_weights(model)  # to_empty may have replaced the shared parameter
     shared.restore(model, layout=layout_name(dims), after="to_empty")  # and any tie the spec does not re-make
     torch.manual_seed(job.train.seed)
     spec.init_weights(model, device)
-    step: nn.Module = LossStep(model, autocast_dtype, chunked=job.train.loss == "chunked")
+    step: nn.Module = LossStep(model, autocast_dtype, structure=spec, chunked=job.train.loss == "chunked")
     ddp = dims.dp_replicate > 1
     overlap = ddp and compiled and job.parallel.ddp_overlap
     mode = "reduce-overhead" if cuda_graphs else None  # reduce-overhead: inductor's CUDA graphs

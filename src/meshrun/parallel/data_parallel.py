@@ -22,7 +22,7 @@ def mixed_precision(compute_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, compute_dtype: torch.dtype | None,
-               reshard_after_forward: bool, blocks: list[nn.Module] | None = None, unit_blocks: int = 1) -> None:
+               reshard_after_forward: bool, blocks: list[nn.Module], unit_blocks: int = 1) -> None:
     """Shard ``model`` over ``dp_mesh``: 1-D mesh = FSDP, 2-D (replicate, shard) mesh = HSDP.
 
     ``reshard_after_forward=False`` keeps gathered parameters until backward (used with pipeline parallelism,
@@ -30,7 +30,6 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, compute_dtype: torch.dt
     ``unit_blocks`` consecutive blocks form one FSDP2 unit (one all-gather and one reduce-scatter for all of them).
     """
     mp_policy = mixed_precision(compute_dtype)
-    blocks = list(model.layers.values()) if blocks is None else blocks
     units = fsdp_units(blocks, unit_blocks)
     for i, unit in enumerate(units):
         # the last unit's parameters are needed again first thing in backward: keep them gathered
@@ -62,8 +61,8 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device, *, bu
     """
     from torch.nn.parallel import DistributedDataParallel
 
-    # The model's only buffer (the RoPE table) is computed identically everywhere: syncing it before every forward
-    # would be a wasted collective per step. Newer torch renames the switch (the old name warns).
+    # The trainer's models compute their buffers (e.g. a RoPE table) identically everywhere: syncing them before
+    # every forward would be a wasted collective per step. Newer torch renames the switch (the old name warns).
     no_buffer_sync = ({"forward_sync_buffers": sync_buffers}
                       if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
                       else {"broadcast_buffers": sync_buffers})

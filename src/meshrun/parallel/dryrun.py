@@ -22,6 +22,7 @@ from meshrun.config import ConfigError, JobConfig, resolve_batch
 from meshrun.comm.mesh import ParallelDims, RankCoords
 from meshrun.models.build import model_config, model_spec
 from meshrun.models.shape import ModelShape
+from meshrun.parallel.options import parallel_options
 from meshrun.parallel.pipeline import effective_model_config, stage_ids
 from meshrun.parallel.stage_cut import stage_ranges
 from meshrun.units import format_bytes, format_ranks
@@ -74,7 +75,7 @@ def simulate_rank(job: JobConfig, model_cfg: ModelShape, dims: ParallelDims, ran
         dims.build_mesh("cpu")
         coords = dims.coords(rank)
         ids = stage_ids(coords.pp, pp=dims.pp, virtual_stages=dims.pp_virtual_stages) if dims.pp > 1 else [0]
-        parts = build_parts(cfg, dims, ids, job=job, compute_dtype=None)
+        parts = build_parts(cfg, dims, ids, spec=model_spec(job), options=parallel_options(job, compute_dtype=None))
         params = _shards(parts, blocks_attr=model_spec(job).blocks)
     finally:
         dist.destroy_process_group()

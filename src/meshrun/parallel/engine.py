@@ -34,7 +34,9 @@ from typing import Protocol, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from meshrun.models.spec import ModelStructure
 from meshrun.parallel.chunked_loss import chunked_token_loss_sum
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs (B, T) int64, targets (B, T) int64)
@@ -43,6 +45,20 @@ Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs (B, T) int64, targets (B, T
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Sum of per-token cross-entropy, in fp32. logits (B, T, V), targets (B, T)."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), reduction="sum")
+
+
+def with_aux_loss(summed: torch.Tensor, aux: torch.Tensor | None, tokens: int) -> torch.Tensor:
+    """``summed`` (a micro-batch's token-loss sum) carrying the gradient of ``aux`` (the model's auxiliary loss term,
+    ModelStructure.aux_loss), its value unchanged: the engines divide by the tokens of the step, so ``aux x tokens``
+    adds ``aux / micro-batches`` to the objective, and the reported loss stays the cross-entropy (as Megatron-LM's
+    MoE auxiliary-loss scaler does)."""
+    if aux is None:
+        return summed
+    term = aux.float() * tokens
+    zero = term - term.detach()  # 0 in value; d(zero)/d(aux) = tokens
+    if isinstance(summed, DTensor) and not isinstance(zero, DTensor):  # vocabulary-parallel loss: a replicated DTensor
+        zero = DTensor.from_local(zero, summed.device_mesh, summed.placements, run_check=False)
+    return summed + zero
 
 
 def count_tensor(count: int, device: torch.device) -> torch.Tensor:
@@ -74,21 +90,33 @@ class Engine(Protocol):
 
 class LossStep(nn.Module):
     """The model and its loss as one module: compiled whole, torch.compile fuses the output head, the fp32 upcast
-    and the cross-entropy, so the logits (B x T x V, the largest activation) are not written out in fp32."""
+    and the cross-entropy, so the logits (B x T x V, the largest activation) are not written out in fp32.
 
-    def __init__(self, model: nn.Module, autocast_dtype: torch.dtype | None = None, *, chunked: bool = False):
+    ``structure`` gives the loss hooks: with ``chunked`` its ``hidden_states`` and ``head_weight``, and its
+    ``aux_loss`` when the model has an auxiliary term (see :func:`with_aux_loss`)."""
+
+    def __init__(self, model: nn.Module, autocast_dtype: torch.dtype | None = None, *,
+                 structure: ModelStructure | None = None, chunked: bool = False):
         super().__init__()
         self.model, self.autocast_dtype = model, autocast_dtype
+        structure = structure or ModelStructure()
         self.chunked = chunked
         """train.loss=chunked: the head and the loss run chunk by chunk (parallel/chunked_loss.py)."""
+        if chunked and (structure.hidden_states is None or structure.head_weight is None):
+            raise ValueError("LossStep(chunked=True) needs the model's hidden_states and head_weight hooks")
+        self.hidden_states, self.head_weight = structure.hidden_states, structure.head_weight
+        self.aux_loss = structure.aux_loss
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with autocast(inputs.device.type, self.autocast_dtype):
             if self.chunked:
-                hidden = self.model(inputs, head=False)  # (B, T, C)
-                return chunked_token_loss_sum(hidden, self.model.output.weight, targets)
-            logits = self.model(inputs)  # (B, T, V)
-        return token_loss_sum(logits, targets)
+                hidden = self.hidden_states(self.model, inputs)  # (B, T, C)
+                summed = chunked_token_loss_sum(hidden, self.head_weight(self.model), targets)
+            else:
+                logits = self.model(inputs)  # (B, T, V)
+        if not self.chunked:
+            summed = token_loss_sum(logits, targets)
+        return with_aux_loss(summed, self.aux_loss(self.model) if self.aux_loss else None, targets.numel())
 
 
 def autocast(device_type: str, dtype: torch.dtype | None):

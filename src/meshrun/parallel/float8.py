@@ -30,7 +30,7 @@ def check_float8(device: torch.device, *, tp: int) -> None:
             from None
 
 
-def convert_blocks_to_float8(model: nn.Module, *, fsdp: bool, blocks_attr: str = "layers") -> int:
+def convert_blocks_to_float8(model: nn.Module, *, fsdp: bool, blocks_attr: str) -> int:
     """Swap the linear layers inside the blocks (``model.<blocks_attr>``) for Float8Linear in place; returns how
     many were swapped."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training

@@ -1,8 +1,9 @@
 """Layouts for a user's own ``nn.Module`` (``Session.prepare_model``), through the trainer's own code.
 
 ``layout`` is one word: ``ddp``, ``fsdp``, ``hsdp``, ``tp`` or ``tp+fsdp`` (``none`` for a single process). It
-resolves to a :class:`~meshrun.comm.mesh.ParallelDims` (the same DeviceMesh builder as the trainer) and the model
-is parallelised by :func:`meshrun.parallel.apply.parallelize`, the trainer's fixed order: TP (the model's plan)
+resolves to a :class:`~meshrun.comm.mesh.ParallelDims` (the same DeviceMesh builder as the trainer) and the model,
+described by a :class:`~meshrun.models.spec.ModelStructure` (its blocks and TP plan), is parallelised by
+:func:`meshrun.parallel.apply.parallelize`, the trainer's own front door and fixed order: TP (the model's plan)
 -> activation checkpointing -> FSDP2 / HSDP over each repeated block, then the root. DDP wraps the whole module.
 
 The repeated blocks are ``blocks`` when given (a dotted module path, e.g. ``"model.layers"``), else found: the
@@ -28,9 +29,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshrun.config import ConfigError, JobConfig
+from meshrun.config import ConfigError
 from meshrun.comm.mesh import ParallelDims
-from meshrun.models.spec import ModelSpec
+from meshrun.models.spec import ModelStructure
+from meshrun.parallel.options import ParallelOptions
 from meshrun.parallel.tied import find_shared
 from meshrun.parallel.tp import resolve_plan
 
@@ -155,20 +157,18 @@ def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world
     if world_size > 1:
         dims.build_mesh(device.type)  # collective: every rank
     _broadcast_from_rank0(model)
-    spec = ModelSpec(arch=type(model).__name__, build=prebuilt, sizes={}, blocks=blocks, tp_plan=plan)
-    job = JobConfig()
-    job.parallel.activation_checkpoint = activation_checkpoint
-    job.parallel.sequence_parallel = False
+    structure = ModelStructure(blocks=blocks, tp_plan=plan)
     # DDP or one process: the whole model in one graph (with a loss inside it, the logits never exist in fp32), as
     # meshrun train compiles them; per-block graphs where FSDP2 or TP hooks run between the blocks
     whole_graph = compile and not uses_fsdp(dims) and dims.tp == 1
-    parallelize(model, dims, job=job, compute_dtype=compute_dtype, compiled=compile and not whole_graph,
-                device=device, spec=spec, layout=f"layout={layout!r}")
+    parallelize(model, structure, dims, session_options(layout, compute_dtype=compute_dtype, device=device,
+                                                        compiled=compile and not whole_graph,
+                                                        activation_checkpoint=activation_checkpoint))
     if whole_graph:
         model.compile()  # in place: parameter names keep no "_orig_mod."
         if dims.dp_replicate > 1:  # one node: one graph each way (see parallel.ddp_graph)
             torch._dynamo.config.optimize_ddp = nodes > 1
-    compiled = 1 if whole_graph else compile_unblocked(model, spec) if compile else 0
+    compiled = 1 if whole_graph else compile_unblocked(model, structure) if compile else 0
     trained = model
     if dims.dp_replicate > 1 and not uses_fsdp(dims):
         trained = apply_ddp(model, dims.get_mesh("dp_replicate"), device, sync_buffers=True)
@@ -178,7 +178,15 @@ def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world
                                  note=layout_note(layout, dims, nodes=nodes))
 
 
-def compile_unblocked(model: nn.Module, spec: ModelSpec) -> int:
+def session_options(layout: str, *, compute_dtype: torch.dtype | None, device: torch.device, compiled: bool,
+                    activation_checkpoint: str) -> ParallelOptions:
+    """parallelize's options for ``Session.prepare_model``: its arguments; the rest as ``meshrun train``'s defaults
+    (no sequence parallelism or float8, FSDP2 units of one block, 'auto' resharding)."""
+    return ParallelOptions(compute_dtype=compute_dtype, compiled=compiled, activation_checkpoint=activation_checkpoint,
+                           device=device, layout=f"layout={layout!r}")
+
+
+def compile_unblocked(model: nn.Module, spec: ModelStructure) -> int:
     """After ``parallelize(..., compiled=True)`` compiled the blocks: the whole model, in place, when it has none
     (parameter names keep no ``_orig_mod.``). Returns how many modules are compiled."""
     blocks = spec.block_modules(model)
@@ -198,11 +206,6 @@ def layout_note(layout: str, dims: ParallelDims, *, nodes: int) -> str:
         return (f"layout='hsdp' with dp_replicate={dims.dp_replicate} of {dims.dp_size} ranks shards nothing: it "
                 "runs DDP; pass a dp_replicate that leaves 2 or more ranks per replica to shard")
     return ""
-
-
-def prebuilt(_shape) -> nn.Module:
-    """The ModelSpec ``build`` of a model that the user built already (never called)."""
-    raise TypeError("a model given to Session.prepare_model is already built")
 
 
 @torch.no_grad()

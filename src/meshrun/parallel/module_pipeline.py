@@ -32,9 +32,9 @@ from torch import nn
 
 from meshrun.ckpt.script import model_fingerprint
 from meshrun.comm.mesh import ParallelDims
-from meshrun.config import MULTI_STAGE_SCHEDULES, PIPELINE_SCHEDULES, ConfigError, JobConfig, PipelineSchedule
-from meshrun.models.spec import ModelSpec
-from meshrun.parallel.module import ModuleLayout, prebuilt, find_blocks, layout_dims, resolve_compute_dtype
+from meshrun.config import MULTI_STAGE_SCHEDULES, PIPELINE_SCHEDULES, ConfigError, PipelineSchedule
+from meshrun.models.spec import ModelStructure
+from meshrun.parallel.module import ModuleLayout, find_blocks, layout_dims, resolve_compute_dtype, session_options
 from meshrun.parallel.pipeline import layer_ranges
 from meshrun.parallel.tied import find_shared
 
@@ -187,8 +187,8 @@ def edge_modules(model: nn.Module, blocks: str) -> tuple[tuple[str, ...], tuple[
 
 
 def stage_spec(model: nn.Module, blocks: str, options: PipelineOptions, *, dims: ParallelDims,
-               layout: str = "pp") -> ModelSpec:
-    """The ModelSpec split_stage cuts ``model`` by, after checking the model can be cut (raises ConfigError)."""
+               layout: str = "pp") -> ModelStructure:
+    """The ModelStructure split_stage cuts ``model`` by, after checking the model can be cut (raises ConfigError)."""
     name = type(model).__name__
     if not blocks:
         raise ConfigError(f"layout='pp': {name} has no repeated blocks to cut into stages (an nn.ModuleList or "
@@ -212,7 +212,7 @@ def stage_spec(model: nn.Module, blocks: str, options: PipelineOptions, *, dims:
     first = found[0] if options.first_stage is None else tuple(options.first_stage)
     last = found[1] if options.last_stage is None else tuple(options.last_stage)
     check_splittable(model, blocks, first, last)
-    spec = ModelSpec(arch=name, build=prebuilt, sizes={}, blocks=blocks, first_stage=first, last_stage=last)
+    spec = ModelStructure(blocks=blocks, first_stage=first, last_stage=last)
     check_stage_ties(model, spec, stages=dims.stages, layout=layout)
     return spec
 
@@ -236,7 +236,7 @@ def check_splittable(model: nn.Module, blocks: str, first: tuple[str, ...], last
                                   "give dotted module names") from None
 
 
-def check_stage_ties(model: nn.Module, spec: ModelSpec, *, stages: int, layout: str) -> None:
+def check_stage_ties(model: nn.Module, spec: ModelStructure, *, stages: int, layout: str) -> None:
     """Refuse a tied parameter whose names would sit on two pipeline stages (each stage would train its own
     copy). A name outside the blocks and the first/last-stage modules stays on every stage."""
     blocks = f"{spec.blocks}."
@@ -300,11 +300,10 @@ def prepare_pipeline(model: nn.Module, layout: str, *, device: torch.device, wor
     for part in parts:
         shared.restore(part, layout=f"layout={layout!r}", after="cutting the stages")
     copy_from_rank0(model, parts, device)
-    job = JobConfig()
-    job.parallel.activation_checkpoint = activation_checkpoint
+    options = session_options(layout, compute_dtype=compute_dtype, device=device, compiled=compile,
+                              activation_checkpoint=activation_checkpoint)
     for part in parts:
-        parallelize(part, dims, job=job, compute_dtype=compute_dtype, compiled=compile, device=device, spec=spec,
-                    layout=f"layout={layout!r}")
+        parallelize(part, spec, dims, options)
     fp32 = compute_dtype is None or compute_dtype == torch.float32
 
     def summed_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

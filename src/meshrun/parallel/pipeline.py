@@ -3,9 +3,9 @@
 Splitting: the model's layers are cut into ``pp x virtual`` contiguous stages, by estimated cost or by layer count
 (``parallel.pp_balance``, see meshrun.parallel.stage_cut). Each stage is a copy of the full (meta-device) model with the blocks it
 does not own deleted; the blocks (the ModelSpec's ``blocks``, e.g. ``layers``) are a ModuleDict keyed by the global
-layer index, so a stage's parameter names are the same as in the whole model ("layers.7.attention.wq.weight") and
+layer index, so a stage's parameter names are the same as in the whole model ("<blocks>.7.<...>.weight") and
 checkpoints line up across layouts. The first stage keeps the spec's ``first_stage`` modules (the embedding), the
-last its ``last_stage`` modules (final norm and output head); elsewhere they are None. Tied embeddings cannot be
+last its ``last_stage`` modules (e.g. final norm and output head); elsewhere they are None. Tied embeddings cannot be
 shared between two stages, so pipeline layouts untie them (see :func:`effective_model_config`).
 
 Stages per rank: GPipe and 1F1B give each pp rank one stage; Interleaved1F1B, InterleavedZeroBubble and LoopedBFS
@@ -37,7 +37,7 @@ from meshrun.parallel.engine import Batch, autocast, count_tensor, token_loss_su
 from meshrun.parallel.grad_norm import clip_grad_norm
 
 if TYPE_CHECKING:
-    from meshrun.models.spec import ModelSpec
+    from meshrun.models.spec import ModelStructure
 
 
 def bubble_fraction(stages: int, microbatches: int, virtual_stages: int = 1) -> float:
@@ -70,18 +70,14 @@ def stage_ids(pp_rank: int, *, pp: int, virtual_stages: int) -> list[int]:
     return [pp_rank + v * pp for v in range(virtual_stages)]
 
 
-def split_stage(model: nn.Module, stage: int, n_stages: int, *, spec: ModelSpec | None = None,
+def split_stage(model: nn.Module, stage: int, n_stages: int, *, spec: ModelStructure,
                 ranges: Sequence[range] | None = None) -> nn.Module:
     """A copy of ``model`` (best on the meta device) holding only ``stage``'s blocks, with the original names.
 
     Blocks in an nn.ModuleDict are deleted; in an nn.ModuleList they become None (``forward`` must skip them).
 
-    ``spec`` names the blocks and the first/last-stage modules (the built-in GPT's when None); ``ranges`` are the
-    block indices of every stage (meshrun.parallel.stage_cut; an even cut when None)."""
-    if spec is None:
-        from meshrun.models.spec import get_model_spec
-
-        spec = get_model_spec("gpt")
+    ``spec`` (the model's ModelSpec, or Session's ModelStructure) names the blocks and the first/last-stage
+    modules; ``ranges`` are the block indices of every stage (meshrun.parallel.stage_cut; an even cut when None)."""
     part = copy.deepcopy(model)
     blocks = spec.model_blocks(part)
     owned = {str(i) for i in (ranges if ranges is not None else layer_ranges(len(blocks), n_stages))[stage]}

@@ -11,7 +11,8 @@ Same contract as :class:`meshrun.parallel.engine.LocalEngine`. Differences:
   ``torch.distributed.tensor.parallel.loss_parallel()`` (forward and backward);
 * with context parallelism (``sequence_shards``) each micro-batch runs, forward and backward, inside torch's
   context parallelism (parallel/context_parallel.py): this rank computes the loss of its part of every sequence
-  and reports that part's sum and token count (the cp ranks' parts add up to the whole).
+  and reports that part's sum and token count (the cp ranks' parts add up to the whole);
+* a model's auxiliary loss term (``aux_loss``) is added to each micro-batch's objective, not to the reported sums.
 """
 
 from __future__ import annotations
@@ -24,14 +25,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from meshrun.parallel.context_parallel import SequenceShards
-from meshrun.parallel.engine import Batch, autocast, count_tensor, token_loss_sum
+from meshrun.parallel.engine import Batch, autocast, count_tensor, token_loss_sum, with_aux_loss
 from meshrun.parallel.grad_norm import clip_grad_norm
 
 
 class ShardedEngine:
     def __init__(self, model: nn.Module, *, dp_rank: int, dp_size: int, reports_loss: bool, fsdp: bool,
                  loss_parallel: bool, autocast_dtype: torch.dtype | None, loss_fn=token_loss_sum,
-                 sequence_shards: SequenceShards | None = None):
+                 sequence_shards: SequenceShards | None = None, aux_loss=None):
         self.model = model
         self.model_parts = [model]
         self.timed_modules: list[nn.Module] = [model]  # build_engine narrows it to the blocks where it can
@@ -45,6 +46,8 @@ class ShardedEngine:
         """(logits, targets) -> token-loss sum: ``token_loss_sum``, or its compiled form (engine.loss_function)."""
         self.sequence_shards = sequence_shards
         """Context parallelism: splits each micro-batch's sequences over the cp ranks (None without CP)."""
+        self.aux_loss = aux_loss
+        """model -> the auxiliary loss term of the last forward (ModelStructure.aux_loss), or None."""
 
     def _sequence(self, inputs: torch.Tensor, targets: torch.Tensor):
         """This rank's part of the sequences (all of them without CP), as a context the step runs inside."""
@@ -71,7 +74,9 @@ class ShardedEngine:
                     logits = self.model(inputs)  # (B, T, V), or a vocabulary-sharded DTensor with loss_parallel
                 with self._loss_context():
                     summed = self.loss_fn(logits, targets)
-                    (summed / (targets.numel() * len(batches))).backward()
+                    aux = self.aux_loss(self.model) if self.aux_loss is not None else None
+                    objective = with_aux_loss(summed, aux, targets.numel())
+                    (objective / (targets.numel() * len(batches))).backward()
             loss_sum += _local(summed.detach())
             tokens += targets.numel()
         return self._reported(loss_sum, tokens)

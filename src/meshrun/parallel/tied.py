@@ -1,8 +1,8 @@
 """Tied weights: one parameter under several names, kept one parameter through every layout.
 
 A tied model holds one tensor under two or more names, most often a language model whose output head reuses the
-token embedding (``lm_head.weight is embed_tokens.weight``: Hugging Face's ``tie_word_embeddings``, the built-in
-GPT's ``model.tie_embeddings``). The steps of a layout replace parameters module by module, and each would untie
+token embedding (``lm_head.weight is embed_tokens.weight``: Hugging Face's ``tie_word_embeddings``, the
+``model.tie_embeddings`` shape option). The steps of a layout replace parameters module by module, and each would untie
 them without a word: tensor parallelism gives every module its own DTensor, ``to_empty`` its own tensor, a
 pipeline stage holds one name and not the other, FSDP2 shards each of its units on its own.
 

@@ -1,7 +1,7 @@
 """Tensor parallelism applied from outside, through the model's plan (ModelSpec.tp_plan or a user's dict).
 
 A plan is either a function ``(part, tp_mesh, *, sequence_parallel, loss_parallel)`` that shards the part in
-place (the built-in GPT's Megatron-style plan, meshrun.models.gpt_spec), or a dict from module names -- with
+place (a Megatron-style plan of the model's spec, in its ``models/<name>_spec.py``), or a dict from module names -- with
 ``*`` matching one name component, as in ``"layers.*.attention.wq"`` -- to a torch ``ParallelStyle`` or one of
 a word from :data:`STYLES` (``colwise``, ``rowwise``, ``colwise_rep``, ...: the spelling Hugging Face models use
 in ``tp_plan``). A module

@@ -1,0 +1,49 @@
+"""The choices :func:`meshrun.parallel.apply.parallelize` applies besides the degrees, resolved once and frozen.
+
+The trainer resolves them from its config (:func:`parallel_options`); ``Session.prepare_model`` from its own
+arguments. Either way parallelize reads these fields and nothing else of a configuration.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from meshrun.config import ActivationCheckpointMode, JobConfig
+
+
+@dataclass(frozen=True)
+class ParallelOptions:
+    """What parallelize applies, beyond the degrees of the mesh (defaults: those of ``[parallel]`` and ``[train]``)."""
+
+    compute_dtype: torch.dtype | None = None
+    """FSDP2's parameter dtype in forward and backward (None or fp32: the parameters' own); gradients reduce in
+    fp32."""
+    compiled: bool = False
+    """Compile each repeated block in place (parameter names keep no ``_orig_mod.``)."""
+    activation_checkpoint: ActivationCheckpointMode = "none"
+    """Activation checkpointing of each block: none, selective or full (parallel.activation_checkpoint)."""
+    sequence_parallel: bool = False
+    """With TP, shard the residual stream along the sequence between blocks (parallel.sequence_parallel)."""
+    float8: bool = False
+    """Swap the blocks' linear layers for torchao's Float8Linear (train.float8)."""
+    fsdp_reshard_after_forward: str = "auto"
+    """auto, true or false (parallel.fsdp_reshard_after_forward)."""
+    fsdp_unit_blocks: int = 1
+    """Consecutive blocks per FSDP2 unit (parallel.fsdp_unit_blocks)."""
+    device: torch.device | None = None
+    """Where the parameters will live ('auto' resharding weighs them against this GPU's memory; None: unknown)."""
+    layout: str = ""
+    """How errors name the layout (e.g. "layout='fsdp'" for Session); '': the degrees' own name."""
+
+
+def parallel_options(job: JobConfig, *, compute_dtype: torch.dtype | None, compiled: bool = False,
+                     device: torch.device | None = None) -> ParallelOptions:
+    """The trainer's options: its ``[parallel]`` and ``[train]`` choices, with the resolved dtype and compilation."""
+    p = job.parallel
+    return ParallelOptions(compute_dtype=compute_dtype, compiled=compiled,
+                           activation_checkpoint=p.activation_checkpoint, sequence_parallel=p.sequence_parallel,
+                           float8=job.train.float8,
+                           fsdp_reshard_after_forward=p.fsdp_reshard_after_forward,
+                           fsdp_unit_blocks=p.fsdp_unit_blocks, device=device)
