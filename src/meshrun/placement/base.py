@@ -2,7 +2,7 @@
 
 A cluster environment knows one way processes are started (torchrun, SLURM's srun, Open MPI's mpirun, ...). It
 answers two questions: is this process running under it (:meth:`ClusterEnvironment.detect`), and what is the
-process layout (:meth:`ClusterEnvironment.layout`, the common :class:`~meshrun.env.ClusterEnv` fields). An
+process layout (:meth:`ClusterEnvironment.layout`, the common :class:`~meshrun.placement.cluster_env.ClusterEnv` fields). An
 environment that can also place ``meshrun launch`` (one launcher per node, before any worker exists) answers
 :meth:`ClusterEnvironment.node_placement` with a :class:`NodePlacement`.
 """
@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
-from meshrun.env import ClusterEnv
+if TYPE_CHECKING:  # the record imports the registry, which imports this interface
+    from meshrun.placement.cluster_env import ClusterEnv
 
 
 class PlacementError(ValueError):

@@ -13,7 +13,7 @@ import os
 import socket
 from typing import Callable, Mapping
 
-from meshrun.env import ClusterEnv
+from meshrun.placement.cluster_env import ClusterEnv
 from meshrun.placement.base import ClusterEnvironment, NodePlacement, PlacementError, env_int
 from meshrun.placement.slurm_lists import expand_nodelist, expand_tasks_per_node, slurm_port
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from meshrun.env import DEFAULT_MASTER_PORT, ClusterEnv
+from meshrun.placement.cluster_env import DEFAULT_MASTER_PORT, ClusterEnv
 from meshrun.placement.base import ClusterEnvironment, env_int
 
 
