@@ -55,7 +55,7 @@ class FakeKubernetes(ClusterEnvironment):
     def detect(self, environ: Mapping[str, str]) -> bool:
         return "JOB_COMPLETION_INDEX" in environ
 
-    def layout(self, environ: Mapping[str, str]) -> ClusterEnv:
+    def placement(self, environ: Mapping[str, str]) -> ClusterEnv:
         index = int(environ["JOB_COMPLETION_INDEX"])
         return ClusterEnv(rank=index, local_rank=0, world_size=3, local_world_size=1, node_rank=index, num_nodes=3,
                           master_addr="job-0.svc", master_port=23456, source=self.name)
@@ -105,7 +105,7 @@ class LsfEnvironment(ClusterEnvironment):
     def detect(self, environ):
         return "LSB_JOBID" in environ
 
-    def layout(self, environ):
+    def placement(self, environ):
         rank = int(environ["LSF_PM_TASKID"])
         return ClusterEnv(rank=rank, local_rank=rank % 2, world_size=4, local_world_size=2, node_rank=rank // 2,
                           num_nodes=2, master_addr="lsf-0", master_port=29400, source=self.name)

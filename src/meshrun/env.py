@@ -1,4 +1,4 @@
-"""The one object that holds the process layout: ranks, nodes and the master address.
+"""The one object that holds where this process sits (its placement): ranks, nodes and the master address.
 
 Every other module asks a :class:`ClusterEnv` for ranks, nodes and the master address; none of them reads
 ``RANK``/``LOCAL_RANK``/``SLURM_*`` itself. Where the values come from is the business of the cluster environments

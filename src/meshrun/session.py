@@ -45,14 +45,14 @@ from meshrun.env import ClusterEnv
 from meshrun.parallel.module import ModuleLayout, prepare_module
 from meshrun.parallel.module_pipeline import PipelinedModule, PipelineOptions, prepare_pipeline
 from meshrun.rng import seed_rank_streams
-from meshrun.ckpt.script import SessionCheckpoints, model_fingerprint
+from meshrun.ckpt.session import SessionCheckpoints, model_fingerprint
 from meshrun.watch.health import JobHealth
 from meshrun.train.metrics import SumMetrics
 from meshrun.train.replicas import ReplicaGroups, data_shard
 
 
 class Session:
-    """Process layout, device, parallel layouts, data sharding, exact metrics, checkpoints and health."""
+    """Placement, device, parallel layouts, data sharding, exact metrics, checkpoints and health."""
 
     def __init__(self, *, seed: int = 1234, dist_config: DistConfig | None = None, env: ClusterEnv | None = None,
                  checkpoint: CheckpointConfig | str | None = None, replicas: ReplicaConfig | None = None):

@@ -143,7 +143,7 @@ def job_targets(args: argparse.Namespace) -> tuple[str | None, str | None, int]:
     needed = parse_size(args.ckpt_bytes) if args.ckpt_bytes else 0
     if args.config:
         from meshrun.config import load_config
-        from meshrun.models.build import model_config, model_spec
+        from meshrun.models.build import model_shape, model_spec
 
         job = load_config(args.config)
         data = data or (job.data.source if job.data.source != "stdlib" else None)
@@ -151,7 +151,7 @@ def job_targets(args: argparse.Namespace) -> tuple[str | None, str | None, int]:
         from meshrun.ckpt.storage import register_options
 
         register_options(folder, job.checkpoint.storage_options)
-        needed = needed or model_spec(job).count_params(model_config(job)) * storage.BYTES_PER_PARAM
+        needed = needed or model_spec(job).count_params(model_shape(job)) * storage.BYTES_PER_PARAM
     return data, folder, needed
 
 

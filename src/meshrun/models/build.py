@@ -21,7 +21,7 @@ def model_spec(job: JobConfig | ModelConfig) -> ModelSpec:
         raise ConfigError(str(exc)) from None
 
 
-def model_config(job: JobConfig, corpus_vocab: int = 0) -> ModelShape:
+def model_shape(job: JobConfig, corpus_vocab: int = 0) -> ModelShape:
     """The named size of ``model.arch`` with the non-zero overrides of ``job.model``; checks shapes against each
     other and the corpus's vocabulary, raising ConfigError naming the option."""
     m, spec = job.model, model_spec(job)
@@ -40,6 +40,11 @@ def model_config(job: JobConfig, corpus_vocab: int = 0) -> ModelShape:
                           f"set --model.vocab_size={corpus_vocab} or more")
     return cfg
 
+
+
+model_config = model_shape
+"""The former name of :func:`model_shape` (it returns a ModelShape, not a config); kept while parallel/ still calls
+it by that name."""
 
 def record_resolved(job: JobConfig, cfg: ModelShape) -> None:
     """Write the named size's values back into the config, so the saved config.toml is the whole truth."""

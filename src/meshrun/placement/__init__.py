@@ -2,7 +2,7 @@
 
 ``registry.ENVIRONMENTS`` holds torchrun / ``meshrun launch`` (first: ``srun torchrun`` sets SLURM's variables too), SLURM,
 Open MPI, and the single-process fallback (last; it always detects). :meth:`meshrun.env.ClusterEnv.detect` walks it
-for the workers' layout; ``meshrun launch`` asks it for the nodes before the workers start
+for the workers' placement; ``meshrun launch`` asks it for the nodes before the workers start
 (:func:`detect_node_placement`). Add your own (Kubernetes, LSF, ...) with :func:`register_environment`, or name it
 as ``module:Class`` in ``$MESHRUN_ENVIRONMENT`` / ``meshrun launch --environment`` (:func:`load_environment`).
 """

@@ -1,4 +1,4 @@
-"""The one object that holds the process layout: ranks, nodes and the master address.
+"""The one object that holds where this process sits (its placement): ranks, nodes and the master address.
 
 Every other module asks a :class:`ClusterEnv` for ranks, nodes and the master address; none of them reads
 ``RANK``/``LOCAL_RANK``/``SLURM_*`` itself. Where the values come from is the business of the cluster environments
@@ -20,7 +20,7 @@ DEFAULT_MASTER_PORT = 29500
 
 @dataclass(frozen=True)
 class ClusterEnv:
-    """Process layout of this process within the job."""
+    """Where this process sits within the job: its ranks, its node and the master."""
 
     rank: int
     """Global rank, 0..world_size-1."""
@@ -39,7 +39,7 @@ class ClusterEnv:
     master_port: int
     """TCP port of the rendezvous store."""
     source: str
-    """Name of the cluster environment that gave the layout: 'torchrun', 'slurm', 'openmpi', 'single', or yours."""
+    """Name of the cluster environment that gave the placement: 'torchrun', 'slurm', 'openmpi', 'single', or yours."""
 
     @property
     def is_distributed(self) -> bool:
@@ -68,7 +68,7 @@ class ClusterEnv:
         return f"{self.num_nodes} node(s) x {self.local_world_size} process(es) = world size {self.world_size}"
 
     def validate(self) -> None:
-        """Raise a ValueError naming the variables to check when the layout is inconsistent."""
+        """Raise a ValueError naming the variables to check when the placement is inconsistent."""
         names = environment_named(self.source) or _TORCHRUN_NAMES
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"{self.source}: rank {self.rank} is outside world size {self.world_size}; "
@@ -82,17 +82,17 @@ class ClusterEnv:
 
     @classmethod
     def detect(cls, environ: Mapping[str, str] | None = None) -> "ClusterEnv":
-        """Read the layout from ``environ`` (default: ``os.environ``) through the first cluster environment of
+        """Read the placement from ``environ`` (default: ``os.environ``) through the first cluster environment of
         :data:`meshrun.placement.registry.ENVIRONMENTS` that detects this process."""
         environ = os.environ if environ is None else environ
-        env = detect_environment(environ).layout(environ)
+        env = detect_environment(environ).placement(environ)
         env.validate()
         return env
 
     def check_master_address(self, environ: Mapping[str, str] | None = None, *,
                              resolve: Callable[[str], str] | None = None) -> None:
         """Refuse a derived master address that cannot work (SLURM on several nodes: a master host that resolves
-        to loopback here), before init waits on it. The cluster environment that gave the layout decides; raises
+        to loopback here), before init waits on it. The cluster environment that gave the placement decides; raises
         a ValueError naming what resolved to what, and the fix. Blocks for at most one name lookup.
         """
         environment = environment_named(self.source)

@@ -22,7 +22,7 @@ from meshrun.data.loader import StepBatches, eval_batches
 from meshrun.data.sampler import TokenWindows
 from meshrun.comm.process_group import DistContext, init_distributed, set_mesh_timeouts, wants_cuda
 from meshrun.env import ClusterEnv
-from meshrun.models.build import model_config, model_spec, record_resolved
+from meshrun.models.build import model_shape, model_spec, record_resolved
 from meshrun.rng import seed_rank_streams
 from meshrun.parallel.apply import build_engine
 from meshrun.parallel.engine import Engine
@@ -86,7 +86,7 @@ class Trainer:
         self.env = env or ClusterEnv.detect()
         self.corpus = corpus or load_corpus(job.data)
         self.spec = model_spec(job)
-        self.model_cfg = model_config(job, self.corpus.vocab_size)
+        self.model_cfg = model_shape(job, self.corpus.vocab_size)
         record_resolved(job, self.model_cfg)
         job.parallel, self.layout_note = choose_data_parallel(
             job.parallel, params=self.spec.count_params(self.model_cfg), on_gpu=wants_cuda(job.dist))
