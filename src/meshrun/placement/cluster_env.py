@@ -13,6 +13,7 @@ import socket
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
+from meshrun.placement.base import ClusterEnvironment
 from meshrun.placement.registry import detect_environment, environment_named
 
 DEFAULT_MASTER_PORT = 29500
@@ -69,7 +70,7 @@ class ClusterEnv:
 
     def validate(self) -> None:
         """Raise a ValueError naming the variables to check when the placement is inconsistent."""
-        names = environment_named(self.source) or _TORCHRUN_NAMES
+        names = environment_named(self.source) or ClusterEnvironment  # its defaults: torchrun's variables
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"{self.source}: rank {self.rank} is outside world size {self.world_size}; "
                              f"check {names.rank_vars}.")
@@ -105,10 +106,6 @@ class ClusterEnv:
         return {"RANK": str(self.rank), "LOCAL_RANK": str(self.local_rank), "WORLD_SIZE": str(self.world_size),
                 "LOCAL_WORLD_SIZE": str(self.local_world_size), "GROUP_RANK": str(self.node_rank),
                 "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port)}
-
-
-class _TORCHRUN_NAMES:  # an environment's variable names, for a ClusterEnv built by hand (source not registered)
-    rank_vars, local_vars, node_vars = "RANK/WORLD_SIZE", "LOCAL_RANK/LOCAL_WORLD_SIZE", "GROUP_RANK/--node-rank"
 
 
 def resolve_ipv4_first(host: str) -> str:
