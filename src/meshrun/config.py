@@ -19,8 +19,9 @@ from meshrun.config_checks import (  # noqa: F401 - re-exported: `from meshrun.c
     ACTIVATION_CHECKPOINT_MODES, ATTENTION_BACKENDS, ActivationCheckpointMode, AttentionBackend, BACKENDS, Backend,
     BatchPlan, ConfigError, DATA_FORMATS, DATA_PARALLEL_MODES, DDP_GRAPH_MODES, DEVICE_KINDS, DataFormat,
     DataParallelMode, DdpGraphMode, DeviceKind, HANG_ACTIONS, HangAction, LOSS_MODES, LR_SCHEDULES, LossMode,
-    LrSchedule, NONFINITE_MODES, NonfiniteMode, PIPELINE_SCHEDULES, PROGRESS_MODES, PipelineSchedule, ProgressMode,
-    TOKEN_DTYPES, TRACKERS, TRAIN_DTYPES, TokenDtype, TrackerName, TrainDtype, resolve_batch, validate_job)
+    LrSchedule, MULTI_STAGE_SCHEDULES, NONFINITE_MODES, NonfiniteMode, PIPELINE_BALANCES, PIPELINE_SCHEDULES,
+    PROGRESS_MODES, PipelineBalance, PipelineSchedule, ProgressMode, TOKEN_DTYPES, TRACKERS, TRAIN_DTYPES,
+    TokenDtype, TrackerName, TrainDtype, resolve_batch, validate_job)
 from meshrun.config_load import join_overrides, load_config, set_option, to_toml  # noqa: F401 - re-exported
 from meshrun.models.shape import ModelShape
 
@@ -103,7 +104,8 @@ class TrainConfig:
     cuda_graphs: str = "auto"
     """Compile the step with CUDA graphs (torch.compile mode reduce-overhead): each compiled graph is recorded once
     and replayed, so the host no longer launches every kernel. auto: on for one process and DDP when compiled on
-    CUDA GPUs, off elsewhere; true refuses the layouts it cannot serve; false launches every kernel."""
+    CUDA GPUs with the full loss and without float8 (the combinations tested on GPUs), off elsewhere; true refuses
+    the layouts it cannot serve; false launches every kernel."""
     gc_every: int = 50
     """Python's garbage collector runs every N optimizer steps (young generations only) instead of whenever
     allocations trigger it, with the objects alive after the first step frozen out of its scans; 0 leaves Python's
@@ -141,12 +143,16 @@ class ParallelConfig:
     cp: int = 1
     """Context parallelism: each sequence split over cp ranks, attention as a ring (CUDA; docs/parallelism.md)."""
     pp_schedule: PipelineSchedule = "1f1b"
-    """Pipeline schedule: gpipe, 1f1b or interleaved1f1b."""
+    """Pipeline schedule: gpipe, 1f1b, or with pp_virtual_stages per rank interleaved1f1b, interleavedzb (zero
+    bubble; uncompiled blocks only) or loopedbfs (docs/parallelism.md)."""
     pp_microbatches: int = 0
     """Pipeline micro-batches per step; 0 means one per sample of the step (micro_batch x grad_accum per
     data-parallel rank), the smallest bubble the step allows."""
     pp_virtual_stages: int = 2
-    """Stages per rank for interleaved1f1b."""
+    """Stages per rank for interleaved1f1b, interleavedzb and loopedbfs."""
+    pp_balance: PipelineBalance = "cost"
+    """Cut the blocks into stages so each stage's estimated FLOPs are even (cost: the last stage, which also runs the
+    output head and loss, gets fewer blocks) or give every stage the same block count (blocks)."""
     sequence_parallel: bool = False
     """Shard norms and dropout along the sequence in TP regions."""
     async_tp: bool = False

@@ -22,7 +22,8 @@ NonfiniteMode = Literal["skip", "stop", "off"]
 TrainDtype = Literal["auto", "fp32", "bf16"]
 LossMode = Literal["full", "chunked"]
 AttentionBackend = Literal["auto", "cudnn", "flash", "efficient", "math", "default"]
-PipelineSchedule = Literal["gpipe", "1f1b", "interleaved1f1b"]
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved1f1b", "interleavedzb", "loopedbfs"]
+PipelineBalance = Literal["cost", "blocks"]
 DataParallelMode = Literal["auto", "ddp", "fsdp"]
 ActivationCheckpointMode = Literal["none", "selective", "full"]
 Backend = Literal["auto", "nccl", "gloo"]
@@ -40,6 +41,9 @@ TRAIN_DTYPES: tuple[str, ...] = get_args(TrainDtype)
 LOSS_MODES: tuple[str, ...] = get_args(LossMode)
 ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
 PIPELINE_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
+PIPELINE_BALANCES: tuple[str, ...] = get_args(PipelineBalance)
+MULTI_STAGE_SCHEDULES: tuple[str, ...] = ("interleaved1f1b", "interleavedzb", "loopedbfs")
+"""Pipeline schedules that run parallel.pp_virtual_stages stages per rank (looped placement)."""
 DATA_PARALLEL_MODES: tuple[str, ...] = get_args(DataParallelMode)
 ACTIVATION_CHECKPOINT_MODES: tuple[str, ...] = get_args(ActivationCheckpointMode)
 BACKENDS: tuple[str, ...] = get_args(Backend)
@@ -114,6 +118,7 @@ def _check_choices(job: JobConfig) -> None:
     check_choice("data.format", job.data.format, DATA_FORMATS)
     check_choice("data.token_dtype", job.data.token_dtype, TOKEN_DTYPES)
     check_choice("parallel.pp_schedule", job.parallel.pp_schedule, PIPELINE_SCHEDULES)
+    check_choice("parallel.pp_balance", job.parallel.pp_balance, PIPELINE_BALANCES)
     check_choice("parallel.activation_checkpoint", job.parallel.activation_checkpoint,
                  ACTIVATION_CHECKPOINT_MODES)
     check_choice("train.attention", job.train.attention, ATTENTION_BACKENDS)
