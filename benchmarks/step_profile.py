@@ -48,13 +48,13 @@ def baseline_step(size: str, mb: int, seq: int, device: torch.device):
 def meshrun_step(size: str, mb: int, seq: int, device: torch.device, overrides: list[str]):
     from meshrun.config import load_config
     from meshrun.comm.mesh import ParallelDims
-    from meshrun.models.build import model_config
+    from meshrun.models.build import model_shape
     from meshrun.parallel.apply import build_engine
     from meshrun.train.trainer import compute_dtype
 
     job = load_config(None, [f"model.name={size}", f"model.seq_len={seq}", f"train.micro_batch={mb}",
                              "train.compile=true", *overrides])
-    cfg = model_config(job)
+    cfg = model_shape(job)
     dims = ParallelDims.from_config(job.parallel, world_size=1, gpus_per_node=1, model=cfg)
     engine = build_engine(job=job, model_cfg=cfg, dims=dims, mesh=None, device=device,
                           compute_dtype=compute_dtype(job, device))

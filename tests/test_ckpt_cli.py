@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from test_ckpt_support import Job, checkpointer, reseal
 
 from meshrun.cli import main
-from meshrun.ckpt.layout import COMPLETE, step_dir_name
+from meshrun.ckpt.folder import COMPLETE, step_dir_name
 from meshrun.ckpt.manifest import build_manifest
 from meshrun.env import ClusterEnv
 from meshrun.models.gpt import GPT, gpt_config

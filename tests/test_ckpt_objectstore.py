@@ -24,7 +24,7 @@ from test_ckpt_support import Job, assert_same, checkpointer
 
 from meshrun.ckpt import cli, storage
 from meshrun.ckpt.errors import CheckpointError
-from meshrun.ckpt.layout import scan
+from meshrun.ckpt.folder import scan
 from meshrun.env import ClusterEnv
 
 ENV = ClusterEnv.detect({})

@@ -7,7 +7,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from test_ckpt_support import checkpointer
 
-from meshrun.ckpt.layout import step_dir_name
+from meshrun.ckpt.folder import step_dir_name
 from meshrun.ckpt.state import CountersState, TrainProgress
 from meshrun.data.loader import StepBatches
 

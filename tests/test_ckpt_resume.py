@@ -26,7 +26,7 @@ from torch.distributed.checkpoint import CheckpointException
 
 from meshrun.ckpt import checkpointer as checkpointer_module
 from meshrun.ckpt.errors import CheckpointError
-from meshrun.ckpt.layout import COMPLETE, MANIFEST, step_dir_name
+from meshrun.ckpt.folder import COMPLETE, MANIFEST, step_dir_name
 from meshrun.ckpt.manifest import build_manifest, describe_files
 from meshrun.ckpt.preemption import install_sigterm_handler
 from meshrun.ckpt.state import CountersState

@@ -103,7 +103,7 @@ def reseal(folder: Path) -> None:
     import hashlib
     import json
 
-    from meshrun.ckpt.layout import COMPLETE, MANIFEST
+    from meshrun.ckpt.folder import COMPLETE, MANIFEST
     from meshrun.ckpt.manifest import describe_files
 
     manifest = json.loads((folder / MANIFEST).read_text())

@@ -138,19 +138,19 @@ def test_next_steps_put_failures_first_and_network_before_storage():
 
 
 def test_doctor_reads_the_jobs_data_checkpoint_folder_and_size_from_its_config(tmp_path):
-    from meshrun.diag import doctor
-    from meshrun.models.build import model_config, model_spec
+    from meshrun.diag import doctor, doctor_checks
+    from meshrun.models.build import model_shape, model_spec
     from meshrun.config import load_config
 
     cfg = tmp_path / "job.toml"
     cfg.write_text(f'[model]\nname = "tiny"\n[data]\nsource = "{tmp_path}/tokens.bin"\n[run]\ndir = "{tmp_path}/run"\n')
     args = doctor.build_parser().parse_args(["--config", str(cfg)])
-    data, folder, needed = doctor.job_targets(args)
+    data, folder, needed = doctor_checks.job_targets(args)
     assert (data, folder) == (f"{tmp_path}/tokens.bin", f"{tmp_path}/run/checkpoints")
     job = load_config(cfg)
-    assert needed == 12 * model_spec(job).count_params(model_config(job)) > 0
+    assert needed == 12 * model_spec(job).count_params(model_shape(job)) > 0
     explicit = doctor.build_parser().parse_args(["--config", str(cfg), "--ckpt-dir", "/x", "--ckpt-bytes", "2G"])
-    assert doctor.job_targets(explicit)[1:] == ("/x", 2 * 2**30)
+    assert doctor_checks.job_targets(explicit)[1:] == ("/x", 2 * 2**30)
 
 
 def test_nvml_fields_are_read_and_a_missing_one_is_left_out(monkeypatch):

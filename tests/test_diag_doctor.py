@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import run_distributed
-from meshrun.diag import doctor, reach
+from meshrun.diag import doctor, doctor_checks, reach
 from meshrun.diag.fingerprint import FingerprintMismatch, check_consistency
 from meshrun.env import ClusterEnv
 
@@ -67,31 +67,31 @@ def test_local_doctor_fails_on_a_closed_port_and_a_bad_endpoint(capsys):
     assert doctor.main(["--endpoint", "127.0.0.1:notaport"]) == 2
 
 
-def _facts(node: int, host: str, address: str, gpus: tuple[str, ...] = ()) -> doctor.NodeFacts:
-    return doctor.NodeFacts(rank=node, node_rank=node, local_rank=0, host=host, address=address,
+def _facts(node: int, host: str, address: str, gpus: tuple[str, ...] = ()) -> doctor_checks.NodeFacts:
+    return doctor_checks.NodeFacts(rank=node, node_rank=node, local_rank=0, host=host, address=address,
                             address_why="route to master", gpus=gpus, nccl=True, env_vars={})
 
 
-def _report(facts: list[doctor.NodeFacts]) -> doctor.DoctorReport:
+def _report(facts: list[doctor_checks.NodeFacts]) -> doctor_checks.DoctorReport:
     eps = [reach.Endpoint(node=f.node_rank, host=f.host, addr=f.address, port=1) for f in facts]
     ok = reach.Probe(True, None, 0.1)
     matrix = reach.ReachMatrix(endpoints=eps, rows=[[ok] * len(eps) for _ in eps])
     env = ClusterEnv.detect({})
-    return doctor.DoctorReport(env=env, facts=facts, fingerprints=[], diffs=[], matrix=matrix)
+    return doctor_checks.DoctorReport(env=env, facts=facts, fingerprints=[], diffs=[], matrix=matrix)
 
 
 def test_loopback_address_is_a_problem_only_across_hosts():
     across = _report([_facts(0, "a", "10.1.0.1"), _facts(1, "b", "127.0.0.1")])
-    doctor.judge(across)
+    doctor_checks.judge(across)
     assert across.problems and across.problems[0].startswith("node 1 (host b) would be reached at loopback")
     one_host = _report([_facts(0, "a", "127.0.0.1"), _facts(1, "a", "127.0.0.1")])
-    doctor.judge(one_host)
+    doctor_checks.judge(one_host)
     assert one_host.problems == []
 
 
 def test_different_gpus_per_node_are_noted():
     report = _report([_facts(0, "a", "10.1.0.1", ("H100",) * 8), _facts(1, "b", "10.1.0.2", ("H100",) * 4)])
-    doctor.judge(report)
+    doctor_checks.judge(report)
     assert report.problems == [] and "nodes see different GPUs" in report.notes[0]
 
 
@@ -147,13 +147,13 @@ def test_allreduce_check_reports_a_correct_sum_and_a_failing_backend():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         env = ClusterEnv.detect({})
-        good = doctor.allreduce_check("gloo", lambda: (None, torch.device("cpu")), env=env)
+        good = doctor_checks.allreduce_check("gloo", lambda: (None, torch.device("cpu")), env=env)
         assert good.ok and good.detail == "4 MiB fp32: sum correct on all 1 ranks" and good.seconds > 0
 
         def broken():
             raise RuntimeError("NCCL error: unhandled system error\nmore detail")
 
-        bad = doctor.allreduce_check("nccl", broken, env=env)
+        bad = doctor_checks.allreduce_check("nccl", broken, env=env)
         assert not bad.ok
         assert bad.detail == "4 MiB fp32: failed on 1 rank(s): rank 0: RuntimeError: NCCL error: unhandled system error"
     finally:

@@ -132,7 +132,7 @@ def test_master_host_check_passes_routable_addresses_user_choices_and_single_nod
     one_node = ClusterEnv.detect(slurm_env(0, 0, 0, SLURM_NTASKS="2", SLURM_NNODES="1", SLURM_JOB_NODELIST="node01"))
     one_node.check_master_address({}, resolve=lambda host: "127.0.1.1")
     # the default resolver is the module's: a monkeypatched one is what init_distributed's call would use
-    monkeypatch.setattr("meshrun.env.resolve_ipv4_first", lambda host: "127.0.1.1")
+    monkeypatch.setattr("meshrun.placement.cluster_env.resolve_ipv4_first", lambda host: "127.0.1.1")
     with pytest.raises(ValueError, match="resolves to 127.0.1.1"):
         env.check_master_address({})
 
@@ -141,7 +141,7 @@ def test_direct_slurm_init_refuses_a_loopback_master_before_joining(monkeypatch)
     from meshrun.config import DistConfig
     from meshrun.comm.process_group import init_distributed
 
-    monkeypatch.setattr("meshrun.env.resolve_ipv4_first", lambda host: "127.0.1.1")
+    monkeypatch.setattr("meshrun.placement.cluster_env.resolve_ipv4_first", lambda host: "127.0.1.1")
     for name in ("MASTER_ADDR", "RANK", "WORLD_SIZE"):  # init_distributed exports them; keep this process clean
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)

@@ -14,10 +14,10 @@ import torch.distributed as dist
 
 from dist_utils import run_distributed
 from meshrun.env import ClusterEnv
-from meshrun.diag import hang, stragglers
-from meshrun.diag.flight_recorder import enable_flight_recorder
-from meshrun.diag.hang import Heartbeat, HangWatchdog, RankView, diagnose_hang
-from meshrun.diag.stragglers import RankInfo, StragglerDetector, find_stragglers
+from meshrun.watch import hang, stragglers
+from meshrun.watch.flight_recorder import enable_flight_recorder
+from meshrun.watch.hang import Heartbeat, HangWatchdog, RankView, diagnose_hang
+from meshrun.watch.stragglers import RankInfo, StragglerDetector, find_stragglers
 
 
 def _ranks(n: int) -> list[RankInfo]:

@@ -12,7 +12,7 @@ import mlp_lm
 from meshrun import planner
 from meshrun.config import ConfigError, load_config
 from meshrun.comm.mesh import ParallelDims
-from meshrun.models.build import model_config, model_spec
+from meshrun.models.build import model_shape, model_spec
 from meshrun.models.gpt import GPT
 from meshrun.models.spec import get_model_spec
 from meshrun.train.cli import main as train_main
@@ -42,17 +42,17 @@ def test_train_dry_run_shards_the_registered_model(capsys):
 
 def test_gpt_goes_through_the_same_contract():
     job = load_config(None, ["--model.name=tiny"])
-    spec, shape = model_spec(job), model_config(job)
+    spec, shape = model_spec(job), model_shape(job)
     assert spec.arch == "gpt" and spec.count_params(shape) == GPT(shape).num_params()
     job = load_config(None, [f"--model.arch={ARCH}", "--model.ffn_dim=96"])
-    assert dataclasses.asdict(model_config(job))["ffn_dim"] == 96
+    assert dataclasses.asdict(model_shape(job))["ffn_dim"] == 96
 
 
 def test_errors_name_the_option():
     with pytest.raises(ConfigError, match=r"model.arch='nope' is not a registered model; registered: .*gpt"):
         model_spec(load_config(None, ["--model.arch=nope"]))
     with pytest.raises(ConfigError, match=r"model.name='124m' is not a named size of model.arch='mlp_lm:mlp_lm'"):
-        model_config(load_config(None, [f"--model.arch={ARCH}", "--model.name=124m"]))
-    shape = model_config(load_config(None, [f"--model.arch={ARCH}", "--model.ffn_dim=66"]))
+        model_shape(load_config(None, [f"--model.arch={ARCH}", "--model.name=124m"]))
+    shape = model_shape(load_config(None, [f"--model.arch={ARCH}", "--model.ffn_dim=66"]))
     with pytest.raises(ConfigError, match=r"parallel.tp=4 does not divide model.ffn_dim \(MLP width\)=66"):
         ParallelDims(dp_replicate=1, dp_shard=1, tp=4, pp=1, world_size=4).validate_model(shape, get_model_spec(ARCH))

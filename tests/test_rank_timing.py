@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshrun.diag.stragglers import RankInfo, StragglerDetector
+from meshrun.watch.stragglers import RankInfo, StragglerDetector
 from meshrun.env import ClusterEnv
 from meshrun.train.nonfinite import NonFiniteGuard
-from meshrun.train.rank_timing import FIELDS
-from meshrun.train.trainer import Trainer
+from meshrun.train.rank_timing import FIELDS, log_rank_timing
+from meshrun.watch.health import JobHealth
 
 RANK1_SLOWDOWN = 4.0  # rank 1's working time, as a multiple of rank 0's
 
@@ -60,14 +60,15 @@ def test_each_log_interval_gathers_once_for_the_record_and_the_detector(two_rank
     assert two_rank_world["all_gather_object"] == 0, "the rank infos were given: no gather of host names"
     records, printed = [], []
     work = iter([(0.1, 0.02), (0.2, 0.05)])
-    trainer = SimpleNamespace(timer=SimpleNamespace(take=lambda steps: next(work)), stragglers=detector,
-                              env=_env(), device=torch.device("cpu"), start_step=0, step=3,
+    health = JobHealth(env=_env(), device=torch.device("cpu"), parts=[], straggler_threshold=0)
+    health.timer, health.stragglers = SimpleNamespace(take=lambda steps: next(work)), detector
+    trainer = SimpleNamespace(health=health, env=_env(), device=torch.device("cpu"), start_step=0, step=3,
                               job=SimpleNamespace(train=SimpleNamespace(log_every=3)), beat=lambda phase: None,
                               sink=SimpleNamespace(record=records.append, print=printed.append))
     for step in (3, 6):  # the first interval is warm-up: recorded, not compared
         trainer.step = step
         before = two_rank_world["all_gather"]
-        Trainer.check_stragglers(trainer, 3, 0.9)
+        log_rank_timing(trainer, 3, 0.9)
         assert two_rank_world["all_gather"] - before == 1, f"step {step}: one gather per log interval"
     assert [r["step"] for r in records] == [3, 6] and all(set(FIELDS) <= set(r) for r in records)
     assert records[1]["work_s"] == [0.2, round(0.2 * RANK1_SLOWDOWN, 6)] and records[1]["data_s"] == [0.05, 0.05]

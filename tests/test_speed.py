@@ -14,7 +14,7 @@ from torch import nn
 
 from meshrun.config import ConfigError, ParallelConfig, load_config
 from meshrun.comm.mesh import ParallelDims, choose_data_parallel
-from meshrun.models.build import model_config, model_spec
+from meshrun.models.build import model_shape, model_spec
 from meshrun.parallel.apply import check_cuda_graphs, reshard_after_forward, use_cuda_graphs
 from meshrun.parallel.engine import count_tensor, loss_function, token_loss_sum
 from meshrun.parallel.async_tp import check_async_tp
@@ -167,8 +167,8 @@ def test_train_prints_the_speed_line_and_refuses_float8_on_cpu(tmp_path):
 def test_data_parallel_auto_shards_large_models_on_gpus():
     default = ParallelConfig()
     one_b_job, small_job = load_config(None, ["--model.name=1b"]), load_config(None, ["--model.name=124m"])
-    one_b = model_spec(one_b_job).count_params(model_config(one_b_job))
-    small = model_spec(small_job).count_params(model_config(small_job))
+    one_b = model_spec(one_b_job).count_params(model_shape(one_b_job))
+    small = model_spec(small_job).count_params(model_shape(small_job))
     assert one_b > 1e9 > small
     chosen, note = choose_data_parallel(default, params=one_b, on_gpu=True)
     assert (chosen.dp_replicate, chosen.dp_shard) == (1, -1) and note.startswith("data parallelism: FSDP2")

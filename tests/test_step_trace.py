@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from meshrun.diag.step_trace import main, step_time
+from meshrun.watch.step_trace import main, step_time
 
 
 def kernel(name, start, end, cat="kernel"):

@@ -87,7 +87,7 @@ def test_checkpoint_save_gets_the_checkpoint_timeout_before_a_hang_is_reported(t
         def beat(self, step, phase, *, timeout_s=None):
             beats.append((phase, timeout_s))
 
-    trainer.watchdog = Recorder()
+    trainer.health.watchdog = Recorder()
     trainer.train_step()
     trainer.save_checkpoint()
     trainer.ckpt.wait()

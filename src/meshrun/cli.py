@@ -19,7 +19,7 @@ COMMANDS = {
     "doctor": ("meshrun.diag.doctor", "check nodes before training: network, versions, clocks, GPUs and their speed, storage, data"),
     "bench": ("meshrun.diag.bench",
               "measure collective bandwidth between workers (all-reduce, all-gather, ...), per group and per link"),
-    "trace": ("meshrun.diag.step_trace", "where profiled steps' GPU time went: compute, exposed communication, idle"),
+    "trace": ("meshrun.watch.step_trace", "where profiled steps' GPU time went: compute, exposed communication, idle"),
     "report": ("meshrun.report.cli", "HTML page and PNGs of one or more runs: curves, per-rank heatmap, summary"),
     "runs": ("meshrun.report.runs", "one row per run directory: status, steps, loss, throughput, checkpoint"),
     "sample": ("meshrun.sample", "print what a checkpoint of the reference model writes after a prompt"),

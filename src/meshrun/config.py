@@ -3,68 +3,27 @@
 Every field carries a one-line docstring. Checks that involve more than one field live in
 :meth:`JobConfig.validate` (static checks) and :func:`resolve_batch` (checks that need the world size), and they
 raise :class:`ConfigError` naming the option to change and the values that were given.
+
+This module holds the dataclasses and is the one to import from: it re-exports the validation tables
+(:mod:`meshrun.config_checks`: the choices, :class:`ConfigError`, :func:`resolve_batch`) and the loading
+functions (:mod:`meshrun.config_load`: :func:`load_config`, :func:`set_option`, :func:`join_overrides`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable, Literal, get_args, get_origin, get_type_hints
+from typing import Any
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
-
+from meshrun.config_checks import (  # noqa: F401 - re-exported: `from meshrun.config import X` for all of them
+    ACTIVATION_CHECKPOINT_MODES, ATTENTION_BACKENDS, ActivationCheckpointMode, AttentionBackend, BACKENDS, Backend,
+    BatchPlan, ConfigError, DATA_FORMATS, DATA_PARALLEL_MODES, DDP_GRAPH_MODES, DEVICE_KINDS, DataFormat,
+    DataParallelMode, DdpGraphMode, DeviceKind, HANG_ACTIONS, HangAction, LOSS_MODES, LR_SCHEDULES, LossMode,
+    LrSchedule, MULTI_STAGE_SCHEDULES, NONFINITE_MODES, NonfiniteMode, PIPELINE_BALANCES, PIPELINE_SCHEDULES,
+    PROGRESS_MODES, PipelineBalance, PipelineSchedule, ProgressMode, TOKEN_DTYPES, TRACKERS, TRAIN_DTYPES,
+    TokenDtype, TrackerName, TrainDtype, resolve_batch, validate_job)
+from meshrun.config_load import join_overrides, load_config, set_option, to_toml  # noqa: F401 - re-exported
 from meshrun.models.shape import ModelShape
-
-
-# The allowed values of every choice-valued option, defined once: the field annotations, JobConfig.validate, the
-# argparse choices of `meshrun plan` and the code that dispatches on them all read these.
-DataFormat = Literal["auto", "text", "tokens"]
-TokenDtype = Literal["uint16", "uint32"]
-NonfiniteMode = Literal["skip", "stop", "off"]
-TrainDtype = Literal["auto", "fp32", "bf16"]
-LossMode = Literal["full", "chunked"]
-AttentionBackend = Literal["auto", "cudnn", "flash", "efficient", "math", "default"]
-PipelineSchedule = Literal["gpipe", "1f1b", "interleaved1f1b", "interleavedzb", "loopedbfs"]
-PipelineBalance = Literal["cost", "blocks"]
-DataParallelMode = Literal["auto", "ddp", "fsdp"]
-ActivationCheckpointMode = Literal["none", "selective", "full"]
-Backend = Literal["auto", "nccl", "gloo"]
-DeviceKind = Literal["auto", "cpu", "cuda"]
-HangAction = Literal["exit", "report"]
-ProgressMode = Literal["auto", "bar", "lines"]
-DdpGraphMode = Literal["auto", "split", "whole"]
-LrSchedule = Literal["cosine", "wsd"]
-TrackerName = Literal["none", "tensorboard", "wandb", "mlflow"]
-
-DATA_FORMATS: tuple[str, ...] = get_args(DataFormat)
-TOKEN_DTYPES: tuple[str, ...] = get_args(TokenDtype)
-NONFINITE_MODES: tuple[str, ...] = get_args(NonfiniteMode)
-TRAIN_DTYPES: tuple[str, ...] = get_args(TrainDtype)
-LOSS_MODES: tuple[str, ...] = get_args(LossMode)
-ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
-PIPELINE_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
-PIPELINE_BALANCES: tuple[str, ...] = get_args(PipelineBalance)
-MULTI_STAGE_SCHEDULES: tuple[str, ...] = ("interleaved1f1b", "interleavedzb", "loopedbfs")
-"""Pipeline schedules that run parallel.pp_virtual_stages stages per rank (looped placement)."""
-DATA_PARALLEL_MODES: tuple[str, ...] = get_args(DataParallelMode)
-ACTIVATION_CHECKPOINT_MODES: tuple[str, ...] = get_args(ActivationCheckpointMode)
-BACKENDS: tuple[str, ...] = get_args(Backend)
-DDP_GRAPH_MODES: tuple[str, ...] = get_args(DdpGraphMode)
-DEVICE_KINDS: tuple[str, ...] = get_args(DeviceKind)
-HANG_ACTIONS: tuple[str, ...] = get_args(HangAction)
-PROGRESS_MODES: tuple[str, ...] = get_args(ProgressMode)
-LR_SCHEDULES: tuple[str, ...] = get_args(LrSchedule)
-TRACKERS: tuple[str, ...] = get_args(TrackerName)
-
-
-class ConfigError(ValueError):
-    """A user error in the configuration. The message's first line names the option and the fix."""
 
 
 @dataclass
@@ -396,256 +355,12 @@ class JobConfig:
     replicas: ReplicaConfig = field(default_factory=ReplicaConfig)
 
     def validate(self) -> None:
-        """Static checks of fields against each other; raises ConfigError naming the option."""
-        _check_choice("train.dtype", self.train.dtype, TRAIN_DTYPES)
-        _check_choice("dist.backend", self.dist.backend, BACKENDS)
-        _check_choice("dist.device", self.dist.device, DEVICE_KINDS)
-        _check_choice("data.format", self.data.format, DATA_FORMATS)
-        _check_choice("data.token_dtype", self.data.token_dtype, TOKEN_DTYPES)
-        _check_choice("parallel.pp_schedule", self.parallel.pp_schedule, PIPELINE_SCHEDULES)
-        _check_choice("parallel.pp_balance", self.parallel.pp_balance, PIPELINE_BALANCES)
-        _check_choice("parallel.activation_checkpoint", self.parallel.activation_checkpoint,
-                      ACTIVATION_CHECKPOINT_MODES)
-        _check_choice("train.attention", self.train.attention, ATTENTION_BACKENDS)
-        _check_choice("train.loss", self.train.loss, LOSS_MODES)
-        _check_choice("train.nonfinite", self.train.nonfinite, NONFINITE_MODES)
-        _check_choice("train.lr_schedule", self.train.lr_schedule, LR_SCHEDULES)
-        self.train.compile = _tri_state("train.compile", self.train.compile)
-        self.train.cuda_graphs = _tri_state("train.cuda_graphs", self.train.cuda_graphs)
-        _check_choice("parallel.ddp_graph", self.parallel.ddp_graph, DDP_GRAPH_MODES)
-        self.parallel.fsdp_reshard_after_forward = _tri_state("parallel.fsdp_reshard_after_forward",
-                                                              self.parallel.fsdp_reshard_after_forward)
-        if self.parallel.async_tp and not self.parallel.sequence_parallel:
-            raise ConfigError("parallel.async_tp=true overlaps the all-gathers and reduce-scatters of sequence "
-                              "parallelism; add --parallel.sequence_parallel=true")
-        if self.parallel.fsdp_unit_blocks < 1:
-            raise ConfigError(f"parallel.fsdp_unit_blocks must be >= 1 (blocks per FSDP2 unit), got "
-                              f"{self.parallel.fsdp_unit_blocks}")
-        _check_choice("parallel.data_parallel", self.parallel.data_parallel, DATA_PARALLEL_MODES)
-        _check_choice("run.progress", self.run.progress, PROGRESS_MODES)
-        _check_choice("run.tracker", self.run.tracker, TRACKERS)
-        if self.run.tensorboard and self.run.tracker not in ("none", "tensorboard"):
-            raise ConfigError(f"run.tensorboard=true and run.tracker={self.run.tracker}: one tracker per run; drop "
-                              "run.tensorboard (or set run.tracker=tensorboard)")
-        if not 0 <= self.run.prometheus_port < 65536 or self.run.system_sample_s < 0:
-            raise ConfigError(f"run.prometheus_port={self.run.prometheus_port} / run.system_sample_s="
-                              f"{self.run.system_sample_s}: give a port in 1..65535 (0 = off) and seconds >= 0")
-        _check_choice("health.hang_action", self.health.hang_action, HANG_ACTIONS)
-        for name in ("steps", "micro_batch"):
-            if getattr(self.train, name) < 1:
-                raise ConfigError(f"train.{name} must be >= 1, got {getattr(self.train, name)}")
-        for name in ("global_batch", "grad_accum", "eval_every", "eval_samples"):
-            if getattr(self.train, name) < 0:
-                raise ConfigError(f"train.{name} must be >= 0, got {getattr(self.train, name)}")
-        if self.train.log_every < 1:
-            raise ConfigError(f"train.log_every must be >= 1, got {self.train.log_every}")
-        if not 0.0 <= self.data.val_fraction < 1.0:
-            raise ConfigError(f"data.val_fraction must be in [0, 1), got {self.data.val_fraction}")
-        if not 0.0 <= self.model.dropout < 1.0:
-            raise ConfigError(f"model.dropout must be in [0, 1), got {self.model.dropout}")
-        if self.dist.init_timeout_s <= 0 or self.dist.timeout_s <= 0:
-            raise ConfigError("dist.init_timeout_s and dist.timeout_s must be > 0, got "
-                              f"{self.dist.init_timeout_s} and {self.dist.timeout_s}")
-        if self.checkpoint.keep_last < 1:
-            raise ConfigError(f"checkpoint.keep_last must be >= 1, got {self.checkpoint.keep_last}")
-        window = self.run.profile_window()
-        if window and window[1] > self.train.steps:
-            raise ConfigError(f"run.profile_steps={self.run.profile_steps!r} ends after train.steps="
-                              f"{self.train.steps}; choose steps up to {self.train.steps}")
-        self.run.profiled_ranks()  # raises on a malformed list
-        self.replicas.check()
-        for option, valid, fix in _RANGES:
-            section, _, key = option.partition(".")
-            value = getattr(getattr(self, section), key)
-            if not valid(value):
-                raise ConfigError(f"{option}={value!r} is out of range: {fix}")
+        """Static checks of fields against each other; raises ConfigError naming the option
+        (:func:`meshrun.config_checks.validate_job`)."""
+        validate_job(self)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def to_toml(self) -> str:
-        lines = []
-        for section, values in self.to_dict().items():
-            lines.append(f"[{section}]")
-            lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items())
-            lines.append("")
-        return "\n".join(lines)
-
-
-_RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    *((f"model.{name}", lambda v: v >= 0, "give a positive value, or 0 to take the named size's")
-      for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "seq_len")),
-    ("model.rope_theta", lambda v: v > 0, "give a positive base frequency, e.g. 10000"),
-    ("model.norm_eps", lambda v: v > 0, "give a small positive epsilon, e.g. 1e-5"),
-    ("data.max_bytes", lambda v: v >= 0, "give a number of bytes, or 0 to read the whole corpus"),
-    ("data.num_workers", lambda v: v >= 0, "give a number of worker processes >= 0 (0: load in the training process)"),
-    ("train.lr", lambda v: v >= 0, "give a learning rate >= 0, e.g. 3e-3"),
-    ("train.min_lr", lambda v: v >= 0, "give a final learning rate >= 0, e.g. 3e-4"),
-    ("train.warmup_steps", lambda v: v >= 0, "give a number of steps >= 0"),
-    ("train.decay_fraction", lambda v: 0 < v <= 1, "give a fraction of train.steps in (0, 1], e.g. 0.2"),
-    ("train.weight_decay", lambda v: v >= 0, "give a weight decay >= 0, e.g. 0.1"),
-    ("train.beta1", lambda v: 0 <= v < 1, "AdamW's betas must be in [0, 1), e.g. 0.9"),
-    ("train.beta2", lambda v: 0 <= v < 1, "AdamW's betas must be in [0, 1), e.g. 0.95"),
-    ("train.gc_every", lambda v: v >= 0, "give a number of steps between collections, or 0 for Python's own"),
-    ("train.grad_clip", lambda v: v >= 0, "give a maximum gradient norm > 0, or 0 to disable clipping"),
-    ("checkpoint.interval_steps", lambda v: v >= 0, "give a number of steps, or 0 to save only by time or at the "
-                                                    "end"),
-    ("checkpoint.interval_minutes", lambda v: v >= 0, "give a number of minutes, or 0 to turn saving by time off"),
-    ("checkpoint.keep_every", lambda v: v >= 0, "give a step multiple to keep as milestones, or 0 for none"),
-    ("checkpoint.timeout_s", lambda v: v > 0, "give a positive number of seconds, e.g. 1800"),
-    ("health.hang_timeout_s", lambda v: v >= 0, "give a number of seconds, or 0 to disable hang reports"),
-    *((f"parallel.{name}", lambda v: v == -1 or v >= 1, "give a degree of 1 or more, or -1 to infer it from the "
-       "world size") for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp")),  # comm/mesh.py MESH_DIMS
-    ("parallel.ddp_bucket_mb", lambda v: v >= 1, "give a bucket size of 1 MiB or more, e.g. 25"),
-    ("parallel.pp_microbatches", lambda v: v >= 0, "give a number of micro-batches, or 0 for one per sample"),
-    ("parallel.pp_virtual_stages", lambda v: v >= 1, "give 1 or more stages per rank, e.g. 2"),
-    ("checkpoint.signal_grace_s", lambda v: v >= 0, "give a number of seconds, e.g. 30"),
-    ("health.straggler_threshold", lambda v: v == 0 or v >= 1,
-     "give a ratio of at least 1 (1.5 names a rank 50% slower than the median), or 0 to disable"),
-)
-"""Single-option ranges checked by JobConfig.validate: (option, valid, the fix to print)."""
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, dict):  # an inline table
-        return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml_value(v)}" for k, v in value.items()) + "}"
-    return json.dumps(value)
-
-
-def _tri_state(option: str, value: Any) -> str:
-    """'auto', 'true' or 'false' from the spellings a user or TOML may give (true, 1, yes, on, ...)."""
-    text = str(value).strip().lower()
-    if text == "auto":
-        return text
-    if text in ("1", "true", "yes", "on"):
-        return "true"
-    if text in ("0", "false", "no", "off"):
-        return "false"
-    raise ConfigError(f"{option}={value!r} is not one of auto, true, false")
-
-
-def _check_choice(option: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(f"{option}={value!r} is not one of {', '.join(choices)}")
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
-    """Defaults, then the TOML file, then ``section.key=value`` overrides; validated."""
-    config = JobConfig()
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"--config {path}: no such file")
-        try:
-            data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"--config {path}: not valid TOML ({exc})") from None
-        for section, values in data.items():
-            if not isinstance(values, dict):
-                raise ConfigError(f"--config {path}: top-level key {section!r} must be a [section] table")
-            for key, value in values.items():
-                set_option(config, f"{section}.{key}", value)
-    for item in overrides or []:
-        key, sep, value = item.lstrip("-").partition("=")
-        if not sep:
-            raise ConfigError(f"override {item!r} must look like --section.key=value")
-        set_option(config, key, value)
-    config.validate()
-    return config
-
-
-def join_overrides(rest: list[str], *, command: str) -> list[str]:
-    """The ``--section.key=value`` items of a command line that its own parser left over, accepting ``--a.b c`` as
-    ``--a.b=c``; anything else is refused naming ``command``'s help."""
-    overrides, i = [], 0
-    while i < len(rest):
-        item = rest[i]
-        if not item.startswith("--") or "." not in item.split("=", 1)[0]:
-            raise ConfigError(f"unexpected argument {item!r}; options look like --section.key=value "
-                              f"(see `{command} --help`)")
-        if "=" not in item and i + 1 < len(rest) and not rest[i + 1].startswith("--"):
-            item, i = f"{item}={rest[i + 1]}", i + 1
-        overrides.append(item)
-        i += 1
-    return overrides
-
-
-def set_option(config: JobConfig, dotted: str, value: Any) -> None:
-    """Set ``section.key`` on ``config``, converting strings to the field's type."""
-    section_name, _, key = dotted.partition(".")
-    sections = {f.name: f for f in dataclasses.fields(config)}
-    hints = get_type_hints(type(getattr(config, section_name))) if section_name in sections else {}
-    if key not in hints:
-        from meshrun.config_help import suggest  # reads this module's classes: imported when needed
-
-        raise ConfigError(f"unknown config option {dotted!r}{suggest(dotted)}"
-                          + ("" if section_name in sections else f"; sections are {', '.join(sections)}"))
-    setattr(getattr(config, section_name), key, _convert(dotted, value, hints[key]))
-
-
-def _convert(option: str, value: Any, kind: Any) -> Any:
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        text = str(value).strip().lower()
-        if text in ("1", "true", "yes", "on"):
-            return True
-        if text in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"{option}={value!r} is not a boolean; use true or false")
-    if get_origin(kind) is dict:
-        try:
-            value = json.loads(value) if isinstance(value, str) else value
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{option}={value!r} is not a JSON object ({exc}); e.g. "
-                              f"'{{\"endpoint_url\": \"http://127.0.0.1:9000\"}}'") from None
-        if not isinstance(value, dict):
-            raise ConfigError(f"{option}={value!r} must be a table (TOML) or a JSON object")
-        return dict(value)
-    if kind in (int, float):
-        if isinstance(value, bool):
-            raise ConfigError(f"{option}={value!r} must be a {kind.__name__}")
-        try:
-            return kind(value) if kind is float or isinstance(value, int) else int(str(value), 0)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{option}={value!r} is not a valid {kind.__name__}") from None
-    return str(value)
-
-
-@dataclass(frozen=True)
-class BatchPlan:
-    """The global batch: B_global = B_local x G x N x A, where G x N is the number of dp ranks."""
-
-    micro_batch: int
-    dp_size: int
-    grad_accum: int
-    global_batch: int
-    seq_len: int
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.global_batch * self.seq_len
-
-
-def resolve_batch(train: TrainConfig, *, dp_size: int, seq_len: int) -> BatchPlan:
-    """Derive grad accumulation from global_batch (or the reverse); refuse combinations that do not divide."""
-    per_step = train.micro_batch * dp_size
-    if train.global_batch:
-        if train.global_batch % per_step:
-            raise ConfigError(
-                f"train.global_batch={train.global_batch} is not divisible by train.micro_batch={train.micro_batch} "
-                f"x {dp_size} data-parallel ranks = {per_step}; choose a global_batch that is a multiple of "
-                f"{per_step} or change train.micro_batch")
-        accum = train.global_batch // per_step
-        if train.grad_accum and train.grad_accum != accum:
-            raise ConfigError(
-                f"train.grad_accum={train.grad_accum} contradicts train.global_batch={train.global_batch} = "
-                f"{train.micro_batch} x {dp_size} ranks x {accum}; set only one of them")
-    else:
-        accum = train.grad_accum or 1
-    return BatchPlan(micro_batch=train.micro_batch, dp_size=dp_size, grad_accum=accum,
-                     global_batch=per_step * accum, seq_len=seq_len)
+        return to_toml(self)

@@ -66,10 +66,10 @@ def find_config(step_dir: Path | str, explicit: str | None) -> JobConfig:
 def load_model(step_dir: Path | str, job: JobConfig):
     """The reference model with the checkpoint's weights, on the CPU, in fp32."""
     from meshrun.ckpt.reader import load_model_weights
-    from meshrun.models.build import model_config
+    from meshrun.models.build import model_shape
     from meshrun.models.gpt import GPT
 
-    cfg = model_config(job)
+    cfg = model_shape(job)
     manifest, weights = load_model_weights(step_dir, purpose="sample from")
     model = GPT(cfg)
     try:

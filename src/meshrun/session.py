@@ -25,7 +25,7 @@ batches=...)`` and per step ``ft.start_step()``; forward/backward; ``if not ft.a
 Runs unchanged as one process (``python train.py``) and under ``meshrun launch``/``torchrun``/``srun``. Layouts
 come from meshrun.parallel.module (the trainer's own parallelisation code), checkpoints from
 meshrun.ckpt.Checkpointer (manifest, checksums, COMPLETE, retention, async, RNG streams, data position) and health
-from meshrun.diag.hang and meshrun.diag.stragglers, as in ``meshrun train``.
+from meshrun.watch.health (the hang watchdog and the straggler detector), as in ``meshrun train``.
 """
 
 from __future__ import annotations
@@ -45,15 +45,14 @@ from meshrun.env import ClusterEnv
 from meshrun.parallel.module import ModuleLayout, prepare_module
 from meshrun.parallel.module_pipeline import PipelinedModule, PipelineOptions, prepare_pipeline
 from meshrun.rng import seed_rank_streams
-from meshrun.ckpt.script import SessionCheckpoints, model_fingerprint
-from meshrun.diag.hang import HangWatchdog
-from meshrun.diag.stragglers import StragglerDetector, WorkTimer
+from meshrun.ckpt.session import SessionCheckpoints, model_fingerprint
+from meshrun.watch.health import JobHealth
 from meshrun.train.metrics import SumMetrics
 from meshrun.train.replicas import ReplicaGroups, data_shard
 
 
 class Session:
-    """Process layout, device, parallel layouts, data sharding, exact metrics, checkpoints and health."""
+    """Placement, device, parallel layouts, data sharding, exact metrics, checkpoints and health."""
 
     def __init__(self, *, seed: int = 1234, dist_config: DistConfig | None = None, env: ClusterEnv | None = None,
                  checkpoint: CheckpointConfig | str | None = None, replicas: ReplicaConfig | None = None):
@@ -70,9 +69,7 @@ class Session:
         cfg = CheckpointConfig(dir=checkpoint) if isinstance(checkpoint, str) else checkpoint
         self.checkpoints = SessionCheckpoints(cfg, env=self.env, seed=seed) if cfg is not None else None
         self._batches: StepBatches | None = None
-        self._watchdog: HangWatchdog | None = None
-        self._stragglers: StragglerDetector | None = None
-        self._timer: WorkTimer | None = None
+        self._health: JobHealth | None = None
         self._every = 10
 
     @property
@@ -234,28 +231,27 @@ class Session:
         if not self.env.is_distributed:
             return
         self._every = max(1, every)
-        if hang_timeout_s:
-            stack = Path(stack_dir) / f"stacks_rank_{self.rank:05d}.txt" if stack_dir else None
-            self._watchdog = HangWatchdog(env=self.env, timeout_s=hang_timeout_s, stack_file=stack,
-                                          on_hang=on_hang).start()
-        if straggler_threshold:
-            self._stragglers = StragglerDetector(env=self.env, threshold=straggler_threshold, min_gap_s=0.01)
-            self._timer = WorkTimer(self._parts(model) if model is not None else [], self.device)
+        parts = self._parts(model) if model is not None and straggler_threshold else []
+        self._health = JobHealth(env=self.env, device=self.device, parts=parts,
+                                 straggler_threshold=straggler_threshold)  # collective: gathers host names
+        self._health.start_watchdog(timeout_s=hang_timeout_s, stack_dir=stack_dir, on_hang=on_hang)
 
     def heartbeat(self, step: int) -> str | None:
         """Call once per step on every rank: tells the watchdog this rank made progress and, every ``every``
         steps, gathers the ranks' work times (collective); returns the straggler report on rank 0, else None."""
-        if self._watchdog is not None:
-            self._watchdog.beat(step, "step")
-        if self._stragglers is None or step % self._every:
+        health = self._health
+        if health is None:
+            return None
+        health.beat(step, "step")
+        if health.stragglers is None or step % self._every:
             return None
         if self._batches is not None:
-            self._timer.add_data(self._batches.take_fetch_time())
-        work_s, data_s = self._timer.take(self._every)
+            health.timer.add_data(self._batches.take_fetch_time())
+        work_s, data_s = health.timer.take(self._every)
         if step <= self._every:  # the first interval holds start-up costs (first batches, first kernels)
             return None
-        report = self._stragglers.observe(step, work_s, data_s)  # collective: every rank
-        notice = self._stragglers.notices.to_say(step, report)  # said again only when it changes
+        report = health.stragglers.observe(step, work_s, data_s)  # collective: every rank
+        notice = health.notice(step, report)  # said again only when it changes
         if notice:
             self.print(f"meshrun: {notice}")
         return str(report) if report is not None else None
@@ -271,7 +267,6 @@ class Session:
         if self.replicas is not None:
             self.replicas.close()
             self.replicas = None
-        if self._watchdog is not None:
-            self._watchdog.stop()  # before the process group (and its store) goes away
-            self._watchdog = None
+        if self._health is not None:
+            self._health.stop()  # before the process group (and its store) goes away
         shutdown()

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from meshrun.ckpt import loading
 from meshrun.ckpt.collectives import Coordinator, check_shared_folder
 from meshrun.ckpt.errors import CheckpointError
-from meshrun.ckpt.layout import MANIFEST, complete_steps, scan, step_dir_name, steps_to_keep
+from meshrun.ckpt.folder import MANIFEST, complete_steps, scan, step_dir_name, steps_to_keep
 from meshrun.ckpt.manifest import build_manifest, check_structure, code_version, describe_files, write_durable
 from meshrun.ckpt.preemption import PreemptionFlag, signal_label
 from meshrun.ckpt.run_config import describe_changes, saved_config

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from meshrun.ckpt.collectives import Coordinator
 from meshrun.ckpt.errors import CheckpointError
-from meshrun.ckpt.layout import scan
+from meshrun.ckpt.folder import scan
 from meshrun.ckpt.manifest import check_checksums, check_structure, data_location, share_of_files
 from meshrun.ckpt.state import MOVED_KEYS, is_blob_key, walk
 from meshrun.ckpt.storage import store_for

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from meshrun.ckpt.errors import CheckpointError
-from meshrun.ckpt.layout import MANIFEST
+from meshrun.ckpt.folder import MANIFEST
 from meshrun.ckpt.storage import ATTEMPT_RE, COMPLETE, Store, attempt_named, store_for
 from meshrun.gitstate import git_state
 

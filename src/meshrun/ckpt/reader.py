@@ -20,7 +20,7 @@ from rich.table import Table
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from meshrun.ckpt.errors import CheckpointError
-from meshrun.ckpt.layout import STEP_RE, complete_steps, scan, step_dir_name
+from meshrun.ckpt.folder import STEP_RE, complete_steps, scan, step_dir_name
 from meshrun.ckpt.manifest import check_checksums, check_structure, data_location, read_manifest
 from meshrun.ckpt.run_config import saved_config
 from meshrun.ckpt.safe_metadata import METADATA_FILE, load_metadata

@@ -15,6 +15,7 @@ from pathlib import Path
 from torch.distributed.run import get_args_parser
 
 from meshrun.help_format import PlainHelpFormatter
+from meshrun.placement import load_environment
 
 DEFAULT_RDZV_TIMEOUT_S = 120
 """Rendezvous join timeout. torchrun's own default (600 s) is far too long to wait for a typo in an address."""
@@ -83,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--simulate-nodes", "--simulate_nodes", type=int, default=0, metavar="K",
                        help="Rehearse a K-node job on this machine: K elastic agents joined by a c10d rendezvous "
                             "on loopback.")
+    group.add_argument("--environment", metavar="MODULE:CLASS",
+                       help="Load your cluster environment (a meshrun.ClusterEnvironment subclass, e.g. "
+                            "my_envs:LSFEnvironment) on this launcher and every worker; the same as exporting "
+                            "MESHRUN_ENVIRONMENT. See docs/launch.md, \"Other schedulers\".")
     group.add_argument("--dry-run", "--dry_run", action="store_true",
                        help="Print what would be decided and exit without starting anything.")
     return parser
@@ -105,6 +110,11 @@ def parse_launch_args(argv: list[str]) -> LaunchArgs:
     if ns.simulate_nodes < 0 or ns.simulate_nodes == 1:
         raise LaunchUsageError(f"--simulate-nodes {ns.simulate_nodes}: give 2 or more nodes to rehearse "
                                "(leave it out for a single-node job).")
+    if ns.environment:
+        try:
+            load_environment(ns.environment, option="--environment")
+        except ValueError as exc:
+            raise LaunchUsageError(str(exc)) from None
     tail = 1 + len(ns.training_script_args)
     return LaunchArgs(ns=ns, given=given, target=detect_target(ns), option_tokens=tuple(argv[:len(argv) - tail]))
 

@@ -27,6 +27,7 @@ from meshrun.launch.stores import StoreAnswer, probe_store
 from meshrun.launch.args import LaunchArgs, check_target
 from meshrun.launch.net import LOCAL_ADDR_VAR, ProbeResult, probe_tcp
 from meshrun.launch.rendezvous import LaunchPlan, apply_plan, format_plan, make_plan, parse_rdzv_conf
+from meshrun.placement import ENV_VAR as ENVIRONMENT_VAR
 
 MIN_JOIN_TIMEOUT_S = 10
 """Join time left to a node that spent most of --rdzv-timeout waiting for the endpoint to come up."""
@@ -67,6 +68,8 @@ def _announce_restarts() -> None:
 
 def launch(largs: LaunchArgs) -> int:
     """Plan, print, probe, then run torch's elastic agent for this node. Returns the job's exit code."""
+    if largs.ns.environment:  # loaded by the parser; the workers (and --simulate-nodes' agents) load it again
+        os.environ[ENVIRONMENT_VAR] = largs.ns.environment
     plan = make_plan(largs, environ=os.environ)
     check_target(plan.target)
     print(format_plan(plan), file=sys.stderr, flush=True)

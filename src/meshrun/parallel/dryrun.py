@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from meshrun.config import ConfigError, JobConfig, resolve_batch
 from meshrun.comm.mesh import ParallelDims, RankCoords
-from meshrun.models.build import model_config, model_spec
+from meshrun.models.build import model_shape, model_spec
 from meshrun.models.shape import ModelShape
 from meshrun.parallel.options import parallel_options
 from meshrun.parallel.pipeline import effective_model_config, stage_ids
@@ -122,7 +122,7 @@ def dry_run(job: JobConfig, *, world_size: int, gpus_per_node: int = 8, ranks: l
 
     console = Console(width=None if sys.stdout.isatty() else 160)
     try:
-        model_cfg = model_config(job)
+        model_cfg = model_shape(job)
         if world_size <= 0:
             raise ConfigError("--world-size N is needed with --dry-run (the number of ranks to simulate)")
         dims = ParallelDims.from_config(job.parallel, world_size=world_size, gpus_per_node=gpus_per_node,

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from meshrun.ckpt.script import model_fingerprint
+from meshrun.ckpt.session import model_fingerprint
 from meshrun.comm.mesh import ParallelDims
 from meshrun.config import MULTI_STAGE_SCHEDULES, PIPELINE_SCHEDULES, ConfigError, PipelineSchedule
 from meshrun.models.spec import ModelStructure

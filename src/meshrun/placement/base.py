@@ -2,7 +2,7 @@
 
 A cluster environment knows one way processes are started (torchrun, SLURM's srun, Open MPI's mpirun, ...). It
 answers two questions: is this process running under it (:meth:`ClusterEnvironment.detect`), and what is the
-process layout (:meth:`ClusterEnvironment.layout`, the common :class:`~meshrun.env.ClusterEnv` fields). An
+placement (:meth:`ClusterEnvironment.placement`, the common :class:`~meshrun.placement.cluster_env.ClusterEnv` fields). An
 environment that can also place ``meshrun launch`` (one launcher per node, before any worker exists) answers
 :meth:`ClusterEnvironment.node_placement` with a :class:`NodePlacement`.
 """
@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
-from meshrun.env import ClusterEnv
+if TYPE_CHECKING:  # the record imports the registry, which imports this interface
+    from meshrun.placement.cluster_env import ClusterEnv
 
 
 class PlacementError(ValueError):
@@ -78,13 +79,13 @@ class ClusterEnvironment(ABC):
         """This process runs under this environment. Reads ``environ`` only; cheap, never raises."""
 
     @abstractmethod
-    def layout(self, environ: Mapping[str, str]) -> ClusterEnv:
-        """The process layout (called only when :meth:`detect` said yes). Raises ValueError naming the variable."""
+    def placement(self, environ: Mapping[str, str]) -> ClusterEnv:
+        """Where this process sits: its ranks, node and master (called only when :meth:`detect` said yes). Raises ValueError naming the variable."""
 
     def node_placement(self, environ: Mapping[str, str], *, command: str) -> NodePlacement | None:
         """Where ``meshrun launch`` run once per node sits, or None when this environment does not place
         launchers (they then need --nnodes and --rdzv-endpoint). ``command`` is the launch line, for suggestions.
-        Raises :class:`PlacementError` when the environment's layout cannot run one launcher per node."""
+        Raises :class:`PlacementError` when the environment's placement cannot run one launcher per node."""
         return None
 
     def check_master_address(self, env: ClusterEnv, environ: Mapping[str, str], *,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from meshrun.env import DEFAULT_MASTER_PORT, ClusterEnv
+from meshrun.placement.cluster_env import DEFAULT_MASTER_PORT, ClusterEnv
 from meshrun.placement.base import ClusterEnvironment, env_int
 
 
@@ -28,7 +28,7 @@ class OpenMPIEnvironment(ClusterEnvironment):
         # a single process (mpirun -np 1) needs no rendezvous: leave it to the single-process fallback
         return "OMPI_COMM_WORLD_RANK" in environ and environ.get("OMPI_COMM_WORLD_SIZE", "1") != "1"
 
-    def layout(self, environ: Mapping[str, str]) -> ClusterEnv:
+    def placement(self, environ: Mapping[str, str]) -> ClusterEnv:
         rank, world_size = env_int(environ, "OMPI_COMM_WORLD_RANK"), env_int(environ, "OMPI_COMM_WORLD_SIZE")
         local_rank = env_int(environ, "OMPI_COMM_WORLD_LOCAL_RANK")
         local_size = env_int(environ, "OMPI_COMM_WORLD_LOCAL_SIZE")

@@ -13,7 +13,7 @@ import os
 import socket
 from typing import Callable, Mapping
 
-from meshrun.env import ClusterEnv
+from meshrun.placement.cluster_env import ClusterEnv
 from meshrun.placement.base import ClusterEnvironment, NodePlacement, PlacementError, env_int
 from meshrun.placement.slurm_lists import expand_nodelist, expand_tasks_per_node, slurm_port
 
@@ -34,7 +34,7 @@ class SlurmEnvironment(ClusterEnvironment):
     def detect(self, environ: Mapping[str, str]) -> bool:
         return "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ and environ.get("SLURM_NTASKS") != "1"
 
-    def layout(self, environ: Mapping[str, str]) -> ClusterEnv:
+    def placement(self, environ: Mapping[str, str]) -> ClusterEnv:
         if _in_batch_step(environ):
             raise _direct_in_batch_step_error(environ)
         nodelist = _nodelist(environ, step=True)
@@ -67,7 +67,7 @@ class SlurmEnvironment(ClusterEnvironment):
         if not self.detect(environ):  # one task in the whole allocation: nothing to coordinate with
             return None
         try:
-            env = self.layout(environ)
+            env = self.placement(environ)
             env.validate()
         except ValueError as exc:
             raise SlurmLayoutError(f"SLURM variables are inconsistent: {exc}") from None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from meshrun.env import DEFAULT_MASTER_PORT, ClusterEnv
+from meshrun.placement.cluster_env import DEFAULT_MASTER_PORT, ClusterEnv
 from meshrun.placement.base import ClusterEnvironment, env_int
 
 
@@ -20,7 +20,7 @@ class TorchrunEnvironment(ClusterEnvironment):
     def detect(self, environ: Mapping[str, str]) -> bool:
         return "RANK" in environ and "WORLD_SIZE" in environ
 
-    def layout(self, environ: Mapping[str, str]) -> ClusterEnv:
+    def placement(self, environ: Mapping[str, str]) -> ClusterEnv:
         world_size = env_int(environ, "WORLD_SIZE")
         local_world_size = env_int(environ, "LOCAL_WORLD_SIZE", 1)
         # torchrun sets GROUP_RANK to the agent's rank, which is the node rank for one agent per node.

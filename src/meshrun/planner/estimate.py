@@ -62,9 +62,9 @@ def build_plan(job: JobConfig, *, nodes: int, gpus_per_node: int, gpu_mem_gib: f
         dtype_bytes = 4 if job.train.dtype == "fp32" else 2
     if nodes < 1 or gpus_per_node < 1:
         raise ConfigError(f"--nodes {nodes} and --gpus-per-node {gpus_per_node} must both be >= 1")
-    from meshrun.models.build import model_config, model_spec
+    from meshrun.models.build import model_shape, model_spec
 
-    model, spec = model_config(job), model_spec(job)
+    model, spec = model_shape(job), model_spec(job)
     if model.dim % model.n_heads:
         raise ConfigError(f"model.dim={model.dim} (--hidden) is not divisible by model.n_heads={model.n_heads}")
     world = nodes * gpus_per_node

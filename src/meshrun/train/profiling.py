@@ -2,7 +2,7 @@
 
 Each profiled rank writes a Chrome/Perfetto trace and a table of its most expensive ops to
 ``<run.dir>/profile/``; on a GPU the table opens with where the device time went (compute, exposed
-communication, idle: diag/step_trace.py). Only local work: no collective, so ranks that do not profile run exactly
+communication, idle: watch/step_trace.py). Only local work: no collective, so ranks that do not profile run exactly
 as before.
 """
 
@@ -17,7 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from meshrun.config import ConfigError, RunConfig
-from meshrun.diag.step_trace import StepTime, describe_step_time, read_trace, step_time
+from meshrun.watch.step_trace import StepTime, describe_step_time, read_trace, step_time
 
 log = logging.getLogger("meshrun")
 

@@ -9,11 +9,19 @@ nothing of its own: no rank writes a file of its own.
 
 from __future__ import annotations
 
+import logging
 import resource
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+from meshrun.watch.gather import gather_floats
+
+if TYPE_CHECKING:
+    from meshrun.train.trainer import Trainer
+
+log = logging.getLogger("meshrun")
 
 FIELDS = ("work_s", "data_s", "rest_s", "peak_mem_gib")
 
@@ -36,3 +44,29 @@ def ranks_record(table: np.ndarray, *, step: int, step_s: float) -> dict[str, An
     for i, name in enumerate(FIELDS):
         record[name] = [round(v, 6) for v in table[:, i].tolist()]
     return record
+
+
+def log_rank_timing(trainer: Trainer, steps: int, elapsed: float) -> None:
+    """Every rank's own working time (data + forward, before any blocking collective), peak memory and, for the
+    straggler detector, GPU clock, in one gather: the ``ranks`` record, and the numbers compared across ranks."""
+    health = trainer.health
+    work_s, data_s = health.timer.take(steps)
+    step_s = elapsed / max(steps, 1)
+    # the first interval holds warm-up (compilation, allocator growth), not a rank's speed
+    observe = health.stragglers is not None and trainer.step > trainer.start_step + trainer.job.train.log_every
+    row = timing_row(work_s=work_s, data_s=data_s, step_s=step_s, device=trainer.device)
+    if observe:
+        row += health.stragglers.gpu_clock()
+    table = gather_floats(row)  # collective: every rank; (world, 4), or (world, 7) with the clock
+    if trainer.env.is_rank_zero:
+        trainer.sink.record(ranks_record(table, step=trainer.step, step_s=step_s))
+    if not observe:
+        return
+    trainer.beat("straggler_check")
+    times = np.concatenate([table[:, :2], table[:, len(FIELDS):]], axis=1)  # (world, 5): work, data, clock
+    report = health.stragglers.observe_table(trainer.step, times)  # collective when the GEMM is re-run
+    if report is not None:
+        log.info("%s", report)  # every report in the rank log; on the console when the verdict changes
+    notice = health.notice(trainer.step, report)
+    if notice:
+        trainer.sink.print(f"warning: {notice}")

@@ -70,7 +70,7 @@ class RunFolder:
         elastic restart of a fresh run (restart count > 0) returns False: it resumes the new run."""
         if not job.run.fresh or self.env.restart_count > 0:
             return False
-        from meshrun.ckpt.layout import complete_steps, scan
+        from meshrun.ckpt.folder import complete_steps, scan
 
         conflict = fresh_conflict(job, self.path, lambda folder: complete_steps(scan(folder)))
         if conflict:

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from meshrun.config import BatchPlan, ConfigError, JobConfig, resolve_batch
@@ -24,30 +22,27 @@ from meshrun.data.loader import StepBatches, eval_batches
 from meshrun.data.sampler import TokenWindows
 from meshrun.comm.process_group import DistContext, init_distributed, set_mesh_timeouts, wants_cuda
 from meshrun.env import ClusterEnv
-from meshrun.models.build import model_config, model_spec, record_resolved
-from meshrun.models.spec import count_unique_params
+from meshrun.models.build import model_shape, model_spec, record_resolved
 from meshrun.rng import seed_rank_streams
-from meshrun.parallel.apply import build_engine, describe_layout
+from meshrun.parallel.apply import build_engine
 from meshrun.parallel.engine import Engine
-from meshrun.parallel.kernels import describe_speed
 from meshrun.ckpt.preemption import signal_label
 from meshrun.ckpt.state import TrainProgress
 from meshrun.diag.fingerprint import check_consistency
 from meshrun.comm.mesh import ParallelDims, choose_data_parallel
-from meshrun.diag.flight_recorder import enable_flight_recorder
-from meshrun.diag.gather import gather_floats
-from meshrun.diag.hang import HangWatchdog
-from meshrun.diag.stragglers import StragglerDetector, WorkTimer, gather_rank_infos
+from meshrun.watch.flight_recorder import enable_flight_recorder
+from meshrun.watch.health import JobHealth
+from meshrun.watch.stragglers import gather_rank_infos
 from meshrun.train.gc_control import StepCollector
 from meshrun.report.trackers import open_tracker
 from meshrun.train.metrics import MetricsSink, SumMetrics, peak_flops
 from meshrun.watch.node import SystemWatch
+from meshrun.train.header import print_header, start_record
 from meshrun.train.nonfinite import NonFiniteGuard
+from meshrun.train.rank_timing import log_rank_timing
 from meshrun.train.profiling import StepProfiler, build_profiler
-from meshrun.train.rank_timing import FIELDS as TIMING_FIELDS, ranks_record, timing_row
 from meshrun.train.replicas import ReplicaGroups, ReplicaQuorumError, data_shard, group_run_dir
-from meshrun.train.run_folder import RunFolder, describe_resume
-from meshrun.train.runlog import start_record
+from meshrun.train.run_folder import RunFolder
 from meshrun.train.resuming import build_checkpointer, resume
 from meshrun.train.schedule import build_scheduler
 
@@ -91,7 +86,7 @@ class Trainer:
         self.env = env or ClusterEnv.detect()
         self.corpus = corpus or load_corpus(job.data)
         self.spec = model_spec(job)
-        self.model_cfg = model_config(job, self.corpus.vocab_size)
+        self.model_cfg = model_shape(job, self.corpus.vocab_size)
         record_resolved(job, self.model_cfg)
         job.parallel, self.layout_note = choose_data_parallel(
             job.parallel, params=self.spec.count_params(self.model_cfg), on_gpu=wants_cuda(job.dist))
@@ -111,8 +106,9 @@ class Trainer:
             check_consistency(env=self.env, strict=True, script=sys.argv[0])  # collective: every rank
         self.mesh = self.dims.build_mesh(self.device.type)  # collective: every rank
         set_mesh_timeouts(self.dims.all_meshes(), job.dist.timeout_s)
+        self.compute_dtype = compute_dtype(job, self.device)
         self.engine: Engine = build_engine(job=job, model_cfg=self.model_cfg, dims=self.dims, mesh=self.mesh,
-                                           device=self.device, compute_dtype=compute_dtype(job, self.device),
+                                           device=self.device, compute_dtype=self.compute_dtype,
                                            batch=self.batch)
         seed_rank_streams(job.train.seed, self.env.rank)
         self.data, self.val = self.build_data()
@@ -136,17 +132,14 @@ class Trainer:
                                 tracker=open_tracker(job, self.run_dir) if self.env.is_rank_zero and self.proceeds
                                 else None)
         self.system = SystemWatch(job.run, env=self.env, device=self.device)  # node leaders sample in a thread
-        self.timer = WorkTimer(self.engine.timed_modules, self.device)
-        self.watchdog: HangWatchdog | None = None
-        self.stragglers = (StragglerDetector(env=self.env, threshold=job.health.straggler_threshold,
-                                             min_gap_s=0.01, gemm_check=job.health.straggler_gemm_check,
-                                             compute_device=self.device, ranks=self.rank_infos)
-                           if self.env.is_distributed and job.health.straggler_threshold else None)
+        self.health = JobHealth(env=self.env, device=self.device, parts=self.engine.timed_modules,
+                                straggler_threshold=job.health.straggler_threshold,
+                                gemm_check=job.health.straggler_gemm_check, ranks=self.rank_infos)
         if self.replicas is not None:
             self.replicas.say, self.replicas.record = self.sink.print, self.sink.record
         if self.proceeds:
             self.print_header()
-            self.sink.record({**self.start_record(), "hosts": [info.host for info in self.rank_infos]})
+            self.sink.record({**start_record(self), "hosts": [info.host for info in self.rank_infos]})
         self.profiler: StepProfiler | None = build_profiler(
             job.run, rank=self.env.rank, world_size=self.env.world_size, device=self.device, run_dir=self.run_dir,
             start_step=self.step, say=self.sink.print)
@@ -233,49 +226,9 @@ class Trainer:
         self.sink.print(f"checkpoint step {self.step} -> {self.ckpt.folder} ({how}, {seconds:.2f} s)")
         self.sink.record({"kind": "checkpoint", "step": self.step, "final": final, "seconds": round(seconds, 3)})
 
-    def start_record(self) -> dict[str, Any]:
-        """metrics.jsonl's ``start`` record: layout, batch and model as this process group trains them."""
-        env, b = self.env, self.batch
-        formula = (f"{b.global_batch} = {b.micro_batch} (B_local) x {b.dp_size // max(1, env.num_nodes)} (G) x "
-                   f"{env.num_nodes} (N) x {b.grad_accum} (A)")
-        return start_record(step=self.step, restart=env.restart_count, world_size=env.world_size,
-                            nodes=env.num_nodes, layout=describe_layout(self.dims), batch_formula=formula,
-                            global_batch=b.global_batch, tokens_per_step=b.tokens_per_step,
-                            model=self.job.model.name, params=self.spec.count_params(self.model_cfg),
-                            device=str(self.device))
-
     def print_header(self) -> None:
-        env, b, m = self.env, self.batch, self.model_cfg
-        log.info("rank %d of %d on %s: node %d of %d, local rank %d of %d (%s)", env.rank, env.world_size,
-                 socket.gethostname(), env.node_rank, env.num_nodes, env.local_rank, env.local_world_size, env.source)
-        params = count_unique_params(self.engine.model_parts)
-        per_node = (f"{env.num_nodes} node(s) of different sizes" if env.nodes_differ
-                    else f"{env.num_nodes} node(s) x {b.dp_size // max(1, env.num_nodes)} per node")
-        lines = [
-            f"meshrun train | {env.source}: {env.describe_nodes()} | {self.ctx.backend or 'no process group'} on "
-            f"{self.device}",
-            f"model {self.job.model.arch} {self.job.model.name}: {params / 1e6:.2f}M parameters on this rank, "
-            f"{m.n_layers} layers, dim "
-            f"{m.dim}, {m.n_heads} heads, seq {m.seq_len}, vocab {m.vocab_size}",
-            f"data: {self.corpus.description}; fingerprint {self.corpus.fingerprint[:12]}",
-            f"global batch {b.global_batch} = {b.micro_batch} per rank (B_local) x {b.dp_size} data-parallel ranks "
-            f"({per_node}) x {b.grad_accum} accumulation"
-            f" (A)",
-            f"tokens per step will be: {b.tokens_per_step:,} ({b.global_batch} x {m.seq_len}); epoch = "
-            f"{self.data.sampler.steps_per_epoch:,} steps ({len(self.data.sampler.dataset) - self.data.sampler.usable}"
-            " tail samples dropped per epoch)",
-            f"config: {self.run_dir / 'config.toml'}",
-            *([self.replicas.describe()] if self.replicas is not None else []),
-        ]
-        lines[1:1] = [f"layout: {describe_layout(self.dims)}", *([self.layout_note] if self.layout_note else []),
-                      describe_speed(self.job, self.device, compute_dtype(self.job, self.device),
-                                     cuda_graphs=getattr(self.engine, "cuda_graphs", False))]
-        lines.append(describe_resume(self.resumed, run_dir=self.run_dir, moved_to=self.folder.moved_to,
-                                     where=f"epoch {self.data.position.epoch}, {self.data.position.consumed:,} "
-                                           "samples into it"))
-        for section, values in self.job.to_dict().items() if self.job.run.print_config else ():
-            lines.append(f"  [{section}] " + " ".join(f"{k}={v}" for k, v in values.items()))
-        self.sink.print("\n".join(lines))
+        """Rank 0's start-up lines: placement, layout, model, data, batch formula, resume (train/header.py)."""
+        print_header(self)
 
     # ---- the loop -------------------------------------------------------------------------------------------------
 
@@ -286,7 +239,7 @@ class Trainer:
             self.replicas.start_step()  # quorum across groups; a group that is behind heals here
         start = time.perf_counter()
         batches = self.data.next_step()
-        self.timer.add_data(time.perf_counter() - start)
+        self.health.timer.add_data(time.perf_counter() - start)
         first = self.step == self.start_step  # compiles and warms up: as slow as a checkpoint, not a hang
         self.beat("forward_backward", timeout_s=max(1800.0, self.job.health.hang_timeout_s) if first else None)
         loss_sum, tokens = self.engine.forward_backward(batches)
@@ -318,15 +271,12 @@ class Trainer:
         return totals["loss_sum"] / max(totals["tokens"], 1.0)
 
     def beat(self, phase: str, timeout_s: float | None = None) -> None:
-        if self.watchdog is not None:
-            self.watchdog.beat(self.step, phase, timeout_s=timeout_s)
+        self.health.beat(self.step, phase, timeout_s)
 
     def fit(self) -> TrainResult:
         """Train to ``train.steps``; the hang watchdog and the profiler (run.profile_steps) run for the loop."""
-        if self.env.is_distributed and self.job.health.hang_timeout_s:
-            self.watchdog = HangWatchdog(env=self.env, timeout_s=self.job.health.hang_timeout_s,
-                                         stack_file=self.run_dir / "logs" / f"stacks_rank_{self.env.rank:05d}.txt",
-                                         log=log.error, end_job=self.job.health.hang_action == "exit").start()
+        self.health.start_watchdog(timeout_s=self.job.health.hang_timeout_s, stack_dir=self.run_dir / "logs",
+                                   log=log.error, end_job=self.job.health.hang_action == "exit")
         if self.profiler is not None:
             self.profiler.start()
         self.collector = StepCollector(self.job.train.gc_every)
@@ -339,8 +289,7 @@ class Trainer:
             self.collector.close()
             if self.profiler is not None:
                 self.profiler.close()  # an error or SIGTERM inside the window: writes what was recorded
-            if self.watchdog is not None:
-                self.watchdog.stop()  # before the process group (and its store) goes away
+            self.health.stop()  # before the process group (and its store) goes away
 
     def _loop(self) -> TrainResult:
         job, result = self.job, TrainResult(step=self.step, run_dir=self.run_dir)
@@ -412,28 +361,8 @@ class Trainer:
             log.info("%s", report)  # the rank log; the console has the line above
 
     def check_stragglers(self, steps: int, elapsed: float) -> None:
-        """Every rank's own working time (data + forward, before any blocking collective), peak memory and, for the
-        straggler detector, GPU clock, in one gather: the ``ranks`` record, and the numbers compared across ranks."""
-        work_s, data_s = self.timer.take(steps)
-        step_s = elapsed / max(steps, 1)
-        # the first interval holds warm-up (compilation, allocator growth), not a rank's speed
-        observe = self.stragglers is not None and self.step > self.start_step + self.job.train.log_every
-        row = timing_row(work_s=work_s, data_s=data_s, step_s=step_s, device=self.device)
-        if observe:
-            row += self.stragglers.gpu_clock()
-        table = gather_floats(row)  # collective: every rank; (world, 4), or (world, 7) with the clock
-        if self.env.is_rank_zero:
-            self.sink.record(ranks_record(table, step=self.step, step_s=step_s))
-        if not observe:
-            return
-        self.beat("straggler_check")
-        times = np.concatenate([table[:, :2], table[:, len(TIMING_FIELDS):]], axis=1)  # (world, 5): work, data, clock
-        report = self.stragglers.observe_table(self.step, times)  # collective when the GEMM is re-run
-        if report is not None:
-            log.info("%s", report)  # every report in the rank log; on the console when the verdict changes
-        notice = self.stragglers.notices.to_say(self.step, report)
-        if notice:
-            self.sink.print(f"warning: {notice}")
+        """At log steps: the ``ranks`` record and the straggler check, from one gather (train/rank_timing.py)."""
+        log_rank_timing(self, steps, elapsed)
 
     def train_record(self, totals: dict[str, float], steps: int, elapsed: float, gnorm: float | None) -> dict[str, Any]:
         tokens_per_s = steps * self.batch.tokens_per_step / max(elapsed, 1e-9)

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from meshrun.ckpt.errors import CheckpointError
-from meshrun.ckpt.layout import COMPLETE, MANIFEST, classify, scan, step_dir_name, steps_to_keep, tmp_dir_name
+from meshrun.ckpt.folder import COMPLETE, MANIFEST, classify, scan, step_dir_name, steps_to_keep, tmp_dir_name
 from meshrun.ckpt.manifest import (build_manifest, check_file_name, check_structure, describe_files, read_manifest,
                                    share_of_files)
 

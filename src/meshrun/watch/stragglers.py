@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from meshrun.diag.gather import collective_device, gather_floats
+from meshrun.watch.gather import collective_device, gather_floats
 from meshrun.diag.gpu_health import gemm_tflops, nvml_state
 from meshrun.env import ClusterEnv
 

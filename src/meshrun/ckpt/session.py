@@ -1,6 +1,6 @@
 """Checkpoints of a user's own training script (``Session.save`` / ``Session.resume``), through the trainer's
-Checkpointer: the same folder layout, manifest, SHA-256 checksums, COMPLETE marker, retention, async option and
-resharding across world sizes and layouts, so ``meshrun ckpt ls/verify/export`` read them.
+Checkpointer: the same checkpoint folder (:mod:`.folder`), manifest, SHA-256 checksums, COMPLETE marker, retention,
+async option and resharding across world sizes and parallel layouts, so ``meshrun ckpt ls/verify/export`` read them.
 
 What is saved: the model and optimizer (sharded, with DCP; FSDP2, HSDP, TP, DDP models and pipeline stages all
 save under the model's own parameter names), the step, the script's StepBatches itself (a Stateful entry: its data
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from meshrun.ckpt.checkpointer import Checkpointer
-from meshrun.ckpt.layout import step_dir_name
+from meshrun.ckpt.folder import step_dir_name
 from meshrun.ckpt.storage import is_url, store_for
 from meshrun.ckpt.state import MetricsState, ModelOptimState, RNGState, SchedulerState, TrainProgress
 from meshrun.comm.axes import MESH_DIMS
@@ -42,7 +42,7 @@ class SessionCheckpoints:
         if self._ckpt is None:  # collective: it creates the checkpointer's gloo groups
             self._ckpt = Checkpointer(self.cfg, folder=self.cfg.dir, env=self.env, layout={},
                                       config_fingerprint=fingerprint)
-        self._ckpt.layout = describe_layout(self.env, layout, batches)
+        self._ckpt.layout = layout_record(self.env, layout, batches)
         return self._ckpt
 
     def _state(self, parts: Sequence[nn.Module], optimizer: Any, batches: StepBatches | None, scheduler: Any,
@@ -88,7 +88,7 @@ class SessionCheckpoints:
             self._ckpt.close()
 
 
-def describe_layout(env: ClusterEnv, layout: Any, batches: StepBatches | None) -> dict[str, Any]:
+def layout_record(env: ClusterEnv, layout: Any, batches: StepBatches | None) -> dict[str, Any]:
     """The manifest's layout entry: world, degrees, and the batch of the data position."""
     dims = layout.dims if layout is not None else None
     degrees = dims.degrees() if dims else {name: 1 for name in MESH_DIMS} | {"dp_replicate": env.world_size}

@@ -1,0 +1,217 @@
+"""The configuration's validation tables: the allowed values of every choice-valued option, the single-option
+ranges, the checks of fields against each other (:func:`validate_job`, run by :meth:`JobConfig.validate`) and the
+batch arithmetic that needs the world size (:func:`resolve_batch`).
+
+Everything here is re-exported by :mod:`meshrun.config`; import it from there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Literal, get_args
+
+if TYPE_CHECKING:
+    from meshrun.config import JobConfig, TrainConfig
+
+
+# The allowed values of every choice-valued option, defined once: the field annotations, JobConfig.validate, the
+# argparse choices of `meshrun plan` and the code that dispatches on them all read these.
+DataFormat = Literal["auto", "text", "tokens"]
+TokenDtype = Literal["uint16", "uint32"]
+NonfiniteMode = Literal["skip", "stop", "off"]
+TrainDtype = Literal["auto", "fp32", "bf16"]
+LossMode = Literal["full", "chunked"]
+AttentionBackend = Literal["auto", "cudnn", "flash", "efficient", "math", "default"]
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved1f1b", "interleavedzb", "loopedbfs"]
+PipelineBalance = Literal["cost", "blocks"]
+DataParallelMode = Literal["auto", "ddp", "fsdp"]
+ActivationCheckpointMode = Literal["none", "selective", "full"]
+Backend = Literal["auto", "nccl", "gloo"]
+DeviceKind = Literal["auto", "cpu", "cuda"]
+HangAction = Literal["exit", "report"]
+ProgressMode = Literal["auto", "bar", "lines"]
+DdpGraphMode = Literal["auto", "split", "whole"]
+LrSchedule = Literal["cosine", "wsd"]
+TrackerName = Literal["none", "tensorboard", "wandb", "mlflow"]
+
+DATA_FORMATS: tuple[str, ...] = get_args(DataFormat)
+TOKEN_DTYPES: tuple[str, ...] = get_args(TokenDtype)
+NONFINITE_MODES: tuple[str, ...] = get_args(NonfiniteMode)
+TRAIN_DTYPES: tuple[str, ...] = get_args(TrainDtype)
+LOSS_MODES: tuple[str, ...] = get_args(LossMode)
+ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
+PIPELINE_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
+PIPELINE_BALANCES: tuple[str, ...] = get_args(PipelineBalance)
+MULTI_STAGE_SCHEDULES: tuple[str, ...] = ("interleaved1f1b", "interleavedzb", "loopedbfs")
+"""Pipeline schedules that run parallel.pp_virtual_stages stages per rank (looped placement)."""
+DATA_PARALLEL_MODES: tuple[str, ...] = get_args(DataParallelMode)
+ACTIVATION_CHECKPOINT_MODES: tuple[str, ...] = get_args(ActivationCheckpointMode)
+BACKENDS: tuple[str, ...] = get_args(Backend)
+DDP_GRAPH_MODES: tuple[str, ...] = get_args(DdpGraphMode)
+DEVICE_KINDS: tuple[str, ...] = get_args(DeviceKind)
+HANG_ACTIONS: tuple[str, ...] = get_args(HangAction)
+PROGRESS_MODES: tuple[str, ...] = get_args(ProgressMode)
+LR_SCHEDULES: tuple[str, ...] = get_args(LrSchedule)
+TRACKERS: tuple[str, ...] = get_args(TrackerName)
+
+
+class ConfigError(ValueError):
+    """A user error in the configuration. The message's first line names the option and the fix."""
+
+
+_RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    *((f"model.{name}", lambda v: v >= 0, "give a positive value, or 0 to take the named size's")
+      for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "seq_len")),
+    ("model.rope_theta", lambda v: v > 0, "give a positive base frequency, e.g. 10000"),
+    ("model.norm_eps", lambda v: v > 0, "give a small positive epsilon, e.g. 1e-5"),
+    ("data.max_bytes", lambda v: v >= 0, "give a number of bytes, or 0 to read the whole corpus"),
+    ("data.num_workers", lambda v: v >= 0, "give a number of worker processes >= 0 (0: load in the training process)"),
+    ("train.lr", lambda v: v >= 0, "give a learning rate >= 0, e.g. 3e-3"),
+    ("train.min_lr", lambda v: v >= 0, "give a final learning rate >= 0, e.g. 3e-4"),
+    ("train.warmup_steps", lambda v: v >= 0, "give a number of steps >= 0"),
+    ("train.decay_fraction", lambda v: 0 < v <= 1, "give a fraction of train.steps in (0, 1], e.g. 0.2"),
+    ("train.weight_decay", lambda v: v >= 0, "give a weight decay >= 0, e.g. 0.1"),
+    ("train.beta1", lambda v: 0 <= v < 1, "AdamW's betas must be in [0, 1), e.g. 0.9"),
+    ("train.beta2", lambda v: 0 <= v < 1, "AdamW's betas must be in [0, 1), e.g. 0.95"),
+    ("train.gc_every", lambda v: v >= 0, "give a number of steps between collections, or 0 for Python's own"),
+    ("train.grad_clip", lambda v: v >= 0, "give a maximum gradient norm > 0, or 0 to disable clipping"),
+    ("checkpoint.interval_steps", lambda v: v >= 0, "give a number of steps, or 0 to save only by time or at the "
+                                                    "end"),
+    ("checkpoint.interval_minutes", lambda v: v >= 0, "give a number of minutes, or 0 to turn saving by time off"),
+    ("checkpoint.keep_every", lambda v: v >= 0, "give a step multiple to keep as milestones, or 0 for none"),
+    ("checkpoint.timeout_s", lambda v: v > 0, "give a positive number of seconds, e.g. 1800"),
+    ("health.hang_timeout_s", lambda v: v >= 0, "give a number of seconds, or 0 to disable hang reports"),
+    *((f"parallel.{name}", lambda v: v == -1 or v >= 1, "give a degree of 1 or more, or -1 to infer it from the "
+       "world size") for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp")),  # comm/mesh.py MESH_DIMS
+    ("parallel.ddp_bucket_mb", lambda v: v >= 1, "give a bucket size of 1 MiB or more, e.g. 25"),
+    ("parallel.pp_microbatches", lambda v: v >= 0, "give a number of micro-batches, or 0 for one per sample"),
+    ("parallel.pp_virtual_stages", lambda v: v >= 1, "give 1 or more stages per rank, e.g. 2"),
+    ("checkpoint.signal_grace_s", lambda v: v >= 0, "give a number of seconds, e.g. 30"),
+    ("health.straggler_threshold", lambda v: v == 0 or v >= 1,
+     "give a ratio of at least 1 (1.5 names a rank 50% slower than the median), or 0 to disable"),
+)
+"""Single-option ranges checked by JobConfig.validate: (option, valid, the fix to print)."""
+
+
+def tri_state(option: str, value: Any) -> str:
+    """'auto', 'true' or 'false' from the spellings a user or TOML may give (true, 1, yes, on, ...)."""
+    text = str(value).strip().lower()
+    if text == "auto":
+        return text
+    if text in ("1", "true", "yes", "on"):
+        return "true"
+    if text in ("0", "false", "no", "off"):
+        return "false"
+    raise ConfigError(f"{option}={value!r} is not one of auto, true, false")
+
+
+def check_choice(option: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{option}={value!r} is not one of {', '.join(choices)}")
+
+
+def _check_choices(job: JobConfig) -> None:
+    """Every choice-valued option is one of its choices; the tri-state options normalised to auto/true/false."""
+    check_choice("train.dtype", job.train.dtype, TRAIN_DTYPES)
+    check_choice("dist.backend", job.dist.backend, BACKENDS)
+    check_choice("dist.device", job.dist.device, DEVICE_KINDS)
+    check_choice("data.format", job.data.format, DATA_FORMATS)
+    check_choice("data.token_dtype", job.data.token_dtype, TOKEN_DTYPES)
+    check_choice("parallel.pp_schedule", job.parallel.pp_schedule, PIPELINE_SCHEDULES)
+    check_choice("parallel.pp_balance", job.parallel.pp_balance, PIPELINE_BALANCES)
+    check_choice("parallel.activation_checkpoint", job.parallel.activation_checkpoint,
+                 ACTIVATION_CHECKPOINT_MODES)
+    check_choice("train.attention", job.train.attention, ATTENTION_BACKENDS)
+    check_choice("train.loss", job.train.loss, LOSS_MODES)
+    check_choice("train.nonfinite", job.train.nonfinite, NONFINITE_MODES)
+    check_choice("train.lr_schedule", job.train.lr_schedule, LR_SCHEDULES)
+    job.train.compile = tri_state("train.compile", job.train.compile)
+    job.train.cuda_graphs = tri_state("train.cuda_graphs", job.train.cuda_graphs)
+    check_choice("parallel.ddp_graph", job.parallel.ddp_graph, DDP_GRAPH_MODES)
+    job.parallel.fsdp_reshard_after_forward = tri_state("parallel.fsdp_reshard_after_forward",
+                                                         job.parallel.fsdp_reshard_after_forward)
+    check_choice("parallel.data_parallel", job.parallel.data_parallel, DATA_PARALLEL_MODES)
+    check_choice("run.progress", job.run.progress, PROGRESS_MODES)
+    check_choice("run.tracker", job.run.tracker, TRACKERS)
+    check_choice("health.hang_action", job.health.hang_action, HANG_ACTIONS)
+
+
+def validate_job(job: JobConfig) -> None:
+    """Static checks of fields against each other; raises ConfigError naming the option. Normalises the
+    tri-state options (auto/true/false) in place."""
+    _check_choices(job)
+    if job.parallel.async_tp and not job.parallel.sequence_parallel:
+        raise ConfigError("parallel.async_tp=true overlaps the all-gathers and reduce-scatters of sequence "
+                          "parallelism; add --parallel.sequence_parallel=true")
+    if job.parallel.fsdp_unit_blocks < 1:
+        raise ConfigError(f"parallel.fsdp_unit_blocks must be >= 1 (blocks per FSDP2 unit), got "
+                          f"{job.parallel.fsdp_unit_blocks}")
+    if job.run.tensorboard and job.run.tracker not in ("none", "tensorboard"):
+        raise ConfigError(f"run.tensorboard=true and run.tracker={job.run.tracker}: one tracker per run; drop "
+                          "run.tensorboard (or set run.tracker=tensorboard)")
+    if not 0 <= job.run.prometheus_port < 65536 or job.run.system_sample_s < 0:
+        raise ConfigError(f"run.prometheus_port={job.run.prometheus_port} / run.system_sample_s="
+                          f"{job.run.system_sample_s}: give a port in 1..65535 (0 = off) and seconds >= 0")
+    for name in ("steps", "micro_batch"):
+        if getattr(job.train, name) < 1:
+            raise ConfigError(f"train.{name} must be >= 1, got {getattr(job.train, name)}")
+    for name in ("global_batch", "grad_accum", "eval_every", "eval_samples"):
+        if getattr(job.train, name) < 0:
+            raise ConfigError(f"train.{name} must be >= 0, got {getattr(job.train, name)}")
+    if job.train.log_every < 1:
+        raise ConfigError(f"train.log_every must be >= 1, got {job.train.log_every}")
+    if not 0.0 <= job.data.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction must be in [0, 1), got {job.data.val_fraction}")
+    if not 0.0 <= job.model.dropout < 1.0:
+        raise ConfigError(f"model.dropout must be in [0, 1), got {job.model.dropout}")
+    if job.dist.init_timeout_s <= 0 or job.dist.timeout_s <= 0:
+        raise ConfigError("dist.init_timeout_s and dist.timeout_s must be > 0, got "
+                          f"{job.dist.init_timeout_s} and {job.dist.timeout_s}")
+    if job.checkpoint.keep_last < 1:
+        raise ConfigError(f"checkpoint.keep_last must be >= 1, got {job.checkpoint.keep_last}")
+    window = job.run.profile_window()
+    if window and window[1] > job.train.steps:
+        raise ConfigError(f"run.profile_steps={job.run.profile_steps!r} ends after train.steps="
+                          f"{job.train.steps}; choose steps up to {job.train.steps}")
+    job.run.profiled_ranks()  # raises on a malformed list
+    job.replicas.check()
+    for option, valid, fix in _RANGES:
+        section, _, key = option.partition(".")
+        value = getattr(getattr(job, section), key)
+        if not valid(value):
+            raise ConfigError(f"{option}={value!r} is out of range: {fix}")
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """The global batch: B_global = B_local x G x N x A, where G x N is the number of dp ranks."""
+
+    micro_batch: int
+    dp_size: int
+    grad_accum: int
+    global_batch: int
+    seq_len: int
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+
+def resolve_batch(train: TrainConfig, *, dp_size: int, seq_len: int) -> BatchPlan:
+    """Derive grad accumulation from global_batch (or the reverse); refuse combinations that do not divide."""
+    per_step = train.micro_batch * dp_size
+    if train.global_batch:
+        if train.global_batch % per_step:
+            raise ConfigError(
+                f"train.global_batch={train.global_batch} is not divisible by train.micro_batch={train.micro_batch} "
+                f"x {dp_size} data-parallel ranks = {per_step}; choose a global_batch that is a multiple of "
+                f"{per_step} or change train.micro_batch")
+        accum = train.global_batch // per_step
+        if train.grad_accum and train.grad_accum != accum:
+            raise ConfigError(
+                f"train.grad_accum={train.grad_accum} contradicts train.global_batch={train.global_batch} = "
+                f"{train.micro_batch} x {dp_size} ranks x {accum}; set only one of them")
+    else:
+        accum = train.grad_accum or 1
+    return BatchPlan(micro_batch=train.micro_batch, dp_size=dp_size, grad_accum=accum,
+                     global_batch=per_step * accum, seq_len=seq_len)

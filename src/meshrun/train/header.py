@@ -1,0 +1,63 @@
+"""The trainer's start: the header rank 0 prints before the first step, and metrics.jsonl's ``start`` record."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from typing import TYPE_CHECKING, Any
+
+from meshrun.models.spec import count_unique_params
+from meshrun.parallel.apply import describe_layout
+from meshrun.parallel.kernels import describe_speed
+from meshrun.train import runlog
+from meshrun.train.run_folder import describe_resume
+
+if TYPE_CHECKING:
+    from meshrun.train.trainer import Trainer
+
+log = logging.getLogger("meshrun")
+
+
+def start_record(trainer: Trainer) -> dict[str, Any]:
+    """metrics.jsonl's ``start`` record: layout, batch and model as this process group trains them."""
+    env, b = trainer.env, trainer.batch
+    formula = (f"{b.global_batch} = {b.micro_batch} (B_local) x {b.dp_size // max(1, env.num_nodes)} (G) x "
+               f"{env.num_nodes} (N) x {b.grad_accum} (A)")
+    return runlog.start_record(step=trainer.step, restart=env.restart_count, world_size=env.world_size,
+                               nodes=env.num_nodes, layout=describe_layout(trainer.dims), batch_formula=formula,
+                               global_batch=b.global_batch, tokens_per_step=b.tokens_per_step,
+                               model=trainer.job.model.name, params=trainer.spec.count_params(trainer.model_cfg),
+                               device=str(trainer.device))
+
+
+def print_header(trainer: Trainer) -> None:
+    """Rank 0's start-up lines (and each rank's placement in its own log): where it runs, the layout, the model,
+    the data, the batch formula, what a resume changed, and the config when run.print_config."""
+    env, b, m, sampler = trainer.env, trainer.batch, trainer.model_cfg, trainer.data.sampler
+    log.info("rank %d of %d on %s: node %d of %d, local rank %d of %d (%s)", env.rank, env.world_size,
+             socket.gethostname(), env.node_rank, env.num_nodes, env.local_rank, env.local_world_size, env.source)
+    params = count_unique_params(trainer.engine.model_parts)
+    per_node = (f"{env.num_nodes} node(s) of different sizes" if env.nodes_differ
+                else f"{env.num_nodes} node(s) x {b.dp_size // max(1, env.num_nodes)} per node")
+    lines = [
+        f"meshrun train | {env.source}: {env.describe_nodes()} | {trainer.ctx.backend or 'no process group'} on "
+        f"{trainer.device}",
+        f"model {trainer.job.model.arch} {trainer.job.model.name}: {params / 1e6:.2f}M parameters on this rank, "
+        f"{m.n_layers} layers, dim {m.dim}, {m.n_heads} heads, seq {m.seq_len}, vocab {m.vocab_size}",
+        f"data: {trainer.corpus.description}; fingerprint {trainer.corpus.fingerprint[:12]}",
+        f"global batch {b.global_batch} = {b.micro_batch} per rank (B_local) x {b.dp_size} data-parallel ranks "
+        f"({per_node}) x {b.grad_accum} accumulation (A)",
+        f"tokens per step will be: {b.tokens_per_step:,} ({b.global_batch} x {m.seq_len}); epoch = "
+        f"{sampler.steps_per_epoch:,} steps ({len(sampler.dataset) - sampler.usable} tail samples dropped per epoch)",
+        f"config: {trainer.run_dir / 'config.toml'}",
+        *([trainer.replicas.describe()] if trainer.replicas is not None else []),
+    ]
+    lines[1:1] = [f"layout: {describe_layout(trainer.dims)}", *([trainer.layout_note] if trainer.layout_note else []),
+                  describe_speed(trainer.job, trainer.device, trainer.compute_dtype,
+                                 cuda_graphs=getattr(trainer.engine, "cuda_graphs", False))]
+    lines.append(describe_resume(trainer.resumed, run_dir=trainer.run_dir, moved_to=trainer.folder.moved_to,
+                                 where=f"epoch {trainer.data.position.epoch}, {trainer.data.position.consumed:,} "
+                                       "samples into it"))
+    for section, values in trainer.job.to_dict().items() if trainer.job.run.print_config else ():
+        lines.append(f"  [{section}] " + " ".join(f"{k}={v}" for k, v in values.items()))
+    trainer.sink.print("\n".join(lines))
