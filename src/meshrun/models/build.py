@@ -39,3 +39,10 @@ def model_shape(job: JobConfig, corpus_vocab: int = 0) -> ModelShape:
         raise ConfigError(f"model.vocab_size={cfg.vocab_size} is smaller than the corpus needs ({corpus_vocab}); "
                           f"set --model.vocab_size={corpus_vocab} or more")
     return cfg
+
+
+def record_resolved(job: JobConfig, cfg: ModelShape) -> None:
+    """Write the named size's values back into the config, so the saved config.toml is the whole truth."""
+    for name in SHAPE_FIELDS:
+        setattr(job.model, name, getattr(cfg, name))
+    job.model.n_kv_heads, job.model.ffn_dim = cfg.kv_heads, cfg.hidden_dim
