@@ -28,9 +28,10 @@ def _slow_rank_worker(rank, world_size, run_dir, delay_s, at_step, extra):
 
 @pytest.mark.slow
 def test_trainer_names_a_rank_that_waits_for_data(tmp_path):
-    # every step of rank 1 waits 300 ms for data; rank 0's log names it after the warm-up interval. The wait is
-    # several times a step of this model even with two test files running beside it on 2 cores (80 ms was not)
-    logs = run_distributed(_slow_rank_worker, 2, tmp_path, 0.3, None, ("--health.straggler_threshold=1.5",))
+    # every step of rank 1 waits 1 s for data; rank 0's log names it after the warm-up interval. The wait must stay
+    # over half of that rank's step on a loaded machine: 300 ms was not, with a dozen processes on 2 cores (80 ms
+    # was not with two test files beside it)
+    logs = run_distributed(_slow_rank_worker, 2, tmp_path, 1.0, None, ("--health.straggler_threshold=1.5",))
     assert "rank 1 (host" in logs[0] and "is a straggler" in logs[0], logs[0][-3000:]
     assert "waiting for data" in logs[0]
     assert "rank 0 (host" not in logs[0].split("is a straggler")[0][-200:]
