@@ -109,7 +109,7 @@ def _write_run(tmp_path, tracker_name, monkeypatch):
         for node in (0, 1):
             sink.record({**NODE_RECORD, "step": step, "node": node, "cpu_util_pct": 10.0 * node + step})
     sink.close()
-    return json.loads((tmp_path / "tracker.json").read_text()).get("id")
+    return json.loads((tmp_path / "tracker.json").read_text()).get(tracker_name)
 
 
 def test_tensorboard_event_files_hold_training_and_each_nodes_metrics(tmp_path, monkeypatch):
@@ -203,6 +203,9 @@ def test_a_missing_tracker_package_is_one_line_naming_the_extra(tmp_path, monkey
                               "(or set run.tracker=none)")
     with pytest.raises(ConfigError, match="run.tracker='comet' is not one of none, tensorboard, wandb, mlflow"):
         load_config(None, ["--run.tracker=comet"])
+    with pytest.raises(ConfigError, match="give none, or one or a comma list of the others"):
+        load_config(None, ["--run.tracker=none,mlflow"])
+    assert load_config(None, ["--run.tracker=mlflow, tensorboard"]).run.tracker == "mlflow, tensorboard"
 
 
 def test_prometheus_endpoint_answers_on_loopback_and_moves_up_from_a_taken_port():

@@ -1,8 +1,10 @@
 """A 2-node rehearsal watched from outside: `meshrun launch --simulate-nodes 2 --nproc-per-node 1 train` with
-run.tracker=mlflow and a Prometheus endpoint per node, against a 1-process run of the same job.
+run.tracker=mlflow,wandb,tensorboard (all three at once, W&B offline) and a Prometheus endpoint per node, against a
+1-process run of the same job.
 
-Checks what a user would look at: each node's endpoint answers over HTTP while it trains, metrics.jsonl and the
-MLflow file store hold the training losses and both nodes' system metrics, `meshrun report --compare` finds the
+Checks what a user would look at: each node's endpoint answers over HTTP while it trains, metrics.jsonl, the MLflow
+file store, the W&B offline run and the TensorBoard event files hold the training losses and both nodes' system
+metrics, `meshrun report --compare` finds the
 two runs agree (the same global batch, split 1 x 2 micro-batches or 2 x 1), and the report of both draws each
 node's system plot on a page of its own.
 """
@@ -21,6 +23,8 @@ import pytest
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("mlflow", reason="the mlflow extra (.[mlflow], mlflow-skinny) is not installed")
+pytest.importorskip("wandb", reason="the wandb extra (.[wandb]) is not installed")
+pytest.importorskip("tensorboard", reason="the tensorboard extra (.[tensorboard]) is not installed")
 pytest.importorskip("prometheus_client", reason="the prometheus extra (.[prometheus]) is not installed")
 pytest.importorskip("matplotlib", reason="meshrun report needs matplotlib (pip install -e '.[test]')")
 
@@ -58,7 +62,7 @@ def _records(run_dir, kind):
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("rehearsal")
     two, one = root / "two_nodes", root / "one_process"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     env.pop("MLFLOW_TRACKING_URI", None)
     port = _free_port()
     seen: dict = {}
@@ -69,7 +73,8 @@ def runs(tmp_path_factory):
     single = subprocess.Popen([sys.executable, "-m", "meshrun", "train", f"--run.dir={one}", *JOB],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     launched = subprocess.run([sys.executable, "-m", "meshrun", "launch", "--simulate-nodes", "2",
-                               "--nproc-per-node", "1", "train", f"--run.dir={two}", "--run.tracker=mlflow",
+                               "--nproc-per-node", "1", "train", f"--run.dir={two}",
+                               "--run.tracker=mlflow,wandb,tensorboard",
                                f"--run.prometheus_port={port}", *JOB],
                               capture_output=True, text=True, timeout=300, env=env)
     done.set()
@@ -111,17 +116,41 @@ def test_mlflow_run_holds_training_and_both_nodes_system_metrics(runs, monkeypat
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 asks for it to read its file store
 
     two, _, _ = runs
-    run_id = json.loads((two / "tracker.json").read_text())["id"]
+    run_id = json.loads((two / "tracker.json").read_text())["mlflow"]
     client = MlflowClient(tracking_uri=(two / "mlruns").as_uri())
     run = client.get_run(run_id)
     assert run.data.params["world_size"] == "2" and run.data.params["nodes"] == "2"
-    assert run.data.params["train.global_batch"] == "16" and run.data.params["run.tracker"] == "mlflow"
+    assert run.data.params["train.global_batch"] == "16"
+    assert run.data.params["run.tracker"] == "mlflow,wandb,tensorboard"
     losses = [(r["step"], r["loss"]) for r in _records(two, "train")]
     assert [(m.step, m.value) for m in client.get_metric_history(run_id, "train/loss")] == losses
     for node in (0, 1):
         history = client.get_metric_history(run_id, f"system/node_{node}/host_mem_used_gib")
         assert sorted(m.step for m in history) == list(range(LOG_EVERY, STEPS + 1, LOG_EVERY))
         assert client.get_metric_history(run_id, f"system/node_{node}/comm_net/sent_mb_s")
+
+
+def test_tensorboard_and_wandb_runs_hold_training_and_both_nodes_system_metrics(runs):
+    """The same records reach the other two trackers of the run (one tracker interface, fanned out)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from test_watch import _wandb_records
+
+    two, _, _ = runs
+    losses = [(r["step"], r["loss"]) for r in _records(two, "train")]
+    events = EventAccumulator(str(two / "tensorboard")).Reload()
+    assert [(e.step, round(e.value, 5)) for e in events.Scalars("train/loss")] == [(s, round(v, 5)) for s, v in losses]
+    for node in (0, 1):
+        assert len(events.Scalars(f"system/node_{node}/host_mem_used_gib")) == STEPS // LOG_EVERY
+    run_id = json.loads((two / "tracker.json").read_text())["wandb"]
+    (log,) = two.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb")
+    deadline = time.monotonic() + 60  # wandb-core (its own process) may still be writing
+    while not any(r.WhichOneof("record_type") == "exit" for r in _wandb_records(log)):
+        assert time.monotonic() < deadline, "the W&B offline run never closed"
+        time.sleep(0.5)
+    keys = {item.key or "/".join(item.nested_key) for r in _wandb_records(log)
+            if r.WhichOneof("record_type") == "history" for item in r.history.item}
+    assert {"train/loss", "system/node_0/host_mem_used_gib", "system/node_1/host_mem_used_gib"} <= keys, keys
 
 
 def test_compare_finds_one_process_and_two_nodes_agree(runs, capsys):

@@ -260,8 +260,9 @@ class RunConfig:
     an elastic restart of this job continues the new run. `meshrun train --fresh` sets it."""
     tensorboard: bool = False
     """Also write TensorBoard event files (needs the tensorboard package); the same as run.tracker=tensorboard."""
-    tracker: TrackerName = "none"
-    """Experiment tracker that rank 0 logs to: none, tensorboard, wandb or mlflow (each an extra of meshrun)."""
+    tracker: str = "none"
+    """Experiment trackers that rank 0 logs to: none, or one or a comma list of tensorboard, wandb, mlflow (each an
+    extra of meshrun), e.g. mlflow,tensorboard."""
     tracker_project: str = "meshrun"
     """W&B project or MLflow experiment name."""
     tracker_uri: str = ""

@@ -132,8 +132,16 @@ def _check_choices(job: JobConfig) -> None:
                                                          job.parallel.fsdp_reshard_after_forward)
     check_choice("parallel.data_parallel", job.parallel.data_parallel, DATA_PARALLEL_MODES)
     check_choice("run.progress", job.run.progress, PROGRESS_MODES)
-    check_choice("run.tracker", job.run.tracker, TRACKERS)
+    check_trackers(job.run.tracker)
     check_choice("health.hang_action", job.health.hang_action, HANG_ACTIONS)
+
+
+def check_trackers(value: str) -> None:
+    """run.tracker: none, or one or more of the trackers, comma-separated."""
+    names = [name.strip() for name in value.split(",")]
+    if any(name not in TRACKERS for name in names) or ("none" in names and len(names) > 1):
+        raise ConfigError(f"run.tracker={value!r} is not one of {', '.join(TRACKERS)}; give none, or one or a comma "
+                          "list of the others, e.g. mlflow,tensorboard")
 
 
 def validate_job(job: JobConfig) -> None:

@@ -2,9 +2,9 @@
 
 Rank 0 logs every record it writes to metrics.jsonl to the tracker as well: the training metrics, the per-rank
 timing, and each node's ``system`` record (so every node's GPUs, CPU and network land in the same tracker run, under
-``system/node_K/...``). The job's config (``model.dim``, ...) and the layout of each start (``layout``,
+``system/node_K/...``); several trackers at once take a comma list (``run.tracker=mlflow,tensorboard``). The job's config (``model.dim``, ...) and the layout of each start (``layout``,
 ``world_size``, ...) are the run's parameters. A restarted or resumed job continues the same tracker run: its id is
-kept in ``<run.dir>/tracker.json``.
+kept in ``<run.dir>/tracker.json`` (one id per tracker).
 
 Each tracker is an optional extra; without it, the first line of the error names it
 (``pip install 'meshrun[mlflow]'``). Adding one is a :class:`Tracker` subclass and a line in :data:`TRACKERS`.
@@ -136,28 +136,61 @@ TRACKERS: dict[str, tuple[type[Tracker], str]] = {"tensorboard": (TensorBoardTra
 """run.tracker -> (class, the extra that installs it)."""
 
 
-def tracker_name(job: JobConfig) -> str:
-    """run.tracker, with run.tensorboard=true read as tensorboard."""
-    return "tensorboard" if job.run.tensorboard else job.run.tracker
+def tracker_names(job: JobConfig) -> list[str]:
+    """run.tracker as a list (empty for none), with run.tensorboard=true adding tensorboard."""
+    names = [name.strip() for name in job.run.tracker.split(",") if name.strip() not in ("", "none")]
+    if job.run.tensorboard and "tensorboard" not in names:
+        names.append("tensorboard")
+    return names
+
+
+class Trackers(Tracker):
+    """Several trackers at once (run.tracker=mlflow,tensorboard): every call goes to each, in order."""
+
+    def __init__(self, trackers: list[Tracker]):
+        self.trackers = trackers
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        for tracker in self.trackers:
+            tracker.log_params(params)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        for tracker in self.trackers:
+            tracker.log_metrics(metrics, step)
+
+    def close(self) -> None:
+        for tracker in self.trackers:
+            tracker.close()
+
+
+def known_runs(run_dir: Path) -> dict[str, str]:
+    """{tracker: run id} from <run.dir>/tracker.json (also the single-tracker form an earlier meshrun wrote)."""
+    id_file = Path(run_dir) / ID_FILE
+    known = json.loads(id_file.read_text()) if id_file.is_file() else {}
+    return {known["tracker"]: known["id"]} if "tracker" in known else known
 
 
 def open_tracker(job: JobConfig, run_dir: Path) -> Tracker | None:
-    """The tracker run.tracker names (None for none), continuing the run recorded in tracker.json if any, with the
-    job's config logged as parameters. Raises ConfigError naming the extra when its package is missing."""
-    name = tracker_name(job)
-    if name == "none":
+    """The trackers run.tracker names (None for none; several behind one :class:`Trackers`), each continuing the run
+    recorded in tracker.json if any, with the job's config logged as parameters. Raises ConfigError naming the extra
+    when a package is missing."""
+    names = tracker_names(job)
+    if not names:
         return None
-    cls, extra = TRACKERS[name]
-    id_file = Path(run_dir) / ID_FILE
-    known = json.loads(id_file.read_text()) if id_file.is_file() else {}
-    try:
-        tracker = cls(run_dir, project=job.run.tracker_project, uri=job.run.tracker_uri,
-                      run_id=known.get("id") if known.get("tracker") == name else None)
-    except ImportError as exc:
-        raise ConfigError(f"run.tracker={name} needs the {extra} package: pip install 'meshrun[{extra}]' "
-                          f"(or set run.tracker=none)") from exc
-    if getattr(tracker, "id", None):
-        id_file.write_text(json.dumps({"tracker": name, "id": tracker.id}) + "\n")
+    known, opened = known_runs(run_dir), []
+    for name in names:
+        cls, extra = TRACKERS[name]
+        try:
+            tracker = cls(run_dir, project=job.run.tracker_project, uri=job.run.tracker_uri, run_id=known.get(name))
+        except ImportError as exc:
+            raise ConfigError(f"run.tracker={name} needs the {extra} package: pip install 'meshrun[{extra}]' "
+                              f"(or set run.tracker=none)") from exc
+        if getattr(tracker, "id", None):
+            known[name] = tracker.id
+        opened.append(tracker)
+    if known:
+        (Path(run_dir) / ID_FILE).write_text(json.dumps(known) + "\n")
+    tracker = opened[0] if len(opened) == 1 else Trackers(opened)
     tracker.log_params({f"{section}.{key}": value for section, values in job.to_dict().items()
                         for key, value in values.items()})
     return tracker
