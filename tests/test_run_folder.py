@@ -16,9 +16,11 @@ import pytest
 
 from meshrun.ckpt.cli import main as ckpt_main
 from meshrun.ckpt.run_config import describe_changes
-from meshrun.config import JobConfig, resolve_batch
+from meshrun.config import JobConfig
+from meshrun.env import ClusterEnv
 from meshrun.train.cli import _clean_error, _say
 from meshrun.train.cli import main as train_main
+from meshrun.train.plan import RunPlan, validated
 from meshrun.train.resuming import keep_global_batch
 from meshrun.train.schedule import describe_lr_change, lr_at
 
@@ -176,13 +178,17 @@ def test_changed_options_are_named():
 def test_world_size_change_names_the_checkpoints_data_parallel_ranks():
     """2 ranks saved global batch 16 (micro 8, no accumulation); 1 rank resumes it: 2 -> 1 ranks, 1 -> 2 steps."""
     job = JobConfig()
+    env = ClusterEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, num_nodes=1,
+                     master_addr="127.0.0.1", master_port=29500, source="single")
+    plan = RunPlan.resolve(validated(job), env=env, vocab_size=256)
     notes: list[str] = []
     data = SimpleNamespace(position=0, seek=lambda position: None)
-    trainer = SimpleNamespace(job=job, app_state={}, data=data, batch=None, build_data=lambda: (data, []),
+    trainer = SimpleNamespace(plan=plan, app_state={}, data=data, build_data=lambda: (data, []),
                               ckpt=SimpleNamespace(layout={}, notes=notes), replicas=None)
-    trainer.plan_batch = lambda: resolve_batch(job.train, dp_size=1, seq_len=64)
     keep_global_batch(trainer, {"global_batch": 16, "dp_replicate": 2, "dp_shard": 1, "grad_accum": 1})
     assert notes == ["keeping the checkpoint's global batch 16: 2 -> 1 data-parallel ranks, accumulation 1 -> 2"]
+    assert (trainer.plan.job.train.global_batch, trainer.plan.batch.grad_accum) == (16, 2)
+    assert (job.train.global_batch, plan.job.train.global_batch) == (0, 0), "a new plan; no config changed in place"
 
 
 def test_errors_that_say_it_all_have_no_traceback_and_keep_their_exit_code(capsys):

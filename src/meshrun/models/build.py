@@ -41,8 +41,7 @@ def model_shape(job: JobConfig, corpus_vocab: int = 0) -> ModelShape:
     return cfg
 
 
-def record_resolved(job: JobConfig, cfg: ModelShape) -> None:
-    """Write the named size's values back into the config, so the saved config.toml is the whole truth."""
-    for name in SHAPE_FIELDS:
-        setattr(job.model, name, getattr(cfg, name))
-    job.model.n_kv_heads, job.model.ffn_dim = cfg.kv_heads, cfg.hidden_dim
+def resolved_model(model: ModelConfig, cfg: ModelShape) -> ModelConfig:
+    """``model`` with the named size's values written out (a copy), so the saved config.toml is the whole truth."""
+    values = {name: getattr(cfg, name) for name in SHAPE_FIELDS}
+    return dataclasses.replace(model, **{**values, "n_kv_heads": cfg.kv_heads, "ffn_dim": cfg.hidden_dim})

@@ -51,14 +51,17 @@ BUCKET_BYTES = 64 * 2**20
 
 
 def group_run_dir(job: JobConfig) -> Path:
-    """<run.dir>/group_<g> for this group's logs and metrics; checkpoints shared in <run.dir>/checkpoints unless
-    checkpoint.dir names another folder (every group resumes from it; one group writes it)."""
+    """<run.dir>/group_<g> for this group's logs and metrics (<run.dir> without replica groups)."""
     root = Path(job.run.dir)
-    if not job.replicas.groups:
-        return root
-    if not job.checkpoint.dir:
-        job.checkpoint.dir = str(root / "checkpoints")
-    return root / f"group_{job.replicas.group}"
+    return root / f"group_{job.replicas.group}" if job.replicas.groups else root
+
+
+def group_checkpoint_dir(job: JobConfig) -> str:
+    """checkpoint.dir as it runs: with replica groups, checkpoints are shared in <run.dir>/checkpoints unless
+    checkpoint.dir names another folder (every group resumes from it; one group writes it)."""
+    if job.replicas.groups and not job.checkpoint.dir:
+        return str(Path(job.run.dir) / "checkpoints")
+    return job.checkpoint.dir
 
 
 def data_shard(cfg: ReplicaConfig | None, dp_rank: int, dp_size: int) -> tuple[int, int]:

@@ -76,22 +76,21 @@ def resume(trainer: Trainer) -> dict[str, Any] | None:
 def keep_global_batch(trainer: Trainer, layout: dict[str, Any]) -> None:
     """The world size changed: keep the checkpoint's global batch (its ``layout``'s) by re-deriving accumulation,
     or refuse."""
-    train, saved = trainer.job.train, layout["global_batch"]
+    train, saved = trainer.plan.job.train, layout["global_batch"]
     if train.global_batch and train.global_batch != saved:
         raise ConfigError(f"train.global_batch={train.global_batch} differs from the checkpoint's {saved}; the data "
                           f"position cannot continue exactly. Set --train.global_batch={saved} or start a new run "
                           "with --fresh")
     saved_dp = layout.get("dp_replicate", 1) * layout.get("dp_shard", 1)
-    train.global_batch, train.grad_accum = saved, 0
-    trainer.batch = trainer.plan_batch()
+    trainer.plan = plan = trainer.plan.keep_global_batch(saved)  # a new plan; the config is not changed in place
     position = trainer.data.position  # global: the new per-rank batches continue from it
     trainer.data, trainer.val = trainer.build_data()
     trainer.data.seek(position)
     trainer.app_state["data"] = trainer.data
     if trainer.replicas is not None:
         trainer.replicas.data = trainer.data  # a healing peer continues this loader's position
-    trainer.ckpt.layout.update(global_batch=trainer.batch.global_batch, grad_accum=trainer.batch.grad_accum)
-    message = (f"keeping the checkpoint's global batch {saved}: {saved_dp} -> {trainer.batch.dp_size} data-parallel "
-               f"ranks, accumulation {layout.get('grad_accum', '?')} -> {trainer.batch.grad_accum}")
+    trainer.ckpt.layout.update(global_batch=plan.batch.global_batch, grad_accum=plan.batch.grad_accum)
+    message = (f"keeping the checkpoint's global batch {saved}: {saved_dp} -> {plan.batch.dp_size} data-parallel "
+               f"ranks, accumulation {layout.get('grad_accum', '?')} -> {plan.batch.grad_accum}")
     trainer.ckpt.notes.append(message)
     log.warning(message)

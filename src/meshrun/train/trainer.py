@@ -16,20 +16,21 @@ from typing import Any
 
 import torch
 
-from meshrun.config import BatchPlan, ConfigError, JobConfig, resolve_batch
+from meshrun.config import BatchPlan, ConfigError, JobConfig
 from meshrun.data.corpus import Corpus, load_corpus
 from meshrun.data.loader import StepBatches, eval_batches
 from meshrun.data.sampler import TokenWindows
-from meshrun.comm.process_group import DistContext, init_distributed, set_mesh_timeouts, wants_cuda
+from meshrun.comm.process_group import DistContext, init_distributed, set_mesh_timeouts
 from meshrun.env import ClusterEnv
-from meshrun.models.build import model_shape, model_spec, record_resolved
+from meshrun.models.shape import ModelShape
+from meshrun.models.spec import ModelSpec
 from meshrun.rng import seed_rank_streams
 from meshrun.parallel.apply import build_engine
 from meshrun.parallel.engine import Engine
 from meshrun.ckpt.preemption import signal_label
 from meshrun.ckpt.state import TrainProgress
 from meshrun.diag.fingerprint import check_consistency
-from meshrun.comm.mesh import ParallelDims, choose_data_parallel
+from meshrun.comm.mesh import ParallelDims
 from meshrun.watch.flight_recorder import enable_flight_recorder
 from meshrun.watch.health import JobHealth
 from meshrun.watch.stragglers import gather_rank_infos
@@ -41,7 +42,8 @@ from meshrun.train.header import print_header, start_record
 from meshrun.train.nonfinite import NonFiniteGuard
 from meshrun.train.rank_timing import log_rank_timing
 from meshrun.train.profiling import StepProfiler, build_profiler
-from meshrun.train.replicas import ReplicaGroups, ReplicaQuorumError, data_shard, group_run_dir
+from meshrun.train.plan import RunPlan, validated
+from meshrun.train.replicas import ReplicaGroups, ReplicaQuorumError, data_shard
 from meshrun.train.run_folder import RunFolder
 from meshrun.train.resuming import build_checkpointer, resume
 from meshrun.train.schedule import build_scheduler
@@ -81,20 +83,12 @@ class Trainer:
     config describes."""
 
     def __init__(self, job: JobConfig, *, env: ClusterEnv | None = None, corpus: Corpus | None = None):
-        job.validate()
-        self.job = job
+        checked = validated(job)  # a checked copy: the JobConfig given is left as it was
         self.env = env or ClusterEnv.detect()
-        self.corpus = corpus or load_corpus(job.data)
-        self.spec = model_spec(job)
-        self.model_cfg = model_shape(job, self.corpus.vocab_size)
-        record_resolved(job, self.model_cfg)
-        job.parallel, self.layout_note = choose_data_parallel(
-            job.parallel, params=self.spec.count_params(self.model_cfg), on_gpu=wants_cuda(job.dist))
-        self.dims = ParallelDims.from_config(job.parallel, world_size=self.env.world_size,
-                                             gpus_per_node=self.env.local_world_size, model=self.model_cfg,
-                                             spec=self.spec)
-        self.batch: BatchPlan = self.plan_batch()
-        self.run_dir = group_run_dir(job)  # <run.dir>/group_<g> with replica groups
+        self.corpus = corpus or load_corpus(checked.data)
+        self.plan = RunPlan.resolve(checked, env=self.env, vocab_size=self.corpus.vocab_size)
+        """What this run trains with (train/plan.py); a resume that keeps the global batch replaces it."""
+        job = self.job  # from here on, the resolved config
         if job.train.deterministic:
             use_deterministic_algorithms()
         if self.env.is_distributed and torch.cuda.is_available():
@@ -129,7 +123,7 @@ class Trainer:
         self.start_step = self.last_saved_step = self.step
         self.sink = MetricsSink(self.run_dir, total_steps=job.train.steps, progress=job.run.progress,
                                 enabled=self.env.is_rank_zero and self.proceeds, start_step=self.step,
-                                tracker=open_tracker(job, self.run_dir) if self.env.is_rank_zero and self.proceeds
+                                tracker=open_tracker(self.job, self.run_dir) if self.env.is_rank_zero and self.proceeds
                                 else None)
         self.system = SystemWatch(job.run, env=self.env, device=self.device)  # node leaders sample in a thread
         self.health = JobHealth(env=self.env, device=self.device, parts=self.engine.timed_modules,
@@ -153,14 +147,38 @@ class Trainer:
     def tokens_seen(self) -> int:
         return self.progress.tokens_seen
 
-    # ---- construction -------------------------------------------------------------------------------------------
+    # ---- the plan's parts (read-only: train/plan.py resolves them once) -----------------------------------------
 
-    def plan_batch(self) -> BatchPlan:
-        """train.micro_batch, grad_accum and global_batch over this world's data-parallel ranks; with PP, checked
-        against parallel.pp_microbatches. The engine and the data loaders use this one plan."""
-        batch = resolve_batch(self.job.train, dp_size=self.dims.dp_size, seq_len=self.model_cfg.seq_len)
-        self.dims.resolve_pipeline_batch(batch.micro_batch * batch.grad_accum)
-        return batch
+    @property
+    def job(self) -> JobConfig:
+        """The resolved config: what config.toml, the checkpoints and the trackers record."""
+        return self.plan.job
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self.plan.spec
+
+    @property
+    def model_cfg(self) -> ModelShape:
+        return self.plan.shape
+
+    @property
+    def dims(self) -> ParallelDims:
+        return self.plan.dims
+
+    @property
+    def batch(self) -> BatchPlan:
+        return self.plan.batch
+
+    @property
+    def layout_note(self) -> str:
+        return self.plan.layout_note
+
+    @property
+    def run_dir(self) -> Path:
+        return self.plan.run_dir
+
+    # ---- construction -------------------------------------------------------------------------------------------
 
     def config_toml(self) -> str:
         """<run.dir>/config.toml: the options this run trains with (after a resume re-derived the batch); what the

@@ -1,0 +1,80 @@
+"""The run plan: the job's config resolved once into what this run trains with; the JobConfig given is left as it was.
+
+:meth:`RunPlan.resolve` checks a copy of the config (``validate`` normalises it), then fills in what the options
+leave open: the named size's model shape, the data parallelism that runs (parallel.data_parallel), replica groups'
+shared checkpoint folder, the mesh degrees and the batch. The trainer and its helpers read the plan; a resume that
+keeps the checkpoint's global batch at another world size builds a new plan (:meth:`RunPlan.keep_global_batch`).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from meshrun.comm.mesh import ParallelDims, choose_data_parallel
+from meshrun.comm.process_group import wants_cuda
+from meshrun.config import BatchPlan, JobConfig, TrainConfig, resolve_batch
+from meshrun.env import ClusterEnv
+from meshrun.models.build import model_shape, model_spec, resolved_model
+from meshrun.models.shape import ModelShape
+from meshrun.models.spec import ModelSpec
+from meshrun.train.replicas import group_checkpoint_dir, group_run_dir
+
+
+def validated(job: JobConfig) -> JobConfig:
+    """A checked copy of ``job`` (its tri-state options normalised); ConfigError naming the option. ``job`` itself
+    is not changed."""
+    checked = copy.deepcopy(job)
+    checked.validate()
+    return checked
+
+
+def plan_batch(train: TrainConfig, dims: ParallelDims, shape: ModelShape) -> BatchPlan:
+    """train.micro_batch, grad_accum and global_batch over this world's data-parallel ranks; with PP, checked
+    against parallel.pp_microbatches (resolved here when 0). The engine and the data loaders use this one plan."""
+    batch = resolve_batch(train, dp_size=dims.dp_size, seq_len=shape.seq_len)
+    dims.resolve_pipeline_batch(batch.micro_batch * batch.grad_accum)
+    return batch
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What one run trains with, resolved once."""
+
+    job: JobConfig
+    """The resolved config (a copy): what config.toml, each checkpoint's meta.config and the trackers record."""
+    spec: ModelSpec
+    """The registered model model.arch selects."""
+    shape: ModelShape
+    """The model's shape with every size set."""
+    dims: ParallelDims
+    """The mesh degrees (it holds the meshes once built)."""
+    batch: BatchPlan
+    """Micro-batch, accumulation and global batch over the data-parallel ranks."""
+    layout_note: str
+    """The start-up header's line on the data parallelism parallel.data_parallel chose ('' when none)."""
+    run_dir: Path
+    """Where this run (this replica group) writes its logs and metrics."""
+
+    @classmethod
+    def resolve(cls, job: JobConfig, *, env: ClusterEnv, vocab_size: int) -> RunPlan:
+        """The plan of ``job`` (validated: see :func:`validated`) on this world, for a corpus of ``vocab_size``
+        tokens. Raises ConfigError naming the option."""
+        spec = model_spec(job)
+        shape = model_shape(job, vocab_size)
+        parallel, note = choose_data_parallel(job.parallel, params=spec.count_params(shape),
+                                              on_gpu=wants_cuda(job.dist))
+        job = dataclasses.replace(job, model=resolved_model(job.model, shape), parallel=parallel,
+                                  checkpoint=dataclasses.replace(job.checkpoint, dir=group_checkpoint_dir(job)))
+        dims = ParallelDims.from_config(parallel, world_size=env.world_size, gpus_per_node=env.local_world_size,
+                                        model=shape, spec=spec)
+        return cls(job=job, spec=spec, shape=shape, dims=dims, batch=plan_batch(job.train, dims, shape),
+                   layout_note=note, run_dir=group_run_dir(job))
+
+    def keep_global_batch(self, global_batch: int) -> RunPlan:
+        """This plan with ``global_batch`` kept and accumulation re-derived (a resume at another world size)."""
+        train = dataclasses.replace(self.job.train, global_batch=global_batch, grad_accum=0)
+        return dataclasses.replace(self, job=dataclasses.replace(self.job, train=train),
+                                   batch=plan_batch(train, self.dims, self.shape))
