@@ -43,7 +43,7 @@ from meshrun.ckpt.manifest import data_location, read_manifest
 from meshrun.ckpt.storage import Store, is_url, store_for
 from meshrun.ckpt.state import ModelOptimState, RNGState, TrainProgress
 from meshrun.config import CheckpointConfig
-from meshrun.env import ClusterEnv
+from meshrun.env import ProcessPlacement
 from meshrun.models.gpt import GPT, gpt_config
 
 
@@ -59,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def build_state(args: argparse.Namespace, env: ClusterEnv, device: torch.device) -> tuple[dict, int]:
+def build_state(args: argparse.Namespace, env: ProcessPlacement, device: torch.device) -> tuple[dict, int]:
     """GPT + AdamW with its state (one step on zero gradients): a DDP replica, the same on every rank (seeded)."""
     torch.manual_seed(0)
     model = GPT(gpt_config(args.model)).to(device)
@@ -105,7 +105,7 @@ def timed(fn, *, sync: bool = True) -> float:
     return float(elapsed)
 
 
-def measure(args: argparse.Namespace, env: ClusterEnv, folder: str) -> dict:
+def measure(args: argparse.Namespace, env: ProcessPlacement, folder: str) -> dict:
     device = torch.device("cuda", env.local_rank) if args.device == "cuda" else torch.device("cpu")
     state, params = build_state(args, env, device)
     store = store_for(folder)
@@ -181,7 +181,7 @@ def report(result: dict, json_path: str) -> None:
 
 def run(args: argparse.Namespace) -> dict | None:
     """One rank's run (the process group is up, or this is the only rank)."""
-    env = ClusterEnv.detect()
+    env = ProcessPlacement.detect()
     base = args.dir.rstrip("/") or "runs"
     store = store_for(base)
     folder = store.join(base, f"ckpt-bench-{secrets.token_hex(4)}")
@@ -207,7 +207,7 @@ def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None
 
 
 def _main_rank(args: argparse.Namespace) -> None:
-    env = ClusterEnv.detect()
+    env = ProcessPlacement.detect()
     # Ranks sharing a CPU: one intra-op pool each of its share, as torchrun sets OMP_NUM_THREADS (oversubscribed
     # pools turn every tensor copy into a scheduler wait).
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))

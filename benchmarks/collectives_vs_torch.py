@@ -26,7 +26,7 @@ import torch.distributed as dist
 from meshrun.config import DistConfig
 from meshrun.diag import bench, gpu_health
 from meshrun.comm.process_group import init_distributed, shutdown
-from meshrun.env import ClusterEnv
+from meshrun.env import ProcessPlacement
 
 # nccl-tests' bus-bandwidth factors, written out independently of meshrun.diag.bench_ops
 FACTOR = {"allreduce": lambda n: 2 * (n - 1) / n, "allgather": lambda n: (n - 1) / n,
@@ -77,7 +77,7 @@ def plain_seconds(run, *, iters: int, warmup: int, device: torch.device) -> floa
     return float(mine.item())
 
 
-def compare_collective(op: str, size: int, *, env: ClusterEnv, device, dtype, iters: int, warmup: int) -> dict:
+def compare_collective(op: str, size: int, *, env: ProcessPlacement, device, dtype, iters: int, warmup: int) -> dict:
     n = env.world_size
     count = max(n, size // dtype.itemsize // n * n)
     ours, plain = 0.0, 0.0
@@ -117,7 +117,7 @@ def plain_copy_gbps(device, nbytes: int, iters: int) -> float:
     return 2 * nbytes * iters / (time.perf_counter() - start) / 1e9
 
 
-def compare_device(env: ClusterEnv, device) -> dict:
+def compare_device(env: ProcessPlacement, device) -> dict:
     gpu = device.type == "cuda"
     n, nbytes, iters = (8192, 2**30, 20) if gpu else (128, 2**22, 3)
     ours = {"gemm": gpu_health.gemm_tflops(device), "mem": gpu_health.memory_gbps(device)}
@@ -138,7 +138,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args()
-    env = ClusterEnv.detect()
+    env = ProcessPlacement.detect()
     ctx = init_distributed(env, DistConfig())
     device, gpu = ctx.device, ctx.device.type == "cuda"
     dtype = torch.bfloat16 if gpu else torch.float32

@@ -16,10 +16,10 @@ from test_ckpt_support import Job, checkpointer, reseal
 from meshrun.cli import main
 from meshrun.ckpt.folder import COMPLETE, step_dir_name
 from meshrun.ckpt.manifest import build_manifest
-from meshrun.env import ClusterEnv
+from meshrun.env import ProcessPlacement
 from meshrun.models.gpt import GPT, gpt_config
 
-ENV = ClusterEnv.detect({})
+ENV = ProcessPlacement.detect({})
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from test_ckpt_support import Job, assert_same, checkpointer, rng_draws
 from meshrun.ckpt import collectives
 from meshrun.ckpt.errors import CheckpointError
 from meshrun.ckpt.preemption import PreemptionFlag
-from meshrun.env import ClusterEnv
+from meshrun.env import ProcessPlacement
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +33,7 @@ def _ddp(model):
 
 def _two_ranks(rank: int, world_size: int, root: str) -> dict:
     """1->2 load, DDP training, sync save, bitwise reload, async vs sync, save decisions, unshared folder."""
-    root_path, env, out = Path(root), ClusterEnv.detect(), {}
+    root_path, env, out = Path(root), ProcessPlacement.detect(), {}
     job = Job(env, seed=0, wrap=_ddp)
     ckpt = checkpointer(root_path / "run2", env)
     manifest = ckpt.load(job.state, resume=str(root_path / "single" / "step_0000005"))
@@ -55,7 +55,7 @@ def _two_ranks(rank: int, world_size: int, root: str) -> dict:
     return out
 
 
-def _decisions(env: ClusterEnv, root: Path) -> list[tuple[bool, bool]]:
+def _decisions(env: ProcessPlacement, root: Path) -> list[tuple[bool, bool]]:
     """Rank 0's clock and rank 1's SIGTERM decide for both ranks."""
     flag = PreemptionFlag()
     ckpt = checkpointer(root / "decide", env, interval_minutes=0.0005, interval_steps=0)
@@ -69,7 +69,7 @@ def _decisions(env: ClusterEnv, root: Path) -> list[tuple[bool, bool]]:
     return decisions
 
 
-def _unshared(env: ClusterEnv, root: Path, job: Job) -> str:
+def _unshared(env: ProcessPlacement, root: Path, job: Job) -> str:
     collectives.SHARED_CHECK_WAIT_S = 0.3
     ckpt = checkpointer(root / f"private_{env.rank}", env)
     try:
@@ -91,7 +91,7 @@ def _fsdp(model):
 
 def _three_ranks(rank: int, world_size: int, root: str) -> dict:
     """2->3 into FSDP2 shards (DTensor resharding), then an FSDP2 save for the 3->1 load."""
-    root_path, env = Path(root), ClusterEnv.detect()
+    root_path, env = Path(root), ProcessPlacement.detect()
     job = Job(env, seed=1, wrap=_fsdp)  # another seed: everything below must come from the checkpoint
     ckpt = checkpointer(root_path / "run2", env)
     manifest = ckpt.load(job.state)
@@ -103,7 +103,7 @@ def _three_ranks(rank: int, world_size: int, root: str) -> dict:
 
 
 def test_checkpoints_across_ranks(tmp_path):
-    env1 = ClusterEnv.detect({})
+    env1 = ProcessPlacement.detect({})
     single = Job(env1, seed=5)
     single.train(2, data_seed=7)
     single.counters.step = 5

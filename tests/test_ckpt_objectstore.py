@@ -25,9 +25,9 @@ from test_ckpt_support import Job, assert_same, checkpointer
 from meshrun.ckpt import cli, storage
 from meshrun.ckpt.errors import CheckpointError
 from meshrun.ckpt.folder import scan
-from meshrun.env import ClusterEnv
+from meshrun.env import ProcessPlacement
 
-ENV = ClusterEnv.detect({})
+ENV = ProcessPlacement.detect({})
 KINDS = [pytest.param(kind, marks=pytest.mark.skipif(bool(Server.available(kind)),
                                                       reason=Server.available(kind) or ""))
          for kind in ("s3", "gs")]
@@ -173,7 +173,7 @@ def _ddp(model):
 
 def _round_trips(rank: int, world_size: int, folders: list[str]) -> dict:
     """Per folder: train, sync save, train, async save, train, resume (auto): bitwise what was saved."""
-    env, out = ClusterEnv.detect(), {}
+    env, out = ProcessPlacement.detect(), {}
     for folder in folders:
         job = Job(env, seed=0, wrap=_ddp)
         job.train(1, data_seed=10 + rank)
@@ -217,10 +217,10 @@ _KILLED_RANK = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     import torch, torch.distributed as dist
     from test_ckpt_support import Job, checkpointer
-    from meshrun.env import ClusterEnv
+    from meshrun.env import ProcessPlacement
 
     dist.init_process_group("gloo")
-    env = ClusterEnv.detect()
+    env = ProcessPlacement.detect()
     job = Job(env, wrap=torch.nn.parallel.DistributedDataParallel)
     ckpt = checkpointer({folder!r}, env, timeout_s=120)
     job.train(1, data_seed=1)

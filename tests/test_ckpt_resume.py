@@ -30,9 +30,9 @@ from meshrun.ckpt.folder import COMPLETE, MANIFEST, step_dir_name
 from meshrun.ckpt.manifest import build_manifest, describe_files
 from meshrun.ckpt.preemption import install_sigterm_handler
 from meshrun.ckpt.state import CountersState
-from meshrun.env import ClusterEnv
+from meshrun.env import ProcessPlacement
 
-ENV = ClusterEnv.detect({})
+ENV = ProcessPlacement.detect({})
 
 
 @pytest.fixture
@@ -151,9 +151,9 @@ _KILLED_SAVE = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from test_ckpt_support import Job, checkpointer
     from meshrun.ckpt import checkpointer as module
-    from meshrun.env import ClusterEnv
+    from meshrun.env import ProcessPlacement
 
-    env = ClusterEnv.detect({{}})
+    env = ProcessPlacement.detect({{}})
     job, ckpt = Job(env), checkpointer({folder!r}, env)
     job.train(1, data_seed=1)
     ckpt.save(1, job.state)

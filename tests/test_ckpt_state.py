@@ -11,10 +11,10 @@ import torch
 from test_ckpt_support import Job, assert_same, checkpointer, rng_draws
 
 from meshrun.ckpt.state import ModelOptimState, RNGState, from_json_blob, json_blob
-from meshrun.env import ClusterEnv
+from meshrun.env import ProcessPlacement
 from meshrun.models.gpt import GPT, SIZES
 
-ENV = ClusterEnv.detect({})
+ENV = ProcessPlacement.detect({})
 
 
 def test_json_blob_round_trip():
@@ -70,7 +70,7 @@ def test_dropout_stream_continues_after_restore(tmp_path):
 
 
 def test_missing_rng_stream_reseeds_deterministically():
-    rng = RNGState(ClusterEnv(rank=3, local_rank=3, world_size=4, local_world_size=4, node_rank=0, num_nodes=1,
+    rng = RNGState(ProcessPlacement(rank=3, local_rank=3, world_size=4, local_world_size=4, node_rank=0, num_nodes=1,
                               master_addr="127.0.0.1", master_port=1, source="torchrun"), seed=7)
     rng.load_state_dict({})
     first = rng_draws()

@@ -14,14 +14,14 @@ from torch.distributed.tensor import DTensor
 from meshrun.ckpt.checkpointer import Checkpointer
 from meshrun.ckpt.state import CountersState, MetricsState, ModelOptimState, RNGState, SchedulerState
 from meshrun.config import CheckpointConfig
-from meshrun.env import ClusterEnv
+from meshrun.env import ProcessPlacement
 from meshrun.models.gpt import GPT, gpt_config
 
 
 class Job:
     """What a trainer holds: model, optimizer, scheduler, counters, metrics, and the checkpoint state dict."""
 
-    def __init__(self, env: ClusterEnv, *, seed: int = 0, dropout: float = 0.0, wrap=None):
+    def __init__(self, env: ProcessPlacement, *, seed: int = 0, dropout: float = 0.0, wrap=None):
         torch.manual_seed(seed)
         self.model = GPT(gpt_config("tiny", dropout=dropout))
         self.wrapped = wrap(self.model) if wrap is not None else self.model
@@ -77,8 +77,8 @@ def config(**overrides) -> CheckpointConfig:
     return CheckpointConfig(**{"keep_last": 10, **overrides})
 
 
-def checkpointer(folder: Path | str, env: ClusterEnv | None = None, **overrides) -> Checkpointer:
-    env = env or ClusterEnv.detect({})
+def checkpointer(folder: Path | str, env: ProcessPlacement | None = None, **overrides) -> Checkpointer:
+    env = env or ProcessPlacement.detect({})
     return Checkpointer(config(**overrides), folder=folder, env=env, layout={"dp_replicate": env.world_size},
                         config_fingerprint="fp-test")
 
@@ -90,7 +90,7 @@ def assert_same(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tenso
 
 
 def test_job_is_deterministic():
-    env = ClusterEnv.detect({})
+    env = ProcessPlacement.detect({})
     first, second = Job(env, seed=3), Job(env, seed=3)
     first.train(1, data_seed=1)
     second.train(1, data_seed=1)

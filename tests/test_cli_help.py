@@ -43,8 +43,8 @@ def test_every_commands_help_is_plain_text(command):
 
 def test_plain_turns_sphinx_markup_into_its_words():
     assert plain("``meshrun sample CHECKPOINT``: see :func:`meshrun.diag.bench_ops.operation` and "
-                 ":class:`~meshrun.env.ClusterEnv`") == ("meshrun sample CHECKPOINT: see "
-                                                         "meshrun.diag.bench_ops.operation and ClusterEnv")
+                 ":class:`~meshrun.env.ProcessPlacement`") == ("meshrun sample CHECKPOINT: see "
+                                                         "meshrun.diag.bench_ops.operation and ProcessPlacement")
 
 
 def test_top_level_help_says_bench_measures_collectives():
@@ -82,10 +82,10 @@ def test_docs_config_md_is_what_the_generator_writes():
 
 
 def test_meshrun_log_lines_on_the_console_look_like_its_printed_warnings(tmp_path, capsys):
-    from meshrun.env import ClusterEnv
+    from meshrun.env import ProcessPlacement
     from meshrun.train.run_folder import _setup_logging
 
-    buffer = _setup_logging(ClusterEnv.detect({}))  # the rank log's lines, held until the run folder opens
+    buffer = _setup_logging(ProcessPlacement.detect({}))  # the rank log's lines, held until the run folder opens
     logger = logging.getLogger("meshrun")
     try:
         logging.getLogger("meshrun.ckpt").warning("replacing %s", "step_00000004")

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from dist_utils import run_distributed
 from meshrun.diag import doctor, doctor_checks, reach
 from meshrun.diag.fingerprint import FingerprintMismatch, check_consistency
-from meshrun.env import ClusterEnv
+from meshrun.env import ProcessPlacement
 
 
 def test_local_doctor_finds_a_store_at_the_endpoint(capsys):
@@ -76,7 +76,7 @@ def _report(facts: list[doctor_checks.NodeFacts]) -> doctor_checks.DoctorReport:
     eps = [reach.Endpoint(node=f.node_rank, host=f.host, addr=f.address, port=1) for f in facts]
     ok = reach.Probe(True, None, 0.1)
     matrix = reach.ReachMatrix(endpoints=eps, rows=[[ok] * len(eps) for _ in eps])
-    env = ClusterEnv.detect({})
+    env = ProcessPlacement.detect({})
     return doctor_checks.DoctorReport(env=env, facts=facts, fingerprints=[], diffs=[], matrix=matrix)
 
 
@@ -98,7 +98,7 @@ def test_different_gpus_per_node_are_noted():
 def _doctor_worker(rank: int, world_size: int, scripts: list[str]):
     # each rank plays one node (node rank = rank), as `meshrun launch --nnodes 2 --nproc-per-node 1` would
     os.environ.update({"GROUP_RANK": str(rank), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
-    env = ClusterEnv.detect()
+    env = ProcessPlacement.detect()
     try:
         check_consistency(env=env, strict=True, script=scripts[rank])
         strict_error = None
@@ -146,7 +146,7 @@ def test_two_nodes_with_different_entry_scripts(tmp_path):
 def test_allreduce_check_reports_a_correct_sum_and_a_failing_backend():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        env = ClusterEnv.detect({})
+        env = ProcessPlacement.detect({})
         good = doctor_checks.allreduce_check("gloo", lambda: (None, torch.device("cpu")), env=env)
         assert good.ok and good.detail == "4 MiB fp32: sum correct on all 1 ranks" and good.seconds > 0
 

@@ -15,13 +15,13 @@ import meshrun
 from meshrun.diag import fingerprint as fpmod
 from meshrun.diag.fingerprint import (FingerprintMismatch, check_consistency, collect_fingerprint,
                                       compare_fingerprints, mismatch_message, source_hash)
-from meshrun.env import ClusterEnv
+from meshrun.env import ProcessPlacement
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _env(rank: int = 0, node: int = 0) -> ClusterEnv:
-    return ClusterEnv(rank=rank, local_rank=0, world_size=3, local_world_size=1, node_rank=node, num_nodes=3,
+def _env(rank: int = 0, node: int = 0) -> ProcessPlacement:
+    return ProcessPlacement(rank=rank, local_rank=0, world_size=3, local_world_size=1, node_rank=node, num_nodes=3,
                       master_addr="127.0.0.1", master_port=29500, source="torchrun")
 
 
@@ -146,7 +146,7 @@ def test_package_difference_says_what_to_install():
 
 
 def test_check_consistency_without_a_process_group_checks_only_itself():
-    fps = check_consistency(env=ClusterEnv.detect({}), strict=True)
+    fps = check_consistency(env=ProcessPlacement.detect({}), strict=True)
     assert len(fps) == 1 and fps[0].rank == 0
     assert issubclass(FingerprintMismatch, RuntimeError)
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from dist_utils import free_port, run_distributed
 from meshrun.diag import reach
-from meshrun.env import ClusterEnv
+from meshrun.env import ProcessPlacement
 
 
 def test_probe_reports_ok_and_refused_with_the_reason():
@@ -42,14 +42,14 @@ def test_failures_name_each_pair_with_addresses():
 
 def test_socket_ifname_picks_that_interface(monkeypatch):
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "lo")
-    env = ClusterEnv.detect({})
+    env = ProcessPlacement.detect({})
     addr, why = reach.advertised_address(env)
     assert addr == "127.0.0.1" and "NCCL_SOCKET_IFNAME=lo" in why
 
 
-def _as_node(rank: int, world_size: int) -> ClusterEnv:
+def _as_node(rank: int, world_size: int) -> ProcessPlacement:
     # every rank plays one node, so the matrix is world_size x world_size
-    return ClusterEnv(rank=rank, local_rank=0, world_size=world_size, local_world_size=1, node_rank=rank,
+    return ProcessPlacement(rank=rank, local_rank=0, world_size=world_size, local_world_size=1, node_rank=rank,
                       num_nodes=world_size, master_addr="127.0.0.1", master_port=0, source="torchrun")
 
 

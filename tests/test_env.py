@@ -4,12 +4,12 @@ import pytest
 
 from meshrun.config import ConfigError, ParallelConfig
 from meshrun.comm.mesh import ParallelDims
-from meshrun.env import ClusterEnv
+from meshrun.env import ProcessPlacement
 from meshrun.placement.slurm_lists import expand_nodelist, expand_tasks_per_node
 
 
 def test_torchrun_variables():
-    env = ClusterEnv.detect({"RANK": "9", "LOCAL_RANK": "1", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8",
+    env = ProcessPlacement.detect({"RANK": "9", "LOCAL_RANK": "1", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8",
                              "GROUP_RANK": "1", "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "29501"})
     assert (env.rank, env.local_rank, env.world_size, env.local_world_size) == (9, 1, 16, 8)
     assert (env.node_rank, env.num_nodes, env.master_addr, env.master_port) == (1, 2, "10.0.0.5", 29501)
@@ -17,7 +17,7 @@ def test_torchrun_variables():
 
 
 def test_slurm_variables_with_compressed_nodelist():
-    env = ClusterEnv.detect({"SLURM_PROCID": "13", "SLURM_LOCALID": "5", "SLURM_NTASKS": "32",
+    env = ProcessPlacement.detect({"SLURM_PROCID": "13", "SLURM_LOCALID": "5", "SLURM_NTASKS": "32",
                              "SLURM_NNODES": "4", "SLURM_NODEID": "1", "SLURM_TASKS_PER_NODE": "8(x4)",
                              "SLURM_JOB_NODELIST": "gpu[07-08,11],gpu20", "SLURM_JOB_ID": "123456", "SLURM_STEP_ID": "0"})
     assert (env.rank, env.local_rank, env.world_size, env.local_world_size) == (13, 5, 32, 8)
@@ -26,13 +26,13 @@ def test_slurm_variables_with_compressed_nodelist():
 
 
 def test_torchrun_wins_over_slurm():
-    env = ClusterEnv.detect({"RANK": "0", "WORLD_SIZE": "2", "SLURM_PROCID": "0", "SLURM_NTASKS": "4",
+    env = ProcessPlacement.detect({"RANK": "0", "WORLD_SIZE": "2", "SLURM_PROCID": "0", "SLURM_NTASKS": "4",
                              "SLURM_JOB_NODELIST": "a"})
     assert env.source == "torchrun" and env.world_size == 2
 
 
 def test_single_process():
-    env = ClusterEnv.detect({})
+    env = ProcessPlacement.detect({})
     assert (env.rank, env.world_size, env.source, env.is_distributed) == (0, 1, "single", False)
 
 
@@ -49,9 +49,9 @@ def test_expand_nodelist(nodelist, hosts):
 
 def test_bad_layouts_name_the_variable():
     with pytest.raises(ValueError, match="rank 4 is outside world size 4"):
-        ClusterEnv.detect({"RANK": "4", "WORLD_SIZE": "4"})
+        ProcessPlacement.detect({"RANK": "4", "WORLD_SIZE": "4"})
     with pytest.raises(ValueError, match="WORLD_SIZE='x' is not an integer"):
-        ClusterEnv.detect({"RANK": "0", "WORLD_SIZE": "x"})
+        ProcessPlacement.detect({"RANK": "0", "WORLD_SIZE": "x"})
     with pytest.raises(ValueError, match="unmatched"):
         expand_nodelist("node[01-02")
 
@@ -75,7 +75,7 @@ def test_local_world_size_is_this_nodes_count_in_the_step(step_counts, node_id, 
     counts = expand_tasks_per_node(step_counts)
     rank = sum(counts[:node_id])  # this node's first task
     # the job was allocated with --ntasks-per-node=2 (SLURM_NTASKS_PER_NODE), which the step overrides
-    env = ClusterEnv.detect(slurm_env(node_id, rank, 0, SLURM_NTASKS=str(sum(counts)),
+    env = ProcessPlacement.detect(slurm_env(node_id, rank, 0, SLURM_NTASKS=str(sum(counts)),
                                       SLURM_NNODES=str(len(counts)), SLURM_NTASKS_PER_NODE="2",
                                       SLURM_TASKS_PER_NODE="2(x4)", SLURM_STEP_TASKS_PER_NODE=step_counts))
     assert (env.node_rank, env.local_world_size, env.world_size) == (node_id, local, sum(counts))
@@ -83,22 +83,22 @@ def test_local_world_size_is_this_nodes_count_in_the_step(step_counts, node_id, 
 
 def test_srun_n3_on_2_nodes_no_longer_claims_2_per_node_on_both():
     base = dict(SLURM_NTASKS="3", SLURM_NNODES="2", SLURM_TASKS_PER_NODE="2(x2)", SLURM_STEP_TASKS_PER_NODE="2,1")
-    assert ClusterEnv.detect(slurm_env(0, 1, 1, **base)).local_world_size == 2
-    assert ClusterEnv.detect(slurm_env(1, 2, 0, **base)).local_world_size == 1
+    assert ProcessPlacement.detect(slurm_env(0, 1, 1, **base)).local_world_size == 2
+    assert ProcessPlacement.detect(slurm_env(1, 2, 0, **base)).local_world_size == 1
     # outside a step (no SLURM_STEP_TASKS_PER_NODE) the job's list is indexed by node, not its first entry
     job = dict(SLURM_NTASKS="4", SLURM_NNODES="2", SLURM_TASKS_PER_NODE="3,1")
-    assert ClusterEnv.detect(slurm_env(1, 3, 0, **job)).local_world_size == 1
+    assert ProcessPlacement.detect(slurm_env(1, 3, 0, **job)).local_world_size == 1
 
 
 def test_step_counts_that_contradict_ntasks_are_refused():
     with pytest.raises(ValueError, match=r"SLURM_STEP_TASKS_PER_NODE='2,2' places 4 tasks on 2 nodes, but "
                                          r"SLURM_NTASKS=3"):
-        ClusterEnv.detect(slurm_env(0, 0, 0, SLURM_NTASKS="3", SLURM_NNODES="2", SLURM_STEP_TASKS_PER_NODE="2,2"))
+        ProcessPlacement.detect(slurm_env(0, 0, 0, SLURM_NTASKS="3", SLURM_NNODES="2", SLURM_STEP_TASKS_PER_NODE="2,2"))
 
 
 def test_tp_across_the_network_is_refused_with_one_task_per_node_in_the_step():
     # sbatch --nodes=2 --ntasks-per-node=2; srun -n 2 (one task on each node); --parallel.tp=2 --parallel.dp_replicate=1
-    env = ClusterEnv.detect(slurm_env(1, 1, 0, SLURM_NTASKS="2", SLURM_NNODES="2", SLURM_NTASKS_PER_NODE="2",
+    env = ProcessPlacement.detect(slurm_env(1, 1, 0, SLURM_NTASKS="2", SLURM_NNODES="2", SLURM_NTASKS_PER_NODE="2",
                                       SLURM_TASKS_PER_NODE="2(x2)", SLURM_STEP_TASKS_PER_NODE="1(x2)"))
     assert env.local_world_size == 1
     with pytest.raises(ConfigError, match="parallel.tp=2 is larger than the 1 GPUs of one node"):
@@ -108,8 +108,8 @@ def test_tp_across_the_network_is_refused_with_one_task_per_node_in_the_step():
 
 # ---- a master host that resolves to loopback (Debian's '127.0.1.1 <hostname>') ----------------------------------
 
-def two_node_env(**extra: str) -> ClusterEnv:
-    return ClusterEnv.detect(slurm_env(0, 0, 0, SLURM_NTASKS="2", SLURM_NNODES="2", SLURM_JOB_NODELIST="node[01-02]",
+def two_node_env(**extra: str) -> ProcessPlacement:
+    return ProcessPlacement.detect(slurm_env(0, 0, 0, SLURM_NTASKS="2", SLURM_NNODES="2", SLURM_JOB_NODELIST="node[01-02]",
                                        SLURM_STEP_TASKS_PER_NODE="1(x2)", **extra))
 
 
@@ -129,10 +129,10 @@ def test_master_host_check_passes_routable_addresses_user_choices_and_single_nod
         raise OSError(f"cannot resolve {host}")
 
     env.check_master_address({}, resolve=unknown)  # left to init, which names the address
-    one_node = ClusterEnv.detect(slurm_env(0, 0, 0, SLURM_NTASKS="2", SLURM_NNODES="1", SLURM_JOB_NODELIST="node01"))
+    one_node = ProcessPlacement.detect(slurm_env(0, 0, 0, SLURM_NTASKS="2", SLURM_NNODES="1", SLURM_JOB_NODELIST="node01"))
     one_node.check_master_address({}, resolve=lambda host: "127.0.1.1")
     # the default resolver is the module's: a monkeypatched one is what init_distributed's call would use
-    monkeypatch.setattr("meshrun.placement.cluster_env.resolve_ipv4_first", lambda host: "127.0.1.1")
+    monkeypatch.setattr("meshrun.placement.process.resolve_ipv4_first", lambda host: "127.0.1.1")
     with pytest.raises(ValueError, match="resolves to 127.0.1.1"):
         env.check_master_address({})
 
@@ -141,7 +141,7 @@ def test_direct_slurm_init_refuses_a_loopback_master_before_joining(monkeypatch)
     from meshrun.config import DistConfig
     from meshrun.comm.process_group import init_distributed
 
-    monkeypatch.setattr("meshrun.placement.cluster_env.resolve_ipv4_first", lambda host: "127.0.1.1")
+    monkeypatch.setattr("meshrun.placement.process.resolve_ipv4_first", lambda host: "127.0.1.1")
     for name in ("MASTER_ADDR", "RANK", "WORLD_SIZE"):  # init_distributed exports them; keep this process clean
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
@@ -182,8 +182,8 @@ def test_srun_tasks_print_a_command_line_refusal_once(monkeypatch, capsys):
 
 def test_describe_nodes_for_even_and_uneven_nodes():
     """8 + 4 + 4 = 16: the header must not claim nodes x this node's count."""
-    def env(world: int, local: int, nodes: int) -> ClusterEnv:
-        return ClusterEnv(rank=0, local_rank=0, world_size=world, local_world_size=local, node_rank=0,
+    def env(world: int, local: int, nodes: int) -> ProcessPlacement:
+        return ProcessPlacement(rank=0, local_rank=0, world_size=world, local_world_size=local, node_rank=0,
                           num_nodes=nodes, master_addr="a", master_port=1, source="slurm")
 
     assert env(16, 8, 2).describe_nodes() == "2 node(s) x 8 process(es) = world size 16"
@@ -198,3 +198,9 @@ def test_job_ids_10000_apart_get_different_ports_below_the_ephemeral_range():
     assert slurm_port("7") != slurm_port("10007") != slurm_port("20007")
     assert slurm_port("123_4") == slurm_port("123")  # an array task's id
     assert all(15000 <= slurm_port(str(job)) < 32768 for job in (0, 9999, 16383, 16384, 10**9))
+
+
+def test_the_earlier_name_of_the_placement_record_still_imports():
+    from meshrun.env import ClusterEnv
+
+    assert ClusterEnv is ProcessPlacement

@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from dist_utils import run_distributed
-from meshrun.env import ClusterEnv
+from meshrun.env import ProcessPlacement
 from meshrun.watch import hang, stragglers
 from meshrun.watch.flight_recorder import enable_flight_recorder
 from meshrun.watch.hang import Heartbeat, HangWatchdog, RankView, diagnose_hang
@@ -182,7 +182,7 @@ def test_rank_lists_are_compact():
 
 def test_watchdog_in_one_process_names_a_silent_peer_and_dumps_its_own_stacks(tmp_path):
     store = dist.HashStore()
-    env = ClusterEnv(rank=0, local_rank=0, world_size=2, local_world_size=2, node_rank=0, num_nodes=1,
+    env = ProcessPlacement(rank=0, local_rank=0, world_size=2, local_world_size=2, node_rank=0, num_nodes=1,
                      master_addr="127.0.0.1", master_port=0, source="torchrun")
     peer = Heartbeat(rank=1, host="b", step=4, phase="forward", age_s=0.0, limit_s=0.6, seq=1)
     store.set(hang._heartbeat_key(1), json.dumps(peer.__dict__))  # then never again
@@ -234,7 +234,7 @@ def test_flight_recorder_sets_only_the_names_this_torch_reads(tmp_path):
 STEPS = 3
 
 
-def _straggler_phase(rank: int, env: ClusterEnv):
+def _straggler_phase(rank: int, env: ProcessPlacement):
     detector = StragglerDetector(env=env, threshold=1.5, window=2, gemm_check=True)
     measured, reports = [], []
     for step in range(STEPS):
@@ -247,7 +247,7 @@ def _straggler_phase(rank: int, env: ClusterEnv):
     return measured, reports, detector.summary()
 
 
-def _watchdog_phase(rank: int, env: ClusterEnv, stacks_dir: str) -> list[str]:
+def _watchdog_phase(rank: int, env: ProcessPlacement, stacks_dir: str) -> list[str]:
     watchdog = HangWatchdog(env=env, timeout_s=2.0, publish_every_s=0.25, stack_file=f"{stacks_dir}/rank{rank}.txt",
                             log=lambda message: None).start()
     for step in range(3):
@@ -261,7 +261,7 @@ def _watchdog_phase(rank: int, env: ClusterEnv, stacks_dir: str) -> list[str]:
 
 
 def _health_worker(rank: int, world_size: int, stacks_dir: str):
-    env = ClusterEnv.detect()
+    env = ProcessPlacement.detect()
     return _straggler_phase(rank, env), _watchdog_phase(rank, env, stacks_dir)
 
 

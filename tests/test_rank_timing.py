@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from meshrun.watch.stragglers import RankInfo, StragglerDetector
-from meshrun.env import ClusterEnv
+from meshrun.env import ProcessPlacement
 from meshrun.train.nonfinite import NonFiniteGuard
 from meshrun.train.rank_timing import FIELDS, log_rank_timing
 from meshrun.watch.health import JobHealth
@@ -49,8 +49,8 @@ def two_rank_world(monkeypatch):
         dist.destroy_process_group()
 
 
-def _env() -> ClusterEnv:
-    return ClusterEnv(rank=0, local_rank=0, world_size=2, local_world_size=2, node_rank=0, num_nodes=1,
+def _env() -> ProcessPlacement:
+    return ProcessPlacement(rank=0, local_rank=0, world_size=2, local_world_size=2, node_rank=0, num_nodes=1,
                       master_addr="127.0.0.1", master_port=0, source="torchrun")
 
 

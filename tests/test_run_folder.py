@@ -17,7 +17,7 @@ import pytest
 from meshrun.ckpt.cli import main as ckpt_main
 from meshrun.ckpt.run_config import describe_changes
 from meshrun.config import JobConfig
-from meshrun.env import ClusterEnv
+from meshrun.env import ProcessPlacement
 from meshrun.train.cli import _clean_error, _say
 from meshrun.train.cli import main as train_main
 from meshrun.train.plan import RunPlan, validated
@@ -178,7 +178,7 @@ def test_changed_options_are_named():
 def test_world_size_change_names_the_checkpoints_data_parallel_ranks():
     """2 ranks saved global batch 16 (micro 8, no accumulation); 1 rank resumes it: 2 -> 1 ranks, 1 -> 2 steps."""
     job = JobConfig()
-    env = ClusterEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, num_nodes=1,
+    env = ProcessPlacement(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, num_nodes=1,
                      master_addr="127.0.0.1", master_port=29500, source="single")
     plan = RunPlan.resolve(validated(job), env=env, vocab_size=256)
     notes: list[str] = []
@@ -223,7 +223,7 @@ def test_a_rendezvous_error_without_a_cause_does_not_say_none():
 
 def test_fresh_on_an_elastic_restart_resumes_the_new_run_and_refuses_a_shared_checkpoint_dir(tmp_path, monkeypatch):
     from meshrun.config import ConfigError
-    from meshrun.env import ClusterEnv
+    from meshrun.env import ProcessPlacement
     from meshrun.train.run_folder import RunFolder
 
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
@@ -231,7 +231,7 @@ def test_fresh_on_an_elastic_restart_resumes_the_new_run_and_refuses_a_shared_ch
     job.run.dir, job.run.fresh = str(tmp_path / "run"), True
     coord = SimpleNamespace(barrier=lambda what: None)
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # torchrun's agent restarted the fresh run's workers
-    folder = RunFolder(job, ClusterEnv.detect())
+    folder = RunFolder(job, ProcessPlacement.detect())
     assert folder.start_fresh(job, coord) is False and not (tmp_path / "run.1").exists()
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     assert folder.start_fresh(job, coord) is True and (tmp_path / "run.1" / "checkpoints").is_dir()

@@ -7,7 +7,7 @@ The Python API (see docs/api.md):
   ModelSpec, register_model   the model contract: register your model for meshrun train / plan / --dry-run
   ModelShape                  the resolved transformer shape a ModelSpec builds from
   Trainer, load_config        the reference training job, from Python
-  ClusterEnv                  where this process sits (torchrun, SLURM, Open MPI or a single process)
+  ProcessPlacement                  where this process sits (torchrun, SLURM, Open MPI or a single process)
   ClusterEnvironment, register_environment   add a cluster environment (Kubernetes, LSF, ...) to that detection
   GlobalOrderSampler          a resumable, reshardable DistributedSampler
 """
@@ -25,7 +25,7 @@ _EXPORTS = {
     "JobConfig": "meshrun.config",
     "DistConfig": "meshrun.config",
     "ConfigError": "meshrun.config",
-    "ClusterEnv": "meshrun.env",
+    "ProcessPlacement": "meshrun.env",
     "ClusterEnvironment": "meshrun.placement",
     "register_environment": "meshrun.placement",
     "GlobalOrderSampler": "meshrun.data.sampler",

@@ -41,7 +41,7 @@ from torch.utils.data import Dataset
 from meshrun.config import CheckpointConfig, ConfigError, DistConfig, ReplicaConfig, TrainConfig, resolve_batch
 from meshrun.data.loader import StepBatches
 from meshrun.comm.process_group import init_distributed, shutdown
-from meshrun.env import ClusterEnv
+from meshrun.env import ProcessPlacement
 from meshrun.parallel.module import ModuleLayout, prepare_module
 from meshrun.parallel.module_pipeline import PipelinedModule, PipelineOptions, prepare_pipeline
 from meshrun.rng import seed_rank_streams
@@ -54,13 +54,13 @@ from meshrun.train.replicas import ReplicaGroups, data_shard
 class Session:
     """Placement, device, parallel layouts, data sharding, exact metrics, checkpoints and health."""
 
-    def __init__(self, *, seed: int = 1234, dist_config: DistConfig | None = None, env: ClusterEnv | None = None,
+    def __init__(self, *, seed: int = 1234, dist_config: DistConfig | None = None, env: ProcessPlacement | None = None,
                  checkpoint: CheckpointConfig | str | None = None, replicas: ReplicaConfig | None = None):
         if replicas is not None:
             replicas.check()
         self.replicas_config = replicas if replicas is not None and replicas.groups else None
         self.replicas: ReplicaGroups | None = None
-        self.env = env or ClusterEnv.detect()
+        self.env = env or ProcessPlacement.detect()
         self.ctx = init_distributed(self.env, dist_config or DistConfig())
         self.device = self.ctx.device
         self.seed = seed

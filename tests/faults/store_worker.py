@@ -7,10 +7,10 @@ from pathlib import Path
 
 from meshrun.config import DistConfig
 from meshrun.comm.process_group import init_distributed, shutdown
-from meshrun.env import ClusterEnv
+from meshrun.env import ProcessPlacement
 
 folder = Path(sys.argv[1])
-env = ClusterEnv.detect()
+env = ProcessPlacement.detect()
 init_distributed(env, DistConfig(device="cpu", init_timeout_s=30))
 (folder / f"ready_{env.rank}").write_text("")
 deadline = time.monotonic() + 60

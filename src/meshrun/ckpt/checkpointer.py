@@ -47,7 +47,7 @@ from meshrun.ckpt.staging import StagingWriter as _StagingWriter
 from meshrun.ckpt.state import walk
 from meshrun.ckpt.storage import register_options, store_for
 from meshrun.config import CheckpointConfig
-from meshrun.env import ClusterEnv
+from meshrun.env import ProcessPlacement
 from meshrun.units import format_bytes
 
 log = logging.getLogger("meshrun.ckpt")
@@ -76,7 +76,7 @@ class Checkpointer:
     :func:`install_sigterm_handler`) makes ``should_save`` stop the job on SIGTERM.
     """
 
-    def __init__(self, cfg: CheckpointConfig, *, folder: Path | str, env: ClusterEnv, layout: dict[str, Any],
+    def __init__(self, cfg: CheckpointConfig, *, folder: Path | str, env: ProcessPlacement, layout: dict[str, Any],
                  config_fingerprint: str, process_group: Any = None, preemption: PreemptionFlag | None = None,
                  verify_checksums: bool = True, io_threads: int | None = None):
         self.cfg = cfg

@@ -25,13 +25,13 @@ from meshrun.ckpt.state import MetricsState, ModelOptimState, RNGState, Schedule
 from meshrun.comm.axes import MESH_DIMS
 from meshrun.config import CheckpointConfig
 from meshrun.data.loader import StepBatches
-from meshrun.env import ClusterEnv
+from meshrun.env import ProcessPlacement
 
 
 class SessionCheckpoints:
     """One checkpoint folder of a user script; every method is a collective over all ranks."""
 
-    def __init__(self, cfg: CheckpointConfig, *, env: ClusterEnv, seed: int):
+    def __init__(self, cfg: CheckpointConfig, *, env: ProcessPlacement, seed: int):
         if not cfg.dir:
             raise ValueError("Session checkpoint folder is empty: pass Session(checkpoint='DIR') or "
                              "CheckpointConfig(dir='DIR')")
@@ -88,7 +88,7 @@ class SessionCheckpoints:
             self._ckpt.close()
 
 
-def layout_record(env: ClusterEnv, layout: Any, batches: StepBatches | None) -> dict[str, Any]:
+def layout_record(env: ProcessPlacement, layout: Any, batches: StepBatches | None) -> dict[str, Any]:
     """The manifest's layout entry: world, degrees, and the batch of the data position."""
     dims = layout.dims if layout is not None else None
     degrees = dims.degrees() if dims else {name: 1 for name in MESH_DIMS} | {"dp_replicate": env.world_size}

@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from meshrun.env import ClusterEnv
+from meshrun.env import ProcessPlacement
 
 log = logging.getLogger("meshrun.ckpt")
 
@@ -291,7 +291,7 @@ class RNGState(Stateful):
 
     missing_ok: ClassVar[bool] = True
 
-    def __init__(self, env: ClusterEnv, *, seed: int = 0):
+    def __init__(self, env: ProcessPlacement, *, seed: int = 0):
         self.rank = env.rank
         self.seed = seed
         self.reseeded = False

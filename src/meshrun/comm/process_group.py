@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from meshrun.config import ConfigError, DistConfig
 from meshrun.comm.store import bind_address, bound_tcp_store
-from meshrun.env import ClusterEnv
+from meshrun.env import ProcessPlacement
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class DistContext:
-    env: ClusterEnv
+    env: ProcessPlacement
     device: torch.device
     backend: str | None
     """None for a single process without a process group."""
@@ -39,7 +39,7 @@ def wants_cuda(cfg: DistConfig) -> bool:
     return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
 
 
-def choose_device(env: ClusterEnv, cfg: DistConfig) -> torch.device:
+def choose_device(env: ProcessPlacement, cfg: DistConfig) -> torch.device:
     if not wants_cuda(cfg):
         return torch.device("cpu")
     if not torch.cuda.is_available():
@@ -60,7 +60,7 @@ def choose_backend(device: torch.device, cfg: DistConfig) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def init_distributed(env: ClusterEnv, cfg: DistConfig) -> DistContext:
+def init_distributed(env: ProcessPlacement, cfg: DistConfig) -> DistContext:
     """Pick device and backend, and start the default process group when there is more than one process.
 
     Every rank must call this (it blocks until all ``env.world_size`` ranks have joined, at most
@@ -94,7 +94,7 @@ def init_distributed(env: ClusterEnv, cfg: DistConfig) -> DistContext:
     return DistContext(env=env, device=device, backend=backend)
 
 
-def _own_store(env: ClusterEnv, timeout: timedelta) -> dist.Store | None:
+def _own_store(env: ProcessPlacement, timeout: timedelta) -> dist.Store | None:
     """The job's TCPStore, with rank 0's server listening only on MASTER_ADDR; None where torch's env:// is right.
 
     torch's env:// server listens on every interface. Under torchrun's agent with a shared store

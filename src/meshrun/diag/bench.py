@@ -30,7 +30,7 @@ from meshrun.config import BACKENDS
 from meshrun.diag import links
 from meshrun.diag.bench_ops import OPS, bus_factor, element_count, operation
 from meshrun.diag.timing import timed
-from meshrun.env import ClusterEnv
+from meshrun.env import ProcessPlacement
 from meshrun.help_format import PlainHelpFormatter
 
 GROUPS = ("world", "intra", "inter")
@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    env = ClusterEnv.detect()
+    env = ProcessPlacement.detect()
     console = Console(highlight=False, soft_wrap=True)
     if not env.is_distributed:
         console.print("meshrun bench measures collectives between processes: run it as `meshrun launch "
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run_bench(args: argparse.Namespace, *, env: ClusterEnv, device: torch.device, backend: str,
+def run_bench(args: argparse.Namespace, *, env: ProcessPlacement, device: torch.device, backend: str,
               groups: list[str] | tuple[str, ...] = ("world",)) -> dict:
     """Measure every (group, op, size), then the pairs; every rank must call this with the same arguments."""
     gpu = device.type == "cuda"
@@ -132,7 +132,7 @@ def run_bench(args: argparse.Namespace, *, env: ClusterEnv, device: torch.device
     return result
 
 
-def bench_groups(names: list[str] | tuple[str, ...], *, env: ClusterEnv,
+def bench_groups(names: list[str] | tuple[str, ...], *, env: ProcessPlacement,
                  device: torch.device) -> tuple[list[tuple[str, object]], dict[str, str]]:
     """([(name, group)], {skipped name: why}). Builds the node x local mesh when intra/inter are asked for (a
     collective: every rank must call this with the same names)."""

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from meshrun.diag.rows import PASS, WARN, CheckRow, node_label
-from meshrun.env import ClusterEnv
+from meshrun.env import ProcessPlacement
 
 FAKE_OFFSET_VAR = "MESHRUN_FAKE_CLOCK_OFFSET_S"
 
@@ -30,7 +30,7 @@ def wall_time() -> float:
     return time.time() + float(os.environ.get(FAKE_OFFSET_VAR) or 0.0)
 
 
-def measure_offsets(env: ClusterEnv, *, rounds: int = 5) -> list[float]:
+def measure_offsets(env: ProcessPlacement, *, rounds: int = 5) -> list[float]:
     """Every rank's clock minus rank 0's, in seconds (the same list on every rank). Collectives every rank must
     reach, on the default group (CPU tensors: doctor's group is gloo)."""
     readings = []

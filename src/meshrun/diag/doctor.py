@@ -28,7 +28,7 @@ from rich.table import Table
 from meshrun.diag import gpu_health, reach, rows
 from meshrun.diag.doctor_checks import DoctorReport, comm_env_vars, job_targets, node_leaders, run_distributed
 from meshrun.diag.fingerprint import collect_fingerprint, mismatch_message
-from meshrun.env import DEFAULT_MASTER_PORT, ClusterEnv
+from meshrun.env import DEFAULT_MASTER_PORT, ProcessPlacement
 from meshrun.help_format import PlainHelpFormatter
 from meshrun.launch import net
 from meshrun.launch.stores import probe_store
@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    env = ClusterEnv.detect()
+    env = ProcessPlacement.detect()
     console = Console(highlight=False, soft_wrap=True)
     if not env.is_distributed:
         return run_local(args, console=console)
@@ -185,7 +185,7 @@ def _print_env_vars(report: DoctorReport, console: Console) -> None:
 
 def run_local(args: argparse.Namespace, *, console: Console) -> int:
     """The local view. Exit code 1 when ``--endpoint`` cannot be resolved or does not answer."""
-    env = ClusterEnv.detect()
+    env = ProcessPlacement.detect()
     fp = collect_fingerprint(env=env, script=args.script)
     console.print(f"[bold]meshrun doctor[/] (single process; run it under `meshrun launch` on every node for the "
                   f"cross-node checks) on host {fp.host}")

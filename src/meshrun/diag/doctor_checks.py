@@ -23,7 +23,7 @@ from meshrun.diag.gather import gather_node_facts
 from meshrun.diag.rows import FAIL, CheckRow
 from meshrun.diag.fingerprint import (FieldDiff, Fingerprint, compare_fingerprints, gather_fingerprints,
                                       mismatch_message)
-from meshrun.env import ClusterEnv
+from meshrun.env import ProcessPlacement
 from meshrun.launch import net
 
 _ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_FR_", "TORCH_DISTRIBUTED_", "CUDA_VISIBLE_DEVICES",
@@ -45,7 +45,7 @@ class NodeFacts:
     env_vars: dict[str, str]
 
 
-def local_facts(env: ClusterEnv) -> NodeFacts:
+def local_facts(env: ProcessPlacement) -> NodeFacts:
     address, why = reach.advertised_address(env)
     gpus = tuple(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())) \
         if torch.cuda.is_available() else ()
@@ -55,7 +55,7 @@ def local_facts(env: ClusterEnv) -> NodeFacts:
 
 
 def comm_env_vars() -> dict[str, str]:
-    """NCCL/gloo/torch.distributed variables in effect (not rank variables: those come from ClusterEnv)."""
+    """NCCL/gloo/torch.distributed variables in effect (not rank variables: those come from ProcessPlacement)."""
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith(_ENV_PREFIXES)}
 
 
@@ -69,7 +69,7 @@ class CollectiveCheck:
 
 @dataclass
 class DoctorReport:
-    env: ClusterEnv
+    env: ProcessPlacement
     facts: list[NodeFacts]
     fingerprints: list[Fingerprint]
     diffs: list[FieldDiff]
@@ -83,7 +83,7 @@ class DoctorReport:
 
 # ---- the distributed run ---------------------------------------------------------------------------------------
 
-def run_distributed(env: ClusterEnv, args: argparse.Namespace) -> DoctorReport:
+def run_distributed(env: ProcessPlacement, args: argparse.Namespace) -> DoctorReport:
     """All checks; every rank must call this and gets the same report. Starts and ends a gloo group."""
     from meshrun.config import DistConfig
     from meshrun.comm.process_group import init_distributed, shutdown
@@ -165,7 +165,7 @@ _CHECK_NUMEL = 1 << 20  # 4 MiB of fp32: big enough to cross the eager/rendezvou
 
 
 def allreduce_check(backend: str, group_and_device: Callable[[], tuple[object, torch.device]], *,
-                    env: ClusterEnv) -> CollectiveCheck:
+                    env: ProcessPlacement) -> CollectiveCheck:
     """Sum (rank + 1) over all ranks, compare with n(n+1)/2, time it; the outcome of every rank on every rank.
 
     ``group_and_device`` makes the group to test (a collective itself). A failure on some ranks is caught
@@ -192,7 +192,7 @@ def allreduce_check(backend: str, group_and_device: Callable[[], tuple[object, t
     return CollectiveCheck(backend, True, slowest, f"{size}: sum correct on all {n} ranks")
 
 
-def _sum_ranks(group, device: torch.device, *, env: ClusterEnv) -> tuple[int, float]:
+def _sum_ranks(group, device: torch.device, *, env: ProcessPlacement) -> tuple[int, float]:
     """(wrong elements, seconds) of one timed all-reduce after a warm-up. Collectives every rank must reach."""
     n = env.world_size
     x = torch.full((_CHECK_NUMEL,), float(env.rank + 1), dtype=torch.float32, device=device)  # (numel,)
@@ -209,7 +209,7 @@ def _gloo_group() -> tuple[object, torch.device]:
     return None, torch.device("cpu")
 
 
-def _nccl_group(env: ClusterEnv, wait_s: float) -> Callable[[], tuple[object, torch.device]]:
+def _nccl_group(env: ProcessPlacement, wait_s: float) -> Callable[[], tuple[object, torch.device]]:
     def make() -> tuple[object, torch.device]:
         torch.cuda.set_device(env.local_rank)
         group = dist.new_group(backend="nccl", timeout=timedelta(seconds=wait_s))  # note: collective

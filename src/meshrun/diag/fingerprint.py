@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import meshrun
-from meshrun.env import ClusterEnv
+from meshrun.env import ProcessPlacement
 from meshrun.gitstate import git_state
 
 DEFAULT_PACKAGES = ("torch", "numpy", "triton", "transformers", "accelerate")
@@ -66,7 +66,7 @@ class Fingerprint:
         return values
 
 
-def collect_fingerprint(*, env: ClusterEnv, script: str | Path | None = None,
+def collect_fingerprint(*, env: ProcessPlacement, script: str | Path | None = None,
                         packages: tuple[str, ...] = DEFAULT_PACKAGES, cwd: str | Path | None = None) -> Fingerprint:
     """Fingerprint this process. Local only (no collective); git gets 5 s at most."""
     return Fingerprint(
@@ -242,7 +242,7 @@ def _nodes(nodes: tuple[int, ...], hosts: dict[int, str], *, host: str = "") -> 
     return shown + (f" +{len(nodes) - 3} more" if len(nodes) > 3 else "")
 
 
-def gather_fingerprints(group=None, *, env: ClusterEnv, script: str | Path | None = None) -> list[Fingerprint]:
+def gather_fingerprints(group=None, *, env: ProcessPlacement, script: str | Path | None = None) -> list[Fingerprint]:
     """Every rank's fingerprint, on every rank. A collective every rank of ``group`` must reach."""
     mine = collect_fingerprint(env=env, script=script)
     if not (dist.is_available() and dist.is_initialized()):
@@ -252,7 +252,7 @@ def gather_fingerprints(group=None, *, env: ClusterEnv, script: str | Path | Non
     return [fp for fp in gathered if fp is not None]
 
 
-def check_consistency(group=None, *, env: ClusterEnv, strict: bool = True,
+def check_consistency(group=None, *, env: ProcessPlacement, strict: bool = True,
                       script: str | Path | None = None) -> list[Fingerprint]:
     """Compare code and package versions of every rank; raise (strict) or warn on rank 0 when they differ.
 

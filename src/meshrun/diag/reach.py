@@ -21,7 +21,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from meshrun.env import ClusterEnv
+from meshrun.env import ProcessPlacement
 from meshrun.launch import net
 
 _IFNAME_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
@@ -52,7 +52,7 @@ class Probe:
 
 # ---- local facts (routes and interfaces come from meshrun.launch.net) ---------------------------------------
 
-def advertised_address(env: ClusterEnv) -> tuple[str, str]:
+def advertised_address(env: ProcessPlacement) -> tuple[str, str]:
     """(address, why) of the address this node's collectives would use.
 
     The interface named by NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME when set (as NCCL and gloo do), else the
@@ -150,7 +150,7 @@ class ReachMatrix:
         return all(result.ok for row in self.rows for result in row)
 
 
-def exchange_endpoints(store, *, env: ClusterEnv, listener: Listener | None, tag: str,
+def exchange_endpoints(store, *, env: ProcessPlacement, listener: Listener | None, tag: str,
                        timeout_s: float) -> list[Endpoint]:
     """Publish this node's listener (local rank 0 only) and wait for every node's; all ranks call this.
 
@@ -173,7 +173,8 @@ def exchange_endpoints(store, *, env: ClusterEnv, listener: Listener | None, tag
     return endpoints
 
 
-def gather_matrix(row: list[Probe] | None, *, env: ClusterEnv, endpoints: list[Endpoint], group=None) -> ReachMatrix:
+def gather_matrix(row: list[Probe] | None, *, env: ProcessPlacement, endpoints: list[Endpoint],
+                  group=None) -> ReachMatrix:
     """Collect every node's row on every rank. A collective every rank must reach."""
     gathered: list[tuple[int, list[Probe] | None] | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, (env.node_rank, row), group=group)  # note: collective, every rank reaches it
@@ -181,7 +182,7 @@ def gather_matrix(row: list[Probe] | None, *, env: ClusterEnv, endpoints: list[E
     return ReachMatrix(endpoints=endpoints, rows=[rows[ep.node] for ep in endpoints])
 
 
-def check_reachability(*, env: ClusterEnv, store=None, group=None, timeout_s: float = 3.0,
+def check_reachability(*, env: ProcessPlacement, store=None, group=None, timeout_s: float = 3.0,
                        wait_s: float = 60.0, tag: str = "reach") -> ReachMatrix:
     """Every node connects to every node's listener; the matrix on every rank.
 

@@ -29,7 +29,7 @@ from meshrun.ckpt.errors import CheckpointError
 from meshrun.ckpt.storage import is_url, store_for
 from meshrun.diag.gather import gather_node_facts
 from meshrun.diag.rows import FAIL, PASS, CheckRow, node_label
-from meshrun.env import ClusterEnv
+from meshrun.env import ProcessPlacement
 from meshrun.units import format_bytes
 
 BYTES_PER_PARAM = 12
@@ -99,7 +99,7 @@ def judge_data(path: str, facts: list[DataFacts]) -> CheckRow:
                                  "`meshrun doctor --deep` compares checksums", hosts=hosts)
 
 
-def check_dataset(env: ClusterEnv, path: str, *, host: str, deep: bool) -> CheckRow:
+def check_dataset(env: ProcessPlacement, path: str, *, host: str, deep: bool) -> CheckRow:
     """Collective (every rank): each node's local rank 0 looks at ``path``; the row on every rank."""
     mine = data_facts(path, node=env.node_rank, host=host, deep=deep) if env.local_rank == 0 else None
     return judge_data(path, gather_node_facts(mine))
@@ -147,7 +147,7 @@ def seen_probes(folder: Path | str, token: str, nodes: int) -> tuple[int, ...]:
     return tuple(found)
 
 
-def check_checkpoint_folder(env: ClusterEnv, folder: str, *, host: str, needed: int) -> list[CheckRow]:
+def check_checkpoint_folder(env: ProcessPlacement, folder: str, *, host: str, needed: int) -> list[CheckRow]:
     """Collective (every rank): write, read back across nodes, clean up; rows on every rank."""
     token_box = [uuid.uuid4().hex[:12]]
     dist.broadcast_object_list(token_box, src=0)  # note: collective; one token for this run

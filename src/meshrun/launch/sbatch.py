@@ -4,7 +4,7 @@ Two ways to start the workers, both on torch.distributed:
 
 * per-node (default): ``srun`` starts one ``meshrun launch`` per node, which runs torch's elastic agent and its
   ``--nproc-per-node`` workers (the layout comes from SLURM, see docs/launch.md);
-* per-GPU: ``srun`` starts one task per worker and each task runs the target directly (``ClusterEnv`` reads
+* per-GPU: ``srun`` starts one task per worker and each task runs the target directly (``ProcessPlacement`` reads
   ``SLURM_PROCID`` and the step's per-node counts).
 
 The script ends a job at its time limit or at preemption with a checkpoint: ``--signal=USR1@LEAD`` (no ``B:``, so

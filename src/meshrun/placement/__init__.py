@@ -1,7 +1,7 @@
 """Where this process sits: an ordered list of cluster environments, the first that detects wins.
 
 ``registry.ENVIRONMENTS`` holds torchrun / ``meshrun launch`` (first: ``srun torchrun`` sets SLURM's variables too), SLURM,
-Open MPI, and the single-process fallback (last; it always detects). :meth:`meshrun.env.ClusterEnv.detect` walks it
+Open MPI, and the single-process fallback (last; it always detects). :meth:`meshrun.env.ProcessPlacement.detect` walks it
 for the workers' placement; ``meshrun launch`` asks it for the nodes before the workers start
 (:func:`detect_node_placement`). Add your own (Kubernetes, LSF, ...) with :func:`register_environment`, or name it
 as ``module:Class`` in ``$MESHRUN_ENVIRONMENT`` / ``meshrun launch --environment`` (:func:`load_environment`).
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from meshrun.placement import registry
 from meshrun.placement.base import ClusterEnvironment, NodePlacement, PlacementError, env_int
-from meshrun.placement.cluster_env import DEFAULT_MASTER_PORT, ClusterEnv
+from meshrun.placement.process import DEFAULT_MASTER_PORT, ProcessPlacement
 from meshrun.placement.mpi import OpenMPIEnvironment
 from meshrun.placement.registry import (ENV_VAR, detect_environment, detect_node_placement, environment_named,
                                        load_environment, register_environment)
@@ -23,7 +23,8 @@ from meshrun.placement.torchrun import TorchrunEnvironment
 # circle; the built-in environments are registered once they exist:
 registry.ENVIRONMENTS = (TorchrunEnvironment(), SlurmEnvironment(), OpenMPIEnvironment(), SingleProcessEnvironment())
 
-__all__ = ["DEFAULT_MASTER_PORT", "ENV_VAR", "ClusterEnv", "ClusterEnvironment", "NodePlacement", "OpenMPIEnvironment",
+__all__ = ["DEFAULT_MASTER_PORT", "ENV_VAR", "ProcessPlacement", "ClusterEnvironment", "NodePlacement",
+           "OpenMPIEnvironment",
            "PlacementError", "SingleProcessEnvironment", "SlurmEnvironment", "SlurmLayoutError", "TorchrunEnvironment",
            "detect_environment", "detect_node_placement", "env_int", "environment_named", "load_environment",
            "register_environment"]

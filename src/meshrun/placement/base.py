@@ -2,7 +2,7 @@
 
 A cluster environment knows one way processes are started (torchrun, SLURM's srun, Open MPI's mpirun, ...). It
 answers two questions: is this process running under it (:meth:`ClusterEnvironment.detect`), and what is the
-placement (:meth:`ClusterEnvironment.placement`, the common :class:`~meshrun.placement.cluster_env.ClusterEnv` fields). An
+placement (:meth:`ClusterEnvironment.placement`, the common :class:`~meshrun.placement.process.ProcessPlacement` fields). An
 environment that can also place ``meshrun launch`` (one launcher per node, before any worker exists) answers
 :meth:`ClusterEnvironment.node_placement` with a :class:`NodePlacement`.
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping
 
 if TYPE_CHECKING:  # the record imports the registry, which imports this interface
-    from meshrun.placement.cluster_env import ClusterEnv
+    from meshrun.placement.process import ProcessPlacement
 
 
 class PlacementError(ValueError):
@@ -64,11 +64,11 @@ class ClusterEnvironment(ABC):
     :func:`meshrun.placement.register_environment`; the first registered environment that detects wins."""
 
     name: str = ""
-    """Short id, stored as ``ClusterEnv.source`` ('slurm')."""
+    """Short id, stored as ``ProcessPlacement.source`` ('slurm')."""
     title: str = ""
     """As users write it, in messages ('SLURM')."""
     rank_vars: str = "RANK/WORLD_SIZE"
-    """The variables to check when the rank is out of range, named in :meth:`ClusterEnv.validate`'s error."""
+    """The variables to check when the rank is out of range, named in :meth:`ProcessPlacement.validate`'s error."""
     local_vars: str = "LOCAL_RANK/LOCAL_WORLD_SIZE"
     """The same for the local rank."""
     node_vars: str = "GROUP_RANK/--node-rank"
@@ -79,7 +79,7 @@ class ClusterEnvironment(ABC):
         """This process runs under this environment. Reads ``environ`` only; cheap, never raises."""
 
     @abstractmethod
-    def placement(self, environ: Mapping[str, str]) -> ClusterEnv:
+    def placement(self, environ: Mapping[str, str]) -> ProcessPlacement:
         """Where this process sits: its ranks, node and master (called only when :meth:`detect` said yes). Raises ValueError naming the variable."""
 
     def node_placement(self, environ: Mapping[str, str], *, command: str) -> NodePlacement | None:
@@ -88,7 +88,7 @@ class ClusterEnvironment(ABC):
         Raises :class:`PlacementError` when the environment's placement cannot run one launcher per node."""
         return None
 
-    def check_master_address(self, env: ClusterEnv, environ: Mapping[str, str], *,
+    def check_master_address(self, env: ProcessPlacement, environ: Mapping[str, str], *,
                              resolve: Callable[[str], str]) -> None:
         """Refuse a derived master address that cannot work, before init waits on it (default: trust it)."""
 

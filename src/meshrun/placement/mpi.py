@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from meshrun.placement.cluster_env import DEFAULT_MASTER_PORT, ClusterEnv
+from meshrun.placement.process import DEFAULT_MASTER_PORT, ProcessPlacement
 from meshrun.placement.base import ClusterEnvironment, env_int
 
 
@@ -28,7 +28,7 @@ class OpenMPIEnvironment(ClusterEnvironment):
         # a single process (mpirun -np 1) needs no rendezvous: leave it to the single-process fallback
         return "OMPI_COMM_WORLD_RANK" in environ and environ.get("OMPI_COMM_WORLD_SIZE", "1") != "1"
 
-    def placement(self, environ: Mapping[str, str]) -> ClusterEnv:
+    def placement(self, environ: Mapping[str, str]) -> ProcessPlacement:
         rank, world_size = env_int(environ, "OMPI_COMM_WORLD_RANK"), env_int(environ, "OMPI_COMM_WORLD_SIZE")
         local_rank = env_int(environ, "OMPI_COMM_WORLD_LOCAL_RANK")
         local_size = env_int(environ, "OMPI_COMM_WORLD_LOCAL_SIZE")
@@ -48,6 +48,6 @@ class OpenMPIEnvironment(ClusterEnvironment):
             raise ValueError(
                 "Open MPI: MASTER_ADDR is not set, and mpirun names no rendezvous host; pass the address of the "
                 "node that runs rank 0 to every process: mpirun -x MASTER_ADDR=<host> -x MASTER_PORT=<port> ...")
-        return ClusterEnv(rank=rank, local_rank=local_rank, world_size=world_size, local_world_size=local_size,
+        return ProcessPlacement(rank=rank, local_rank=local_rank, world_size=world_size, local_world_size=local_size,
                           node_rank=rank // local_size, num_nodes=world_size // local_size, master_addr=master,
                           master_port=env_int(environ, "MASTER_PORT", DEFAULT_MASTER_PORT), source=self.name)

@@ -1,6 +1,6 @@
 """The ordered cluster environments (the first that detects this process wins), and registering your own.
 
-Imports only the interface (:mod:`.base`): the record (:mod:`.cluster_env`) and the built-in environments build on
+Imports only the interface (:mod:`.base`): the record (:mod:`.process`) and the built-in environments build on
 this module, and :mod:`meshrun.placement` fills :data:`ENVIRONMENTS` with the built-ins.
 """
 
@@ -83,7 +83,7 @@ def detect_environment(environ: Mapping[str, str]) -> ClusterEnvironment:
 
 
 def environment_named(name: str) -> ClusterEnvironment | None:
-    """The registered environment whose name is ``name`` (a ``ClusterEnv.source``), else None."""
+    """The registered environment whose name is ``name`` (a ``ProcessPlacement.source``), else None."""
     return next((env for env in ENVIRONMENTS if env.name == name), None)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from meshrun.placement.cluster_env import DEFAULT_MASTER_PORT, ClusterEnv
+from meshrun.placement.process import DEFAULT_MASTER_PORT, ProcessPlacement
 from meshrun.placement.base import ClusterEnvironment, env_int
 
 
@@ -17,7 +17,7 @@ class SingleProcessEnvironment(ClusterEnvironment):
     def detect(self, environ: Mapping[str, str]) -> bool:
         return True
 
-    def placement(self, environ: Mapping[str, str]) -> ClusterEnv:
-        return ClusterEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, num_nodes=1,
+    def placement(self, environ: Mapping[str, str]) -> ProcessPlacement:
+        return ProcessPlacement(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, num_nodes=1,
                           master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
                           master_port=env_int(environ, "MASTER_PORT", DEFAULT_MASTER_PORT), source=self.name)

@@ -13,7 +13,7 @@ import os
 import socket
 from typing import Callable, Mapping
 
-from meshrun.placement.cluster_env import ClusterEnv
+from meshrun.placement.process import ProcessPlacement
 from meshrun.placement.base import ClusterEnvironment, NodePlacement, PlacementError, env_int
 from meshrun.placement.slurm_lists import expand_nodelist, expand_tasks_per_node, slurm_port
 
@@ -34,7 +34,7 @@ class SlurmEnvironment(ClusterEnvironment):
     def detect(self, environ: Mapping[str, str]) -> bool:
         return "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ and environ.get("SLURM_NTASKS") != "1"
 
-    def placement(self, environ: Mapping[str, str]) -> ClusterEnv:
+    def placement(self, environ: Mapping[str, str]) -> ProcessPlacement:
         if _in_batch_step(environ):
             raise _direct_in_batch_step_error(environ)
         nodelist = _nodelist(environ, step=True)
@@ -48,7 +48,7 @@ class SlurmEnvironment(ClusterEnvironment):
                                              num_nodes=num_nodes)
         master = environ.get("MASTER_ADDR") or expand_nodelist(nodelist)[0]
         port = env_int(environ, "MASTER_PORT", slurm_port(environ.get("SLURM_JOB_ID", "")))
-        return ClusterEnv(rank=env_int(environ, "SLURM_PROCID"), local_rank=env_int(environ, "SLURM_LOCALID", 0),
+        return ProcessPlacement(rank=env_int(environ, "SLURM_PROCID"), local_rank=env_int(environ, "SLURM_LOCALID", 0),
                           world_size=world_size, local_world_size=local_world_size, node_rank=node_rank,
                           num_nodes=num_nodes, master_addr=master, master_port=port, source=self.name)
 
@@ -79,7 +79,7 @@ class SlurmEnvironment(ClusterEnvironment):
                              busy_port_fix="the port is derived from the job id; before srun, export "
                                            "MASTER_PORT=<a free port> (the same for every node).")
 
-    def check_master_address(self, env: ClusterEnv, environ: Mapping[str, str], *,
+    def check_master_address(self, env: ProcessPlacement, environ: Mapping[str, str], *,
                              resolve: Callable[[str], str]) -> None:
         """Several nodes: refuse a master host that resolves to loopback on this node.
 
@@ -126,7 +126,7 @@ def _local_world_size(environ: Mapping[str, str], *, node_rank: int, world_size:
     return env_int(environ, "SLURM_NTASKS_PER_NODE", max(1, world_size // max(1, num_nodes)))
 
 
-def _one_task_per_node_error(environ: Mapping[str, str], env: ClusterEnv, command: str) -> SlurmLayoutError:
+def _one_task_per_node_error(environ: Mapping[str, str], env: ProcessPlacement, command: str) -> SlurmLayoutError:
     counts = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE", "?")
     return SlurmLayoutError(
         f"SLURM: this step runs {env.world_size} tasks on {env.num_nodes} nodes (tasks per node {counts}), but "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from meshrun.placement.cluster_env import DEFAULT_MASTER_PORT
+from meshrun.placement.process import DEFAULT_MASTER_PORT
 
 SLURM_PORT_BASE = 15000
 SLURM_PORT_SPAN = 16384

@@ -75,10 +75,10 @@ def main(argv: list[str] | None = None) -> int:
 def _first_of_the_step() -> bool:
     """Every task of `srun meshrun train ...` reads the same command line, so a command-line refusal is the same on
     all of them: rank 0 says it once (any process whose layout cannot be read says it too)."""
-    from meshrun.env import ClusterEnv
+    from meshrun.env import ProcessPlacement
 
     try:
-        return ClusterEnv.detect().is_rank_zero
+        return ProcessPlacement.detect().is_rank_zero
     except ValueError:
         return True
 
@@ -126,10 +126,10 @@ def _say(line: str, rank: int = 0) -> None:
 
 
 def _rank(trainer) -> int:
-    from meshrun.env import ClusterEnv
+    from meshrun.env import ProcessPlacement
 
     try:
-        return trainer.env.rank if trainer is not None else ClusterEnv.detect().rank
+        return trainer.env.rank if trainer is not None else ProcessPlacement.detect().rank
     except ValueError:
         return 0
 

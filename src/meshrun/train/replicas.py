@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 from meshrun.config import ConfigError, JobConfig, ReplicaConfig
 from meshrun.ckpt.state import reseed_rng
 from meshrun.comm.store import bound_tcp_store
-from meshrun.env import ClusterEnv
+from meshrun.env import ProcessPlacement
 from meshrun.launch.net import EndpointError, Route, is_loopback, route_to
 
 log = logging.getLogger("meshrun")
@@ -104,7 +104,7 @@ class ReplicaGroups(Stateful):
 
     replicated: ClassVar[bool] = True
 
-    def __init__(self, cfg: ReplicaConfig, *, env: ClusterEnv, device: torch.device, seed: int,
+    def __init__(self, cfg: ReplicaConfig, *, env: ProcessPlacement, device: torch.device, seed: int,
                  parts: list[nn.Module], optimizer: torch.optim.Optimizer, data: Any, scheduler: Any = None,
                  progress: Any = None):
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's per-step lines; meshrun prints quorum changes itself

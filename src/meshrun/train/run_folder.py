@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from meshrun.config import ConfigError, JobConfig
-from meshrun.env import ClusterEnv
+from meshrun.env import ProcessPlacement
 from meshrun.train.console import ConsoleFormatter
 
 RECORD_FILES = ("config.toml", "metrics.jsonl", "summary.json", "logs", "checkpoints", "tensorboard", "profile")
@@ -30,7 +30,7 @@ RECORD_FILES = ("config.toml", "metrics.jsonl", "summary.json", "logs", "checkpo
 class RunFolder:
     """``run.dir`` of this process: created if absent at start, its record written by :meth:`open` only."""
 
-    def __init__(self, job: JobConfig, env: ClusterEnv, *, path: Path | None = None):
+    def __init__(self, job: JobConfig, env: ProcessPlacement, *, path: Path | None = None):
         self.path = Path(job.run.dir) if path is None else path  # path: a replica group's own folder
         self.env = env
         self.opened = False
@@ -120,7 +120,7 @@ def remove_empty_folders(top: Path | None) -> None:
             pass  # not empty: another process (or this run) wrote there
 
 
-def _setup_logging(env: ClusterEnv) -> logging.handlers.MemoryHandler:
+def _setup_logging(env: ProcessPlacement) -> logging.handlers.MemoryHandler:
     """Rank 0 logs warnings to the console; every rank keeps its lines (with its rank) in memory until the run
     proceeds, then in logs/rank_XXXXX.log. Returns the in-memory buffer."""
     import torch.distributed as dist

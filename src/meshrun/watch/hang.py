@@ -22,7 +22,7 @@ from typing import Callable
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-from meshrun.env import ClusterEnv
+from meshrun.env import ProcessPlacement
 from meshrun.units import format_ranks
 
 
@@ -198,7 +198,7 @@ class HangWatchdog:
     cannot run their thread; they fail when the others are gone, or at ``dist.timeout_s``.
     """
 
-    def __init__(self, *, env: ClusterEnv, timeout_s: float, store=None, publish_every_s: float | None = None,
+    def __init__(self, *, env: ProcessPlacement, timeout_s: float, store=None, publish_every_s: float | None = None,
                  check_all: bool = False, stack_file: str | Path | None = None,
                  log: Callable[[str], None] | None = None, on_hang: Callable[[str], None] | None = None,
                  end_job: bool = False, end: Callable[[str], None] | None = None):

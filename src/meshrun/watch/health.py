@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from meshrun.env import ClusterEnv
+from meshrun.env import ProcessPlacement
 from meshrun.watch.hang import HangWatchdog
 from meshrun.watch.stragglers import RankInfo, StragglerDetector, StragglerReport, WorkTimer
 
@@ -29,7 +29,7 @@ class JobHealth:
 
     Construction is a collective when the detector is on and ``ranks`` is not given (it gathers host names)."""
 
-    def __init__(self, *, env: ClusterEnv, device: torch.device, parts: list[torch.nn.Module],
+    def __init__(self, *, env: ProcessPlacement, device: torch.device, parts: list[torch.nn.Module],
                  straggler_threshold: float, gemm_check: bool = False, ranks: list[RankInfo] | None = None):
         self.env = env
         self.timer = WorkTimer(parts, device)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from meshrun.config import RunConfig
-from meshrun.env import ClusterEnv
+from meshrun.env import ProcessPlacement
 from meshrun.diag.ifname import GLOO_VAR, NCCL_VAR, nccl_matches
 from meshrun.launch.net import LOCAL_ADDR_VAR, interface_of
 from meshrun.watch.system import SystemSampler, net_bytes
@@ -52,7 +52,7 @@ def bind_address(run: RunConfig, environ=os.environ) -> str:
 class SystemWatch:
     """System metrics of every node, for the trainer. ``collect`` is a collective: every rank, each log step."""
 
-    def __init__(self, run: RunConfig, *, env: ClusterEnv, device: torch.device):
+    def __init__(self, run: RunConfig, *, env: ProcessPlacement, device: torch.device):
         self.env = env
         self.active = run.system_sample_s > 0
         """The same on every rank: collect gathers only when it is on."""

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from meshrun.watch.gather import collective_device, gather_floats
 from meshrun.diag.gpu_health import gemm_tflops, nvml_state
-from meshrun.env import ClusterEnv
+from meshrun.env import ProcessPlacement
 
 
 @dataclass(frozen=True)
@@ -194,7 +194,7 @@ class StragglerDetector:
     calls in the same order.
     """
 
-    def __init__(self, group=None, *, env: ClusterEnv, threshold: float = 1.5, window: int = 5,
+    def __init__(self, group=None, *, env: ProcessPlacement, threshold: float = 1.5, window: int = 5,
                  min_gap_s: float = 0.005, history: int = 512, device: torch.device | None = None,
                  gemm_check: bool = False, compute_device: torch.device | None = None,
                  ranks: list[RankInfo] | None = None, repeat_s: float = REPEAT_S):
@@ -258,7 +258,7 @@ class StragglerDetector:
                  "max_step_s": float(np.max(steps[:, i]))} for i, info in enumerate(self.ranks)]
 
 
-def gather_rank_infos(env: ClusterEnv, group=None) -> list[RankInfo]:
+def gather_rank_infos(env: ProcessPlacement, group=None) -> list[RankInfo]:
     """Every rank's rank, host name and local rank, in rank order. Collective: every rank of ``group`` must call it
     (gather once and hand the list to :class:`StragglerDetector` and whatever else names hosts)."""
     mine = RankInfo(rank=env.rank, host=socket.gethostname(), local_rank=env.local_rank)

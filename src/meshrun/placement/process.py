@@ -1,9 +1,9 @@
 """The one object that holds where this process sits (its placement): ranks, nodes and the master address.
 
-Every other module asks a :class:`ClusterEnv` for ranks, nodes and the master address; none of them reads
+Every other module asks a :class:`ProcessPlacement` for ranks, nodes and the master address; none of them reads
 ``RANK``/``LOCAL_RANK``/``SLURM_*`` itself. Where the values come from is the business of the cluster environments
 in :mod:`meshrun.placement` (torchrun / ``meshrun launch``, SLURM, Open MPI, a single process, and any registered
-with ``register_environment``), tried in order by :meth:`ClusterEnv.detect`.
+with ``register_environment``), tried in order by :meth:`ProcessPlacement.detect`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ DEFAULT_MASTER_PORT = 29500
 
 
 @dataclass(frozen=True)
-class ClusterEnv:
+class ProcessPlacement:
     """Where this process sits within the job: its ranks, its node and the master."""
 
     rank: int
@@ -82,7 +82,7 @@ class ClusterEnv:
                              f"check {names.node_vars}.")
 
     @classmethod
-    def detect(cls, environ: Mapping[str, str] | None = None) -> "ClusterEnv":
+    def detect(cls, environ: Mapping[str, str] | None = None) -> "ProcessPlacement":
         """Read the placement from ``environ`` (default: ``os.environ``) through the first cluster environment of
         :data:`meshrun.placement.registry.ENVIRONMENTS` that detects this process."""
         environ = os.environ if environ is None else environ
