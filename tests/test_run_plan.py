@@ -9,13 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from meshrun.config import JobConfig, load_config
-from meshrun.env import ClusterEnv
+from meshrun.config import ConfigError, JobConfig, load_config
+from meshrun.env import ProcessPlacement
 from meshrun.train.plan import RunPlan, validated
 from meshrun.train.trainer import Trainer
 
-ONE_PROCESS = ClusterEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, num_nodes=1,
-                         master_addr="127.0.0.1", master_port=29500, source="single")
+ONE_PROCESS = ProcessPlacement(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, num_nodes=1,
+                               master_addr="127.0.0.1", master_port=29500, source="single")
+TWO_RANKS = dataclasses.replace(ONE_PROCESS, world_size=2, local_world_size=2, source="torchrun")
 
 
 def tiny_job(run_dir, *extra: str) -> JobConfig:
@@ -61,3 +62,16 @@ def test_a_trainer_and_its_resume_leave_the_config_unchanged_and_record_the_reso
     assert (written.train.global_batch, written.train.micro_batch, written.train.grad_accum) == (8, 2, 0)
     assert (written.model.dim, written.model.n_layers, written.model.seq_len) == (64, 2, 64), "the resolved shape"
     assert written == trainer.job
+
+
+@pytest.mark.parametrize("options, message", [
+    (("--train.loss=chunked", "--parallel.data_parallel=fsdp"), "train.loss=chunked runs for one process and DDP only"),
+    (("--parallel.cp=2",), "parallel.cp=2 needs CUDA GPUs"),
+    (("--train.cuda_graphs=true",), "train.cuda_graphs=true needs CUDA GPUs"),
+])
+def test_the_plan_refuses_a_layout_its_options_cannot_run_before_any_process_group(tmp_path, options, message):
+    """Two ranks, no process group: the layout checks run in RunPlan.resolve, so every rank fails at once with the
+    option named, not after a rendezvous or a model build."""
+    with pytest.raises(ConfigError, match=message):
+        RunPlan.resolve(validated(tiny_job(tmp_path, "--dist.device=cpu", *options)), env=TWO_RANKS, vocab_size=256)
+    assert not (tmp_path / "config.toml").exists()

@@ -15,7 +15,10 @@ from torch import nn
 from meshrun.config import ConfigError, ParallelConfig, load_config
 from meshrun.comm.mesh import ParallelDims, choose_data_parallel
 from meshrun.models.build import model_shape, model_spec
-from meshrun.parallel.apply import check_cuda_graphs, reshard_after_forward, use_cuda_graphs
+from meshrun.models.gpt import SIZES
+from meshrun.models.gpt_spec import GPT_SPEC
+from meshrun.parallel.apply import reshard_after_forward, use_cuda_graphs
+from meshrun.parallel.checks import check_cuda_graphs, check_layout
 from meshrun.parallel.engine import count_tensor, loss_function, token_loss_sum
 from meshrun.parallel.async_tp import check_async_tp
 from meshrun.parallel.float8 import check_float8
@@ -84,14 +87,16 @@ def test_cuda_graphs_need_cuda_compile_and_a_whole_model_layout():
 
 def test_cuda_graphs_auto_is_on_exactly_where_true_is_accepted():
     gpu = torch.device("cuda", 0)
-    assert use_cuda_graphs("auto", gpu, compiled=True, local=True, layout="DDP")
+    assert use_cuda_graphs("auto", gpu, compiled=True, local=True)
     for device, compiled, local in ((CPU, True, True), (gpu, False, True), (gpu, True, False)):
-        assert not use_cuda_graphs("auto", device, compiled=compiled, local=local, layout="FSDP")  # no refusal
-    assert not use_cuda_graphs("false", gpu, compiled=True, local=True, layout="DDP")
-    assert not use_cuda_graphs("auto", gpu, compiled=True, local=True, layout="DDP", measured=False)  # float8...
-    assert use_cuda_graphs("true", gpu, compiled=True, local=True, layout="DDP", measured=False)  # asked for
-    with pytest.raises(ConfigError, match="not for FSDP"):
-        use_cuda_graphs("true", gpu, compiled=True, local=False, layout="FSDP")
+        assert not use_cuda_graphs("auto", device, compiled=compiled, local=local)  # no refusal
+    assert not use_cuda_graphs("false", gpu, compiled=True, local=True)
+    assert not use_cuda_graphs("auto", gpu, compiled=True, local=True, measured=False)  # float8...
+    assert use_cuda_graphs("true", gpu, compiled=True, local=True, measured=False)  # asked for
+    job = load_config(None, ["--train.cuda_graphs=true", "--train.compile=true"])
+    fsdp = ParallelDims.from_config(ParallelConfig(dp_shard=2), world_size=2, gpus_per_node=2)
+    with pytest.raises(ConfigError, match="not for FSDP"):  # what the run plan checks before any process group
+        check_layout(job, GPT_SPEC, SIZES["tiny"], fsdp, device=gpu, compute_dtype=torch.bfloat16)
     assert load_config(None, []).train.cuda_graphs == "auto"
     with pytest.raises(ConfigError, match="train.cuda_graphs='sometimes' is not one of auto, true, false"):
         load_config(None, ["--train.cuda_graphs=sometimes"])

@@ -34,12 +34,14 @@ from meshrun.models.build import model_spec
 from meshrun.models.shape import ModelShape
 from meshrun.models.spec import ModelSpec, ModelStructure
 from meshrun.parallel.activation_checkpoint import apply_activation_checkpointing
-from meshrun.parallel.context_parallel import SequenceShards, check_context_parallel
+from meshrun.parallel.checks import (check_chunked_loss, check_cuda_graphs, check_layout, is_local, layout_name,
+                                    uses_fsdp)
+from meshrun.parallel.context_parallel import SequenceShards
 from meshrun.parallel.data_parallel import apply_ddp, apply_fsdp, fsdp_units
 from meshrun.parallel.engine import Engine, LocalEngine, LossStep, loss_function
-from meshrun.parallel.async_tp import check_async_tp, enable_async_tp
-from meshrun.parallel.float8 import check_float8, convert_blocks_to_float8
-from meshrun.parallel.kernels import compile_enabled, require_compiled_cuda, select_attention
+from meshrun.parallel.async_tp import enable_async_tp
+from meshrun.parallel.float8 import convert_blocks_to_float8
+from meshrun.parallel.kernels import compile_enabled, select_attention
 from meshrun.parallel.options import ParallelOptions, parallel_options
 from meshrun.parallel.pipeline import (PipelineEngine, bubble_fraction, effective_model_config, split_stage,
                                       stage_ids)
@@ -67,7 +69,7 @@ def build_engine(*, job: JobConfig, model_cfg: ModelShape, dims: ParallelDims, m
     if cfg is not model_cfg:
         log.warning("parallel.pp=%d: untying the embeddings (the input embedding on the first stage, the output head "
                     "on the last); set --model.tie_embeddings=false to make this explicit", dims.pp)
-    dims.validate_model(cfg, spec)
+    check_layout(job, spec, model_cfg, dims, device=device, compute_dtype=compute_dtype)
     if batch is None:
         batch = resolve_batch(job.train, dp_size=dims.dp_size, seq_len=cfg.seq_len)
     dims.resolve_pipeline_batch(batch.micro_batch * batch.grad_accum)
@@ -76,19 +78,13 @@ def build_engine(*, job: JobConfig, model_cfg: ModelShape, dims: ParallelDims, m
     rank = mesh.get_rank() if mesh is not None else 0
     log.info("layout: %s", describe_layout(dims))
     log.info("attention kernel: %s", select_attention(job.train.attention, device))
-    if job.train.float8:
-        check_float8(device, tp=dims.tp)
-    check_context_parallel(cp=dims.cp, device=device, spec=spec, attention=job.train.attention,
-                           fp32=compute_dtype in (None, torch.float32))
     fp32 = compute_dtype is None or compute_dtype == torch.float32
     compiled = compile_enabled(job.train.compile, device)
     if job.parallel.async_tp:
-        check_async_tp(device, tp=dims.tp, compiled=compiled)
         enable_async_tp(dims.get_mesh("tp"))
-    local = dims.pp == 1 and dims.tp == 1 and dims.dp_shard == 1 and dims.cp == 1
+    local = is_local(dims)
     graphs = use_cuda_graphs(job.train.cuda_graphs, device, compiled=compiled, local=local,
-                             layout=layout_name(dims), measured=job.train.loss == "full" and not job.train.float8)
-    check_chunked_loss(job.train.loss, spec, dims=dims, local=local)
+                             measured=job.train.loss == "full" and not job.train.float8)
     options = parallel_options(job, compute_dtype=compute_dtype, compiled=compiled, device=device)
     if local:
         return _local_engine(job, spec, cfg, dims, device, rank=rank, autocast_dtype=None if fp32 else compute_dtype,
@@ -139,43 +135,9 @@ def describe_layout(dims: ParallelDims) -> str:
     return text
 
 
-def layout_name(dims: ParallelDims) -> str:
-    """'PP 1f1b + TP + HSDP', 'DDP', 'single process', ..."""
-    parts = [f"PP {dims.pp_schedule}"] if dims.pp > 1 else []
-    if dims.tp > 1:
-        parts.append("TP")
-    if dims.cp > 1:
-        parts.append("CP")
-    if uses_fsdp(dims):
-        parts.append("HSDP" if dims.dp_replicate > 1 and dims.dp_shard * dims.cp > 1 else
-                     "FSDP" if dims.dp_shard * dims.cp > 1 else "FSDP-replicate")
-    elif dims.dp_replicate > 1:
-        parts.append("DDP")
-    return " + ".join(parts) or "single process"
-
-
-def uses_fsdp(dims: ParallelDims) -> bool:
-    """FSDP2 handles data parallelism whenever parameters are sharded (over dp_shard x cp: the cp ranks of a replica
-    hold the same parameters, so FSDP shards over them too, as torchtitan) or are DTensors/pipeline stages anyway."""
-    return dims.dp_shard > 1 or dims.cp > 1 or dims.fsdp_replicates
-
-
 def use_loss_parallel(dims: ParallelDims) -> bool:
     """Vocabulary-sharded cross-entropy with TP; not across pipeline stages (stage outputs are plain tensors)."""
     return dims.tp > 1 and dims.pp == 1
-
-
-def check_chunked_loss(loss: str, spec: ModelSpec, *, dims: ParallelDims, local: bool) -> None:
-    """Refuse train.loss=chunked where it cannot run: outside one process and DDP, or for a model without the hooks
-    that give the output head's input and weight."""
-    if loss != "chunked":
-        return
-    if not local:
-        raise ConfigError(f"train.loss=chunked runs for one process and DDP only, not for {layout_name(dims)}; "
-                          "drop --train.loss=chunked (the other layouts compile the full loss, without fp32 logits)")
-    if spec.hidden_states is None or spec.head_weight is None:
-        raise ConfigError(f"train.loss=chunked: model.arch={spec.arch!r} does not give its output head's input and "
-                          "weight (ModelSpec.hidden_states, head_weight); drop --train.loss=chunked")
 
 
 def build_parts(cfg: ModelShape, dims: ParallelDims, ids: list[int], *, spec: ModelSpec,
@@ -270,15 +232,13 @@ def seed_for_init(seed: int, *, dims: ParallelDims, rank: int, device: torch.dev
         manual_seed(seed + c.pp, dims.mesh)
 
 
-def use_cuda_graphs(choice: str, device: torch.device, *, compiled: bool, local: bool, layout: str,
-                    measured: bool = True) -> bool:
+def use_cuda_graphs(choice: str, device: torch.device, *, compiled: bool, local: bool, measured: bool = True) -> bool:
     """train.cuda_graphs resolved for this run: 'true' refuses what cannot run, 'auto' is on where 'true' would be
     accepted (one process or DDP, compiled, on CUDA) and the step is one GPU tests have covered (``measured``: the
     full loss without float8; the chunked loss and float8 scaling have not run under CUDA graphs on a GPU yet),
     'false' is off."""
     if choice == "true":
-        check_cuda_graphs(device, compiled=compiled, local=local, layout=layout)
-        return True
+        return True  # check_layout refused what cannot run
     return choice == "auto" and device.type == "cuda" and compiled and local and measured
 
 
@@ -289,16 +249,6 @@ def ddp_graph_split(choice: str, dims: ParallelDims) -> bool:
     if choice != "auto":
         return choice == "split"
     return not (dims.gpus_per_node and dims.dp_replicate <= dims.gpus_per_node)
-
-
-def check_cuda_graphs(device: torch.device, *, compiled: bool, local: bool, layout: str) -> None:
-    """Refuse train.cuda_graphs where it cannot run, naming what to change."""
-    require_compiled_cuda("train.cuda_graphs", cuda_why="it records CUDA graphs",
-                          compile_why="graphs what torch.compile produces", device=device, compiled=compiled)
-    if not local:
-        raise ConfigError(f"train.cuda_graphs=true runs for one process and DDP, not for {layout}, whose "
-                          "per-block hooks and collectives run between the compiled graphs; drop "
-                          "--train.cuda_graphs, or set --parallel.data_parallel=ddp for pure data parallelism")
 
 
 def _local_engine(job: JobConfig, spec: ModelSpec, cfg: ModelShape, dims: ParallelDims, device: torch.device, *,

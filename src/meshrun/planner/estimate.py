@@ -62,7 +62,10 @@ def build_plan(job: JobConfig, *, nodes: int, gpus_per_node: int, gpu_mem_gib: f
         dtype_bytes = 4 if job.train.dtype == "fp32" else 2
     if nodes < 1 or gpus_per_node < 1:
         raise ConfigError(f"--nodes {nodes} and --gpus-per-node {gpus_per_node} must both be >= 1")
+    import torch
+
     from meshrun.models.build import model_shape, model_spec
+    from meshrun.parallel.checks import check_layout, compute_dtype
 
     model, spec = model_shape(job), model_spec(job)
     if model.dim % model.n_heads:
@@ -73,6 +76,7 @@ def build_plan(job: JobConfig, *, nodes: int, gpus_per_node: int, gpu_mem_gib: f
     given, job = job.parallel, dataclasses.replace(job, parallel=parallel)
     dims = ParallelDims.from_config(job.parallel, world_size=world, gpus_per_node=gpus_per_node, model=model,
                                     spec=spec)
+    check_layout(job, spec, model, dims, device=torch.device("cuda"), compute_dtype=compute_dtype(job, "cuda"))
     batch = resolve_batch(job.train, dp_size=dims.dp_size, seq_len=model.seq_len)
     dims.resolve_pipeline_batch(batch.micro_batch * batch.grad_accum)
     plan = Plan(nodes=nodes, gpus_per_node=gpus_per_node, world_size=world, model=model, spec=spec, dims=dims,

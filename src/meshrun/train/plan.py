@@ -2,7 +2,9 @@
 
 :meth:`RunPlan.resolve` checks a copy of the config (``validate`` normalises it), then fills in what the options
 leave open: the named size's model shape, the data parallelism that runs (parallel.data_parallel), replica groups'
-shared checkpoint folder, the mesh degrees and the batch. The trainer and its helpers read the plan; a resume that
+shared checkpoint folder, the mesh degrees and the batch; and it checks the layout against the options, the model
+and the device (:func:`meshrun.parallel.checks.check_layout`), so a wrong combination fails before any process
+group or model exists. The trainer and its helpers read the plan; a resume that
 keeps the checkpoint's global batch at another world size builds a new plan (:meth:`RunPlan.keep_global_batch`).
 """
 
@@ -14,12 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshrun.comm.mesh import ParallelDims, choose_data_parallel
-from meshrun.comm.process_group import wants_cuda
+from meshrun.comm.process_group import choose_device, wants_cuda
 from meshrun.config import BatchPlan, JobConfig, TrainConfig, resolve_batch
-from meshrun.env import ClusterEnv
+from meshrun.env import ProcessPlacement
 from meshrun.models.build import model_shape, model_spec, resolved_model
 from meshrun.models.shape import ModelShape
 from meshrun.models.spec import ModelSpec
+from meshrun.parallel.checks import check_layout, compute_dtype
 from meshrun.train.replicas import group_checkpoint_dir, group_run_dir
 
 
@@ -59,7 +62,7 @@ class RunPlan:
     """Where this run (this replica group) writes its logs and metrics."""
 
     @classmethod
-    def resolve(cls, job: JobConfig, *, env: ClusterEnv, vocab_size: int) -> RunPlan:
+    def resolve(cls, job: JobConfig, *, env: ProcessPlacement, vocab_size: int) -> RunPlan:
         """The plan of ``job`` (validated: see :func:`validated`) on this world, for a corpus of ``vocab_size``
         tokens. Raises ConfigError naming the option."""
         spec = model_spec(job)
@@ -70,6 +73,8 @@ class RunPlan:
                                   checkpoint=dataclasses.replace(job.checkpoint, dir=group_checkpoint_dir(job)))
         dims = ParallelDims.from_config(parallel, world_size=env.world_size, gpus_per_node=env.local_world_size,
                                         model=shape, spec=spec)
+        device = choose_device(env, job.dist)  # this rank's GPU, or the CPU; ConfigError when it is missing
+        check_layout(job, spec, shape, dims, device=device, compute_dtype=compute_dtype(job, device.type))
         return cls(job=job, spec=spec, shape=shape, dims=dims, batch=plan_batch(job.train, dims, shape),
                    layout_note=note, run_dir=group_run_dir(job))
 

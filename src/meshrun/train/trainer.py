@@ -21,11 +21,12 @@ from meshrun.data.corpus import Corpus, load_corpus
 from meshrun.data.loader import StepBatches, eval_batches
 from meshrun.data.sampler import TokenWindows
 from meshrun.comm.process_group import DistContext, init_distributed, set_mesh_timeouts
-from meshrun.env import ClusterEnv
+from meshrun.env import ProcessPlacement
 from meshrun.models.shape import ModelShape
 from meshrun.models.spec import ModelSpec
 from meshrun.rng import seed_rank_streams
 from meshrun.parallel.apply import build_engine
+from meshrun.parallel.checks import compute_dtype
 from meshrun.parallel.engine import Engine
 from meshrun.ckpt.preemption import signal_label
 from meshrun.ckpt.state import TrainProgress
@@ -71,20 +72,13 @@ def use_deterministic_algorithms() -> None:
     torch.backends.cudnn.benchmark = False
 
 
-def compute_dtype(job: JobConfig, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype, or None for plain fp32."""
-    if job.train.dtype == "bf16" or (job.train.dtype == "auto" and device.type == "cuda"):
-        return torch.bfloat16
-    return None
-
-
 class Trainer:
     """Trains the model ``model.arch`` selects (the built-in GPT or a registered ModelSpec) under the layout the
     config describes."""
 
-    def __init__(self, job: JobConfig, *, env: ClusterEnv | None = None, corpus: Corpus | None = None):
+    def __init__(self, job: JobConfig, *, env: ProcessPlacement | None = None, corpus: Corpus | None = None):
         checked = validated(job)  # a checked copy: the JobConfig given is left as it was
-        self.env = env or ClusterEnv.detect()
+        self.env = env or ProcessPlacement.detect()
         self.corpus = corpus or load_corpus(checked.data)
         self.plan = RunPlan.resolve(checked, env=self.env, vocab_size=self.corpus.vocab_size)
         """What this run trains with (train/plan.py); a resume that keeps the global batch replaces it."""
@@ -100,7 +94,7 @@ class Trainer:
             check_consistency(env=self.env, strict=True, script=sys.argv[0])  # collective: every rank
         self.mesh = self.dims.build_mesh(self.device.type)  # collective: every rank
         set_mesh_timeouts(self.dims.all_meshes(), job.dist.timeout_s)
-        self.compute_dtype = compute_dtype(job, self.device)
+        self.compute_dtype = compute_dtype(job, self.device.type)
         self.engine: Engine = build_engine(job=job, model_cfg=self.model_cfg, dims=self.dims, mesh=self.mesh,
                                            device=self.device, compute_dtype=self.compute_dtype,
                                            batch=self.batch)

@@ -1,0 +1,100 @@
+"""A layout checked against the options, the model and the device, before anything is built.
+
+Validation happens in three places, each with one job, and a training run goes through all three in
+:meth:`meshrun.train.plan.RunPlan.resolve`, before its process group exists:
+
+1. ``config_checks.py`` (``JobConfig.validate``): each option's value and the options that depend on one another;
+2. ``comm/mesh.py`` (``ParallelDims.from_config``): the degrees against the world size and the model's shape;
+3. this module (:func:`check_layout`): the layout against the options it runs with (float8, async TP, CUDA graphs,
+   the chunked loss, context parallelism) and the device type.
+
+``build_engine`` runs :func:`check_layout` again, for callers that build an engine without a plan (Session, tests);
+the checks read only their arguments, so a second run changes nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshrun.comm.mesh import ParallelDims
+from meshrun.config import ConfigError, JobConfig
+from meshrun.models.shape import ModelShape
+from meshrun.models.spec import ModelSpec
+from meshrun.parallel.async_tp import check_async_tp
+from meshrun.parallel.context_parallel import check_context_parallel
+from meshrun.parallel.float8 import check_float8
+from meshrun.parallel.kernels import compile_enabled, require_compiled_cuda
+from meshrun.parallel.pipeline import effective_model_config
+
+
+def layout_name(dims: ParallelDims) -> str:
+    """'PP 1f1b + TP + HSDP', 'DDP', 'single process', ..."""
+    parts = [f"PP {dims.pp_schedule}"] if dims.pp > 1 else []
+    if dims.tp > 1:
+        parts.append("TP")
+    if dims.cp > 1:
+        parts.append("CP")
+    if uses_fsdp(dims):
+        parts.append("HSDP" if dims.dp_replicate > 1 and dims.dp_shard * dims.cp > 1 else
+                     "FSDP" if dims.dp_shard * dims.cp > 1 else "FSDP-replicate")
+    elif dims.dp_replicate > 1:
+        parts.append("DDP")
+    return " + ".join(parts) or "single process"
+
+
+def uses_fsdp(dims: ParallelDims) -> bool:
+    """FSDP2 handles data parallelism whenever parameters are sharded (over dp_shard x cp: the cp ranks of a replica
+    hold the same parameters, so FSDP shards over them too, as torchtitan) or are DTensors/pipeline stages anyway."""
+    return dims.dp_shard > 1 or dims.cp > 1 or dims.fsdp_replicates
+
+
+def is_local(dims: ParallelDims) -> bool:
+    """Every rank holds the whole model: one process, or DDP over dp_replicate."""
+    return dims.pp == 1 and dims.tp == 1 and dims.dp_shard == 1 and dims.cp == 1
+
+
+def compute_dtype(job: JobConfig, device_type: str) -> torch.dtype | None:
+    """The autocast dtype of a training run, or None for plain fp32 (train.dtype=auto: bf16 on CUDA)."""
+    if job.train.dtype == "bf16" or (job.train.dtype == "auto" and device_type == "cuda"):
+        return torch.bfloat16
+    return None
+
+
+def check_layout(job: JobConfig, spec: ModelSpec, shape: ModelShape, dims: ParallelDims, *, device: torch.device,
+                 compute_dtype: torch.dtype | None) -> None:
+    """Raise ConfigError, naming the option and the fix, when ``dims`` cannot run ``job``'s options for this model on
+    ``device`` (its type is what matters: ``torch.device('cuda')`` before a GPU is chosen)."""
+    dims.validate_model(effective_model_config(shape, pp=dims.pp), spec)
+    compiled = compile_enabled(job.train.compile, device)
+    if job.train.float8:
+        check_float8(device, tp=dims.tp)
+    check_context_parallel(cp=dims.cp, device=device, spec=spec, attention=job.train.attention,
+                           fp32=compute_dtype in (None, torch.float32))
+    if job.parallel.async_tp:
+        check_async_tp(device, tp=dims.tp, compiled=compiled)
+    if job.train.cuda_graphs == "true":
+        check_cuda_graphs(device, compiled=compiled, local=is_local(dims), layout=layout_name(dims))
+    check_chunked_loss(job.train.loss, spec, dims=dims, local=is_local(dims))
+
+
+def check_chunked_loss(loss: str, spec: ModelSpec, *, dims: ParallelDims, local: bool) -> None:
+    """Refuse train.loss=chunked where it cannot run: outside one process and DDP, or for a model without the hooks
+    that give the output head's input and weight."""
+    if loss != "chunked":
+        return
+    if not local:
+        raise ConfigError(f"train.loss=chunked runs for one process and DDP only, not for {layout_name(dims)}; "
+                          "drop --train.loss=chunked (the other layouts compile the full loss, without fp32 logits)")
+    if spec.hidden_states is None or spec.head_weight is None:
+        raise ConfigError(f"train.loss=chunked: model.arch={spec.arch!r} does not give its output head's input and "
+                          "weight (ModelSpec.hidden_states, head_weight); drop --train.loss=chunked")
+
+
+def check_cuda_graphs(device: torch.device, *, compiled: bool, local: bool, layout: str) -> None:
+    """Refuse train.cuda_graphs where it cannot run, naming what to change."""
+    require_compiled_cuda("train.cuda_graphs", cuda_why="it records CUDA graphs",
+                          compile_why="graphs what torch.compile produces", device=device, compiled=compiled)
+    if not local:
+        raise ConfigError(f"train.cuda_graphs=true runs for one process and DDP, not for {layout}, whose "
+                          "per-block hooks and collectives run between the compiled graphs; drop "
+                          "--train.cuda_graphs, or set --parallel.data_parallel=ddp for pure data parallelism")
