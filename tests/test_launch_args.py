@@ -7,7 +7,8 @@ import subprocess
 
 import pytest
 
-from meshrun.launch.args import LaunchUsageError, apply_target, check_target, parse_launch_args, parse_nnodes
+from meshrun.launch.args import (LaunchUsageError, apply_target, check_numa_binding, check_target, parse_launch_args,
+                                 parse_nnodes)
 from meshrun.launch.cli import main
 from meshrun.launch.net import EndpointError
 from meshrun.launch.rendezvous import apply_plan, format_plan, make_plan, parse_rdzv_conf
@@ -311,3 +312,27 @@ def test_simulated_nodes_share_the_cores_so_each_agent_sets_one_omp_thread():
     assert "OMP_NUM_THREADS=1 in every worker: 2 x 1 workers share" in threads_note(nodes=2, nproc="1", environ={})
     assert threads_note(nodes=2, nproc="1", environ={"OMP_NUM_THREADS": "2"}).endswith("(yours)")
     assert "OMP_NUM_THREADS" not in plan_for(["--nproc-per-node", "1", "s.py"]).env_set  # one worker: its cores
+
+
+def _torchrun_has_numa_binding() -> bool:
+    from torch.distributed.run import get_args_parser
+
+    return any("--numa-binding" in action.option_strings for action in get_args_parser()._actions)
+
+
+def test_numa_binding_is_refused_where_no_gpu_would_be_bound():
+    check_numa_binding("node", "8", gpus=8)  # one worker per GPU: torch binds each near its GPU
+    check_numa_binding("node", "gpu", gpus=8)
+    check_numa_binding(None, "4", gpus=0)  # not asked for: nothing to check
+    with pytest.raises(LaunchUsageError, match=r"^--numa-binding node: .* this node has no CUDA GPU; drop"):
+        check_numa_binding("node", "2", gpus=0)
+    with pytest.raises(LaunchUsageError, match=r"^--numa-binding socket: .* 2 GPU\(s\) for --nproc-per-node 4; give "
+                                               r"--nproc-per-node 2 or fewer"):
+        check_numa_binding("socket", "4", gpus=2)
+
+
+@pytest.mark.skipif(not _torchrun_has_numa_binding(), reason="this torch's torchrun has no --numa-binding (torch 2.9+)")
+def test_numa_binding_on_a_node_without_gpus_fails_at_the_command_line(monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(LaunchUsageError, match="no CUDA GPU"):
+        parse_launch_args(["--numa-binding", "node", "--nproc-per-node", "2", "train"])

@@ -110,6 +110,7 @@ def parse_launch_args(argv: list[str]) -> LaunchArgs:
     if ns.simulate_nodes < 0 or ns.simulate_nodes == 1:
         raise LaunchUsageError(f"--simulate-nodes {ns.simulate_nodes}: give 2 or more nodes to rehearse "
                                "(leave it out for a single-node job).")
+    check_numa_binding(getattr(ns, "numa_binding", None), nproc)
     if ns.environment:
         try:
             load_environment(ns.environment, option="--environment")
@@ -117,6 +118,25 @@ def parse_launch_args(argv: list[str]) -> LaunchArgs:
             raise LaunchUsageError(str(exc)) from None
     tail = 1 + len(ns.training_script_args)
     return LaunchArgs(ns=ns, given=given, target=detect_target(ns), option_tokens=tuple(argv[:len(argv) - tail]))
+
+
+def check_numa_binding(mode: str | None, nproc: str, *, gpus: int | None = None) -> None:
+    """torchrun's ``--numa-binding`` (torch 2.9 and newer) binds worker i to the CPUs near GPU i, and fails deep in
+    torch where there is no such GPU: refuse that here, naming the option. ``gpus``: this node's CUDA GPUs (counted
+    when None)."""
+    if not mode:
+        return
+    if gpus is None:
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus == 0:
+        raise LaunchUsageError(f"--numa-binding {mode}: binds each worker to the CPUs near its GPU, and this node "
+                               "has no CUDA GPU; drop --numa-binding (CPU workers are spread by the OS)")
+    if nproc.isdecimal() and int(nproc) > gpus:
+        raise LaunchUsageError(f"--numa-binding {mode}: worker i is bound near GPU i, and this node has {gpus} GPU(s) "
+                               f"for --nproc-per-node {nproc}; give --nproc-per-node {gpus} or fewer, or drop "
+                               "--numa-binding")
 
 
 def _given_options(argv: list[str]) -> frozenset[str]:
