@@ -227,7 +227,7 @@ _KILLED_RANK = textwrap.dedent("""
     ckpt.save(1, job.state)
     job.train(1, data_seed=2)
     if env.rank == 1:  # its shards of step 2 are uploaded (dcp.save returned); killed before they are checked
-        ckpt._hash_own_files = lambda tmp: os.kill(os.getpid(), signal.SIGKILL)
+        ckpt._hash_own_files = lambda tmp, written: os.kill(os.getpid(), signal.SIGKILL)
     ckpt.save(2, job.state)
 """)
 

@@ -40,6 +40,7 @@ from meshrun.ckpt.collectives import Coordinator, check_shared_folder
 from meshrun.ckpt.errors import CheckpointError
 from meshrun.ckpt.folder import MANIFEST, complete_steps, scan, step_dir_name, steps_to_keep
 from meshrun.ckpt.manifest import build_manifest, check_structure, code_version, describe_files, write_durable
+from meshrun.ckpt.write_digest import DigestingFileSystem, digesting
 from meshrun.ckpt.preemption import PreemptionFlag, signal_label
 from meshrun.ckpt.run_config import describe_changes, saved_config
 from meshrun.ckpt.space import check_room, describe_failure, payload_bytes
@@ -66,6 +67,8 @@ class _SaveJob:
     needed: int = 0
     """Estimated bytes of the whole checkpoint (tensor data of every rank), for the no-space message."""
     timings: dict[str, float] = field(default_factory=dict)
+    written: DigestingFileSystem | None = None
+    """The writer's file system, holding the SHA-256 of each file as it was written."""
 
 
 class Checkpointer:
@@ -160,8 +163,9 @@ class Checkpointer:
         job = self._new_job(step, tree, meta=meta, final=final, kinds=kinds, started=started)
         self._last_save_time = time.monotonic()
         if self.cfg.async_save and not final:
-            upload = dcp.async_save(tree, checkpoint_id=job.tmp, storage_writer=self._staging_writer(),
-                                    process_group=self.coord.io)
+            writer = self._staging_writer()
+            job.written = writer.fs
+            upload = dcp.async_save(tree, checkpoint_id=job.tmp, storage_writer=writer, process_group=self.coord.io)
             job.timings["stall_s"] = time.perf_counter() - started
             self._pending = self._executor.submit(self._finish, job, upload)
         else:
@@ -171,7 +175,8 @@ class Checkpointer:
     def _write(self, job: _SaveJob, tree: dict[str, Any]) -> None:
         """Collective (DCP). Write the shards into the temporary folder; on failure, remove it and raise one line
         (CheckpointException is a BaseException: ``except Exception`` alone would skip the cleanup)."""
-        writer = self.store.dcp_writer(job.tmp, thread_count=self.io_threads)
+        writer = digesting(self.store.dcp_writer(job.tmp, thread_count=self.io_threads))
+        job.written = writer.fs
         try:
             dcp.save(tree, storage_writer=writer, process_group=self.coord.io)
         except (Exception, CheckpointException) as exc:
@@ -245,9 +250,9 @@ class Checkpointer:
     def _staging_writer(self) -> _StagingWriter:
         if self._writer is None:
             # DCP's pinned staging buffers, kept between saves, where CUDA can pin them; CPU-only builds cannot.
-            self._writer = self.store.dcp_writer(self.folder, thread_count=self.io_threads,
-                                                 staging_cls=_StagingWriter,
-                                                 cache_staged_state_dict=torch.cuda.is_available())
+            self._writer = digesting(self.store.dcp_writer(self.folder, thread_count=self.io_threads,
+                                                           staging_cls=_StagingWriter,
+                                                           cache_staged_state_dict=torch.cuda.is_available()))
         return self._writer
 
     def _finish(self, job: _SaveJob, upload: Future | None) -> None:
@@ -260,7 +265,7 @@ class Checkpointer:
             if upload is not None:
                 upload.result()
             job.timings["write_s"] = time.perf_counter() - job.started
-            contribution = {"files": self._hash_own_files(job.tmp)}
+            contribution = {"files": self._hash_own_files(job.tmp, job.written)}
             job.timings["hash_s"] = time.perf_counter() - job.started - job.timings["write_s"]
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported on every rank below
             contribution = {"error": describe_failure(exc, self.folder, job.needed)}
@@ -272,15 +277,24 @@ class Checkpointer:
         job.timings["total_s"] = time.perf_counter() - job.started
         self._last_step = job.step
 
-    def _hash_own_files(self, tmp: str) -> dict[str, dict[str, Any]]:
+    def _hash_own_files(self, tmp: str, written: DigestingFileSystem | None) -> dict[str, dict[str, Any]]:
         """Sizes and SHA-256 of the shard files this rank wrote (DCP names them __<rank>_<n>.distcp), plus, on
-        rank 0, every other file (.metadata)."""
+        rank 0, every other file (.metadata). The digests come from the writer (taken as the bytes went out); each
+        file's stored size must equal the bytes written. A file the writer did not hash is read back and hashed."""
         def owner(name: str) -> int:
             match = _SHARD_RE.match(name)
             return int(match.group(1)) if match and int(match.group(1)) < self.coord.size else 0
 
-        names = sorted(i.name for i in self.store.list(tmp) if i.kind == "file" and owner(i.name) == self.coord.rank)
-        return describe_files(tmp, names, threads=self.io_threads)
+        listing = {i.name: i for i in self.store.list(tmp) if i.kind == "file" and owner(i.name) == self.coord.rank}
+        files = written.take(tmp, sorted(listing)) if written is not None else {}
+        for name, entry in files.items():
+            stored = listing[name].size or self.store.size(self.store.join(tmp, name))
+            if stored != entry["size"]:
+                raise CheckpointError(f"{self.store.join(tmp, name)}: {stored} bytes stored but {entry['size']} "
+                                      "written; the storage lost part of the file (disk full, or an interrupted "
+                                      "upload): the checkpoint is not published")
+        files.update(describe_files(tmp, sorted(set(listing) - set(files)), threads=self.io_threads))
+        return files
 
     def _publish(self, job: _SaveJob, contributions: list[dict[str, Any]]) -> str | None:
         """Rank 0: manifest, COMPLETE, rename, retention. Returns None, or the error every rank will raise."""
