@@ -42,11 +42,15 @@ class _DigestingStream:
 
     def write(self, data: Any) -> int:
         written = self._inner.write(data)
-        view = memoryview(data).cast("B")
+        try:
+            view = memoryview(data).cast("B")
+        except (TypeError, ValueError):  # no flat byte view of it (not seen from DCP): read the file back instead
+            self.sequential = False
+            return written
         count = len(view) if written is None else written
         self._digest.update(view[:count])
         self.size += count
-        return count
+        return written
 
     def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
         position = self._inner.seek(offset, whence)
