@@ -177,8 +177,8 @@ def test_sigusr1_to_the_launcher_reaches_the_worker(tmp_path):
 @pytest.mark.parametrize("launch", [False, True], ids=["one process", "launch with 2 ranks"])
 def test_ctrl_c_saves_and_exits_130_and_a_second_ctrl_c_stops_at_once(tmp_path, launch):
     """The first Ctrl-C is a stop request: one line, a final checkpoint, exit 130, no traceback from any rank. A
-    second Ctrl-C ends the run at once, again without a traceback (one process; under launch, where the launcher
-    kills its workers, checked by hand: a second start of two ranks would double this test's 30 s). A terminal sends
+    second Ctrl-C ends the run at once, again without a traceback (one process here; under launch, where the launcher
+    kills its workers, in the next test). A terminal sends
     SIGINT to the foreground process (torch starts each worker in a session of its own, so under launch only the
     launcher gets it, as here)."""
     command = ["launch", "--nproc-per-node", "2", "train"] if launch else ["train"]
@@ -206,6 +206,27 @@ def test_ctrl_c_saves_and_exits_130_and_a_second_ctrl_c_stops_at_once(tmp_path, 
     out = finish(resumed, second_log, timeout=15)
     assert resumed.returncode in (130, -signal.SIGINT), out[-6000:]  # -2: the system ended it (the shell says 130)
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-6000:]
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_under_launch_stops_both_ranks_at_once(tmp_path):
+    """Under `meshrun launch` with 2 ranks, two Ctrl-C in a row: the launcher kills its workers (each in a session of
+    its own) instead of waiting for their save, exits 130 within seconds and says so, and no worker is left."""
+    run_dir, log = tmp_path / "run", tmp_path / "run.log"
+    proc = start(["launch", "--nproc-per-node", "2", "train"], run_dir, log)
+    wait_for_checkpoint(proc, run_dir, log)  # training runs on both ranks
+    workers = [pid for agent in children(proc.pid) for pid in [agent, *children(agent)]]
+    assert len(workers) >= 2, f"expected the launcher's 2 workers among its children, found {workers}"
+    os.kill(proc.pid, signal.SIGINT)
+    time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGINT)
+    started = time.monotonic()
+    out = finish(proc, log, timeout=30)
+    assert proc.returncode == 130 and time.monotonic() - started < 15, out[-6000:]
+    assert "stopped at once by a second Ctrl-C" in out and "Traceback" not in out, out[-6000:]
+    left = [pid for pid in workers if Path(f"/proc/{pid}").exists()
+            and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+    assert not left, f"workers still running after the second Ctrl-C: {left}"
 
 
 @pytest.mark.slow
