@@ -54,3 +54,38 @@ def test_one_block_adds_exactly_megatrons_collectives(sequence_parallel, per_blo
     one, two = counts[1], counts[2]
     added = {op: two.get(op, 0) - one.get(op, 0) for op in {*one, *two}}
     assert {op: n for op, n in added.items() if n} == per_block, counts
+
+
+def _hf_count_worker(rank: int, world_size: int) -> dict[int, dict[str, int]]:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from meshrun.parallel.tp import apply_tp_plan
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    counts = {}
+    for blocks in (1, 2):
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=blocks, num_attention_heads=4, num_key_value_heads=2,
+                                             attn_implementation="sdpa"))
+        apply_tp_plan(model, {f"model.{k}": v for k, v in model.config.base_model_tp_plan.items()}, mesh)
+        tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+        mode = CommDebugMode()
+        with mode:
+            model(input_ids=tokens, labels=tokens).loss.backward()
+        counts[blocks] = {str(op).rsplit(".", 1)[-1]: n for op, n in mode.get_comm_counts().items()}
+    return counts
+
+
+def test_a_hugging_face_plan_all_reduces_each_sub_layers_input_gradient_once():
+    """Qwen2's own ``base_model_tp_plan`` (q/k/v and gate/up "colwise", o and down "rowwise"): the column-parallel
+    siblings share one DTensor of their input (parallel/tp.share_column_inputs), so a decoder layer costs 2
+    all-reduces forward and 2 backward, not 2 + 5."""
+    pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
+    counts = run_distributed(_hf_count_worker, 2, timeout=180)[0]
+    one, two = counts[1], counts[2]
+    added = {op: two.get(op, 0) - one.get(op, 0) for op in {*one, *two}}
+    assert {op: n for op, n in added.items() if n} == {"all_reduce": 4}, counts

@@ -14,6 +14,7 @@ with children stays a plain tensor (then build the optimizer with foreach=False)
 from __future__ import annotations
 
 import fnmatch
+import weakref
 from typing import Any, Callable, Mapping
 
 import torch
@@ -50,11 +51,49 @@ def apply_tp_plan(model: nn.Module, plan: Mapping[str, Any], tp_mesh: DeviceMesh
     """Shard the modules a dict plan names; replicate every other parameter. Returns the sharded module names."""
     resolved = resolve_plan(model, plan)
     parallelize_module(model, tp_mesh, resolved)
+    share_column_inputs(model, resolved, tp_mesh)
     for name, module in model.named_modules():
         leaf = next(module.children(), None) is None  # a parent's hooks would turn its children's inputs to DTensors
         if leaf and name not in resolved and any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
             replicate_params(module, tp_mesh)
     return sorted(resolved)
+
+
+def share_column_inputs(model: nn.Module, resolved: Mapping[str, Any], tp_mesh: DeviceMesh) -> list[list[str]]:
+    """Let sibling column-parallel linears that read the same tensor (q/k/v, gate/up) share one replicated DTensor
+    of it, so that backward all-reduces that input's gradient once instead of once per linear. Returns the
+    groups of siblings that share.
+
+    torch's ColwiseParallel turns a plain input into a DTensor in each linear's own pre-hook; the gradients of the
+    three copies are then all-reduced one by one. A pre-hook put in front of theirs hands every sibling the DTensor
+    the first one made from the same tensor object (a memo of one tensor per parent, cleared when the parent's
+    forward returns; a different input makes a new one). The built-in GPT's plan gets the same with PrepareModuleInput; a dict plan (Hugging
+    Face's ``tp_plan`` words) names only linears, whose parents take their inputs by keyword or by position, so
+    the memo works at the linears instead."""
+    modules = dict(model.named_modules())
+    siblings: dict[str, list[str]] = {}
+    for name, style in resolved.items():
+        if type(style) is ColwiseParallel and tuple(getattr(style, "input_layouts", ())) == (Replicate(),):
+            siblings.setdefault(name.rpartition(".")[0], []).append(name)
+    groups = [names for names in siblings.values() if len(names) > 1]
+    for names in groups:
+        memo: dict[str, Any] = {}
+
+        def shared_input(_module: nn.Module, inputs: tuple, memo: dict[str, Any] = memo) -> tuple | None:
+            if not inputs or type(inputs[0]) is not torch.Tensor:
+                return None
+            x = inputs[0]
+            known = memo.get("input")
+            if known is None or known() is not x:
+                memo["input"] = weakref.ref(x)
+                memo["dtensor"] = DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False)
+            return (memo["dtensor"], *inputs[1:])
+
+        for name in names:
+            modules[name].register_forward_pre_hook(shared_input, prepend=True)
+        # dropped when the parent's forward returns: autograd keeps what backward needs, the memo keeps nothing
+        modules[name.rpartition(".")[0]].register_forward_hook(lambda *_, memo=memo: memo.clear())
+    return groups
 
 
 def resolve_plan(model: nn.Module, plan: Mapping[str, Any]) -> dict[str, Any]:
