@@ -14,6 +14,7 @@ the same model on the same tokens and reports in the same format; only the train
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import time
@@ -220,6 +221,13 @@ def main():
     if rank == 0:
         report("baseline-ddp", args, world=world, n_params=n_params, elapsed=elapsed, loss=loss, device=device)
     if dist.is_initialized():
+        # a gloo group still owned by the DDP reducer when the interpreter shuts down aborts the process
+        # ("terminate called without an active exception", seen once on a loaded 2-core CI machine): let the
+        # group's worker threads finish the last collective (the sleep releases the GIL), free the model while the
+        # interpreter is alive, then destroy the group
+        time.sleep(0.2)
+        del model, step
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -67,9 +67,9 @@ def share_column_inputs(model: nn.Module, resolved: Mapping[str, Any], tp_mesh: 
     torch's ColwiseParallel turns a plain input into a DTensor in each linear's own pre-hook; the gradients of the
     three copies are then all-reduced one by one. A pre-hook put in front of theirs hands every sibling the DTensor
     the first one made from the same tensor object (a memo of one tensor per parent, cleared when the parent's
-    forward returns; a different input makes a new one). The built-in GPT's plan gets the same with PrepareModuleInput; a dict plan (Hugging
-    Face's ``tp_plan`` words) names only linears, whose parents take their inputs by keyword or by position, so
-    the memo works at the linears instead."""
+    forward returns; a different input makes a new one). A plan function can get the same with PrepareModuleInput
+    on the parent, as the built-in model's does; a dict plan (Hugging Face's ``tp_plan`` words) names only
+    linears, whose parents take their inputs by keyword or by position, so the memo works at the linears instead."""
     modules = dict(model.named_modules())
     siblings: dict[str, list[str]] = {}
     for name, style in resolved.items():
