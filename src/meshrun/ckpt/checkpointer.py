@@ -40,13 +40,13 @@ from meshrun.ckpt.collectives import Coordinator, check_shared_folder
 from meshrun.ckpt.errors import CheckpointError
 from meshrun.ckpt.folder import MANIFEST, complete_steps, scan, step_dir_name, steps_to_keep
 from meshrun.ckpt.manifest import build_manifest, check_structure, code_version, describe_files, write_durable
-from meshrun.ckpt.write_digest import DigestingFileSystem, digesting
 from meshrun.ckpt.preemption import PreemptionFlag, signal_label
 from meshrun.ckpt.run_config import describe_changes, saved_config
 from meshrun.ckpt.space import check_room, describe_failure, payload_bytes
 from meshrun.ckpt.staging import StagingWriter as _StagingWriter
 from meshrun.ckpt.state import walk
 from meshrun.ckpt.storage import register_options, store_for
+from meshrun.ckpt.write_digest import DigestingFileSystem, digesting
 from meshrun.config import CheckpointConfig
 from meshrun.env import ProcessPlacement
 from meshrun.units import format_bytes
