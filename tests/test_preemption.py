@@ -102,6 +102,24 @@ def finish(proc: subprocess.Popen, log: Path, timeout: float = 35) -> str:
     return log.read_text()
 
 
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie (one that exits while we look counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def ctrl_c_twice(proc: subprocess.Popen, log: Path, timeout: float) -> tuple[str, float]:
+    """Two Ctrl-C 50 ms apart, as a user pressing it again: the output, and the seconds until the process ended."""
+    os.kill(proc.pid, signal.SIGINT)
+    time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGINT)
+    started = time.monotonic()
+    out = finish(proc, log, timeout=timeout)
+    return out, time.monotonic() - started
+
+
 def complete_steps(run_dir: Path) -> list[int]:
     folder = run_dir / "checkpoints"
     return sorted(int(p.name.removeprefix("step_")) for p in folder.glob("step_*") if (p / "COMPLETE").exists())
@@ -200,10 +218,7 @@ def test_ctrl_c_saves_and_exits_130_and_a_second_ctrl_c_stops_at_once(tmp_path, 
     while "resumed at step" not in second_log.read_text():
         assert resumed.poll() is None and time.monotonic() < deadline, second_log.read_text()[-6000:]
         time.sleep(0.02)
-    os.kill(resumed.pid, signal.SIGINT)
-    time.sleep(0.05)
-    os.kill(resumed.pid, signal.SIGINT)
-    out = finish(resumed, second_log, timeout=15)
+    out, _ = ctrl_c_twice(resumed, second_log, timeout=15)
     assert resumed.returncode in (130, -signal.SIGINT), out[-6000:]  # -2: the system ended it (the shell says 130)
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-6000:]
 
@@ -217,15 +232,10 @@ def test_a_second_ctrl_c_under_launch_stops_both_ranks_at_once(tmp_path):
     wait_for_checkpoint(proc, run_dir, log)  # training runs on both ranks
     workers = [pid for agent in children(proc.pid) for pid in [agent, *children(agent)]]
     assert len(workers) >= 2, f"expected the launcher's 2 workers among its children, found {workers}"
-    os.kill(proc.pid, signal.SIGINT)
-    time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGINT)
-    started = time.monotonic()
-    out = finish(proc, log, timeout=30)
-    assert proc.returncode == 130 and time.monotonic() - started < 15, out[-6000:]
+    out, seconds = ctrl_c_twice(proc, log, timeout=30)
+    assert proc.returncode == 130 and seconds < 15, out[-6000:]
     assert "stopped at once by a second Ctrl-C" in out and "Traceback" not in out, out[-6000:]
-    left = [pid for pid in workers if Path(f"/proc/{pid}").exists()
-            and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+    left = [pid for pid in workers if running(pid)]
     assert not left, f"workers still running after the second Ctrl-C: {left}"
 
 
@@ -250,10 +260,6 @@ def test_ctrl_c_under_simulated_nodes_saves_exits_130_and_a_second_ctrl_c_stops_
     while f"resumed at step {newest} " not in second_log.read_text():
         assert resumed.poll() is None and time.monotonic() < deadline, second_log.read_text()[-6000:]
         time.sleep(0.02)
-    os.kill(resumed.pid, signal.SIGINT)
-    time.sleep(0.05)
-    os.kill(resumed.pid, signal.SIGINT)
-    started = time.monotonic()
-    out = finish(resumed, second_log, timeout=30)
-    assert resumed.returncode == 130 and time.monotonic() - started < 15, out[-6000:]
+    out, seconds = ctrl_c_twice(resumed, second_log, timeout=30)
+    assert resumed.returncode == 130 and seconds < 15, out[-6000:]
     assert "stopped at once by a second Ctrl-C" in out and "Traceback" not in out, out[-6000:]

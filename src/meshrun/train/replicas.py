@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, ClassVar
@@ -42,7 +40,7 @@ from meshrun.config import ConfigError, JobConfig, ReplicaConfig
 from meshrun.ckpt.state import reseed_rng
 from meshrun.comm.store import bound_tcp_store
 from meshrun.env import ProcessPlacement
-from meshrun.launch.net import EndpointError, Route, is_loopback, route_to
+from meshrun.launch.net import EndpointError, Route, is_loopback, probe_tcp, route_to
 
 log = logging.getLogger("meshrun")
 
@@ -76,17 +74,12 @@ def probe_lighthouse(address: str, timeout_s: float) -> None:
     host, _, port = address.removeprefix("http://").rpartition(":")
     if not host or not port.isdecimal():
         raise ConfigError(f"replicas.lighthouse={address!r} is not host:port, e.g. 127.0.0.1:29510")
-    deadline, error = time.monotonic() + timeout_s, "no attempt"
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection((host.strip("[]"), int(port)), timeout=max(0.2, deadline - time.monotonic()))
-            return
-        except OSError as exc:
-            error = exc.strerror or str(exc)
-            time.sleep(0.2)
-    raise ConfigError(f"replicas.lighthouse={address}: no lighthouse answers ({error}) after {timeout_s:.0f} s "
-                      f"(replicas.connect_timeout_s); start one there with `meshrun lighthouse --port {port}`, "
-                      "or fix the address")
+    probe = probe_tcp(host.strip("[]"), int(port), timeout_s=timeout_s, interval_s=0.2)
+    if probe.ok:
+        return
+    raise ConfigError(f"replicas.lighthouse={address}: no lighthouse answers ({probe.error.capitalize()}) after "
+                      f"{timeout_s:.0f} s (replicas.connect_timeout_s); start one there with `meshrun lighthouse "
+                      f"--port {port}`, or fix the address")
 
 
 class ReplicaQuorumError(RuntimeError):
