@@ -71,14 +71,26 @@ def test_pipeline_batch_must_split_into_microbatches():
         dims.resolve_pipeline_batch(6)
 
 
-def test_default_pipeline_microbatches_are_one_per_sample():
+def test_default_pipeline_microbatches_keep_4096_tokens_each():
     dims = dims_for(2, dp_replicate=1, pp=2)
     assert dims.pp_microbatches == 0  # resolved with the batch
-    dims.resolve_pipeline_batch(16)
-    assert dims.pp_microbatches == 16  # bubble (2 - 1) / 16, not (2 - 1) / 4
+    dims.resolve_pipeline_batch(16, seq_len=2048)
+    assert dims.pp_microbatches == 8  # two samples each; one each (16) ran 26% slower on 2x H200
+    long = dims_for(2, dp_replicate=1, pp=2)
+    long.resolve_pipeline_batch(16, seq_len=8192)
+    assert long.pp_microbatches == 16  # one sample already holds 8192 tokens
+    short = dims_for(4, dp_replicate=1, pp=4)
+    short.resolve_pipeline_batch(8, seq_len=256)
+    assert short.pp_microbatches == 4  # 512 tokens each, but never fewer micro-batches than stages
+    no_length = dims_for(2, dp_replicate=1, pp=2)
+    no_length.resolve_pipeline_batch(6)
+    assert no_length.pp_microbatches == 6  # without a sequence length: one per sample
+    ring = dims_for(2, dp_replicate=1, pp=2, pp_schedule="interleaved1f1b", pp_virtual_stages=2)
+    ring.resolve_pipeline_batch(12, seq_len=1024)
+    assert ring.pp_microbatches == 2  # 3 x 1024 = 3072 tokens fall short; 6 x 1024 with a multiple of pp
     few = dims_for(4, dp_replicate=1, pp=4)
-    with pytest.raises(ConfigError, match=r"fewer than the 4 pipeline stages.*one per sample: 2 samples"):
-        few.resolve_pipeline_batch(2)
+    with pytest.raises(ConfigError, match=r"fewer than the 4 pipeline stages.*chose 2 for 2 samples"):
+        few.resolve_pipeline_batch(2, seq_len=2048)
     interleaved = dims_for(2, dp_replicate=1, pp=2, pp_schedule="interleaved1f1b", pp_virtual_stages=2)
     with pytest.raises(ConfigError, match="must be a multiple of parallel.pp=2 for interleaved1f1b"):
         interleaved.resolve_pipeline_batch(3)

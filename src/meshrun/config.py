@@ -146,8 +146,8 @@ class ParallelConfig:
     """Pipeline schedule: gpipe, 1f1b, or with pp_virtual_stages per rank interleaved1f1b, interleavedzb (zero
     bubble; uncompiled blocks only) or loopedbfs (docs/parallelism.md)."""
     pp_microbatches: int = 0
-    """Pipeline micro-batches per step; 0 means one per sample of the step (micro_batch x grad_accum per
-    data-parallel rank), the smallest bubble the step allows."""
+    """Pipeline micro-batches per step; 0 chooses the most that divide the step's samples (micro_batch x grad_accum
+    per data-parallel rank) while each keeps at least 4096 tokens, and at least pp of them."""
     pp_virtual_stages: int = 2
     """Stages per rank for interleaved1f1b, interleavedzb and loopedbfs."""
     pp_balance: PipelineBalance = "cost"

@@ -35,7 +35,9 @@ from typing import TYPE_CHECKING, Any
 from meshrun.comm.axes import AXES, FLAT_DIMS, MESH_DIMS, Axis, RankCoords, resolve_degrees
 from meshrun.config import MULTI_STAGE_SCHEDULES, PIPELINE_SCHEDULES, ConfigError, ParallelConfig
 from meshrun.comm.dp_choice import FSDP_AUTO_PARAMS, choose_data_parallel  # noqa: F401 - re-exported
-from meshrun.parallel.stage_cut import describe_cut, resolve_cut
+from meshrun.parallel.stage_cut import default_microbatches, describe_cut, resolve_cut
+
+MULTIPLE_OF_PP = ("interleaved1f1b", "interleavedzb")  # schedules whose micro-batch count is a multiple of pp
 
 __all__ = ["AXES", "FLAT_DIMS", "MESH_DIMS", "Axis", "ParallelDims", "RankCoords", "choose_data_parallel",
            "node_mesh", "resolve_degrees"]
@@ -103,7 +105,7 @@ class ParallelDims:
         virtual = parallel.pp_virtual_stages if interleaved and degrees["pp"] > 1 else 1
         if virtual < 1:
             raise ConfigError(f"parallel.pp_virtual_stages must be >= 1, got {parallel.pp_virtual_stages}")
-        # with PP, 0 = one per sample of the step, resolved with the batch (resolve_pipeline_batch)
+        # with PP, 0 = chosen from the batch by resolve_pipeline_batch
         microbatches = parallel.pp_microbatches if degrees["pp"] > 1 else 1
         dims = cls(**degrees, world_size=world_size, pp_schedule=parallel.pp_schedule,
                    pp_microbatches=microbatches, pp_virtual_stages=virtual, pp_balance=parallel.pp_balance,
@@ -152,7 +154,7 @@ class ParallelDims:
             raise ConfigError(
                 f"parallel.pp_microbatches={m} is fewer than the {p} pipeline stages (parallel.pp={p}); the "
                 f"{self.pp_schedule} schedule never fills the pipeline. Use --parallel.pp_microbatches={2 * p} or more")
-        if self.pp_schedule in ("interleaved1f1b", "interleavedzb") and m % p:
+        if self.pp_schedule in MULTIPLE_OF_PP and m % p:
             raise ConfigError(
                 f"parallel.pp_microbatches={m} must be a multiple of parallel.pp={p} for {self.pp_schedule}; "
                 f"use {p * math.ceil(m / p)}")
@@ -193,17 +195,19 @@ class ParallelDims:
             counts, shares = resolve_cut(spec, model, stages, self.pp_balance)
             self.pp_layers, self.pp_shares = tuple(counts), tuple(shares)
 
-    def resolve_pipeline_batch(self, samples_per_step: int) -> None:
-        """With PP, a dp rank's samples per step (micro_batch x grad_accum) must split into the micro-batches;
-        parallel.pp_microbatches=0 resolves here to one micro-batch per sample (as torchtitan's default micro-batch
-        size of 1): the bubble (pp - 1) / m is then as small as the step allows."""
+    def resolve_pipeline_batch(self, samples_per_step: int, seq_len: int = 0) -> None:
+        """With PP, a dp rank's samples per step (micro_batch x grad_accum) must split into the micro-batches.
+        parallel.pp_microbatches=0 resolves here to :func:`default_microbatches`: as many as the step allows while
+        each keeps at least :data:`PIPELINE_MICROBATCH_TOKENS` tokens (one per sample without ``seq_len``)."""
         if self.pp > 1 and not self.pp_microbatches:
-            self.pp_microbatches = samples_per_step
+            self.pp_microbatches = default_microbatches(samples_per_step, seq_len, pp=self.pp,
+                                                        multiple_of_pp=self.pp_schedule in MULTIPLE_OF_PP)
             try:
                 self._validate_schedule()
             except ConfigError as err:
-                raise ConfigError(f"{err} (parallel.pp_microbatches=0 means one per sample: {samples_per_step} "
-                                  "samples per data-parallel rank per step, train.micro_batch x grad_accum)") from None
+                raise ConfigError(f"{err} (parallel.pp_microbatches=0 chose {self.pp_microbatches} for "
+                                  f"{samples_per_step} samples per data-parallel rank per step, train.micro_batch "
+                                  "x grad_accum)") from None
         if self.pp > 1 and samples_per_step % self.pp_microbatches:
             raise ConfigError(
                 f"parallel.pp_microbatches={self.pp_microbatches} does not divide the {samples_per_step} samples each "

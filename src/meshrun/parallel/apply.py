@@ -72,7 +72,7 @@ def build_engine(*, job: JobConfig, model_cfg: ModelShape, dims: ParallelDims, m
     check_layout(job, spec, model_cfg, dims, device=device, compute_dtype=compute_dtype)
     if batch is None:
         batch = resolve_batch(job.train, dp_size=dims.dp_size, seq_len=cfg.seq_len)
-    dims.resolve_pipeline_batch(batch.micro_batch * batch.grad_accum)
+    dims.resolve_pipeline_batch(batch.micro_batch * batch.grad_accum, seq_len=batch.seq_len)
     if dims.world_size > 1 and mesh is None:
         raise ValueError(f"build_engine: world size {dims.world_size} needs the mesh from dims.build_mesh()")
     rank = mesh.get_rank() if mesh is not None else 0

@@ -128,7 +128,7 @@ def dry_run(job: JobConfig, *, world_size: int, gpus_per_node: int = 8, ranks: l
         dims = ParallelDims.from_config(job.parallel, world_size=world_size, gpus_per_node=gpus_per_node,
                                         model=model_cfg, spec=model_spec(job))
         batch = resolve_batch(job.train, dp_size=dims.dp_size, seq_len=model_cfg.seq_len)
-        dims.resolve_pipeline_batch(batch.micro_batch * batch.grad_accum)  # pp_microbatches=0: one per sample
+        dims.resolve_pipeline_batch(batch.micro_batch * batch.grad_accum, seq_len=batch.seq_len)
         layouts = [simulate_rank(job, model_cfg, dims, r) for r in (ranks or default_ranks(dims))]
     except (ConfigError, ValueError) as exc:
         print(f"meshrun: error: {exc}", file=sys.stderr)

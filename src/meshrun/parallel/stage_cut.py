@@ -98,3 +98,24 @@ def stage_ranges(dims: ParallelDims, n_layers: int) -> list[range]:
 def describe_cut(counts: Sequence[int], shares: Sequence[float]) -> str:
     """'blocks 10+8 (est. cost 49%/51%)' for the layout line."""
     return f"blocks {'+'.join(map(str, counts))} (est. cost {'/'.join(f'{s:.0%}' for s in shares)})"
+
+
+PIPELINE_MICROBATCH_TOKENS = 4096
+"""The fewest tokens a default pipeline micro-batch carries. Each micro-batch costs a fixed host and point-to-point
+overhead per stage, which small micro-batches cannot hide: on 2x H200 (1b, 16 samples of 2048 tokens per step, 2
+stages, 1F1B) 16 micro-batches of one sample ran 46.8k tokens/s per GPU and 8 of two samples 63.2k, although the
+bubble (p - 1) / m is 6% against 12% (docs/benchmarks.md)."""
+
+
+def default_microbatches(samples: int, seq_len: int, *, pp: int, multiple_of_pp: bool = False) -> int:
+    """``parallel.pp_microbatches=0``: the most micro-batches that divide ``samples`` and keep at least
+    :data:`PIPELINE_MICROBATCH_TOKENS` tokens each (one per sample when ``seq_len`` is 0), but never fewer than
+    ``pp`` while ``samples`` allows it, so the schedule fills the pipeline; a multiple of ``pp`` for interleaved
+    schedules. When no count fits (fewer samples than stages) it returns ``samples`` and validation names the fix."""
+    def valid(m: int) -> bool:
+        return samples % m == 0 and m >= pp and (not multiple_of_pp or m % pp == 0)
+    counts = [m for m in range(1, samples + 1) if valid(m)]
+    if not counts:
+        return samples
+    big_enough = [m for m in counts if seq_len == 0 or samples // m * seq_len >= PIPELINE_MICROBATCH_TOKENS]
+    return max(big_enough) if big_enough else min(counts)

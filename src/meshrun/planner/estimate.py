@@ -78,7 +78,7 @@ def build_plan(job: JobConfig, *, nodes: int, gpus_per_node: int, gpu_mem_gib: f
                                     spec=spec)
     check_layout(job, spec, model, dims, device=torch.device("cuda"), compute_dtype=compute_dtype(job, "cuda"))
     batch = resolve_batch(job.train, dp_size=dims.dp_size, seq_len=model.seq_len)
-    dims.resolve_pipeline_batch(batch.micro_batch * batch.grad_accum)
+    dims.resolve_pipeline_batch(batch.micro_batch * batch.grad_accum, seq_len=batch.seq_len)
     plan = Plan(nodes=nodes, gpus_per_node=gpus_per_node, world_size=world, model=model, spec=spec, dims=dims,
                 batch=batch, job=job,
                 data_parallel=note or data_parallel_line(given, dims, params=params))

@@ -38,7 +38,7 @@ def plan_batch(train: TrainConfig, dims: ParallelDims, shape: ModelShape) -> Bat
     """train.micro_batch, grad_accum and global_batch over this world's data-parallel ranks; with PP, checked
     against parallel.pp_microbatches (resolved here when 0). The engine and the data loaders use this one plan."""
     batch = resolve_batch(train, dp_size=dims.dp_size, seq_len=shape.seq_len)
-    dims.resolve_pipeline_batch(batch.micro_batch * batch.grad_accum)
+    dims.resolve_pipeline_batch(batch.micro_batch * batch.grad_accum, seq_len=batch.seq_len)
     return batch
 
 
