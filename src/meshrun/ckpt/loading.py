@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -156,7 +157,13 @@ def load_into(coord: Coordinator, state: dict[str, Any], path: str | os.PathLike
             target.tensor = loaded_too[source]
         else:
             to_load[source] = target.tensor
-    dcp.load(to_load, storage_reader=reader, process_group=coord.io)
+    try:
+        dcp.load(to_load, storage_reader=reader, process_group=coord.io)
+    except (Exception, CheckpointException) as exc:  # every rank gets every rank's failure from DCP
+        line = store.describe_error(exc, path)  # an object store's failures as one line naming the fix
+        if line is None:
+            raise
+        raise CheckpointError(line) from None
 
 
 class _Targets(Stateful):

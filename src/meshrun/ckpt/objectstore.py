@@ -110,6 +110,9 @@ class ObjectStore(Store):
             handle.write(data)
         self.fs.invalidate_cache(location)
 
+    def open_write(self, location: str) -> IO[bytes]:
+        return self.fs.open(location, "wb")
+
     def exists(self, location: str) -> bool:
         self.fs.invalidate_cache(location)
         return self.fs.exists(location)
@@ -200,6 +203,13 @@ class ObjectStore(Store):
                         "never creates buckets) or fix checkpoint.dir")
             if isinstance(cause, PermissionError) or "AccessDenied" in text or "Forbidden" in text:
                 return f"{location}: access denied ({_first_line(cause)}); {_CREDENTIAL_HINT[self.scheme]}"
+            if name == "FlexibleChecksumError":
+                return (f"{location}: the object store at {self.endpoint()} answered with a checksum that does not "
+                        f"match the bytes it sent ({_first_line(cause)}). Either they were damaged on the way, or the "
+                        "server is an S3-compatible one that does not follow S3's checksum rules (older MinIO or "
+                        "Ceph, rclone serve s3): for such a server set AWS_RESPONSE_CHECKSUM_VALIDATION=when_required "
+                        "and AWS_REQUEST_CHECKSUM_CALCULATION=when_required (meshrun's SHA-256 of every file still "
+                        "checks the bytes)")
             if (name in ("EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError",
                          "ServerDisconnectedError", "ClientOSError") or isinstance(cause, ConnectionError)):
                 return (f"{location}: cannot reach the object store at {self.endpoint()} ({_first_line(cause)}); "

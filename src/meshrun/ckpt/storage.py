@@ -150,6 +150,11 @@ class Store:
         """Durable once this returns; ``exclusive`` raises FileExistsError when the object exists."""
         raise NotImplementedError
 
+    def open_write(self, location: str) -> IO[bytes]:
+        """A stream for an object too large to hold in memory (an object store uploads it in parts); durable once
+        closed on an object store, after ``fsync`` on a local disk."""
+        raise NotImplementedError
+
     def exists(self, location: str) -> bool:
         raise NotImplementedError
 
@@ -242,6 +247,9 @@ class LocalStore(Store):
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
+
+    def open_write(self, location: str) -> IO[bytes]:
+        return open(local_path(location), "wb")
 
     def exists(self, location: str) -> bool:
         return os.path.lexists(local_path(location))
