@@ -56,6 +56,18 @@ def test_bubble_of_4_stages_and_32_microbatches(capsys):
     assert "bubble (4 - 1) / 32 = 9.4%" in capsys.readouterr().out
 
 
+def test_a_large_bubble_gets_advice_that_keeps_micro_batches_large():
+    small = make_plan("--nodes", "1", "--gpus-per-node", "4", "--model", "1b", "--pp", "4", "--dp-replicate", "1",
+                      "--micro-batch", "8")  # 8 samples of 2048 tokens: 4 micro-batches of 4096, bubble 75%
+    assert small.dims.pp_microbatches == 4
+    assert any(w.startswith("pipeline bubble 75% with 4 micro-batches of 4096 tokens: more samples per step "
+                            "(--train.grad_accum)") for w in small.warnings), small.warnings
+    large = make_plan("--nodes", "1", "--gpus-per-node", "4", "--model", "1b", "--pp", "4", "--dp-replicate", "1",
+                      "--micro-batch", "8", "--pp-microbatches", "4", "--model.seq_len=8192")  # 16384 tokens each
+    assert any(w.startswith("pipeline bubble 75%: raise --pp-microbatches (now 4, 16384 tokens each)")
+               for w in large.warnings), large.warnings
+
+
 def test_tp8_shards_of_a_12288_hidden_96_head_model(capsys):
     out = run_json(capsys, "--nodes", "1", "--hidden", "12288", "--heads", "96", "--ffn", "49152", "--layers", "8",
                    "--tp", "8", "--micro-batch", "1")

@@ -11,6 +11,7 @@ from meshrun.config import BatchPlan, ConfigError, JobConfig, ParallelConfig, re
 from meshrun.comm.mesh import FLAT_DIMS, FSDP_AUTO_PARAMS, MESH_DIMS, ParallelDims, choose_data_parallel
 from meshrun.models.shape import ModelShape
 from meshrun.models.spec import ModelSpec
+from meshrun.parallel.stage_cut import PIPELINE_MICROBATCH_TOKENS
 from meshrun.units import format_bytes
 
 GiB = 2**30
@@ -289,8 +290,15 @@ def layout_warnings(plan: Plan, *, gpu_mem_gib: float) -> list[str]:
     if d.pp > 1:
         idle = bubble(plan)
         if idle > 0.25:
-            out.append(f"pipeline bubble {idle:.0%}: raise --pp-microbatches (now {d.pp_microbatches}) to 4 x pp "
-                       "or more, or use interleaved1f1b")
+            samples = plan.batch.micro_batch * plan.batch.grad_accum
+            tokens = samples // d.pp_microbatches * plan.batch.seq_len  # per pipeline micro-batch
+            if tokens >= 2 * PIPELINE_MICROBATCH_TOKENS:
+                out.append(f"pipeline bubble {idle:.0%}: raise --pp-microbatches (now {d.pp_microbatches}, {tokens} "
+                           "tokens each) to 4 x pp or more, or use interleaved1f1b")
+            else:  # smaller micro-batches cost more in fixed per-micro-batch work than the bubble they save
+                out.append(f"pipeline bubble {idle:.0%} with {d.pp_microbatches} micro-batches of {tokens} tokens: "
+                           "more samples per step (--train.grad_accum) allow more micro-batches of this size, or use "
+                           "interleaved1f1b; smaller micro-batches ran slower on GPUs (docs/parallelism.md)")
         if not crosses_nodes(plan, "pp")[0] and plan.nodes > 1 and "dp_replicate" in comm and \
                 comm["dp_replicate"]["crosses_nodes"]:
             out.append("pipeline stages sit inside one node while data-parallel groups cross nodes; PP's small "
