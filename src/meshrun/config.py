@@ -166,10 +166,11 @@ class ParallelConfig:
     """Free each block's gathered parameters after its forward (true) or keep them for backward (false: one
     all-gather per step instead of two, at the memory of the whole model in the compute dtype). auto keeps them
     when they take at most 1/16 of the GPU's memory."""
-    fsdp_unit_blocks: int = 1
+    fsdp_unit_blocks: int = 0
     """Consecutive blocks FSDP2 shards as one unit: one all-gather and one reduce-scatter per unit instead of per
     block. Fewer, larger collectives suit small models, whose per-block collectives are latency-bound; the cost is
-    the gathered parameters of a whole unit in memory at once."""
+    the gathered parameters of a whole unit in memory at once. 0 (auto): all blocks in one unit on GPUs for models
+    under 350M parameters, one block per unit otherwise."""
     ddp_overlap: bool = False
     """With compile: compile the DDP-wrapped step instead of wrapping the compiled step in DDP. Either way dynamo
     splits the step at DDP's bucket boundaries, so each bucket's all-reduce overlaps the rest of backward."""

@@ -151,8 +151,8 @@ def validate_job(job: JobConfig) -> None:
     if job.parallel.async_tp and not job.parallel.sequence_parallel:
         raise ConfigError("parallel.async_tp=true overlaps the all-gathers and reduce-scatters of sequence "
                           "parallelism; add --parallel.sequence_parallel=true")
-    if job.parallel.fsdp_unit_blocks < 1:
-        raise ConfigError(f"parallel.fsdp_unit_blocks must be >= 1 (blocks per FSDP2 unit), got "
+    if job.parallel.fsdp_unit_blocks < 0:
+        raise ConfigError(f"parallel.fsdp_unit_blocks must be >= 0 (blocks per FSDP2 unit; 0: auto), got "
                           f"{job.parallel.fsdp_unit_blocks}")
     if job.run.tensorboard and job.run.tracker not in ("none", "tensorboard"):
         raise ConfigError(f"run.tensorboard=true and run.tracker={job.run.tracker}: one tracker per run; drop "

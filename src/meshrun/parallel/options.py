@@ -30,8 +30,8 @@ class ParallelOptions:
     """Swap the blocks' linear layers for torchao's Float8Linear (train.float8)."""
     fsdp_reshard_after_forward: str = "auto"
     """auto, true or false (parallel.fsdp_reshard_after_forward)."""
-    fsdp_unit_blocks: int = 1
-    """Consecutive blocks per FSDP2 unit (parallel.fsdp_unit_blocks)."""
+    fsdp_unit_blocks: int = 0
+    """Consecutive blocks per FSDP2 unit (parallel.fsdp_unit_blocks; 0: auto, see apply.unit_blocks)."""
     device: torch.device | None = None
     """Where the parameters will live ('auto' resharding weighs them against this GPU's memory; None: unknown)."""
     layout: str = ""
