@@ -118,7 +118,7 @@ def measure(args: argparse.Namespace, env: ProcessPlacement, folder: str) -> dic
                             verify_checksums=verify)
 
     steps = range(1, args.repeat + 1)
-    sync_ckpt, async_ckpt = checkpointer("sync"), checkpointer("async", async_save=True)
+    sync_ckpt = checkpointer("sync")
     first_sync = timed(lambda: sync_ckpt.save(0, state))  # also checks the folder is shared; not steady state
     sync_s = [timed(lambda s=s: sync_ckpt.save(s, state)) for s in steps]
     manifest = read_manifest(data_location(store.join(folder, "sync", f"step_{args.repeat:07d}")))
@@ -127,14 +127,15 @@ def measure(args: argparse.Namespace, env: ProcessPlacement, folder: str) -> dic
     raw_s = [timed(lambda: raw_write(store, folder, mine, env.rank)) for _ in steps]
     first_stall, stall_s, async_total_s = None, [], []
     if not args.no_async:
+        async_ckpt = checkpointer("async", async_save=True)
         first_stall = timed(lambda: async_ckpt.save(0, state))  # allocates the staging buffers
         async_ckpt.wait()
         for step in steps:
             stall_s.append(timed(lambda s=step: async_ckpt.save(s, state)))
             async_total_s.append(stall_s[-1] + timed(async_ckpt.wait, sync=False))
-    async_ckpt.close()
-    if env.rank == 0 and not args.no_async:
-        store.delete(store.join(folder, "async"), recursive=True)
+        async_ckpt.close()
+        if env.rank == 0:
+            store.delete(store.join(folder, "async"), recursive=True)
     load_s = [timed(lambda: sync_ckpt.load(state, resume="auto")) for _ in steps]
     fast = checkpointer("sync", verify=False)
     load_nohash_s = [timed(lambda: fast.load(state, resume="auto")) for _ in steps]

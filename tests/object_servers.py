@@ -21,6 +21,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def wait_for_port(port: int, timeout_s: float = 30.0) -> bool:
+    """True once something accepts connections on 127.0.0.1:``port``, False after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return True
+        except OSError:
+            time.sleep(0.1)
+    return False
+
+
 class Server:
     """One emulator process on 127.0.0.1:<port>, with the environment its client needs."""
 
@@ -54,14 +66,7 @@ class Server:
         command = (["moto_server", "-H", "127.0.0.1", "-p", str(self.port)] if self.kind == "s3" else
                    ["gcp-storage-emulator", "start", "--host", "127.0.0.1", "--port", str(self.port), "--in-memory"])
         self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
-                break
-            except OSError:
-                time.sleep(0.1)
-        else:
+        if not wait_for_port(self.port):
             self.stop()
             raise RuntimeError(f"{command[0]} did not listen on port {self.port} within 30 s")
         self.make_bucket()

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from object_servers import free_port
+from object_servers import free_port, wait_for_port
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("rclone") is None,
@@ -40,14 +38,7 @@ def rclone(tmp_path_factory):
     proc = subprocess.Popen(["rclone", "serve", "s3", str(served), "--addr", f"127.0.0.1:{port}",
                              "--auth-key", "testing,testing", "--etag-hash", ""],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            break
-        except OSError:
-            time.sleep(0.1)
-    else:
+    if not wait_for_port(port):
         proc.kill()
         pytest.fail(f"rclone serve s3 did not listen on port {port} within 30 s")
     env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",

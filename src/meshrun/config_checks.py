@@ -44,6 +44,8 @@ PIPELINE_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
 PIPELINE_BALANCES: tuple[str, ...] = get_args(PipelineBalance)
 MULTI_STAGE_SCHEDULES: tuple[str, ...] = ("interleaved1f1b", "interleavedzb", "loopedbfs")
 """Pipeline schedules that run parallel.pp_virtual_stages stages per rank (looped placement)."""
+MULTIPLE_OF_PP_SCHEDULES: tuple[str, ...] = ("interleaved1f1b", "interleavedzb")
+"""Pipeline schedules whose micro-batch count must be a multiple of parallel.pp."""
 DATA_PARALLEL_MODES: tuple[str, ...] = get_args(DataParallelMode)
 ACTIVATION_CHECKPOINT_MODES: tuple[str, ...] = get_args(ActivationCheckpointMode)
 BACKENDS: tuple[str, ...] = get_args(Backend)

@@ -33,11 +33,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from meshrun.comm.axes import AXES, FLAT_DIMS, MESH_DIMS, Axis, RankCoords, resolve_degrees
-from meshrun.config import MULTI_STAGE_SCHEDULES, PIPELINE_SCHEDULES, ConfigError, ParallelConfig
+from meshrun.config import (MULTI_STAGE_SCHEDULES, MULTIPLE_OF_PP_SCHEDULES, PIPELINE_SCHEDULES, ConfigError,
+                            ParallelConfig)
 from meshrun.comm.dp_choice import FSDP_AUTO_PARAMS, choose_data_parallel  # noqa: F401 - re-exported
 from meshrun.parallel.stage_cut import default_microbatches, describe_cut, resolve_cut
-
-MULTIPLE_OF_PP = ("interleaved1f1b", "interleavedzb")  # schedules whose micro-batch count is a multiple of pp
 
 __all__ = ["AXES", "FLAT_DIMS", "MESH_DIMS", "Axis", "ParallelDims", "RankCoords", "choose_data_parallel",
            "node_mesh", "resolve_degrees"]
@@ -154,7 +153,7 @@ class ParallelDims:
             raise ConfigError(
                 f"parallel.pp_microbatches={m} is fewer than the {p} pipeline stages (parallel.pp={p}); the "
                 f"{self.pp_schedule} schedule never fills the pipeline. Use --parallel.pp_microbatches={2 * p} or more")
-        if self.pp_schedule in MULTIPLE_OF_PP and m % p:
+        if self.pp_schedule in MULTIPLE_OF_PP_SCHEDULES and m % p:
             raise ConfigError(
                 f"parallel.pp_microbatches={m} must be a multiple of parallel.pp={p} for {self.pp_schedule}; "
                 f"use {p * math.ceil(m / p)}")
@@ -201,7 +200,7 @@ class ParallelDims:
         each keeps at least :data:`PIPELINE_MICROBATCH_TOKENS` tokens (one per sample without ``seq_len``)."""
         if self.pp > 1 and not self.pp_microbatches:
             self.pp_microbatches = default_microbatches(samples_per_step, seq_len, pp=self.pp,
-                                                        multiple_of_pp=self.pp_schedule in MULTIPLE_OF_PP)
+                                                        multiple_of_pp=self.pp_schedule in MULTIPLE_OF_PP_SCHEDULES)
             try:
                 self._validate_schedule()
             except ConfigError as err:

@@ -32,7 +32,8 @@ from torch import nn
 
 from meshrun.ckpt.session import model_fingerprint
 from meshrun.comm.mesh import ParallelDims
-from meshrun.config import MULTI_STAGE_SCHEDULES, PIPELINE_SCHEDULES, ConfigError, PipelineSchedule
+from meshrun.config import (MULTI_STAGE_SCHEDULES, MULTIPLE_OF_PP_SCHEDULES, PIPELINE_SCHEDULES, ConfigError,
+                            PipelineSchedule)
 from meshrun.models.spec import ModelStructure
 from meshrun.parallel.module import ModuleLayout, find_blocks, layout_dims, resolve_compute_dtype, session_options
 from meshrun.parallel.pipeline import layer_ranges
@@ -162,7 +163,7 @@ def pipeline_dims(layout: str, options: PipelineOptions, *, world_size: int, nod
     if m < p:
         raise ConfigError(f"PipelineOptions.microbatches={m} is fewer than the pp={p} stages, so the schedule never "
                           f"fills the pipeline; use microbatches={2 * p} or more")
-    if options.schedule in ("interleaved1f1b", "interleavedzb") and m % p:
+    if options.schedule in MULTIPLE_OF_PP_SCHEDULES and m % p:
         raise ConfigError(f"PipelineOptions.microbatches={m} must be a multiple of pp={p} for {options.schedule}; "
                           f"use {p * -(-m // p)}")
     return replace(dims, pp_schedule=options.schedule, pp_microbatches=m,
