@@ -156,6 +156,8 @@ def test_header_line_names_the_choices():
     job = load_config(None, ["--train.grad_clip=0"])
     line = describe_speed(job, CPU, None)
     assert line == "speed: compile off (train.compile=auto) | fp32 | attention default | AdamW (for-each) | no grad clip"
+    assert "| bf16 autocast |" in describe_speed(job, CPU, torch.bfloat16)
+    assert "| bf16 parameters (FSDP2), fp32 gradient reduction |" in describe_speed(job, CPU, torch.bfloat16, fsdp=True)
 
 
 def test_train_prints_the_speed_line_and_refuses_float8_on_cpu(tmp_path):
@@ -202,3 +204,31 @@ def test_launch_with_data_parallel_fsdp_trains_sharded(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "dp_replicate 1 x dp_shard 2" in proc.stdout and "| FSDP" in proc.stdout
     assert "data parallelism: FSDP2 over every data-parallel rank (parallel.data_parallel=fsdp)" in proc.stdout
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1000.0])  # clipping active, and a limit the gradients stay under
+def test_fused_adamw_clips_through_grad_scale_like_scaling_the_gradients(max_norm):
+    """The trainer hands a fused AdamW the clip as its grad_scale (no pass of its own over the gradients); the
+    weights after three steps equal those of clipping the gradients in place first (to float rounding)."""
+    from meshrun.parallel.grad_norm import clip_divisor, clip_grad_norm, total_grad_norm
+
+    torch.manual_seed(0)
+    scaled = [nn.Parameter(torch.randn(64, 32)) for _ in range(3)]
+    initial = [p.detach().clone() for p in scaled]
+    folded = [nn.Parameter(p.detach().clone()) for p in scaled]
+    opt_scaled = torch.optim.AdamW(scaled, lr=1e-2, weight_decay=0.1, fused=True)
+    opt_folded = torch.optim.AdamW(folded, lr=1e-2, weight_decay=0.1, fused=True)
+    for step in range(3):
+        grads = [torch.randn(64, 32) * (step + 1) for _ in scaled]
+        for p, q, g in zip(scaled, folded, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        before = clip_grad_norm(scaled, max_norm)
+        opt_scaled.step()
+        total = total_grad_norm(folded)
+        opt_folded.grad_scale = clip_divisor(total, max_norm)
+        opt_folded.step()
+        assert float(total) == pytest.approx(float(before), rel=1e-6)
+        assert (float(total) > max_norm) == (max_norm == 0.5)  # the gradients' norms are 30 to 150
+    for p, q, p0 in zip(scaled, folded, initial):
+        assert (p - q).abs().max() < 1e-6
+        assert (p - p0).abs().max() > 1e-2  # the steps moved the weights

@@ -65,7 +65,18 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, *, norm_type
     if math.isinf(max_norm):
         return total  # the norm alone (train.nonfinite without clipping): no pass over the gradients to scale
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)  # no host sync: multiply by 1.0 when under the limit
+    by_type: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for p in params:
         grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-        grad.mul_(coef.to(grad.device, grad.dtype))
+        by_type.setdefault((grad.device, grad.dtype), []).append(grad)
+    for (device, dtype), grads in by_type.items():
+        # one multi-tensor kernel per device and dtype on local shards, not a kernel (and a DTensor dispatch) each
+        torch._foreach_mul_(grads, coef.to(device, dtype))
     return total
+
+
+def clip_divisor(total: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """What to divide every gradient by to clip ``total`` to ``max_norm``: 1 when it is under the limit. A fused
+    AdamW takes it as its ``grad_scale`` and divides each gradient by it as it reads it, so clipping needs no pass
+    of its own over the gradients (the pass torch.nn.utils.clip_grad_norm_ makes to scale them)."""
+    return ((total.detach().float() + 1e-6) / max_norm).clamp(min=1.0)

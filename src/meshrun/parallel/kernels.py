@@ -65,12 +65,13 @@ def select_attention(choice: str, device: torch.device) -> str:
 
 
 def describe_speed(job: JobConfig, device: torch.device, compute_dtype: torch.dtype | None, *,
-                   cuda_graphs: bool = False) -> str:
+                   cuda_graphs: bool = False, fsdp: bool = False) -> str:
     """The start-up header's line of performance choices, as resolved for this device (``cuda_graphs``: the
-    engine's resolved train.cuda_graphs)."""
+    engine's resolved train.cuda_graphs; ``fsdp``: FSDP2 holds the parameters, and its mixed precision, not
+    autocast, computes in bf16)."""
     t = job.train
-    precision = "float8 matmuls (torchao) + bf16" if t.float8 else (
-        "bf16 autocast" if compute_dtype == torch.bfloat16 else "fp32")
+    bf16 = "bf16 parameters (FSDP2), fp32 gradient reduction" if fsdp else "bf16 autocast"
+    precision = "float8 matmuls (torchao) + bf16" if t.float8 else (bf16 if compute_dtype == torch.bfloat16 else "fp32")
     compiled = "on with CUDA graphs" if cuda_graphs else "on"
     parts = [f"compile {compiled if compile_enabled(t.compile, device) else 'off'} (train.compile={t.compile})",
              precision, f"attention {resolve_attention(t.attention, device)}",

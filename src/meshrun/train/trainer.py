@@ -7,6 +7,7 @@ layout (engine) -> optimizer and schedule -> checkpointer (restoring state when 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import time
@@ -28,6 +29,7 @@ from meshrun.rng import seed_rank_streams
 from meshrun.parallel.apply import build_engine
 from meshrun.parallel.checks import compute_dtype
 from meshrun.parallel.engine import Engine
+from meshrun.parallel.grad_norm import clip_divisor
 from meshrun.ckpt.preemption import signal_label
 from meshrun.ckpt.state import TrainProgress
 from meshrun.diag.fingerprint import check_consistency
@@ -103,8 +105,9 @@ class Trainer:
         self.optimizer = self.build_optimizer()
         self.scheduler = build_scheduler(self.optimizer, job.train)
         self.rank_infos = gather_rank_infos(self.env)  # collective: every rank; host names, gathered once
+        self.fused_optimizer = bool(self.optimizer.param_groups[0].get("fused"))
         self.guard = NonFiniteGuard(job.train.nonfinite, device=self.device, rank=self.env.rank,
-                                    fused_optimizer=bool(self.optimizer.param_groups[0].get("fused")),
+                                    fused_optimizer=self.fused_optimizer,
                                     hosts=[info.host for info in self.rank_infos])
         self.progress = TrainProgress()
         self.replicas = self.build_replicas()
@@ -259,7 +262,12 @@ class Trainer:
         if self.replicas is not None and not self.replicas.average_gradients():
             return None
         clip = self.job.train.grad_clip or (float("inf") if self.guard.enabled else 0.0)  # inf: the norm alone
-        grad_norm = self.engine.clip_grad_norm(clip) if clip else None
+        if clip and self.fused_optimizer:
+            # the fused AdamW clips as it reads each gradient (grad_scale): no pass over the gradients to scale them
+            grad_norm = self.engine.clip_grad_norm(float("inf"))
+            self.optimizer.grad_scale = clip_divisor(grad_norm, clip) if not math.isinf(clip) else None
+        else:
+            grad_norm = self.engine.clip_grad_norm(clip) if clip else None
         if grad_norm is None or self.guard.allow_step(self.step + 1, grad_norm, loss_sum, self.optimizer):
             self.optimizer.step()
         self.scheduler.step()
