@@ -65,3 +65,34 @@ def test_the_command_reads_a_run_folder_and_names_what_it_cannot_read(tmp_path, 
     assert main([str(tmp_path / "nothing.json")]) == 2
     assert capsys.readouterr().err.startswith(f"meshrun trace: error: no trace at {tmp_path / 'nothing.json'}; "
                                               "record one with meshrun train --profile")
+
+
+def test_a_run_folder_weighs_idle_time_against_its_unprofiled_steps(tmp_path, capsys):
+    """Under the profiler TWO_STEPS idles 75 of 210 us per step (host-bound); the run's unprofiled steps take
+    140 us, 5 us more than the kernels' 135 us: the idle was the profiler's, and the 25 us of exposed communication
+    per step bound it instead.
+    Intervals holding a profiled step (14-15), the one after the window and the first after each start are left
+    out of the median."""
+    run = tmp_path / "run"
+    (run / "profile").mkdir(parents=True)
+    (run / "profile" / "rank_00000.json").write_text(json.dumps(TWO_STEPS))
+    (run / "config.toml").write_text('[run]\nprofile_steps = "14-15"\n')
+    records = [{"kind": "start", "step": 0}, {"kind": "train", "step": 5, "step_time_s": 9.0},  # compiling
+               {"kind": "train", "step": 10, "step_time_s": 140e-6}, {"kind": "train", "step": 15, "step_time_s": 1.0},
+               {"kind": "train", "step": 20, "step_time_s": 2.0}, {"kind": "train", "step": 25, "step_time_s": 141e-6},
+               {"kind": "start", "step": 25}, {"kind": "train", "step": 30, "step_time_s": 5.0},  # a resume compiles
+               {"kind": "train", "step": 35, "step_time_s": 139e-6}]
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n{cut sho")
+    assert main([str(run), "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert row["unprofiled_ms"] == pytest.approx(0.140)
+    assert row["verdict"].startswith("communication-bound: only collectives ran for 18% of an unprofiled step")
+    assert row["verdict"].endswith("(the profiler's own host time left the GPU idle 0.075 ms per recorded step; "
+                                   "unprofiled steps take 0.14 ms against 0.135 ms of kernels)")
+    # slower unprofiled steps: the idle is real
+    records[2]["step_time_s"] = records[5]["step_time_s"] = records[8]["step_time_s"] = 200e-6
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    assert main([str(run), "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert row["verdict"].startswith("host-bound: the GPU idled 32% of an unprofiled step")
+    assert "profiler's own" not in row["verdict"]
