@@ -4,7 +4,8 @@ For each case (model size x number of GPUs x gradient-clipping value) it runs, a
   - the baseline, benchmarks/baseline_ddp_gpt.py: plain DDP, bf16 autocast, SDPA, fused AdamW, torch.compile;
   - the peers (--peers) whose library is installed: benchmarks/peer_accelerate.py (Hugging Face Accelerate) and
     benchmarks/peer_fabric.py (Lightning Fabric), which train the baseline's model on the same tokens;
-  - `meshrun train` once per layout (--layouts), and once more per layout for each --variant;
+  - `meshrun train` once per layout (--layouts), and once more per layout for each --variant; with --src, all of
+    those again from another copy of meshrun (an older checkout's src), to compare two versions of the code;
   - with --session, the baseline's GPT through meshrun's `Session.prepare_model` (benchmarks/session_gpt.py, as
     docs/api.md shows: a user's own model) per layout given (ddp, fsdp).
 Every row reports tokens/s per GPU, MFU, peak memory, vs_baseline (its tokens/s over the baseline row of its case)
@@ -15,6 +16,8 @@ and vs_best_peer (over the fastest of the baseline and the peers of its case). P
         --extra --train.fused_optimizer=false --variant ac:--parallel.activation_checkpoint=selective
     PYTHONPATH=src python3 benchmarks/train_bench.py --sizes 1b --gpus 2 --peers '' --no-baseline \
         --layouts fsdp,cp --extra '--model.seq_len=8192 --train.micro_batch=1' --steps 30   (long sequences: CP)
+    git worktree add /tmp/old HEAD~3 && python3 benchmarks/train_bench.py --sizes 1b --gpus 2 --layouts pp \
+        --no-baseline --peers '' --src old:/tmp/old/src --repeat 3      (this code against an older one, interleaved)
 
 --extra and --variant take meshrun overrides; the word after them is always their value, even when it starts with
 `--` (`--extra --train.x=1` and `--extra=--train.x=1` are the same). Several overrides go in one quoted value.
@@ -94,6 +97,7 @@ class Plan:
     extra: list[str]  # meshrun overrides for every meshrun row
     repeat: int = 1  # runs of every row; the row reports their median and min-max
     session: tuple[Script, ...] = ()  # meshrun's Session rows (not references)
+    sources: tuple[tuple[str, str], ...] = ()  # (name, folder holding another meshrun): rows meshrun-<layout>@name
 
 
 def launch(gpus: int, target: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -147,19 +151,36 @@ def run_meshrun(case: Case, layout: str, plan: Plan, env: dict[str, str], overri
             "peak_mem_gib": max(peak) if peak else None, "overrides": overrides}
 
 
+def source_env(env: dict[str, str], folder: str) -> dict[str, str]:
+    """``env`` with ``folder`` (which holds a ``meshrun`` package, e.g. another checkout's src) first on PYTHONPATH."""
+    return {**env, "PYTHONPATH": f"{Path(folder).resolve()}:{env.get('PYTHONPATH', '')}"}
+
+
+def imported_from(env: dict[str, str]) -> Path:
+    """The meshrun package a child process with ``env`` imports (asked in that child, from the repository root)."""
+    code = "import os, meshrun; print(os.path.dirname(os.path.realpath(meshrun.__file__)))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    return Path(proc.stdout.strip() or "?")
+
+
 def run_case(case: Case, plan: Plan, env: dict[str, str]) -> Iterator[dict]:
-    """The rows of one case, as each finishes: baseline, peers, Session rows, then meshrun per layout and variant.
-    With plan.repeat > 1 the whole sequence runs that many times (interleaved, so that a machine's slow minute does
-    not land on one row's repeats) and each row reports the median of its runs and their min-max."""
+    """The rows of one case, as each finishes: baseline, peers, Session rows, then meshrun per layout and variant
+    (and again per --src). With plan.repeat > 1 the whole sequence runs that many times (interleaved, so that a
+    machine's slow minute does not land on one row's repeats) and each row reports the median of its runs and their
+    min-max."""
     scripts = [s for s in ([BASELINE] if plan.baseline else []) + plan.peers + list(plan.session)
                if case.gpus > 1 or s.args[-1:] != ("fsdp",)]  # FSDP needs two GPUs or more
     jobs = [(script.impl, lambda s=script: run_script(s, case, plan, env)) for script in scripts]
     for layout in plan.layouts:
         if layout != "ddp" and case.gpus == 1:
             continue  # FSDP, TP, PP and CP need two GPUs or more
-        for name, overrides in [("", []), *plan.variants]:
-            impl = f"meshrun-{layout}-{name}" if name else f"meshrun-{layout}"
-            jobs.append((impl, lambda o=[*plan.extra, *overrides], lay=layout: run_meshrun(case, lay, plan, env, o)))
+        for source, folder in [("", ""), *plan.sources]:
+            src_env = source_env(env, folder) if folder else env
+            for name, overrides in [("", []), *plan.variants]:
+                impl = (f"meshrun-{layout}-{name}" if name else f"meshrun-{layout}") + (f"@{source}" if source else "")
+                jobs.append((impl, lambda o=[*plan.extra, *overrides], lay=layout, e=src_env:
+                             run_meshrun(case, lay, plan, e, o)))
     runs: dict[str, list[dict]] = {impl: [] for impl, _ in jobs}
     for i in range(plan.repeat):
         for impl, job in jobs:
@@ -257,6 +278,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--extra", action="append", default=[], help="meshrun overrides for every meshrun row")
     p.add_argument("--variant", action="append", default=[], metavar="NAME:OVERRIDES",
                    help="one more meshrun row per layout, meshrun-<layout>-NAME, with these overrides")
+    p.add_argument("--src", action="append", default=[], metavar="NAME:FOLDER",
+                   help="meshrun rows again with the meshrun package in FOLDER (e.g. an older checkout's src), "
+                        "named meshrun-<layout>@NAME, interleaved with this checkout's")
     p.add_argument("--repeat", type=int, default=1, help="run every row N times; report the median and min-max")
     p.add_argument("--json", help="write all rows here")
     args = p.parse_args(attach_values(argv))
@@ -277,6 +301,11 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for value in [*args.extra, *args.variant]:
         if "--train.grad_clip" in value:
             p.error(f"{value!r} sets --train.grad_clip for meshrun alone; use --grad-clip, which clips every side")
+    for source in args.src:
+        name, _, folder = source.partition(":")
+        if not name or not folder or not (Path(folder) / "meshrun" / "__init__.py").is_file():
+            p.error(f"--src {source!r}: expected NAME:FOLDER where FOLDER holds the meshrun package (FOLDER/meshrun/"
+                    "__init__.py), e.g. old:/tmp/old-checkout/src")
     if args.repeat < 1:
         p.error(f"--repeat {args.repeat}: needs at least 1")
     if args.steps < 3:
@@ -294,7 +323,8 @@ def make_plan(args: argparse.Namespace, device: str) -> tuple[Plan, list[str]]:
     plan = Plan(steps=args.steps, compile=device != "cpu" if args.compile is None else args.compile,
                 baseline=not args.no_baseline, peers=peers, session=tuple(SESSION[x] for x in split(args.session)),
                 layouts=split(args.layouts), variants=variants,
-                extra=[x for value in args.extra for x in shlex.split(value)], repeat=args.repeat)
+                extra=[x for value in args.extra for x in shlex.split(value)], repeat=args.repeat,
+                sources=tuple((name, folder) for name, _, folder in (x.partition(":") for x in args.src)))
     return plan, skipped
 
 
@@ -304,6 +334,15 @@ def main(argv: list[str] | None = None) -> int:
     device = probe_device(env)
     plan, skipped = make_plan(args, device)
     notes = [versions(plan), *skipped]
+    for name, folder in [("", str(ROOT / "src")), *plan.sources]:
+        # this checkout's src goes first on the children's PYTHONPATH: without --src, a PYTHONPATH of the caller's
+        # never changes which meshrun the rows run; with it, check that the rows import the folder's
+        found = imported_from(source_env(env, folder) if name else env)
+        if found != (Path(folder) / "meshrun").resolve():
+            print(f"train_bench: error: the {'@' + name if name else 'meshrun'} rows would import meshrun from "
+                  f"{found}, not {folder}", file=sys.stderr)
+            return 2
+        notes.append(f"meshrun{'@' + name if name else ''}: {found}")
     print("\n".join(notes), flush=True)
     rows = []
     for size in split(args.sizes):

@@ -133,6 +133,26 @@ def test_repeat_runs_every_row_that_many_times_interleaved(monkeypatch):
     assert tb.combine([{"tokens_per_s_per_gpu": 1.0}]) == {"tokens_per_s_per_gpu": 1.0}  # one run: as it is
 
 
+def test_src_rows_run_another_meshrun_first_on_the_path_interleaved(monkeypatch, tmp_path):
+    old = tmp_path / "old" / "src"
+    (old / "meshrun").mkdir(parents=True)
+    (old / "meshrun" / "__init__.py").write_text("")
+    plan, _ = tb.make_plan(tb.parse_args(["--src", f"old:{old}", "--peers", "", "--no-baseline",
+                                          "--variant", "v:--x=1"]), "cpu")
+    assert plan.sources == (("old", str(old)),)
+    calls = []
+    monkeypatch.setattr(tb, "run_meshrun", lambda c, lay, p, e, o: calls.append((o, e["PYTHONPATH"])) or
+                        {"tokens_per_s_per_gpu": 2.0})
+    rows = list(tb.run_case(tb.Case("tiny", 2, 0.0), plan, {"PYTHONPATH": "/here/src"}))
+    assert [r["impl"] for r in rows] == ["meshrun-ddp", "meshrun-ddp-v", "meshrun-ddp@old", "meshrun-ddp-v@old"]
+    assert calls == [([], "/here/src"), (["--x=1"], "/here/src"), ([], f"{old.resolve()}:/here/src"),
+                     (["--x=1"], f"{old.resolve()}:/here/src")]
+    # the child really imports the folder's package, and a folder without one is refused up front
+    assert tb.imported_from(tb.source_env({"PYTHONPATH": str(ROOT / "src")}, str(old))) == (old / "meshrun").resolve()
+    with pytest.raises(SystemExit):
+        tb.parse_args(["--src", f"old:{tmp_path}"])
+
+
 # --- a whole run -------------------------------------------------------------------------------------------------
 
 
