@@ -44,7 +44,8 @@ BF16 = {
                                                              "activation_checkpoint": "full"}),
     "pp2_gpipe": Layout(tied=False, grad_accum=1, parallel={"dp_replicate": 1, "pp": 2, "pp_schedule": "gpipe",
                                                             "pp_microbatches": 4}),
-    # the pipeline defaults: one micro-batch per sample (8 here), stages cut by cost, compiled blocks
+    # the pipeline defaults: micro-batches from the batch (2 here: no micro-batch reaches 4096 tokens, so pp of
+    # them), stages cut by cost, compiled blocks
     "pp2_defaults_compile": Layout(tied=False, grad_accum=2, parallel={"dp_replicate": 1, "pp": 2},
                                    train={"compile": "true"}),
     "cp2_compile_selective": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 1, "cp": 2,
