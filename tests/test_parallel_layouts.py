@@ -183,6 +183,8 @@ TWO_RANKS = {
     "fsdp2_units2": Layout(tied=True, grad_accum=1, parallel={"dp_replicate": 1, "dp_shard": 2,
                                                             "fsdp_unit_blocks": 2}),
     "tp2": Layout(tied=True, grad_accum=1, parallel={"dp_replicate": 1, "tp": 2}),
+    # compiled blocks under TP: torch 2.12-2.14 dropped the gradient of a compiled block's async-collective input
+    "tp2_compiled": Layout(tied=True, grad_accum=1, parallel={"dp_replicate": 1, "tp": 2}, train={"compile": "true"}),
     "tp2_sequence_parallel": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 1, "tp": 2,
                                                                         "sequence_parallel": "true"}),
     "pp2_gpipe": Layout(tied=False, grad_accum=1, parallel={"dp_replicate": 1, "pp": 2, "pp_schedule": "gpipe",

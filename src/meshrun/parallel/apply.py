@@ -48,7 +48,7 @@ from meshrun.parallel.pipeline import (PipelineEngine, bubble_fraction, effectiv
 from meshrun.parallel.stage_cut import stage_ranges
 from meshrun.parallel.sharded import ShardedEngine
 from meshrun.parallel.tied import TP_FIX, find_shared
-from meshrun.parallel.tp import apply_tp
+from meshrun.parallel.tp import apply_tp, settle_async_outputs
 
 log = logging.getLogger("meshrun")
 
@@ -173,6 +173,8 @@ def parallelize(part: nn.Module, structure: ModelStructure, dims: ParallelDims, 
     if options.compiled:
         for block in blocks:
             block.compile()  # in place: parameter names stay as they are (no "_orig_mod.")
+        if dims.tp > 1:  # the TP styles' async collectives must not reach a compiled block as its input
+            settle_async_outputs(part, compiled=blocks)
     shared.restore(part, layout=layout, after="float8 and activation checkpointing")
     if uses_fsdp(dims):
         # cp=1: "dp_shard" (not "dp_shard_cp", the same ranks), so FSDP-replicate finds its degree-1 dimension

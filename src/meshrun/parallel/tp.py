@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -146,3 +147,35 @@ def replicate_params(module: nn.Module, tp_mesh: DeviceMesh) -> None:
         return outputs.to_local() if isinstance(outputs, DTensor) else outputs
 
     distribute_module(module, tp_mesh, input_fn=to_dtensor, output_fn=to_local)
+
+
+class _Settled(torch.autograd.Function):
+    """An AsyncCollectiveTensor waited on, as a plain tensor that keeps its autograd edge (identity backward)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        done = x.trigger_wait()
+        return done.view_as(done)  # a fresh tensor: autograd's metadata must not land on the collective's buffer
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def _settle_output(_module: nn.Module, _inputs: tuple, output: Any) -> Any:
+    return _Settled.apply(output) if isinstance(output, AsyncCollectiveTensor) else None
+
+
+def settle_async_outputs(model: nn.Module, *, compiled: list[nn.Module]) -> list[str]:
+    """Wait, in eager mode, for the async collectives that TP styles' output hooks leave (``to_local()`` of an
+    ``async_op=True`` redistribute is an AsyncCollectiveTensor), on every hooked module outside ``compiled``, so a
+    compiled block never takes one as input. torch 2.12-2.14 unwrap such an input with ``trigger_wait()``, dropping its
+    requires_grad (pytorch#179849, fixed by #191113): the block returned no input gradient and the embedding's
+    Redistribute backward failed (``'Tensor' object has no attribute '_local_tensor'``). Returns the hooked names."""
+    inside = {id(m) for block in compiled for m in block.modules()}
+    hooked = []
+    for name, module in model.named_modules():
+        if name and id(module) not in inside and module._forward_hooks:
+            module.register_forward_hook(_settle_output)  # after the style's hook: sees its output
+            hooked.append(name)
+    return hooked
