@@ -17,7 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from meshrun.config import ConfigError, RunConfig
-from meshrun.watch.step_trace import StepTime, describe_step_time, read_trace, step_time
+from meshrun.watch.step_trace import StepTime, describe_step_time, run_step_time
 
 log = logging.getLogger("meshrun")
 
@@ -76,7 +76,7 @@ class StepProfiler:
         if not self.cuda:
             return None
         try:
-            return step_time(read_trace(trace), str(trace))
+            return run_step_time(trace)  # with the steps logged before the window, where this rank logs them
         except (OSError, ValueError, KeyError) as exc:  # the trace and the op table still get written
             log.warning("profiler: could not read back %s for its GPU timeline: %s", trace, exc)
             return None

@@ -161,6 +161,19 @@ def unprofiled_step_ms(run_dir: Path) -> float | None:
     return 1e3 * statistics.median(times) if times else None
 
 
+def run_step_time(trace: Path, *, unprofiled: dict[Path, float | None] | None = None) -> StepTime | None:
+    """:func:`step_time` of a trace file, with the unprofiled step time of the run folder it lies in (``<run.dir>/
+    profile/rank_<N>.json``) when that folder has a metrics.jsonl. ``unprofiled`` caches the folders' values."""
+    t = step_time(read_trace(trace), str(trace))
+    if t is None:
+        return None
+    run_dir = trace.parent.parent if trace.parent.name == "profile" else trace.parent
+    cache = {} if unprofiled is None else unprofiled
+    if run_dir not in cache:
+        cache[run_dir] = unprofiled_step_ms(run_dir)
+    return replace(t, unprofiled_ms=cache[run_dir])
+
+
 def trace_files(paths: list[str]) -> list[Path]:
     """Trace files named directly, or every ``profile/rank_*.json`` of a run folder (or of a profile folder)."""
     found: list[Path] = []
@@ -205,14 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     rows, cpu_only = [], []
     unprofiled: dict[Path, float | None] = {}
     for f in files:
-        t = step_time(read_trace(f), str(f))
+        t = run_step_time(f, unprofiled=unprofiled)
         if t is None:
             cpu_only.append(f)
-            continue
-        run_dir = f.parent.parent if f.parent.name == "profile" else f.parent  # <run.dir>/profile/rank_<N>.json
-        if run_dir not in unprofiled:
-            unprofiled[run_dir] = unprofiled_step_ms(run_dir)
-        rows.append(replace(t, unprofiled_ms=unprofiled[run_dir]))
+        else:
+            rows.append(t)
     if args.json:
         print("\n".join(json.dumps({**asdict(t), "verdict": t.verdict()}) for t in rows))
     else:
