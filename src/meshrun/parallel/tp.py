@@ -166,16 +166,13 @@ def _settle_output(_module: nn.Module, _inputs: tuple, output: Any) -> Any:
     return _Settled.apply(output) if isinstance(output, AsyncCollectiveTensor) else None
 
 
-def settle_async_outputs(model: nn.Module, *, compiled: list[nn.Module]) -> list[str]:
+def settle_async_outputs(model: nn.Module, *, compiled: list[nn.Module]) -> None:
     """Wait, in eager mode, for the async collectives that TP styles' output hooks leave (``to_local()`` of an
     ``async_op=True`` redistribute is an AsyncCollectiveTensor), on every hooked module outside ``compiled``, so a
     compiled block never takes one as input. torch 2.12-2.14 unwrap such an input with ``trigger_wait()``, dropping its
     requires_grad (pytorch#179849, fixed by #191113): the block returned no input gradient and the embedding's
-    Redistribute backward failed (``'Tensor' object has no attribute '_local_tensor'``). Returns the hooked names."""
+    Redistribute backward failed (``'Tensor' object has no attribute '_local_tensor'``)."""
     inside = {id(m) for block in compiled for m in block.modules()}
-    hooked = []
     for name, module in model.named_modules():
         if name and id(module) not in inside and module._forward_hooks:
             module.register_forward_hook(_settle_output)  # after the style's hook: sees its output
-            hooked.append(name)
-    return hooked
