@@ -51,6 +51,12 @@ BF16 = {
     "cp2_compile_selective": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 1, "cp": 2,
                                                                        "activation_checkpoint": "selective"},
                                     train={"compile": "true"}),
+    # gradients summed in bf16: DDP through torch's bf16 compression hook on NCCL, FSDP2 through its reduce dtype
+    "ddp2_bf16_reduce_compile": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 2,
+                                                                          "grad_reduce_dtype": "bf16"},
+                                       train={"compile": "true"}),
+    "fsdp2_bf16_reduce": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 1, "dp_shard": 2,
+                                                                   "grad_reduce_dtype": "bf16"}),
 }
 
 

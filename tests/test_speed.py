@@ -158,6 +158,10 @@ def test_header_line_names_the_choices():
     assert line == "speed: compile off (train.compile=auto) | fp32 | attention default | AdamW (for-each) | no grad clip"
     assert "| bf16 autocast |" in describe_speed(job, CPU, torch.bfloat16)
     assert "| bf16 parameters (FSDP2), fp32 gradient reduction |" in describe_speed(job, CPU, torch.bfloat16, fsdp=True)
+    bf16 = load_config(None, ["--parallel.grad_reduce_dtype=bf16"])
+    fsdp_line = describe_speed(bf16, CPU, torch.bfloat16, fsdp=True)
+    assert "| bf16 parameters (FSDP2), bf16 gradient reduction |" in fsdp_line
+    assert "| bf16 autocast, bf16 gradient all-reduce |" in describe_speed(bf16, CPU, torch.bfloat16)
 
 
 def test_train_prints_the_speed_line_and_refuses_float8_on_cpu(tmp_path):

@@ -20,8 +20,8 @@ from meshrun.config_checks import (  # noqa: F401 - re-exported: `from meshrun.c
     BatchPlan, ConfigError, DATA_FORMATS, DATA_PARALLEL_MODES, DDP_GRAPH_MODES, DEVICE_KINDS, DataFormat,
     DataParallelMode, DdpGraphMode, DeviceKind, HANG_ACTIONS, HangAction, LOSS_MODES, LR_SCHEDULES, LossMode,
     LrSchedule, MULTI_STAGE_SCHEDULES, MULTIPLE_OF_PP_SCHEDULES, NONFINITE_MODES, NonfiniteMode, PIPELINE_BALANCES,
-    PIPELINE_SCHEDULES, PROGRESS_MODES, PipelineBalance, PipelineSchedule, ProgressMode, TOKEN_DTYPES, TRACKERS,
-    TRAIN_DTYPES, TokenDtype, TrackerName, TrainDtype, resolve_batch, validate_job)
+    PIPELINE_SCHEDULES, PROGRESS_MODES, PipelineBalance, PipelineSchedule, ProgressMode, REDUCE_DTYPES, ReduceDtype,
+    TOKEN_DTYPES, TRACKERS, TRAIN_DTYPES, TokenDtype, TrackerName, TrainDtype, resolve_batch, validate_job)
 from meshrun.config_load import join_overrides, load_config, set_option, to_toml  # noqa: F401 - re-exported
 from meshrun.models.shape import ModelShape
 
@@ -181,6 +181,11 @@ class ParallelConfig:
     overlaps the rest of backward), whole (one forward and one backward graph, DDP's all-reduces after backward:
     fewer graphs for the host to enter, the all-reduce exposed), or auto: whole while every replica is on one
     node (an all-reduce over NVLink takes a few ms), split when replicas cross nodes."""
+    grad_reduce_dtype: ReduceDtype = "fp32"
+    """The dtype data parallelism sums gradients in across ranks: fp32, or bf16 (half the bytes; each rank's
+    gradients are cast to bf16 before the all-reduce or reduce-scatter, and the result back to the parameters' dtype).
+    DDP uses torch's bf16 compression hook, FSDP2 and HSDP their mixed-precision reduce dtype. Layouts without data
+    parallelism reduce nothing and ignore it."""
     activation_checkpoint: ActivationCheckpointMode = "none"
     """none, selective or full."""
     allow_tp_across_nodes: bool = False

@@ -31,6 +31,7 @@ DeviceKind = Literal["auto", "cpu", "cuda"]
 HangAction = Literal["exit", "report"]
 ProgressMode = Literal["auto", "bar", "lines"]
 DdpGraphMode = Literal["auto", "split", "whole"]
+ReduceDtype = Literal["fp32", "bf16"]
 LrSchedule = Literal["cosine", "wsd"]
 TrackerName = Literal["none", "tensorboard", "wandb", "mlflow"]
 
@@ -50,6 +51,7 @@ DATA_PARALLEL_MODES: tuple[str, ...] = get_args(DataParallelMode)
 ACTIVATION_CHECKPOINT_MODES: tuple[str, ...] = get_args(ActivationCheckpointMode)
 BACKENDS: tuple[str, ...] = get_args(Backend)
 DDP_GRAPH_MODES: tuple[str, ...] = get_args(DdpGraphMode)
+REDUCE_DTYPES: tuple[str, ...] = get_args(ReduceDtype)
 DEVICE_KINDS: tuple[str, ...] = get_args(DeviceKind)
 HANG_ACTIONS: tuple[str, ...] = get_args(HangAction)
 PROGRESS_MODES: tuple[str, ...] = get_args(ProgressMode)
@@ -130,6 +132,7 @@ def _check_choices(job: JobConfig) -> None:
     job.train.compile = tri_state("train.compile", job.train.compile)
     job.train.cuda_graphs = tri_state("train.cuda_graphs", job.train.cuda_graphs)
     check_choice("parallel.ddp_graph", job.parallel.ddp_graph, DDP_GRAPH_MODES)
+    check_choice("parallel.grad_reduce_dtype", job.parallel.grad_reduce_dtype, REDUCE_DTYPES)
     job.parallel.fsdp_reshard_after_forward = tri_state("parallel.fsdp_reshard_after_forward",
                                                          job.parallel.fsdp_reshard_after_forward)
     check_choice("parallel.data_parallel", job.parallel.data_parallel, DATA_PARALLEL_MODES)

@@ -42,7 +42,7 @@ from meshrun.config import CheckpointConfig, ConfigError, DistConfig, ReplicaCon
 from meshrun.data.loader import StepBatches
 from meshrun.comm.process_group import init_distributed, shutdown
 from meshrun.env import ProcessPlacement
-from meshrun.parallel.module import ModuleLayout, prepare_module
+from meshrun.parallel.module import ModuleLayout, prepare_module, session_reduce_dtype
 from meshrun.parallel.module_pipeline import PipelinedModule, PipelineOptions, prepare_pipeline
 from meshrun.rng import seed_rank_streams
 from meshrun.ckpt.session import SessionCheckpoints, model_fingerprint
@@ -93,13 +93,15 @@ class Session:
                       pp: int = 0, blocks: str | None = None, tp_plan: Mapping[str, Any] | None = None,
                       pipeline: PipelineOptions | None = None, activation_checkpoint: str = "none",
                       compute_dtype: torch.dtype | str | None = "auto",
-                      compile: bool = False) -> nn.Module | PipelinedModule:
+                      compile: bool = False, grad_reduce_dtype: str = "fp32") -> nn.Module | PipelinedModule:
         """Apply ``layout`` (ddp, fsdp, hsdp, tp, tp+fsdp, pp, pp+fsdp) on this rank's device; see
         meshrun.parallel.module and, for pp, meshrun.parallel.module_pipeline.
 
         ``compute_dtype="auto"``: bf16 parameters with fp32 gradient reduction where FSDP2 holds them on a GPU, fp32
         otherwise (DDP, one process: autocast in your loop); None or torch.float32 keeps fp32 everywhere.
         ``compile=True`` compiles each repeated block in place before FSDP2 wraps it, as ``meshrun train`` does.
+        ``grad_reduce_dtype="bf16"`` sums gradients across data-parallel ranks in bf16 (DDP, FSDP2, HSDP; half the
+        bytes of the default fp32; on one NVLink node it was not faster, see docs/performance.md).
         Rank 0 prints one line saying what was applied.
 
         FSDP2 shards each repeated block (``blocks``, a dotted path, or detected), then the root; TP follows
@@ -107,6 +109,7 @@ class Session:
         a PipelinedModule (train it with ``step(inputs, targets)``; ``pipeline`` sets schedule, micro-batches and
         loss). Every rank starts from rank 0's weights. Per-rank random streams (seed + rank) are set afterwards,
         for dropout and augmentation. Collective."""
+        session_reduce_dtype(grad_reduce_dtype)  # refused before any collective
         if layout.startswith("pp"):
             if tp or dp_replicate or tp_plan:
                 raise ConfigError(f"layout={layout!r} takes no tp, dp_replicate or tp_plan (pipelines here combine "
@@ -114,14 +117,15 @@ class Session:
             prepared, self.layout = prepare_pipeline(
                 model, layout, device=self.device, world_size=self.world_size, nodes=self.env.num_nodes, pp=pp,
                 blocks=blocks, options=pipeline, activation_checkpoint=activation_checkpoint,
-                compute_dtype=compute_dtype, compile=compile)
+                compute_dtype=compute_dtype, compile=compile, grad_reduce_dtype=grad_reduce_dtype)
         else:
             if pp or pipeline is not None:
                 raise ConfigError(f"pp={pp} / pipeline= need layout='pp' or 'pp+fsdp', not {layout!r}")
             prepared, self.layout = prepare_module(
                 model, layout if self.world_size > 1 else "none", device=self.device, world_size=self.world_size,
                 nodes=self.env.num_nodes, tp=tp, dp_replicate=dp_replicate, blocks=blocks, tp_plan=tp_plan,
-                activation_checkpoint=activation_checkpoint, compute_dtype=compute_dtype, compile=compile)
+                activation_checkpoint=activation_checkpoint, compute_dtype=compute_dtype, compile=compile,
+                grad_reduce_dtype=grad_reduce_dtype)
         self.print(self.layout.describe(self.device, compute_dtype))
         if self.layout.note:
             self.print(f"meshrun: {self.layout.note}")  # the start-up line says what the layout word ran as

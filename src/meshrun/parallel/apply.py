@@ -185,7 +185,7 @@ def parallelize(part: nn.Module, structure: ModelStructure, dims: ParallelDims, 
         per_unit = unit_blocks(options.fsdp_unit_blocks, part, blocks, device=options.device)
         shared.check_units(part, fsdp_units(blocks, per_unit), layout=layout)
         apply_fsdp(part, dp_mesh, compute_dtype=options.compute_dtype, reshard_after_forward=reshard, blocks=blocks,
-                   unit_blocks=per_unit)
+                   unit_blocks=per_unit, reduce_dtype=options.reduce_dtype)
         shared.restore(part, layout=layout, after="FSDP2", reshare=False)
 
 
@@ -308,7 +308,8 @@ def _local_engine(job: JobConfig, spec: ModelSpec, cfg: ModelShape, dims: Parall
     if compiled and not overlap:
         step = torch.compile(step, mode=mode)
     if ddp:
-        step = apply_ddp(step, dims.get_mesh("dp_replicate"), device, bucket_mb=job.parallel.ddp_bucket_mb)
+        step = apply_ddp(step, dims.get_mesh("dp_replicate"), device, bucket_mb=job.parallel.ddp_bucket_mb,
+                         reduce_dtype=options.reduce_dtype)
     if overlap:
         step = torch.compile(step, mode=mode)  # dynamo's DDP optimizer splits the graph at bucket boundaries
     return LocalEngine(model, step=step, autocast_dtype=autocast_dtype, dp_rank=dims.dp_rank(rank),

@@ -14,22 +14,26 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 
-def mixed_precision(compute_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
-    """bf16 (or fp16) parameters for compute, gradients reduced in fp32; plain fp32 when compute_dtype is None."""
-    if compute_dtype is None or compute_dtype == torch.float32:
+def mixed_precision(compute_dtype: torch.dtype | None,
+                    reduce_dtype: torch.dtype = torch.float32) -> MixedPrecisionPolicy:
+    """bf16 (or fp16) parameters for compute, gradients reduced in ``reduce_dtype`` (fp32 unless
+    parallel.grad_reduce_dtype says bf16); plain fp32 when compute_dtype is None and the reduction is fp32."""
+    fp32 = compute_dtype is None or compute_dtype == torch.float32
+    if fp32 and reduce_dtype == torch.float32:
         return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(param_dtype=None if fp32 else compute_dtype, reduce_dtype=reduce_dtype)
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, compute_dtype: torch.dtype | None,
-               reshard_after_forward: bool, blocks: list[nn.Module], unit_blocks: int = 1) -> None:
+               reshard_after_forward: bool, blocks: list[nn.Module], unit_blocks: int = 1,
+               reduce_dtype: torch.dtype = torch.float32) -> None:
     """Shard ``model`` over ``dp_mesh``: 1-D mesh = FSDP, 2-D (replicate, shard) mesh = HSDP.
 
     ``reshard_after_forward=False`` keeps gathered parameters until backward (used with pipeline parallelism,
     where each stage runs many micro-batches per step and re-gathering each time would multiply the traffic).
     ``unit_blocks`` consecutive blocks form one FSDP2 unit (one all-gather and one reduce-scatter for all of them).
     """
-    mp_policy = mixed_precision(compute_dtype)
+    mp_policy = mixed_precision(compute_dtype, reduce_dtype)
     units = fsdp_units(blocks, unit_blocks)
     for i, unit in enumerate(units):
         # the last unit's parameters are needed again first thing in backward: keep them gathered
@@ -51,11 +55,13 @@ def fsdp_units(blocks: list[nn.Module], unit_blocks: int) -> list[list[nn.Module
 
 
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device, *, bucket_mb: int = 25,
-              sync_buffers: bool = False) -> nn.Module:
+              sync_buffers: bool = False, reduce_dtype: torch.dtype = torch.float32) -> nn.Module:
     """Wrap in DistributedDataParallel over ``dp_mesh``'s group; returns the wrapper (the model keeps its names).
 
     ``sync_buffers`` broadcasts rank 0's buffers before every forward (models with running statistics, such as
     BatchNorm, need it; the trainer's models compute their buffers identically everywhere and skip it).
+    ``reduce_dtype=torch.bfloat16`` all-reduces each gradient bucket in bf16 (torch's ``bf16_compress_hook``:
+    divide by the world size, cast, all-reduce, cast back into the bucket).
 
     Collective: every rank of the dp group must call this (DDP broadcasts rank 0's parameters).
     """
@@ -66,6 +72,19 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device, *, bu
     no_buffer_sync = ({"forward_sync_buffers": sync_buffers}
                       if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
                       else {"broadcast_buffers": sync_buffers})
-    return DistributedDataParallel(model, process_group=dp_mesh.get_group(),
-                                   device_ids=[device.index] if device.type == "cuda" else None,
-                                   gradient_as_bucket_view=True, bucket_cap_mb=bucket_mb, **no_buffer_sync)
+    ddp = DistributedDataParallel(model, process_group=dp_mesh.get_group(),
+                                  device_ids=[device.index] if device.type == "cuda" else None,
+                                  gradient_as_bucket_view=True, bucket_cap_mb=bucket_mb, **no_buffer_sync)
+    if reduce_dtype == torch.bfloat16:
+        ddp.register_comm_hook(dp_mesh.get_group(), bf16_all_reduce)
+    elif reduce_dtype != torch.float32:
+        raise ValueError(f"apply_ddp: reduce_dtype={reduce_dtype} is not fp32 or bf16")
+    return ddp
+
+
+def bf16_all_reduce(process_group, bucket):
+    """torch's ``bf16_compress_hook`` under another name: DDP refuses that name unless NCCL is available
+    (``register_comm_hook`` checks it by name), while gloo sums bf16 tensors too, so CPU runs can reduce in bf16."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+    return bf16_compress_hook(process_group, bucket)

@@ -70,7 +70,10 @@ def describe_speed(job: JobConfig, device: torch.device, compute_dtype: torch.dt
     engine's resolved train.cuda_graphs; ``fsdp``: FSDP2 holds the parameters, and its mixed precision, not
     autocast, computes in bf16)."""
     t = job.train
-    bf16 = "bf16 parameters (FSDP2), fp32 gradient reduction" if fsdp else "bf16 autocast"
+    reduce = job.parallel.grad_reduce_dtype
+    bf16 = f"bf16 parameters (FSDP2), {reduce} gradient reduction" if fsdp else "bf16 autocast"
+    if reduce == "bf16" and not fsdp:
+        bf16 += ", bf16 gradient all-reduce"
     precision = "float8 matmuls (torchao) + bf16" if t.float8 else (bf16 if compute_dtype == torch.bfloat16 else "fp32")
     compiled = "on with CUDA graphs" if cuda_graphs else "on"
     parts = [f"compile {compiled if compile_enabled(t.compile, device) else 'off'} (train.compile={t.compile})",

@@ -29,10 +29,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshrun.config import ConfigError
+from meshrun.config import REDUCE_DTYPES, ConfigError
 from meshrun.comm.mesh import ParallelDims
 from meshrun.models.spec import ModelStructure
-from meshrun.parallel.options import ParallelOptions
+from meshrun.parallel.options import ParallelOptions, reduce_dtype
 from meshrun.parallel.tied import find_shared
 from meshrun.parallel.tp import resolve_plan
 
@@ -130,10 +130,11 @@ def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world
                    tp: int = 0, dp_replicate: int = 0, blocks: str | None = None,
                    tp_plan: Mapping[str, Any] | None = None, activation_checkpoint: str = "none",
                    compute_dtype: torch.dtype | str | None = None,
-                   compile: bool = False) -> tuple[nn.Module, ModuleLayout]:
+                   compile: bool = False, grad_reduce_dtype: str = "fp32") -> tuple[nn.Module, ModuleLayout]:
     """Apply ``layout`` to ``model`` (in place where possible); returns (the module to train, what was done).
     ``compute_dtype``: see :func:`resolve_compute_dtype`; ``compile``: compile the blocks before FSDP2 or TP wraps
-    them, or, for DDP and one process, the whole model.
+    them, or, for DDP and one process, the whole model; ``grad_reduce_dtype``: 'fp32' or 'bf16', the dtype DDP,
+    FSDP2 and HSDP sum gradients in across ranks (meshrun train's parallel.grad_reduce_dtype).
 
     Collective: every rank must call it (it builds the mesh and broadcasts rank 0's weights)."""
     from meshrun.parallel.apply import layout_name, parallelize, uses_fsdp
@@ -161,9 +162,9 @@ def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world
     # DDP or one process: the whole model in one graph (with a loss inside it, the logits never exist in fp32), as
     # meshrun train compiles them; per-block graphs where FSDP2 or TP hooks run between the blocks
     whole_graph = compile and not uses_fsdp(dims) and dims.tp == 1
-    parallelize(model, structure, dims, session_options(layout, compute_dtype=compute_dtype, device=device,
-                                                        compiled=compile and not whole_graph,
-                                                        activation_checkpoint=activation_checkpoint))
+    options = session_options(layout, compute_dtype=compute_dtype, device=device, compiled=compile and not whole_graph,
+                              activation_checkpoint=activation_checkpoint, grad_reduce_dtype=grad_reduce_dtype)
+    parallelize(model, structure, dims, options)
     if whole_graph:
         model.compile()  # in place: parameter names keep no "_orig_mod."
         if dims.dp_replicate > 1:  # one node: one graph each way (see parallel.ddp_graph)
@@ -171,7 +172,8 @@ def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world
     compiled = 1 if whole_graph else compile_unblocked(model, structure) if compile else 0
     trained = model
     if dims.dp_replicate > 1 and not uses_fsdp(dims):
-        trained = apply_ddp(model, dims.get_mesh("dp_replicate"), device, sync_buffers=True)
+        trained = apply_ddp(model, dims.get_mesh("dp_replicate"), device, sync_buffers=True,
+                            reduce_dtype=options.reduce_dtype)
         shared.restore(model, layout=f"layout={layout!r}", after="DDP", reshare=False)
     return trained, ModuleLayout(dims=dims, name=layout_name(dims), blocks=blocks, module=model,
                                  compute_dtype=compute_dtype, compiled=compiled,
@@ -179,11 +181,20 @@ def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world
 
 
 def session_options(layout: str, *, compute_dtype: torch.dtype | None, device: torch.device, compiled: bool,
-                    activation_checkpoint: str) -> ParallelOptions:
+                    activation_checkpoint: str, grad_reduce_dtype: str = "fp32") -> ParallelOptions:
     """parallelize's options for ``Session.prepare_model``: its arguments; the rest as ``meshrun train``'s defaults
     (no sequence parallelism or float8, FSDP2 units of one block, 'auto' resharding)."""
     return ParallelOptions(compute_dtype=compute_dtype, compiled=compiled, activation_checkpoint=activation_checkpoint,
-                           device=device, layout=f"layout={layout!r}")
+                           device=device, layout=f"layout={layout!r}",
+                           reduce_dtype=session_reduce_dtype(grad_reduce_dtype))
+
+
+def session_reduce_dtype(choice: str) -> torch.dtype:
+    """``grad_reduce_dtype`` of ``Session.prepare_model`` ('fp32' or 'bf16') as a torch dtype; refuses the rest."""
+    if choice not in REDUCE_DTYPES:
+        raise ConfigError(f"grad_reduce_dtype={choice!r}: choose one of {', '.join(REDUCE_DTYPES)} (the dtype data "
+                          "parallelism sums gradients in)")
+    return reduce_dtype(choice)
 
 
 def compile_unblocked(model: nn.Module, spec: ModelStructure) -> int:

@@ -273,9 +273,10 @@ def copy_from_rank0(whole: nn.Module, parts: list[nn.Module], device: torch.devi
 def prepare_pipeline(model: nn.Module, layout: str, *, device: torch.device, world_size: int, nodes: int = 1,
                      pp: int = 0, blocks: str | None = None, options: PipelineOptions | None = None,
                      activation_checkpoint: str = "none", compute_dtype: torch.dtype | str | None = None,
-                     compile: bool = False) -> tuple[PipelinedModule, ModuleLayout]:
+                     compile: bool = False, grad_reduce_dtype: str = "fp32") -> tuple[PipelinedModule, ModuleLayout]:
     """Cut ``model`` into pipeline stages and build this rank's (see the module docstring). In one process the
-    whole model runs in ``step``. ``compute_dtype`` and ``compile`` as for meshrun.parallel.module.prepare_module.
+    whole model runs in ``step``. ``compute_dtype``, ``compile`` and ``grad_reduce_dtype`` as for
+    meshrun.parallel.module.prepare_module.
     Collective: every rank must call it (mesh, weight broadcast)."""
     from meshrun.parallel.apply import layout_name, parallelize, uses_fsdp
     from meshrun.parallel.pipeline import PipelineEngine, split_stage, stage_ids
@@ -302,7 +303,7 @@ def prepare_pipeline(model: nn.Module, layout: str, *, device: torch.device, wor
         shared.restore(part, layout=f"layout={layout!r}", after="cutting the stages")
     copy_from_rank0(model, parts, device)
     options = session_options(layout, compute_dtype=compute_dtype, device=device, compiled=compile,
-                              activation_checkpoint=activation_checkpoint)
+                              activation_checkpoint=activation_checkpoint, grad_reduce_dtype=grad_reduce_dtype)
     for part in parts:
         parallelize(part, spec, dims, options)
     fp32 = compute_dtype is None or compute_dtype == torch.float32

@@ -28,6 +28,9 @@ class ParallelOptions:
     """With TP, shard the residual stream along the sequence between blocks (parallel.sequence_parallel)."""
     float8: bool = False
     """Swap the blocks' linear layers for torchao's Float8Linear (train.float8)."""
+    reduce_dtype: torch.dtype = torch.float32
+    """The dtype data parallelism sums gradients in (parallel.grad_reduce_dtype): DDP's comm hook, FSDP2's
+    reduce dtype."""
     fsdp_reshard_after_forward: str = "auto"
     """auto, true or false (parallel.fsdp_reshard_after_forward)."""
     fsdp_unit_blocks: int = 0
@@ -44,6 +47,11 @@ def parallel_options(job: JobConfig, *, compute_dtype: torch.dtype | None, compi
     p = job.parallel
     return ParallelOptions(compute_dtype=compute_dtype, compiled=compiled,
                            activation_checkpoint=p.activation_checkpoint, sequence_parallel=p.sequence_parallel,
-                           float8=job.train.float8,
+                           float8=job.train.float8, reduce_dtype=reduce_dtype(p.grad_reduce_dtype),
                            fsdp_reshard_after_forward=p.fsdp_reshard_after_forward,
                            fsdp_unit_blocks=p.fsdp_unit_blocks, device=device)
+
+
+def reduce_dtype(choice: str) -> torch.dtype:
+    """parallel.grad_reduce_dtype as a torch dtype."""
+    return torch.bfloat16 if choice == "bf16" else torch.float32

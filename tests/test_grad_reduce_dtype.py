@@ -1,0 +1,119 @@
+"""parallel.grad_reduce_dtype=bf16: DDP (torch's bf16 compression hook) and FSDP2 (its reduce dtype) sum gradients
+in bf16, and training still follows the single process (CPU, gloo, 2 ranks).
+
+Each layout runs the 10-step parity run of tests/test_parallel_layouts.py from the reference's initial weights.
+What bf16 reduction changes is checked directly: after one forward and backward every reduced gradient element is
+a bf16 value (fp32 reduction leaves values bf16 cannot hold), and each gradient tensor is within 1e-2 relative
+error (its norm) of the fp32 reduction's (seen up to 2.6e-3). That check is the sharp one: a missing sync or a
+wrong scale puts a tensor ~100% off. The trajectory is compared with the reference at looser tolerances than the
+fp32 layouts': losses atol 2e-3 (losses are ~5.5; seen up to 2e-4), final parameters atol 2e-2 (seen up to 6.6e-3;
+the weights move by up to 3e-3 per AdamW step).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_utils import run_distributed
+from test_parallel_layouts import (GLOBAL_BATCH, Layout, build, full_state, load_full, model_config, rank_share,
+                                   reference_run, train)
+
+LAYOUTS = {
+    "ddp2": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 2, "grad_reduce_dtype": "bf16"}),
+    "fsdp2": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 1, "dp_shard": 2,
+                                                       "grad_reduce_dtype": "bf16"}),
+}
+LOSS_ATOL, PARAM_ATOL = 2e-3, 2e-2
+
+
+def _grads(engine) -> dict[str, torch.Tensor]:
+    out = {}
+    for part in engine.model_parts:
+        for name, p in part.named_parameters():
+            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            out[name] = g.detach().clone()
+    return out
+
+
+def _first_grads(layout: Layout, initial: dict, reduce: str) -> dict[str, torch.Tensor]:
+    parallel = layout.parallel | {"grad_reduce_dtype": reduce}
+    _, engine = build(model_config(tied=layout.tied), parallel, grad_accum=1)
+    load_full(engine, initial)
+    inputs, targets = rank_share(0, engine.dp_rank, engine.dp_size)
+    engine.forward_backward([(inputs, targets)])
+    return _grads(engine)
+
+
+def _worker(rank: int, world_size: int, initial: dict) -> dict:
+    out = {}
+    for name, layout in LAYOUTS.items():
+        bf16, fp32 = _first_grads(layout, initial, "bf16"), _first_grads(layout, initial, "fp32")
+        _, engine = build(model_config(tied=layout.tied), layout.parallel, grad_accum=layout.grad_accum)
+        load_full(engine, initial)
+        result = train(engine, grad_accum=layout.grad_accum)
+        out[name] = result | {"bf16": bf16, "fp32": fp32, "state": full_state(engine)}
+        dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    reference = reference_run(tied=True)
+    assert GLOBAL_BATCH % 4 == 0
+    return reference, run_distributed(_worker, 2, reference["initial"], timeout=300)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_bf16_gradient_reduction_sums_in_bf16_and_trains_like_one_process(name, runs):
+    reference, per_rank = runs
+    for rank, result in enumerate(per_rank):
+        r = result[name]
+        representable = [k for k, g in r["bf16"].items() if torch.equal(g, g.bfloat16().float())]
+        assert len(representable) == len(r["bf16"]), f"{name} rank {rank}: a gradient was not reduced in bf16"
+        assert any(not torch.equal(g, g.bfloat16().float()) for g in r["fp32"].values()), \
+            f"{name} rank {rank}: fp32 reduction gave bf16 values too, so the check above would prove nothing"
+        for key, g in r["fp32"].items():  # per tensor: an element summed from opposite signs may lose all digits
+            error = (r["bf16"][key] - g).norm() / g.norm()
+            assert error < 1e-2, f"{name} rank {rank}: {key}'s gradient is {error:.1e} off the fp32 reduction's"
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(reference["losses"]), rtol=0,
+                                   atol=LOSS_ATOL)
+        assert r["val"] == pytest.approx(reference["val"], abs=LOSS_ATOL)
+        for key, expected in reference["state"].items():
+            torch.testing.assert_close(r["state"][key], expected, rtol=0, atol=PARAM_ATOL,
+                                       msg=lambda m: f"{name}: parameter {key}: {m}")
+
+
+# ---- Session.prepare_model(grad_reduce_dtype=...) on a user's model ------------------------------------------------
+
+def _session_worker(rank: int, world_size: int) -> dict:
+    from mlp_lm import MLPLM
+
+    from meshrun import Session
+    from meshrun.config import ConfigError
+
+    out = {}
+    tokens = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(3))[rank * 4:(rank + 1) * 4]
+    for layout in ("ddp", "fsdp"):
+        for reduce in ("bf16", "fp32"):
+            session = Session(seed=0)
+            model = session.prepare_model(MLPLM(), layout=layout, grad_reduce_dtype=reduce)
+            logits = model(tokens[:, :-1])
+            torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+            grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in model.parameters()]
+            out[layout, reduce] = all(torch.equal(g, g.bfloat16().float()) for g in grads)
+    try:
+        Session(seed=0).prepare_model(MLPLM(), layout="ddp", grad_reduce_dtype="fp16")
+    except ConfigError as exc:
+        out["refused"] = str(exc)
+    return out
+
+
+@pytest.mark.slow
+def test_session_sums_gradients_in_the_dtype_asked_and_refuses_another():
+    result = run_distributed(_session_worker, 2, init_pg=False, timeout=300)[0]
+    assert result["ddp", "bf16"] and result["fsdp", "bf16"], "Session's grad_reduce_dtype='bf16' did not reach the reduction"
+    assert not result["ddp", "fp32"] and not result["fsdp", "fp32"]
+    assert result["refused"].splitlines()[0].startswith("grad_reduce_dtype='fp16': choose one of fp32, bf16")
