@@ -185,7 +185,7 @@ class ParallelConfig:
     """The dtype data parallelism sums gradients in across ranks: fp32, or bf16 (half the bytes; each rank's
     gradients are cast to bf16 before the all-reduce or reduce-scatter, and the result back to the parameters' dtype).
     DDP uses torch's bf16 compression hook, FSDP2 and HSDP their mixed-precision reduce dtype. Layouts without data
-    parallelism reduce nothing and ignore it."""
+    parallelism reduce nothing and ignore it; the sum across replica groups (replicas.groups) stays fp32."""
     activation_checkpoint: ActivationCheckpointMode = "none"
     """none, selective or full."""
     allow_tp_across_nodes: bool = False
