@@ -2,13 +2,15 @@
 
 2 GPUs through `meshrun launch` (NCCL, bf16 autocast, the model compiled with its loss) against 1 GPU with twice
 the accumulation (same global batch): losses within 0.05 over 20 steps (bf16 rounding; a missing gradient sync or a
-wrong shard is off by > 0.3 within a few steps), and the MFU and peak memory fields are filled in.
+wrong shard is off by > 0.3 within a few steps), median gradient norms within 10%, and the MFU and peak memory
+fields are filled in.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -50,6 +52,10 @@ def test_two_gpu_ddp_matches_one_gpu_with_accumulation(tmp_path, one_gpu, extra)
     torch.testing.assert_close(torch.tensor([r["loss"] for r in two]), torch.tensor([r["loss"] for r in one]),
                                rtol=0, atol=0.05)
     assert two[-1]["loss"] < two[0]["loss"] - 0.5
+    # the gradient norm sees what AdamW's losses hide: an accumulation that kept one micro-batch's gradients (a CUDA
+    # graph replayed over the first one's) would leave the 1-GPU run about half the norm
+    norms = [statistics.median(r["grad_norm"] for r in run) for run in (one, two)]
+    assert abs(norms[1] / norms[0] - 1) < 0.1, f"median gradient norm (1 GPU, 2 GPUs): {norms}"
     assert all(r["peak_mem_gib"] > 0 for r in two)
     if any(r["mfu"] is None for r in two):
         pytest.fail(f"MFU missing: {torch.cuda.get_device_name()} is not in metrics.PEAK_BF16_FLOPS")
