@@ -104,6 +104,7 @@ def _session_worker(rank: int, world_size: int) -> dict:
             torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
             grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in model.parameters()]
             out[layout, reduce] = all(torch.equal(g, g.bfloat16().float()) for g in grads)
+            out[layout, reduce, "line"] = session.layout.describe(session.device, "auto")
     try:
         Session(seed=0).prepare_model(MLPLM(), layout="ddp", grad_reduce_dtype="fp16")
     except ConfigError as exc:
@@ -116,4 +117,7 @@ def test_session_sums_gradients_in_the_dtype_asked_and_refuses_another():
     result = run_distributed(_session_worker, 2, init_pg=False, timeout=300)[0]
     assert result["ddp", "bf16"] and result["fsdp", "bf16"], "Session's grad_reduce_dtype='bf16' did not reach the reduction"
     assert not result["ddp", "fp32"] and not result["fsdp", "fp32"]
+    assert "; gradients summed in bf16;" in result["fsdp", "bf16", "line"]
+    assert "bf16" not in result["ddp", "fp32", "line"]  # the start-up line says it only when chosen
+    assert "gradients summed in bf16" in result["ddp", "bf16", "line"]
     assert result["refused"].splitlines()[0].startswith("grad_reduce_dtype='fp16': choose one of fp32, bf16")

@@ -50,7 +50,9 @@ class ModuleLayout:
     module: nn.Module
     """The model itself (never a DDP wrapper), with its original parameter names."""
     compute_dtype: torch.dtype | None = None
-    """FSDP2's parameter dtype in forward and backward (None: the parameters' own); gradients reduce in fp32."""
+    """FSDP2's parameter dtype in forward and backward (None: the parameters' own)."""
+    grad_reduce_dtype: str = "fp32"
+    """The dtype data parallelism sums gradients in ('fp32' or 'bf16')."""
     compiled: int = 0
     """Modules compiled in place (the blocks, or 1 for a model without repeated blocks)."""
     note: str = ""
@@ -61,8 +63,9 @@ class ModuleLayout:
         dtype = "fp32" if self.compute_dtype in (None, torch.float32) else str(self.compute_dtype).split(".")[-1]
         how = ("; pass compute_dtype=torch.float32 for fp32" if choice == "auto" and dtype != "fp32" else "")
         compiled = f"{self.compiled} module(s) compiled" if self.compiled else "not compiled (compile=True compiles)"
+        reduce = "; gradients summed in bf16" if self.grad_reduce_dtype == "bf16" and self.dims.dp_size > 1 else ""
         return (f"meshrun: prepare_model: {self.name} over {self.dims.world_size} rank(s) on {device.type}; "
-                f"compute {dtype} (compute_dtype={choice!r}{how}); {compiled}")
+                f"compute {dtype} (compute_dtype={choice!r}{how}){reduce}; {compiled}")
 
 
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -176,7 +179,7 @@ def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world
                             reduce_dtype=options.reduce_dtype)
         shared.restore(model, layout=f"layout={layout!r}", after="DDP", reshare=False)
     return trained, ModuleLayout(dims=dims, name=layout_name(dims), blocks=blocks, module=model,
-                                 compute_dtype=compute_dtype, compiled=compiled,
+                                 compute_dtype=compute_dtype, grad_reduce_dtype=grad_reduce_dtype, compiled=compiled,
                                  note=layout_note(layout, dims, nodes=nodes))
 
 

@@ -318,7 +318,7 @@ def prepare_pipeline(model: nn.Module, layout: str, *, device: torch.device, wor
     compiled = sum(len(spec.block_modules(part)) for part in parts) if compile else 0
     return (PipelinedModule(parts, engine, loss_fn=loss_fn, fingerprint=fingerprint),
             ModuleLayout(dims=dims, name=layout_name(dims), blocks=blocks, module=parts[0], compute_dtype=compute_dtype,
-                         compiled=compiled))
+                         grad_reduce_dtype=grad_reduce_dtype, compiled=compiled))
 
 
 def compile_blocks(model: nn.Module, blocks: str) -> int:
