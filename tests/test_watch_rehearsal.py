@@ -34,18 +34,39 @@ JOB = [f"--train.steps={STEPS}", f"--train.log_every={LOG_EVERY}", "--train.eval
        "--health.straggler_threshold=0", "--checkpoint.final=false", "--run.system_sample_s=0.2"]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+SCRAPED_PORTS = 8
+"""Ports scraped from run.prometheus_port up: each node serves on the first free one from there (both simulated
+nodes race for it), and another test running beside this one may hold one of them meanwhile."""
+
+
+def _free_ports(count: int) -> int:
+    """The first of ``count`` consecutive ports that are free on 127.0.0.1 now."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            first = sock.getsockname()[1]
+        if first + count > 65535:
+            continue
+        try:
+            socks = [socket.socket() for _ in range(count)]
+            for offset, sock in enumerate(socks):
+                sock.bind(("127.0.0.1", first + offset))
+            return first
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
 
 
 def _scrape_until(port: int, done: threading.Event, seen: dict) -> None:
     """Scrape ``port`` until it answers with a node's metrics, or the job ended. One thread per port: a node whose
-    endpoint answers slowly on a loaded machine must not use up the short time the other one serves (8 steps)."""
+    endpoint answers slowly on a loaded machine must not use up the short time the other one serves (8 steps).
+    An answer may take long (the endpoint's thread shares the GIL with training): a CI run on a loaded machine once
+    saw node 0 never answer within a 2 s timeout while it trained, so a request waits up to 20 s."""
     while not done.is_set() and port not in seen:
         try:
-            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=20).read().decode()
         except OSError:
             time.sleep(0.05)
             continue
@@ -64,10 +85,11 @@ def runs(tmp_path_factory):
     two, one = root / "two_nodes", root / "one_process"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     env.pop("MLFLOW_TRACKING_URI", None)
-    port = _free_port()
+    port = _free_ports(SCRAPED_PORTS)
     seen: dict = {}
     done = threading.Event()
-    scrapers = [threading.Thread(target=_scrape_until, args=(p, done, seen), daemon=True) for p in (port, port + 1)]
+    scrapers = [threading.Thread(target=_scrape_until, args=(p, done, seen), daemon=True)
+                for p in range(port, port + SCRAPED_PORTS)]
     for scraper in scrapers:
         scraper.start()
     started = time.monotonic()
