@@ -61,7 +61,7 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device, *, bu
     ``sync_buffers`` broadcasts rank 0's buffers before every forward (models with running statistics, such as
     BatchNorm, need it; the trainer's models compute their buffers identically everywhere and skip it).
     ``reduce_dtype=torch.bfloat16`` all-reduces each gradient bucket in bf16 (torch's ``bf16_compress_hook``:
-    divide by the world size, cast, all-reduce, cast back into the bucket).
+    cast to bf16, divide by the world size, all-reduce, copy back into the fp32 bucket).
 
     Collective: every rank of the dp group must call this (DDP broadcasts rank 0's parameters).
     """
