@@ -4,7 +4,8 @@ For each case (model size x number of GPUs x gradient-clipping value) it runs, a
   - the baseline, benchmarks/baseline_ddp_gpt.py: plain DDP, bf16 autocast, SDPA, fused AdamW, torch.compile;
   - the peers (--peers) whose library is installed: benchmarks/peer_accelerate.py (Hugging Face Accelerate) and
     benchmarks/peer_fabric.py (Lightning Fabric), which train the baseline's model on the same tokens;
-  - `meshrun train` once per layout (--layouts), and once more per layout for each --variant; with --src, all of
+  - `meshrun train` once per layout (--layouts), and once more per layout for each --variant (LAYOUT/NAME: for that
+    layout only); with --src, all of
     those again from another copy of meshrun (an older checkout's src), to compare two versions of the code;
   - with --session, the baseline's GPT through meshrun's `Session.prepare_model` (benchmarks/session_gpt.py, as
     docs/api.md shows: a user's own model) per layout given (ddp, fsdp).
@@ -177,7 +178,7 @@ def run_case(case: Case, plan: Plan, env: dict[str, str]) -> Iterator[dict]:
             continue  # FSDP, TP, PP and CP need two GPUs or more
         for source, folder in [("", ""), *plan.sources]:
             src_env = source_env(env, folder) if folder else env
-            for name, overrides in [("", []), *plan.variants]:
+            for name, overrides in [("", []), *variants_for(layout, plan.variants)]:
                 impl = (f"meshrun-{layout}-{name}" if name else f"meshrun-{layout}") + (f"@{source}" if source else "")
                 jobs.append((impl, lambda o=[*plan.extra, *overrides], lay=layout, e=src_env:
                              run_meshrun(case, lay, plan, e, o)))
@@ -189,6 +190,16 @@ def run_case(case: Case, plan: Plan, env: dict[str, str]) -> Iterator[dict]:
                 print(json.dumps({"impl": impl, "repeat": i + 1, **runs[impl][-1]}), flush=True)
     for impl, _ in jobs:
         yield labelled(case, impl, combine(runs[impl]))
+
+
+def variants_for(layout: str, variants: list[tuple[str, list[str]]]) -> list[tuple[str, list[str]]]:
+    """The variants that run for ``layout``: every plain NAME, and LAYOUT/NAME only for its layout (as NAME)."""
+    chosen = []
+    for name, overrides in variants:
+        only, _, short = name.rpartition("/")
+        if not only or only == layout:
+            chosen.append((short, overrides))
+    return chosen
 
 
 def combine(results: list[dict]) -> dict:
@@ -276,8 +287,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="torch.compile on every side (default: on with a GPU, off on CPU)")
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--extra", action="append", default=[], help="meshrun overrides for every meshrun row")
-    p.add_argument("--variant", action="append", default=[], metavar="NAME:OVERRIDES",
-                   help="one more meshrun row per layout, meshrun-<layout>-NAME, with these overrides")
+    p.add_argument("--variant", action="append", default=[], metavar="[LAYOUT/]NAME:OVERRIDES",
+                   help="one more meshrun row per layout, meshrun-<layout>-NAME, with these overrides; "
+                        "LAYOUT/NAME adds it for that layout only")
     p.add_argument("--src", action="append", default=[], metavar="NAME:FOLDER",
                    help="meshrun rows again with the meshrun package in FOLDER (e.g. an older checkout's src), "
                         "named meshrun-<layout>@NAME, interleaved with this checkout's")
@@ -298,6 +310,10 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for variant in args.variant:
         if not variant.partition(":")[0] or ":" not in variant:
             p.error(f"--variant {variant!r}: expected NAME:OVERRIDES, e.g. ac:--parallel.activation_checkpoint=full")
+        only = variant.partition(":")[0].rpartition("/")[0]
+        if only and only not in split(args.layouts):
+            p.error(f"--variant {variant!r}: {only!r} is not one of --layouts {args.layouts!r}; give LAYOUT/NAME "
+                    "for a layout that runs, or NAME for all of them")
     for value in [*args.extra, *args.variant]:
         if "--train.grad_clip" in value:
             p.error(f"{value!r} sets --train.grad_clip for meshrun alone; use --grad-clip, which clips every side")

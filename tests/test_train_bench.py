@@ -133,6 +133,21 @@ def test_repeat_runs_every_row_that_many_times_interleaved(monkeypatch):
     assert tb.combine([{"tokens_per_s_per_gpu": 1.0}]) == {"tokens_per_s_per_gpu": 1.0}  # one run: as it is
 
 
+def test_a_layout_scoped_variant_runs_for_its_layout_only(monkeypatch):
+    plan, _ = tb.make_plan(tb.parse_args(["--layouts", "ddp,pp", "--peers", "", "--no-baseline",
+                                          "--variant", "pp/m16:--parallel.pp_microbatches=16",
+                                          "--variant", "v:--x=1"]), "cpu")
+    calls = []
+    monkeypatch.setattr(tb, "run_meshrun", lambda c, lay, p, e, o: calls.append((lay, o)) or
+                        {"tokens_per_s_per_gpu": 2.0})
+    rows = list(tb.run_case(tb.Case("tiny", 2, 0.0), plan, {}))
+    assert [r["impl"] for r in rows] == ["meshrun-ddp", "meshrun-ddp-v", "meshrun-pp", "meshrun-pp-m16",
+                                         "meshrun-pp-v"]
+    assert ("pp", ["--parallel.pp_microbatches=16"]) in calls and len(calls) == 5
+    with pytest.raises(SystemExit):  # a layout that does not run is named up front
+        tb.parse_args(["--layouts", "ddp", "--variant", "tp/x:--y=1"])
+
+
 def test_src_rows_run_another_meshrun_first_on_the_path_interleaved(monkeypatch, tmp_path):
     old = tmp_path / "old" / "src"
     (old / "meshrun").mkdir(parents=True)
