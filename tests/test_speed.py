@@ -18,7 +18,7 @@ from meshrun.models.build import model_shape, model_spec
 from meshrun.models.gpt import SIZES
 from meshrun.models.gpt_spec import GPT_SPEC
 from meshrun.parallel.apply import reshard_after_forward, use_cuda_graphs
-from meshrun.parallel.checks import check_cuda_graphs, check_layout
+from meshrun.parallel.checks import check_cuda_graphs, check_layout, graphs_block_by_block, graphs_supported
 from meshrun.parallel.engine import count_tensor, loss_function, token_loss_sum
 from meshrun.parallel.async_tp import check_async_tp
 from meshrun.parallel.float8 import check_float8
@@ -72,27 +72,40 @@ def test_async_tp_needs_sequence_parallel_tp_cuda_and_compile():
     check_async_tp(gpu, tp=2, compiled=True)  # nothing to refuse
 
 
-def test_cuda_graphs_need_cuda_compile_and_a_whole_model_layout():
+def test_cuda_graphs_need_cuda_compile_and_a_layout_they_serve():
     gpu = torch.device("cuda", 0)
-    for device, compiled, local, message in ((CPU, True, True, "this run is on cpu. Drop --train.cuda_graphs"),
-                                              (gpu, False, True, "set --train.compile=true"),
-                                              (gpu, True, False, "not for FSDP, whose per-block hooks")):
+    for device, compiled, supported, message in ((CPU, True, True, "this run is on cpu. Drop --train.cuda_graphs"),
+                                                  (gpu, False, True, "set --train.compile=true"),
+                                                  (gpu, True, False, "not for FSDP, whose per-block hooks")):
         with pytest.raises(ConfigError, match=message):
-            check_cuda_graphs(device, compiled=compiled, local=local, layout="FSDP")
-    check_cuda_graphs(gpu, compiled=True, local=True, layout="DDP")  # nothing to refuse
+            check_cuda_graphs(device, compiled=compiled, supported=supported, layout="FSDP")
+    check_cuda_graphs(gpu, compiled=True, supported=True, layout="DDP")  # nothing to refuse
     job = load_config(None, ["--train.cuda_graphs=true", "--train.compile=true"])
     assert describe_speed(job, CPU, None, cuda_graphs=True).startswith(
         "speed: compile on with CUDA graphs (train.compile=true)")
 
 
+def test_cuda_graphs_serve_whole_model_layouts_and_tp_alone():
+    def dims(**degrees):
+        return ParallelDims.from_config(ParallelConfig(**{"dp_replicate": 1} | degrees), world_size=4,
+                                        gpus_per_node=4)
+
+    assert graphs_supported(dims(dp_replicate=4)) and graphs_supported(dims(tp=4))  # DDP; TP block by block
+    assert graphs_block_by_block(dims(tp=4)) and not graphs_block_by_block(dims(dp_replicate=4))
+    assert not graphs_supported(dims(tp=4), async_tp=True)  # symmetric-memory kernels are not recorded
+    for degrees in ({"tp": 2, "dp_shard": 2}, {"tp": 2, "dp_replicate": 2}, {"tp": 2, "pp": 2}, {"tp": 2, "cp": 2},
+                    {"dp_shard": 4}, {"pp": 4}):
+        assert not graphs_supported(dims(**degrees)), degrees
+
+
 def test_cuda_graphs_auto_is_on_exactly_where_true_is_accepted():
     gpu = torch.device("cuda", 0)
-    assert use_cuda_graphs("auto", gpu, compiled=True, local=True)
-    for device, compiled, local in ((CPU, True, True), (gpu, False, True), (gpu, True, False)):
-        assert not use_cuda_graphs("auto", device, compiled=compiled, local=local)  # no refusal
-    assert not use_cuda_graphs("false", gpu, compiled=True, local=True)
-    assert not use_cuda_graphs("auto", gpu, compiled=True, local=True, measured=False)  # float8...
-    assert use_cuda_graphs("true", gpu, compiled=True, local=True, measured=False)  # asked for
+    assert use_cuda_graphs("auto", gpu, compiled=True, supported=True)
+    for device, compiled, supported in ((CPU, True, True), (gpu, False, True), (gpu, True, False)):
+        assert not use_cuda_graphs("auto", device, compiled=compiled, supported=supported)  # no refusal
+    assert not use_cuda_graphs("false", gpu, compiled=True, supported=True)
+    assert not use_cuda_graphs("auto", gpu, compiled=True, supported=True, measured=False)  # float8...
+    assert use_cuda_graphs("true", gpu, compiled=True, supported=True, measured=False)  # asked for
     job = load_config(None, ["--train.cuda_graphs=true", "--train.compile=true"])
     fsdp = ParallelDims.from_config(ParallelConfig(dp_shard=2), world_size=2, gpus_per_node=2)
     with pytest.raises(ConfigError, match="not for FSDP"):  # what the run plan checks before any process group

@@ -102,10 +102,12 @@ class TrainConfig:
     """torch.compile the model: auto (on for CUDA GPUs, off on CPU, where compiling costs more than it saves),
     true or false."""
     cuda_graphs: str = "auto"
-    """Compile the step with CUDA graphs (torch.compile mode reduce-overhead): each compiled graph is recorded once
-    and replayed, so the host no longer launches every kernel. auto: on for one process and DDP when compiled on
-    CUDA GPUs with the full loss and without float8 (the combinations tested on GPUs), off elsewhere; true refuses
-    the layouts it cannot serve; false launches every kernel."""
+    """Compile with CUDA graphs (torch.compile mode reduce-overhead): each compiled graph is recorded once and
+    replayed, so the host no longer launches every kernel. One process and DDP record the whole step; TP alone (no
+    FSDP, pipeline or context parallelism) records each block, its all-reduces inside. auto: on for those layouts
+    when compiled on CUDA GPUs with the full loss, without float8 and (TP) without sequence parallelism (the
+    combinations tested on GPUs), off elsewhere; true refuses the layouts it cannot serve; false launches every
+    kernel."""
     gc_every: int = 50
     """Python's garbage collector runs every N optimizer steps (young generations only) instead of whenever
     allocations trigger it, with the objects alive after the first step frozen out of its scans; 0 leaves Python's

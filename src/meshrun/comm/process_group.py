@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -151,5 +152,17 @@ def shutdown() -> None:
     """
     if not dist.is_initialized():
         return
+    release_cuda_graphs()
     time.sleep(0.2)  # note: releases the GIL; see above
     dist.destroy_process_group()
+
+
+def release_cuda_graphs() -> None:
+    """Free the CUDA graphs torch.compile recorded (train.cuda_graphs), before the process groups go.
+
+    NCCL's communicator destroy waits until every CUDA graph that captured one of its collectives is freed
+    (pytorch#115388). TP blocks recorded as graphs hold their all-reduces, and a graph freed only at interpreter exit
+    would leave destroy_process_group waiting forever: a TP run with train.cuda_graphs finished its steps on
+    2 H100s and then hung. Nothing to do when no CUDA graph was recorded."""
+    if "torch._inductor.cudagraph_trees" in sys.modules:
+        torch.compiler.reset()  # also frees the CUDA graph trees of every device

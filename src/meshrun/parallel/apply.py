@@ -34,8 +34,8 @@ from meshrun.models.build import model_spec
 from meshrun.models.shape import ModelShape
 from meshrun.models.spec import ModelSpec, ModelStructure
 from meshrun.parallel.activation_checkpoint import apply_activation_checkpointing
-from meshrun.parallel.checks import (check_chunked_loss, check_cuda_graphs, check_layout, is_local, layout_name,
-                                    uses_fsdp)
+from meshrun.parallel.checks import (check_chunked_loss, check_cuda_graphs, check_layout, graphs_supported, is_local,
+                                    layout_name, uses_fsdp)
 from meshrun.parallel.context_parallel import SequenceShards
 from meshrun.parallel.data_parallel import apply_ddp, apply_fsdp, fsdp_units
 from meshrun.parallel.engine import Engine, LocalEngine, LossStep, loss_function
@@ -83,9 +83,12 @@ def build_engine(*, job: JobConfig, model_cfg: ModelShape, dims: ParallelDims, m
     if job.parallel.async_tp:
         enable_async_tp(dims.get_mesh("tp"))
     local = is_local(dims)
-    graphs = use_cuda_graphs(job.train.cuda_graphs, device, compiled=compiled, local=local,
-                             measured=job.train.loss == "full" and not job.train.float8)
-    options = parallel_options(job, compute_dtype=compute_dtype, compiled=compiled, device=device)
+    graphs = use_cuda_graphs(job.train.cuda_graphs, device, compiled=compiled,
+                             supported=graphs_supported(dims, async_tp=job.parallel.async_tp),
+                             measured=job.train.loss == "full" and not job.train.float8
+                             and not (dims.tp > 1 and job.parallel.sequence_parallel))
+    options = parallel_options(job, compute_dtype=compute_dtype, compiled=compiled, device=device,
+                               cuda_graphs=graphs and not local)
     if local:
         return _local_engine(job, spec, cfg, dims, device, rank=rank, autocast_dtype=None if fp32 else compute_dtype,
                              options=options, cuda_graphs=graphs)
@@ -106,7 +109,8 @@ def build_engine(*, job: JobConfig, model_cfg: ModelShape, dims: ParallelDims, m
     engine = ShardedEngine(parts[0], dp_rank=dims.dp_rank(rank), dp_size=dims.dp_size, reports_loss=coords.tp == 0,
                            fsdp=sharded_dp, loss_parallel=use_loss_parallel(dims), autocast_dtype=autocast,
                            loss_fn=loss_fn, aux_loss=spec.aux_loss,
-                           sequence_shards=SequenceShards(dims.get_mesh("cp"), spec) if dims.cp > 1 else None)
+                           sequence_shards=SequenceShards(dims.get_mesh("cp"), spec) if dims.cp > 1 else None,
+                           cuda_graphs=options.cuda_graphs)
     engine.timed_modules = timed_modules(parts[0], spec, dims=dims, compiled=compiled)
     return engine
 
@@ -171,8 +175,9 @@ def parallelize(part: nn.Module, structure: ModelStructure, dims: ParallelDims, 
         convert_blocks_to_float8(part, fsdp=uses_fsdp(dims), blocks_attr=structure.blocks)
     apply_activation_checkpointing(part, options.activation_checkpoint, blocks=blocks)
     if options.compiled:
+        mode = "reduce-overhead" if options.cuda_graphs else None  # inductor's CUDA graphs, block by block
         for block in blocks:
-            block.compile()  # in place: parameter names stay as they are (no "_orig_mod.")
+            block.compile(mode=mode)  # in place: parameter names stay as they are (no "_orig_mod.")
         if dims.tp > 1:  # the TP styles' async collectives must not reach a compiled block as its input
             settle_async_outputs(part, compiled=blocks)
     shared.restore(part, layout=layout, after="float8 and activation checkpointing")
@@ -252,14 +257,15 @@ def seed_for_init(seed: int, *, dims: ParallelDims, rank: int, device: torch.dev
         manual_seed(seed + c.pp, dims.mesh)
 
 
-def use_cuda_graphs(choice: str, device: torch.device, *, compiled: bool, local: bool, measured: bool = True) -> bool:
+def use_cuda_graphs(choice: str, device: torch.device, *, compiled: bool, supported: bool,
+                    measured: bool = True) -> bool:
     """train.cuda_graphs resolved for this run: 'true' refuses what cannot run, 'auto' is on where 'true' would be
-    accepted (one process or DDP, compiled, on CUDA) and the step is one GPU tests have covered (``measured``: the
-    full loss without float8; the chunked loss and float8 scaling have not run under CUDA graphs on a GPU yet),
-    'false' is off."""
+    accepted (``supported``: one process, DDP or TP alone -- checks.graphs_supported --, compiled, on CUDA) and the
+    step is one GPU tests have covered (``measured``: the full loss without float8; the chunked loss and float8
+    scaling have not run under CUDA graphs on a GPU yet), 'false' is off."""
     if choice == "true":
         return True  # check_layout refused what cannot run
-    return choice == "auto" and device.type == "cuda" and compiled and local and measured
+    return choice == "auto" and device.type == "cuda" and compiled and supported and measured
 
 
 def ddp_graph_split(choice: str, dims: ParallelDims) -> bool:

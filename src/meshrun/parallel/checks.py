@@ -53,6 +53,19 @@ def is_local(dims: ParallelDims) -> bool:
     return dims.pp == 1 and dims.tp == 1 and dims.dp_shard == 1 and dims.cp == 1
 
 
+def graphs_block_by_block(dims: ParallelDims, *, async_tp: bool = False) -> bool:
+    """train.cuda_graphs records each compiled block of a TP layout without FSDP, pipeline or context parallelism
+    (replicas, dp_replicate, are HSDP with one shard: FSDP2 hooks, so not these), TP's all-reduces inside the
+    graphs; async TP's symmetric-memory kernels are not recorded."""
+    return dims.tp > 1 and dims.pp == 1 and dims.dp_shard == 1 and dims.dp_replicate == 1 and dims.cp == 1 \
+        and not async_tp
+
+
+def graphs_supported(dims: ParallelDims, *, async_tp: bool = False) -> bool:
+    """Layouts train.cuda_graphs can serve: the whole step (one process, DDP) or block by block (TP alone)."""
+    return is_local(dims) or graphs_block_by_block(dims, async_tp=async_tp)
+
+
 def compute_dtype(job: JobConfig, device_type: str) -> torch.dtype | None:
     """The autocast dtype of a training run, or None for plain fp32 (train.dtype=auto: bf16 on CUDA)."""
     if job.train.dtype == "bf16" or (job.train.dtype == "auto" and device_type == "cuda"):
@@ -73,7 +86,8 @@ def check_layout(job: JobConfig, spec: ModelSpec, shape: ModelShape, dims: Paral
     if job.parallel.async_tp:
         check_async_tp(device, tp=dims.tp, compiled=compiled)
     if job.train.cuda_graphs == "true":
-        check_cuda_graphs(device, compiled=compiled, local=is_local(dims), layout=layout_name(dims))
+        check_cuda_graphs(device, compiled=compiled, supported=graphs_supported(dims, async_tp=job.parallel.async_tp),
+                          layout=layout_name(dims))
     check_chunked_loss(job.train.loss, spec, dims=dims, local=is_local(dims))
 
 
@@ -90,11 +104,12 @@ def check_chunked_loss(loss: str, spec: ModelSpec, *, dims: ParallelDims, local:
                           "weight (ModelSpec.hidden_states, head_weight); drop --train.loss=chunked")
 
 
-def check_cuda_graphs(device: torch.device, *, compiled: bool, local: bool, layout: str) -> None:
-    """Refuse train.cuda_graphs where it cannot run, naming what to change."""
+def check_cuda_graphs(device: torch.device, *, compiled: bool, supported: bool, layout: str) -> None:
+    """Refuse train.cuda_graphs where it cannot run, naming what to change (``supported``: graphs_supported)."""
     require_compiled_cuda("train.cuda_graphs", cuda_why="it records CUDA graphs",
                           compile_why="graphs what torch.compile produces", device=device, compiled=compiled)
-    if not local:
-        raise ConfigError(f"train.cuda_graphs=true runs for one process and DDP, not for {layout}, whose "
-                          "per-block hooks and collectives run between the compiled graphs; drop "
-                          "--train.cuda_graphs, or set --parallel.data_parallel=ddp for pure data parallelism")
+    if not supported:
+        raise ConfigError(f"train.cuda_graphs=true runs for one process, DDP and TP alone (no FSDP, pipeline, context "
+                          f"parallelism or async TP), not for {layout}, whose per-block hooks and collectives run "
+                          "between the compiled graphs; drop --train.cuda_graphs, or set --parallel.data_parallel=ddp "
+                          "for pure data parallelism")

@@ -32,8 +32,10 @@ from meshrun.parallel.grad_norm import clip_grad_norm
 class ShardedEngine:
     def __init__(self, model: nn.Module, *, dp_rank: int, dp_size: int, reports_loss: bool, fsdp: bool,
                  loss_parallel: bool, autocast_dtype: torch.dtype | None, loss_fn=token_loss_sum,
-                 sequence_shards: SequenceShards | None = None, aux_loss=None):
+                 sequence_shards: SequenceShards | None = None, aux_loss=None, cuda_graphs: bool = False):
         self.model = model
+        self.cuda_graphs = cuda_graphs
+        """The blocks are compiled with CUDA graphs (TP alone): each micro-batch starts a new replay generation."""
         self.model_parts = [model]
         self.timed_modules: list[nn.Module] = [model]  # build_engine narrows it to the blocks where it can
         self.dp_rank, self.dp_size = dp_rank, dp_size
@@ -67,6 +69,7 @@ class ShardedEngine:
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         tokens = 0
         for i, (inputs, targets) in enumerate(batches):
+            self._new_generation()
             if self.fsdp:  # reduce-scatter gradients only after the last micro-batch
                 self.model.set_requires_gradient_sync(i == len(batches) - 1)
             with self._sequence(inputs, targets) as (inputs, targets):  # (B, T/cp) under CP
@@ -81,8 +84,15 @@ class ShardedEngine:
             tokens += targets.numel()
         return self._reported(loss_sum, tokens)
 
+    def _new_generation(self) -> None:
+        """With CUDA graphs: the graphs' outputs of the last forward and backward may now be overwritten (the
+        loss sums copied out of them already)."""
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self._new_generation()
         with self._sequence(inputs, targets) as (inputs, targets):
             with autocast(inputs.device.type, self.autocast_dtype):
                 logits = self.model(inputs)
