@@ -87,3 +87,26 @@ def test_a_data_parallel_mesh_creates_no_group_and_gets_the_training_timeout():
     # group. Without set_mesh_timeouts mesh groups would keep torch's 30-minute gloo default.
     for made, count, timeouts in run_distributed(_mesh_timeout_worker, 2, {"dp_replicate": -1}):
         assert made == 0 and count == 1 and timeouts == {timedelta(seconds=42)}
+
+
+def _graphs_freed_first(rank, world_size, port):
+    import torch._inductor.cudagraph_trees  # noqa: F401 - what a run with train.cuda_graphs has imported
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=30))
+    order = []
+    reset, destroy = torch.compiler.reset, dist.destroy_process_group
+    torch.compiler.reset = lambda: (order.append("free CUDA graphs"), reset())[1]
+    dist.destroy_process_group = lambda *a, **k: (order.append("destroy the group"), destroy(*a, **k))[1]
+    try:
+        shutdown()
+    finally:
+        torch.compiler.reset, dist.destroy_process_group = reset, destroy
+    return order
+
+
+def test_cuda_graphs_are_freed_before_the_process_group_is_destroyed():
+    """NCCL's communicator destroy waits for every CUDA graph that captured one of its collectives (TP blocks under
+    train.cuda_graphs): shutdown frees torch.compile's graphs first, or the process would hang at exit."""
+    order = run_distributed(_graphs_freed_first, 2, free_port(), init_pg=False, timeout=60)
+    assert order == [["free CUDA graphs", "destroy the group"]] * 2
