@@ -35,7 +35,7 @@ class ShardedEngine:
                  sequence_shards: SequenceShards | None = None, aux_loss=None, cuda_graphs: bool = False):
         self.model = model
         self.cuda_graphs = cuda_graphs
-        """The blocks are compiled with CUDA graphs (TP alone): each micro-batch starts a new replay generation."""
+        """The blocks are compiled with CUDA graphs (TP alone): each optimizer step starts a new replay generation."""
         self.model_parts = [model]
         self.timed_modules: list[nn.Module] = [model]  # build_engine narrows it to the blocks where it can
         self.dp_rank, self.dp_size = dp_rank, dp_size
@@ -68,8 +68,8 @@ class ShardedEngine:
         device = batches[0][0].device
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         tokens = 0
+        self._new_generation()
         for i, (inputs, targets) in enumerate(batches):
-            self._new_generation()
             if self.fsdp:  # reduce-scatter gradients only after the last micro-batch
                 self.model.set_requires_gradient_sync(i == len(batches) - 1)
             with self._sequence(inputs, targets) as (inputs, targets):  # (B, T/cp) under CP
@@ -85,8 +85,10 @@ class ShardedEngine:
         return self._reported(loss_sum, tokens)
 
     def _new_generation(self) -> None:
-        """With CUDA graphs: the graphs' outputs of the last forward and backward may now be overwritten (the
-        loss sums copied out of them already)."""
+        """With CUDA graphs: the graphs' outputs of the last step may now be overwritten. Once per step, not per
+        micro-batch: a parameter's first gradient of a step becomes its .grad without a copy, so a later micro-batch
+        replaying the same graph would overwrite it; within one generation each micro-batch gets graphs of its own
+        (pytorch#169545)."""
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
 
