@@ -93,6 +93,7 @@ def bench_args(description: str, extra: Callable[[argparse.ArgumentParser], None
     p.add_argument("--ddp-graph", choices=("split", "whole"), default="whole",
                    help="whole: one compiled graph, all-reduce after backward (on 2 H100s 425k tokens/s per GPU on "
                    "124m against 411k split); split: dynamo cuts the graph at DDP's buckets (torch's default)")
+    p.add_argument("--bucket-mb", type=int, default=25, help="DDP's gradient bucket size in MiB (25: torch's default)")
     p.add_argument("--trace", metavar="DIR", help="after the timed steps, record two more with the torch profiler "
                    "into DIR/rank_<N>.json (to compare kernel timelines with meshrun's run.profile_steps)")
     args = p.parse_args()
@@ -204,7 +205,8 @@ def main():
         model = torch.compile(model)  # the whole model and its loss as one graph, then DDP around it
     if dist.is_initialized():
         # gradients live in DDP's buckets: no copy into them before each all-reduce (torch's advice for speed)
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True,
+                    bucket_cap_mb=args.bucket_mb)
     inputs, targets = random_batch(args, rank, device)
 
     def step() -> torch.Tensor:

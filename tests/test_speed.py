@@ -115,15 +115,18 @@ def test_cuda_graphs_auto_is_on_exactly_where_true_is_accepted():
         load_config(None, ["--train.cuda_graphs=sometimes"])
 
 
-def test_ddp_graph_auto_splits_only_across_nodes():
+def test_ddp_graph_auto_splits_for_cuda_graphs_or_across_nodes():
     from meshrun.parallel.apply import ddp_graph_split
 
     one_node = ParallelDims.from_config(ParallelConfig(), world_size=8, gpus_per_node=8)
     two_nodes = ParallelDims.from_config(ParallelConfig(), world_size=16, gpus_per_node=8)
     unknown = ParallelDims.from_config(ParallelConfig(), world_size=2)
-    assert not ddp_graph_split("auto", one_node)
-    assert ddp_graph_split("auto", two_nodes) and ddp_graph_split("auto", unknown)
-    assert ddp_graph_split("split", one_node) and not ddp_graph_split("whole", two_nodes)
+    assert not ddp_graph_split("auto", one_node, cuda_graphs=False)  # launched kernels within a node: one graph
+    assert ddp_graph_split("auto", one_node, cuda_graphs=True)
+    assert ddp_graph_split("auto", two_nodes, cuda_graphs=False) and ddp_graph_split("auto", unknown, cuda_graphs=False)
+    assert ddp_graph_split("split", one_node, cuda_graphs=False)
+    assert not ddp_graph_split("whole", two_nodes, cuda_graphs=True)
+    assert load_config(None, []).parallel.ddp_bucket_mb == 100
 
 
 def test_ddp_graph_choices_are_checked():

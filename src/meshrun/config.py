@@ -176,13 +176,14 @@ class ParallelConfig:
     ddp_overlap: bool = False
     """With compile: compile the DDP-wrapped step instead of wrapping the compiled step in DDP. Either way dynamo
     splits the step at DDP's bucket boundaries, so each bucket's all-reduce overlaps the rest of backward."""
-    ddp_bucket_mb: int = 25
-    """DDP gradient bucket size in MiB (all-reduce granularity)."""
+    ddp_bucket_mb: int = 100
+    """DDP gradient bucket size in MiB (all-reduce granularity). 100 (torchtitan's): with the compiled step split at
+    the buckets, fewer and larger buckets mean fewer graphs; 25 is torch's own default."""
     ddp_graph: DdpGraphMode = "auto"
     """With compile: split (dynamo cuts the compiled step at DDP's bucket boundaries, so each bucket's all-reduce
     overlaps the rest of backward), whole (one forward and one backward graph, DDP's all-reduces after backward:
-    fewer graphs for the host to enter, the all-reduce exposed), or auto: whole while every replica is on one
-    node (an all-reduce over NVLink takes a few ms), split when replicas cross nodes."""
+    fewer graphs for the host to enter, the all-reduce exposed), or auto: split when the step runs as CUDA graphs
+    or replicas cross nodes, whole for launched kernels within one node."""
     grad_reduce_dtype: ReduceDtype = "fp32"
     """The dtype data parallelism sums gradients in across ranks: fp32, or bf16 (half the bytes; each rank's
     gradients are cast to bf16 before the all-reduce or reduce-scatter, and the result back to the parameters' dtype).
