@@ -32,6 +32,7 @@ harness, not a measurement.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import importlib.util
 import json
@@ -99,6 +100,7 @@ class Plan:
     repeat: int = 1  # runs of every row; the row reports their median and min-max
     session: tuple[Script, ...] = ()  # meshrun's Session rows (not references)
     sources: tuple[tuple[str, str], ...] = ()  # (name, folder holding another meshrun): rows meshrun-<layout>@name
+    keep_runs: str = ""  # a folder that keeps each meshrun run's folder (metrics, profiler traces); '' = temporary
 
 
 def launch(gpus: int, target: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -136,11 +138,18 @@ def meshrun_args(case: Case, layout: str, plan: Plan, run_dir: str, overrides: l
     return [*args, *overrides]
 
 
-def run_meshrun(case: Case, layout: str, plan: Plan, env: dict[str, str], overrides: list[str]) -> dict:
-    """A meshrun row for this case: medians of the train records after the warm-up third."""
-    with tempfile.TemporaryDirectory() as tmp:
-        proc = launch(case.gpus, meshrun_args(case, layout, plan, tmp, overrides), env)
-        metrics = Path(tmp, "metrics.jsonl")
+def kept_run_dir(plan: Plan, case: Case, impl: str, repeat: int) -> Path:
+    """Where --keep-runs keeps one meshrun run's folder: one per row, case and repeat."""
+    return Path(plan.keep_runs).resolve() / f"{impl}_{case.size}_{case.gpus}gpu_clip{case.grad_clip:g}_r{repeat}"
+
+
+def run_meshrun(case: Case, layout: str, plan: Plan, env: dict[str, str], overrides: list[str],
+                run_dir: Path | None = None) -> dict:
+    """A meshrun row for this case: medians of the train records after the warm-up third. The run's folder is
+    ``run_dir`` (kept: --keep-runs) or a temporary one."""
+    with (contextlib.nullcontext(str(run_dir)) if run_dir else tempfile.TemporaryDirectory()) as folder:
+        proc = launch(case.gpus, meshrun_args(case, layout, plan, folder, overrides), env)
+        metrics = Path(folder, "metrics.jsonl")
         records = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
     train = [r for r in records if r.get("kind") == "train" and r["step"] > plan.steps // 3]
     if proc.returncode or not train:
@@ -172,7 +181,7 @@ def run_case(case: Case, plan: Plan, env: dict[str, str]) -> Iterator[dict]:
     min-max."""
     scripts = [s for s in ([BASELINE] if plan.baseline else []) + plan.peers + list(plan.session)
                if case.gpus > 1 or s.args[-1:] != ("fsdp",)]  # FSDP needs two GPUs or more
-    jobs = [(script.impl, lambda s=script: run_script(s, case, plan, env)) for script in scripts]
+    jobs = [(script.impl, lambda _, s=script: run_script(s, case, plan, env)) for script in scripts]
     for layout in plan.layouts:
         if layout != "ddp" and case.gpus == 1:
             continue  # FSDP, TP, PP and CP need two GPUs or more
@@ -180,12 +189,13 @@ def run_case(case: Case, plan: Plan, env: dict[str, str]) -> Iterator[dict]:
             src_env = source_env(env, folder) if folder else env
             for name, overrides in [("", []), *variants_for(layout, plan.variants)]:
                 impl = (f"meshrun-{layout}-{name}" if name else f"meshrun-{layout}") + (f"@{source}" if source else "")
-                jobs.append((impl, lambda o=[*plan.extra, *overrides], lay=layout, e=src_env:
-                             run_meshrun(case, lay, plan, e, o)))
+                jobs.append((impl, lambda i, o=[*plan.extra, *overrides], lay=layout, e=src_env, name=impl:
+                             run_meshrun(case, lay, plan, e, o,
+                                         run_dir=kept_run_dir(plan, case, name, i) if plan.keep_runs else None)))
     runs: dict[str, list[dict]] = {impl: [] for impl, _ in jobs}
     for i in range(plan.repeat):
         for impl, job in jobs:
-            runs[impl].append(job())
+            runs[impl].append(job(i + 1))
             if plan.repeat > 1:
                 print(json.dumps({"impl": impl, "repeat": i + 1, **runs[impl][-1]}), flush=True)
     for impl, _ in jobs:
@@ -294,6 +304,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="meshrun rows again with the meshrun package in FOLDER (e.g. an older checkout's src), "
                         "named meshrun-<layout>@NAME, interleaved with this checkout's")
     p.add_argument("--repeat", type=int, default=1, help="run every row N times; report the median and min-max")
+    p.add_argument("--keep-runs", default="", metavar="DIR",
+                   help="keep each meshrun run's folder (metrics.jsonl, profiler traces of --run.profile_steps) in "
+                        "DIR/<row>_<size>_<G>gpu_clip<C>_r<repeat>, to read with `meshrun trace` or `meshrun report`")
     p.add_argument("--json", help="write all rows here")
     args = p.parse_args(attach_values(argv))
     check_args(p, args)
@@ -340,7 +353,8 @@ def make_plan(args: argparse.Namespace, device: str) -> tuple[Plan, list[str]]:
                 baseline=not args.no_baseline, peers=peers, session=tuple(SESSION[x] for x in split(args.session)),
                 layouts=split(args.layouts), variants=variants,
                 extra=[x for value in args.extra for x in shlex.split(value)], repeat=args.repeat,
-                sources=tuple((name, folder) for name, _, folder in (x.partition(":") for x in args.src)))
+                sources=tuple((name, folder) for name, _, folder in (x.partition(":") for x in args.src)),
+                keep_runs=args.keep_runs)
     return plan, skipped
 
 

@@ -122,12 +122,14 @@ def test_repeated_runs_report_the_median_run_and_its_spread():
 def test_repeat_runs_every_row_that_many_times_interleaved(monkeypatch):
     calls = []
     monkeypatch.setattr(tb, "run_script", lambda s, c, p, e: calls.append(s.impl) or {"tokens_per_s_per_gpu": 1.0})
-    monkeypatch.setattr(tb, "run_meshrun", lambda c, lay, p, e, o: calls.append(f"m{o}") or
-                        {"tokens_per_s_per_gpu": 2.0})
+    kept = []
+    monkeypatch.setattr(tb, "run_meshrun", lambda c, lay, p, e, o, run_dir: kept.append(run_dir) or
+                        calls.append(f"m{o}") or {"tokens_per_s_per_gpu": 2.0})
     plan = tb.Plan(steps=6, compile=False, baseline=True, peers=[], layouts=["ddp"], variants=[("v", ["--x=1"])],
                    extra=[], repeat=2)
     rows = list(tb.run_case(tb.Case("tiny", 2, 0.0), plan, {}))
     assert calls == ["baseline-ddp", "m[]", "m['--x=1']"] * 2
+    assert kept == [None] * 4  # temporary run folders without --keep-runs
     assert [r["impl"] for r in rows] == ["baseline-ddp", "meshrun-ddp", "meshrun-ddp-v"]
     assert all(r["runs"] == 2 for r in rows)
     assert tb.combine([{"tokens_per_s_per_gpu": 1.0}]) == {"tokens_per_s_per_gpu": 1.0}  # one run: as it is
@@ -138,7 +140,7 @@ def test_a_layout_scoped_variant_runs_for_its_layout_only(monkeypatch):
                                           "--variant", "pp/m16:--parallel.pp_microbatches=16",
                                           "--variant", "v:--x=1"]), "cpu")
     calls = []
-    monkeypatch.setattr(tb, "run_meshrun", lambda c, lay, p, e, o: calls.append((lay, o)) or
+    monkeypatch.setattr(tb, "run_meshrun", lambda c, lay, p, e, o, run_dir: calls.append((lay, o)) or
                         {"tokens_per_s_per_gpu": 2.0})
     rows = list(tb.run_case(tb.Case("tiny", 2, 0.0), plan, {}))
     assert [r["impl"] for r in rows] == ["meshrun-ddp", "meshrun-ddp-v", "meshrun-pp", "meshrun-pp-m16",
@@ -156,7 +158,7 @@ def test_src_rows_run_another_meshrun_first_on_the_path_interleaved(monkeypatch,
                                           "--variant", "v:--x=1"]), "cpu")
     assert plan.sources == (("old", str(old)),)
     calls = []
-    monkeypatch.setattr(tb, "run_meshrun", lambda c, lay, p, e, o: calls.append((o, e["PYTHONPATH"])) or
+    monkeypatch.setattr(tb, "run_meshrun", lambda c, lay, p, e, o, run_dir: calls.append((o, e["PYTHONPATH"])) or
                         {"tokens_per_s_per_gpu": 2.0})
     rows = list(tb.run_case(tb.Case("tiny", 2, 0.0), plan, {"PYTHONPATH": "/here/src"}))
     assert [r["impl"] for r in rows] == ["meshrun-ddp", "meshrun-ddp-v", "meshrun-ddp@old", "meshrun-ddp-v@old"]
@@ -175,8 +177,8 @@ def test_src_rows_run_another_meshrun_first_on_the_path_interleaved(monkeypatch,
 def test_cpu_run_has_a_row_per_case_and_ratios_to_its_baseline(tmp_path):
     out = tmp_path / "out.json"
     proc = subprocess.run([sys.executable, str(HARNESS), "--sizes", "tiny", "--gpus", "1,2", "--steps", "6",
-                           "--grad-clip", "0,1", "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=400)
+                           "--grad-clip", "0,1", "--json", str(out), "--keep-runs", str(tmp_path / "runs")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     rows = {(r["impl"], r["gpus"], r["grad_clip"]): r for r in json.loads(out.read_text())}
     for gpus in (1, 2):
@@ -184,6 +186,9 @@ def test_cpu_run_has_a_row_per_case_and_ratios_to_its_baseline(tmp_path):
             base, mesh = rows[("baseline-ddp", gpus, clip)], rows[("meshrun-ddp", gpus, clip)]
             assert mesh["tokens_per_s_per_gpu"] > 0 and mesh["device"] == "cpu"
             assert mesh["vs_baseline"] == pytest.approx(mesh["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"])
+    kept = sorted(p.name for p in (tmp_path / "runs").iterdir())  # --keep-runs: each meshrun run's folder
+    assert kept == [f"meshrun-ddp_tiny_{g}gpu_clip{c}_r1" for g in (1, 2) for c in (0, 1)], kept
+    assert all((tmp_path / "runs" / name / "metrics.jsonl").is_file() for name in kept)
     for impl in ("accelerate-ddp", "fabric-ddp"):  # installed: a row per case; else one line that says why not
         ran = [key for key in rows if key[0] == impl]
         skipped = [line for line in proc.stdout.splitlines() if line.startswith(f"{impl} skipped:")]
