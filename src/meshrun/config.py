@@ -174,8 +174,9 @@ class ParallelConfig:
     the gathered parameters of a whole unit in memory at once. 0 (auto): all blocks in one unit on GPUs for models
     under 350M parameters, one block per unit otherwise."""
     ddp_overlap: bool = False
-    """With compile: compile the DDP-wrapped step instead of wrapping the compiled step in DDP. Either way dynamo
-    splits the step at DDP's bucket boundaries, so each bucket's all-reduce overlaps the rest of backward."""
+    """With compile: compile the DDP-wrapped step instead of wrapping the compiled step in DDP. Either way, where
+    parallel.ddp_graph splits the step at DDP's bucket boundaries, each bucket's all-reduce overlaps the rest of
+    backward."""
     ddp_bucket_mb: int = 100
     """DDP gradient bucket size in MiB (all-reduce granularity). 100 (torchtitan's): with the compiled step split at
     the buckets, fewer and larger buckets mean fewer graphs; 25 is torch's own default."""
