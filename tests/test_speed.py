@@ -126,7 +126,13 @@ def test_ddp_graph_auto_splits_for_cuda_graphs_or_across_nodes():
     assert ddp_graph_split("auto", two_nodes, cuda_graphs=False) and ddp_graph_split("auto", unknown, cuda_graphs=False)
     assert ddp_graph_split("split", one_node, cuda_graphs=False)
     assert not ddp_graph_split("whole", two_nodes, cuda_graphs=True)
-    assert load_config(None, []).parallel.ddp_bucket_mb == 100
+    from meshrun.parallel.apply import ddp_bucket_mb
+
+    assert load_config(None, []).parallel.ddp_bucket_mb == 0  # auto
+    assert ddp_bucket_mb(0, cuda_graphs=True) == 100 and ddp_bucket_mb(0, cuda_graphs=False) == 25
+    assert ddp_bucket_mb(50, cuda_graphs=True) == 50
+    with pytest.raises(ConfigError, match="parallel.ddp_bucket_mb"):
+        load_config(None, ["--parallel.ddp_bucket_mb=-1"])
 
 
 def test_ddp_graph_choices_are_checked():

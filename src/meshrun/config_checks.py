@@ -87,7 +87,7 @@ _RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("health.hang_timeout_s", lambda v: v >= 0, "give a number of seconds, or 0 to disable hang reports"),
     *((f"parallel.{name}", lambda v: v == -1 or v >= 1, "give a degree of 1 or more, or -1 to infer it from the "
        "world size") for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp")),  # comm/mesh.py MESH_DIMS
-    ("parallel.ddp_bucket_mb", lambda v: v >= 1, "give a bucket size of 1 MiB or more, e.g. 25"),
+    ("parallel.ddp_bucket_mb", lambda v: v >= 0, "give a bucket size in MiB, e.g. 25, or 0 for auto"),
     ("parallel.pp_microbatches", lambda v: v >= 0, "give a number of micro-batches, or 0 to choose from the batch"),
     ("parallel.pp_virtual_stages", lambda v: v >= 1, "give 1 or more stages per rank, e.g. 2"),
     ("checkpoint.signal_grace_s", lambda v: v >= 0, "give a number of seconds, e.g. 30"),
