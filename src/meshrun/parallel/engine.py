@@ -74,6 +74,15 @@ def loss_function(compiled: bool):
     return torch.compile(token_loss_sum, dynamic=False) if compiled else token_loss_sum
 
 
+def new_replay_generation(cuda_graphs: bool) -> None:
+    """With CUDA graphs (train.cuda_graphs): the last step's graph outputs may now be overwritten. Called once per
+    optimizer step (and per evaluation), not per micro-batch: a parameter's first gradient of a step becomes its
+    .grad without a copy, so a later micro-batch replaying the same graph would overwrite it; within one generation
+    each micro-batch gets graphs of its own (pytorch#169545)."""
+    if cuda_graphs:
+        torch.compiler.cudagraph_mark_step_begin()
+
+
 class Engine(Protocol):
     model_parts: list[nn.Module]
     timed_modules: list[nn.Module]
@@ -157,8 +166,7 @@ class LocalEngine:
     def forward_backward(self, batches: Sequence[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
         loss_sum = torch.zeros((), dtype=torch.float32, device=batches[0][0].device)
         tokens = 0
-        if self.cuda_graphs:
-            torch.compiler.cudagraph_mark_step_begin()  # the last step's graph outputs may now be overwritten
+        new_replay_generation(self.cuda_graphs)
         for i, (inputs, targets) in enumerate(batches):
             last = i == len(batches) - 1
             sync = contextlib.nullcontext() if last or not hasattr(self.step, "no_sync") else self.step.no_sync()

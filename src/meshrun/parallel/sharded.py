@@ -25,7 +25,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from meshrun.parallel.context_parallel import SequenceShards
-from meshrun.parallel.engine import Batch, autocast, count_tensor, token_loss_sum, with_aux_loss
+from meshrun.parallel.engine import (Batch, autocast, count_tensor, new_replay_generation, token_loss_sum,
+                                     with_aux_loss)
 from meshrun.parallel.grad_norm import clip_grad_norm
 
 
@@ -68,7 +69,7 @@ class ShardedEngine:
         device = batches[0][0].device
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         tokens = 0
-        self._new_generation()
+        new_replay_generation(self.cuda_graphs)
         for i, (inputs, targets) in enumerate(batches):
             if self.fsdp:  # reduce-scatter gradients only after the last micro-batch
                 self.model.set_requires_gradient_sync(i == len(batches) - 1)
@@ -84,17 +85,9 @@ class ShardedEngine:
             tokens += targets.numel()
         return self._reported(loss_sum, tokens)
 
-    def _new_generation(self) -> None:
-        """With CUDA graphs: the graphs' outputs of the last step may now be overwritten. Once per step, not per
-        micro-batch: a parameter's first gradient of a step becomes its .grad without a copy, so a later micro-batch
-        replaying the same graph would overwrite it; within one generation each micro-batch gets graphs of its own
-        (pytorch#169545)."""
-        if self.cuda_graphs:
-            torch.compiler.cudagraph_mark_step_begin()
-
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self._new_generation()
+        new_replay_generation(self.cuda_graphs)
         with self._sequence(inputs, targets) as (inputs, targets):
             with autocast(inputs.device.type, self.autocast_dtype):
                 logits = self.model(inputs)
