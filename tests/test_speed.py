@@ -85,16 +85,17 @@ def test_cuda_graphs_need_cuda_compile_and_a_layout_they_serve():
         "speed: compile on with CUDA graphs (train.compile=true)")
 
 
-def test_cuda_graphs_serve_whole_model_layouts_and_tp_alone():
+def test_cuda_graphs_serve_whole_model_layouts_tp_and_pp():
     def dims(**degrees):
         return ParallelDims.from_config(ParallelConfig(**{"dp_replicate": 1} | degrees), world_size=4,
                                         gpus_per_node=4)
 
     assert graphs_supported(dims(dp_replicate=4)) and graphs_supported(dims(tp=4))  # DDP; TP block by block
     assert graphs_block_by_block(dims(tp=4)) and not graphs_block_by_block(dims(dp_replicate=4))
+    assert graphs_block_by_block(dims(pp=4)) and graphs_block_by_block(dims(tp=2, pp=2))  # sends between graphs
     assert not graphs_supported(dims(tp=4), async_tp=True)  # symmetric-memory kernels are not recorded
-    for degrees in ({"tp": 2, "dp_shard": 2}, {"tp": 2, "dp_replicate": 2}, {"tp": 2, "pp": 2}, {"tp": 2, "cp": 2},
-                    {"dp_shard": 4}, {"pp": 4}):
+    for degrees in ({"tp": 2, "dp_shard": 2}, {"tp": 2, "dp_replicate": 2}, {"pp": 2, "dp_shard": 2},
+                    {"pp": 2, "dp_replicate": 2}, {"tp": 2, "cp": 2}, {"dp_shard": 4}):
         assert not graphs_supported(dims(**degrees)), degrees
 
 

@@ -6,7 +6,7 @@
   on is within 4% of the bf16 run's. Measured on an H100: float8 lags by 2-3% there (0.05-0.065 at a loss of about
   2.4; its tensorwise scales cost some precision at this small width, less at the 1b model's); a broken scaling
   stalls or diverges by far more.
-* CUDA graphs (``train.cuda_graphs``: the whole step, or TP's blocks one by one) and the chunked loss track the
+* CUDA graphs (``train.cuda_graphs``: the whole step, or TP's and PP's blocks one by one) and the chunked loss track the
   plain compiled step.
 """
 
@@ -105,20 +105,35 @@ def test_cuda_graphs_train_like_launched_kernels_over_200_steps(tmp_path):
     assert max(abs(b - a) / a for a, b in zip(launched[9:], graphed[9:])) < 0.02, pairs
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-def test_tp_blocks_as_cuda_graphs_train_like_launched_kernels_and_exit(tmp_path):
-    """TP alone records each compiled block, its all-reduces inside, as a CUDA graph (train.cuda_graphs): over 100
-    steps of TP 2 with 2 micro-batches per step and an evaluation every 50 steps, every loss from step 50 on within
-    2% of the launched kernels' (lr 1e-3, as above) and the median gradient norm within 10% (a replay that overwrote
-    the first micro-batch's gradients would leave about half the norm, which AdamW's losses alone would hide); and
-    the run exits: NCCL would wait forever at destroy_process_group for graphs that still hold its collectives."""
-    tp = ["--parallel.tp=2", "--parallel.dp_replicate=1", "--model.tie_embeddings=false", "--train.grad_accum=2",
-          "--train.steps=100", "--train.eval_every=50", "--train.lr=1e-3"]
-    launched = _records(tmp_path / "launched", *tp, "--train.cuda_graphs=false", gpus=2)
-    graphed = _records(tmp_path / "graphed", *tp, "--train.cuda_graphs=true", gpus=2)
+def _blocks_as_graphs_match_launched(tmp_path: Path, name: str, *layout: str) -> None:
+    """Over 100 steps with an evaluation every 50, every loss from step 50 on within 2% of the launched kernels'
+    (lr 1e-3, as above) and the median gradient norm within 10% (a replay that overwrote the first micro-batch's
+    gradients would leave a fraction of the norm, which AdamW's losses alone would hide); both runs exit."""
+    common = [*layout, "--train.steps=100", "--train.eval_every=50", "--train.lr=1e-3"]
+    launched = _records(tmp_path / "launched", *common, "--train.cuda_graphs=false", gpus=2)
+    graphed = _records(tmp_path / "graphed", *common, "--train.cuda_graphs=true", gpus=2)
     losses = [(round(a["loss"], 4), round(b["loss"], 4)) for a, b in zip(launched, graphed)]
-    print("TP 2 (launched, CUDA graphs) loss every 10 steps:", losses)
+    print(f"{name} (launched, CUDA graphs) loss every 10 steps:", losses)
     assert len(graphed) == 10 and graphed[-1]["loss"] < graphed[0]["loss"] - 1.0, losses
     assert max(abs(b - a) / a for a, b in losses[4:]) < 0.02, losses
     norms = [statistics.median(r["grad_norm"] for r in run) for run in (launched, graphed)]
     assert abs(norms[1] / norms[0] - 1) < 0.1, f"median gradient norm (launched, CUDA graphs): {norms}"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_tp_blocks_as_cuda_graphs_train_like_launched_kernels_and_exit(tmp_path):
+    """TP alone records each compiled block, its all-reduces inside, as a CUDA graph (train.cuda_graphs), 2
+    micro-batches per step; the run exits: NCCL would wait forever at destroy_process_group for graphs that still
+    hold its collectives."""
+    _blocks_as_graphs_match_launched(tmp_path, "TP 2", "--parallel.tp=2", "--parallel.dp_replicate=1",
+                                     "--model.tie_embeddings=false", "--train.grad_accum=2")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_pipeline_blocks_as_cuda_graphs_train_like_launched_kernels(tmp_path):
+    """PP 2 (1F1B, 4 micro-batches per step) records each compiled block of a stage as a CUDA graph, the
+    pipeline's sends and receives between them: up to 2 micro-batches' activations are alive at once on the first
+    stage, so each micro-batch of a step must replay graphs of its own."""
+    _blocks_as_graphs_match_launched(tmp_path, "PP 2", "--parallel.pp=2", "--parallel.dp_replicate=1",
+                                     "--parallel.pp_schedule=1f1b", "--train.grad_accum=4",
+                                     "--parallel.pp_microbatches=4")

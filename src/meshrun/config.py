@@ -103,11 +103,11 @@ class TrainConfig:
     true or false."""
     cuda_graphs: str = "auto"
     """Compile with CUDA graphs (torch.compile mode reduce-overhead): each compiled graph is recorded once and
-    replayed, so the host no longer launches every kernel. One process and DDP record the whole step; TP alone (no
-    FSDP, pipeline or context parallelism) records each block, its all-reduces inside. auto: on for those layouts
-    when compiled on CUDA GPUs with the full loss, without float8 and (TP) without sequence parallelism (the
-    combinations tested on GPUs), off elsewhere; true refuses the layouts it cannot serve; false launches every
-    kernel."""
+    replayed, so the host no longer launches every kernel. One process and DDP record the whole step; TP and PP
+    without FSDP or context parallelism record each block (TP's all-reduces inside, the pipeline's sends between).
+    auto: on for those layouts when compiled on CUDA GPUs with the full loss, without float8 and (TP) without
+    sequence parallelism (the combinations tested on GPUs), off elsewhere; true refuses the layouts it cannot
+    serve; false launches every kernel."""
     gc_every: int = 50
     """Python's garbage collector runs every N optimizer steps (young generations only) instead of whenever
     allocations trigger it, with the objects alive after the first step frozen out of its scans; 0 leaves Python's

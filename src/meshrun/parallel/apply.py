@@ -103,7 +103,8 @@ def build_engine(*, job: JobConfig, model_cfg: ModelShape, dims: ParallelDims, m
         pipeline = PipelineEngine(parts, ids, n_stages=dims.stages, schedule=dims.pp_schedule,
                                   microbatches=dims.pp_microbatches, device=device,
                                   pp_group=dims.get_mesh("pp").get_group(), dp_rank=dims.dp_rank(rank),
-                                  dp_size=dims.dp_size, tp_rank=coords.tp, autocast_dtype=autocast, loss_fn=loss_fn)
+                                  dp_size=dims.dp_size, tp_rank=coords.tp, autocast_dtype=autocast, loss_fn=loss_fn,
+                                  cuda_graphs=options.cuda_graphs)
         pipeline.timed_modules = [m for part in parts for m in timed_modules(part, spec, dims=dims, compiled=compiled)]
         return pipeline
     engine = ShardedEngine(parts[0], dp_rank=dims.dp_rank(rank), dp_size=dims.dp_size, reports_loss=coords.tp == 0,
@@ -260,7 +261,7 @@ def seed_for_init(seed: int, *, dims: ParallelDims, rank: int, device: torch.dev
 def use_cuda_graphs(choice: str, device: torch.device, *, compiled: bool, supported: bool,
                     measured: bool = True) -> bool:
     """train.cuda_graphs resolved for this run: 'true' refuses what cannot run, 'auto' is on where 'true' would be
-    accepted (``supported``: one process, DDP or TP alone -- checks.graphs_supported --, compiled, on CUDA) and the
+    accepted (``supported``: one process, DDP, TP or PP -- checks.graphs_supported --, compiled, on CUDA) and the
     step is one GPU tests have covered (``measured``: the full loss without float8; the chunked loss and float8
     scaling have not run under CUDA graphs on a GPU yet), 'false' is off."""
     if choice == "true":

@@ -54,15 +54,16 @@ def is_local(dims: ParallelDims) -> bool:
 
 
 def graphs_block_by_block(dims: ParallelDims, *, async_tp: bool = False) -> bool:
-    """train.cuda_graphs records each compiled block of a TP layout without FSDP, pipeline or context parallelism
-    (replicas, dp_replicate, are HSDP with one shard: FSDP2 hooks, so not these), TP's all-reduces inside the
-    graphs; async TP's symmetric-memory kernels are not recorded."""
-    return dims.tp > 1 and dims.pp == 1 and dims.dp_shard == 1 and dims.dp_replicate == 1 and dims.cp == 1 \
+    """train.cuda_graphs records each compiled block of a TP or pipeline layout, or both, without FSDP or context
+    parallelism (replicas, dp_replicate, are HSDP with one shard: FSDP2 hooks, so not these): TP's all-reduces
+    inside the graphs, the pipeline's sends and receives between them; async TP's symmetric-memory kernels are not
+    recorded."""
+    return (dims.tp > 1 or dims.pp > 1) and dims.dp_shard == 1 and dims.dp_replicate == 1 and dims.cp == 1 \
         and not async_tp
 
 
 def graphs_supported(dims: ParallelDims, *, async_tp: bool = False) -> bool:
-    """Layouts train.cuda_graphs can serve: the whole step (one process, DDP) or block by block (TP alone)."""
+    """Layouts train.cuda_graphs can serve: the whole step (one process, DDP) or block by block (TP, PP)."""
     return is_local(dims) or graphs_block_by_block(dims, async_tp=async_tp)
 
 
@@ -109,7 +110,7 @@ def check_cuda_graphs(device: torch.device, *, compiled: bool, supported: bool, 
     require_compiled_cuda("train.cuda_graphs", cuda_why="it records CUDA graphs",
                           compile_why="graphs what torch.compile produces", device=device, compiled=compiled)
     if not supported:
-        raise ConfigError(f"train.cuda_graphs=true runs for one process, DDP and TP alone (no FSDP, pipeline, context "
+        raise ConfigError(f"train.cuda_graphs=true runs for one process, DDP, TP and PP (no FSDP, context "
                           f"parallelism or async TP), not for {layout}, whose per-block hooks and collectives run "
                           "between the compiled graphs; drop --train.cuda_graphs, or set --parallel.data_parallel=ddp "
                           "for pure data parallelism")

@@ -23,7 +23,7 @@ class ParallelOptions:
     compiled: bool = False
     """Compile each repeated block in place (parameter names keep no ``_orig_mod.``)."""
     cuda_graphs: bool = False
-    """Compile the blocks with inductor's CUDA graphs (mode reduce-overhead): train.cuda_graphs for TP alone."""
+    """Compile the blocks with inductor's CUDA graphs (mode reduce-overhead): train.cuda_graphs for TP and PP."""
     activation_checkpoint: ActivationCheckpointMode = "none"
     """Activation checkpointing of each block: none, selective or full (parallel.activation_checkpoint)."""
     sequence_parallel: bool = False

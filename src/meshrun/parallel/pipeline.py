@@ -33,7 +33,7 @@ from torch import nn
 
 from meshrun.config import ConfigError, PipelineSchedule
 from meshrun.models.shape import ModelShape
-from meshrun.parallel.engine import Batch, autocast, count_tensor, token_loss_sum
+from meshrun.parallel.engine import Batch, autocast, count_tensor, new_replay_generation, token_loss_sum
 from meshrun.parallel.grad_norm import clip_grad_norm
 
 if TYPE_CHECKING:
@@ -138,9 +138,13 @@ class PipelineEngine:
 
     def __init__(self, parts: list[nn.Module], ids: list[int], *, n_stages: int, schedule: str, microbatches: int,
                  device: torch.device, pp_group: dist.ProcessGroup, dp_rank: int, dp_size: int, tp_rank: int,
-                 autocast_dtype: torch.dtype | None, loss_fn=token_loss_sum):
+                 autocast_dtype: torch.dtype | None, loss_fn=token_loss_sum, cuda_graphs: bool = False):
         from torch.distributed.pipelining import PipelineStage
 
+        self.cuda_graphs = cuda_graphs
+        """The blocks are compiled with CUDA graphs: each optimizer step starts a new replay generation, so that
+        every micro-batch of a step replays graphs of its own (a replay of the same graph would overwrite the
+        activations a later backward needs, and the first micro-batch's gradients: pytorch#169545)."""
         self.model_parts = parts
         self.timed_modules = parts  # a stage's forward holds no collective: the schedule sends and receives
         self.stage_ids = ids
@@ -173,6 +177,7 @@ class PipelineEngine:
         self._scale = targets.numel()
         args = (inputs,) if self.is_first else ()
         losses: list[torch.Tensor] = []
+        new_replay_generation(self.cuda_graphs)
         with autocast(self.device.type, self.autocast_dtype):
             self.schedule.step(*args, target=targets, losses=losses)
         return self._reported(losses, targets.numel())
@@ -182,6 +187,7 @@ class PipelineEngine:
         """Forward only, through a separate schedule (and stages) sized for the evaluation batch."""
         schedule = self._eval_schedule(inputs.shape[0])
         self._scale = targets.numel()
+        new_replay_generation(self.cuda_graphs)
         args = (inputs.contiguous(),) if self.is_first else ()  # stages check strides (torch 2.8: (T+1, 1) slices fail)
         losses: list[torch.Tensor] = []
         with autocast(self.device.type, self.autocast_dtype):
