@@ -17,7 +17,7 @@ from meshrun.comm.mesh import ParallelDims, choose_data_parallel
 from meshrun.models.build import model_shape, model_spec
 from meshrun.models.gpt import SIZES
 from meshrun.models.gpt_spec import GPT_SPEC
-from meshrun.parallel.apply import reshard_after_forward, use_cuda_graphs
+from meshrun.parallel.apply import graphs_measured, reshard_after_forward, use_cuda_graphs
 from meshrun.parallel.checks import check_cuda_graphs, check_layout, graphs_block_by_block, graphs_supported
 from meshrun.parallel.engine import count_tensor, loss_function, token_loss_sum
 from meshrun.parallel.async_tp import check_async_tp
@@ -114,6 +114,18 @@ def test_cuda_graphs_auto_is_on_exactly_where_true_is_accepted():
     assert load_config(None, []).train.cuda_graphs == "auto"
     with pytest.raises(ConfigError, match="train.cuda_graphs='sometimes' is not one of auto, true, false"):
         load_config(None, ["--train.cuda_graphs=sometimes"])
+
+
+def test_cuda_graphs_auto_only_for_steps_gpu_tests_ran_as_graphs():
+    def measured(*args, **degrees):
+        dims = ParallelDims.from_config(ParallelConfig(**{"dp_replicate": 1} | degrees), world_size=4,
+                                        gpus_per_node=4)
+        return graphs_measured(load_config(None, list(args)), dims)
+
+    assert measured(dp_replicate=4) and measured(tp=4) and measured(pp=4)
+    assert not measured(tp=2, pp=2)  # needs 4 GPUs; not run as graphs yet
+    assert not measured("--parallel.sequence_parallel=true", tp=4)
+    assert not measured("--train.loss=chunked", dp_replicate=4)
 
 
 def test_ddp_graph_auto_splits_for_cuda_graphs_or_across_nodes():

@@ -105,9 +105,9 @@ class TrainConfig:
     """Compile with CUDA graphs (torch.compile mode reduce-overhead): each compiled graph is recorded once and
     replayed, so the host no longer launches every kernel. One process and DDP record the whole step; TP and PP
     without FSDP or context parallelism record each block (TP's all-reduces inside, the pipeline's sends between).
-    auto: on for those layouts when compiled on CUDA GPUs with the full loss, without float8 and (TP) without
-    sequence parallelism (the combinations tested on GPUs), off elsewhere; true refuses the layouts it cannot
-    serve; false launches every kernel."""
+    auto: on for those layouts when compiled on CUDA GPUs with the full loss, without float8, TP without sequence
+    parallelism and TP or PP but not both (the combinations tested on GPUs), off elsewhere; true refuses the
+    layouts it cannot serve; false launches every kernel."""
     gc_every: int = 50
     """Python's garbage collector runs every N optimizer steps (young generations only) instead of whenever
     allocations trigger it, with the objects alive after the first step frozen out of its scans; 0 leaves Python's

@@ -85,8 +85,7 @@ def build_engine(*, job: JobConfig, model_cfg: ModelShape, dims: ParallelDims, m
     local = is_local(dims)
     graphs = use_cuda_graphs(job.train.cuda_graphs, device, compiled=compiled,
                              supported=graphs_supported(dims, async_tp=job.parallel.async_tp),
-                             measured=job.train.loss == "full" and not job.train.float8
-                             and not (dims.tp > 1 and job.parallel.sequence_parallel))
+                             measured=graphs_measured(job, dims))
     options = parallel_options(job, compute_dtype=compute_dtype, compiled=compiled, device=device,
                                cuda_graphs=graphs and not local)
     if local:
@@ -256,6 +255,14 @@ def seed_for_init(seed: int, *, dims: ParallelDims, rank: int, device: torch.dev
         except ImportError:  # pragma: no cover - older layout of the module
             return
         manual_seed(seed + c.pp, dims.mesh)
+
+
+def graphs_measured(job: JobConfig, dims: ParallelDims) -> bool:
+    """The step is one that GPU tests have run as CUDA graphs, so train.cuda_graphs=auto may turn them on: the full
+    loss without float8, TP without sequence parallelism, and TP or PP but not both (TP with PP needs 4 GPUs and has
+    not run as graphs on them). train.cuda_graphs=true accepts the others."""
+    return job.train.loss == "full" and not job.train.float8 and not (dims.tp > 1 and job.parallel.sequence_parallel) \
+        and not (dims.tp > 1 and dims.pp > 1)
 
 
 def use_cuda_graphs(choice: str, device: torch.device, *, compiled: bool, supported: bool,
