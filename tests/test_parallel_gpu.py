@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import run_distributed
+from meshrun.comm.process_group import release_cuda_graphs
 from test_parallel_layouts import (LOSS_ATOL, NORM_RTOL, PARAM_ATOL, Layout, reference_run, run_layout)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,
@@ -42,6 +43,9 @@ BF16 = {
                                       train={"compile": "true"}),
     "tp2_full_ac": Layout(tied=True, grad_accum=1, parallel={"dp_replicate": 1, "tp": 2,
                                                              "activation_checkpoint": "full"}),
+    # TP's compiled cross-entropy on each rank's vocabulary shard (meshrun.parallel.vocab_loss), blocks as graphs
+    "tp2_compile": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 1, "tp": 2},
+                          train={"compile": "true"}),
     "pp2_gpipe": Layout(tied=False, grad_accum=1, parallel={"dp_replicate": 1, "pp": 2, "pp_schedule": "gpipe",
                                                             "pp_microbatches": 4}),
     # the pipeline defaults: micro-batches from the batch (2 here: no micro-batch reaches 4096 tokens, so pp of
@@ -70,6 +74,7 @@ def _nccl_worker(rank: int, world_size: int, layouts: dict, initials: dict, dtyp
         return {name: run_layout(layout, initials[layout.model], device=device, compute_dtype=dtype)
                 for name, layout in layouts.items()}
     finally:
+        release_cuda_graphs()  # a TP block recorded as a CUDA graph holds its all-reduce: destroy would wait on it
         dist.destroy_process_group()
 
 

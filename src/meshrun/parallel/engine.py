@@ -56,8 +56,10 @@ def with_aux_loss(summed: torch.Tensor, aux: torch.Tensor | None, tokens: int) -
         return summed
     term = aux.float() * tokens
     zero = term - term.detach()  # 0 in value; d(zero)/d(aux) = tokens
-    if isinstance(summed, DTensor) and not isinstance(zero, DTensor):  # vocabulary-parallel loss: a replicated DTensor
+    if isinstance(summed, DTensor) and not isinstance(zero, DTensor):  # a replicated DTensor loss
         zero = DTensor.from_local(zero, summed.device_mesh, summed.placements, run_check=False)
+    elif isinstance(zero, DTensor) and not isinstance(summed, DTensor):  # a TP model's term, the loss on local shards
+        zero = zero.full_tensor()
     return summed + zero
 
 

@@ -7,8 +7,8 @@ Same contract as :class:`meshrun.parallel.engine.LocalEngine`. Differences:
   every micro-batch but the last (gradients accumulate unsharded and are reduce-scattered once);
 * with TP every rank of a TP group computes the same loss, so only TP rank 0 returns the sums (others return
   zeros) and a world-wide SUM of (loss_sum, tokens) counts each sample once;
-* with ``loss_parallel`` the cross-entropy runs on vocabulary-sharded logits inside
-  ``torch.distributed.tensor.parallel.loss_parallel()`` (forward and backward);
+* with ``loss_parallel`` the logits stay sharded over the vocabulary and the cross-entropy runs on each rank's
+  shard (parallel/vocab_loss.py: three all-reduces of one value per token; ``loss_fn`` is its compiled form);
 * with context parallelism (``sequence_shards``) each micro-batch runs, forward and backward, inside torch's
   context parallelism (parallel/context_parallel.py): this rank computes the loss of its part of every sequence
   and reports that part's sum and token count (the cp ranks' parts add up to the whole);
@@ -28,6 +28,7 @@ from meshrun.parallel.context_parallel import SequenceShards
 from meshrun.parallel.engine import (Batch, autocast, count_tensor, new_replay_generation, token_loss_sum,
                                      with_aux_loss)
 from meshrun.parallel.grad_norm import clip_grad_norm
+from meshrun.parallel.vocab_loss import sharded_loss_function
 
 
 class ShardedEngine:
@@ -46,7 +47,10 @@ class ShardedEngine:
         self.loss_parallel = loss_parallel
         self.autocast_dtype = autocast_dtype
         self.loss_fn = loss_fn
-        """(logits, targets) -> token-loss sum: ``token_loss_sum``, or its compiled form (engine.loss_function)."""
+        """(logits, targets) -> token-loss sum: ``token_loss_sum``, or its compiled form (engine.loss_function); with
+        ``loss_parallel`` the vocabulary-sharded form (vocab_loss.sharded_loss_function)."""
+        self.eval_loss_fn = sharded_loss_function(False) if loss_parallel else token_loss_sum
+        """The same loss for evaluation, not compiled (another batch shape would compile another graph)."""
         self.sequence_shards = sequence_shards
         """Context parallelism: splits each micro-batch's sequences over the cp ranks (None without CP)."""
         self.aux_loss = aux_loss
@@ -57,13 +61,6 @@ class ShardedEngine:
         if self.sequence_shards is None:
             return contextlib.nullcontext((inputs, targets))
         return self.sequence_shards(self.model, inputs, targets)
-
-    def _loss_context(self):
-        if not self.loss_parallel:
-            return contextlib.nullcontext()
-        from torch.distributed.tensor.parallel import loss_parallel
-
-        return loss_parallel()
 
     def forward_backward(self, batches: Sequence[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
         device = batches[0][0].device
@@ -76,11 +73,10 @@ class ShardedEngine:
             with self._sequence(inputs, targets) as (inputs, targets):  # (B, T/cp) under CP
                 with autocast(device.type, self.autocast_dtype):
                     logits = self.model(inputs)  # (B, T, V), or a vocabulary-sharded DTensor with loss_parallel
-                with self._loss_context():
-                    summed = self.loss_fn(logits, targets)
-                    aux = self.aux_loss(self.model) if self.aux_loss is not None else None
-                    objective = with_aux_loss(summed, aux, targets.numel())
-                    (objective / (targets.numel() * len(batches))).backward()
+                summed = self.loss_fn(logits, targets)
+                aux = self.aux_loss(self.model) if self.aux_loss is not None else None
+                objective = with_aux_loss(summed, aux, targets.numel())
+                (objective / (targets.numel() * len(batches))).backward()
             loss_sum += _local(summed.detach())
             tokens += targets.numel()
         return self._reported(loss_sum, tokens)
@@ -91,8 +87,7 @@ class ShardedEngine:
         with self._sequence(inputs, targets) as (inputs, targets):
             with autocast(inputs.device.type, self.autocast_dtype):
                 logits = self.model(inputs)
-            with self._loss_context():
-                summed = _local(token_loss_sum(logits, targets))
+            summed = _local(self.eval_loss_fn(logits, targets))
         return self._reported(summed, targets.numel())
 
     def _reported(self, loss_sum: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
