@@ -130,10 +130,11 @@ def test_tp_blocks_as_cuda_graphs_train_like_launched_kernels_and_exit(tmp_path)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-def test_pipeline_blocks_as_cuda_graphs_train_like_launched_kernels(tmp_path):
-    """PP 2 (1F1B, 4 micro-batches per step) records each compiled block of a stage as a CUDA graph, the
-    pipeline's sends and receives between them: up to 2 micro-batches' activations are alive at once on the first
-    stage, so each micro-batch of a step must replay graphs of its own."""
-    _blocks_as_graphs_match_launched(tmp_path, "PP 2", "--parallel.pp=2", "--parallel.dp_replicate=1",
-                                     "--parallel.pp_schedule=1f1b", "--train.grad_accum=4",
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved1f1b"])
+def test_pipeline_blocks_as_cuda_graphs_train_like_launched_kernels(tmp_path, schedule):
+    """PP 2 (4 micro-batches per step; interleaved: 2 stages per rank) records each compiled block of a stage as a
+    CUDA graph, the pipeline's sends and receives between them: up to 2 micro-batches' activations are alive at once
+    on the first stage, so each micro-batch of a step must replay graphs of its own."""
+    _blocks_as_graphs_match_launched(tmp_path, f"PP 2 {schedule}", "--parallel.pp=2", "--parallel.dp_replicate=1",
+                                     f"--parallel.pp_schedule={schedule}", "--train.grad_accum=4",
                                      "--parallel.pp_microbatches=4")

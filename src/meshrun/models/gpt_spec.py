@@ -15,8 +15,8 @@ rows (``Shard(0)``), so tied embeddings stay tied: after the plan runs, ``parall
 the same DTensor parameter as ``tok_embeddings.weight`` (meshrun.parallel.tied, as for every model).
 
 With ``loss_parallel`` the logits stay sharded over the vocabulary (``Shard(-1)``) and the cross-entropy is
-computed without gathering (B, T, V) logits on every rank; the engine wraps loss and backward in
-``torch.distributed.tensor.parallel.loss_parallel()``. Otherwise the logits are gathered (``Replicate``).
+computed on each rank's slice without gathering (B, T, V) logits (meshrun.parallel.vocab_loss). Otherwise the
+logits are gathered (``Replicate``).
 
 With ``sequence_parallel`` the residual stream between blocks is sharded along the sequence (B, T/tp, C): norms
 and dropout run on 1/tp of the tokens and the all-reduces become all-gather + reduce-scatter (same volume).

@@ -101,5 +101,5 @@ class ShardedEngine:
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:
-    """A replicated DTensor scalar (the loss under loss_parallel) as a plain tensor."""
+    """A replicated DTensor scalar (a loss computed by torch's loss_parallel()) as a plain tensor."""
     return value.full_tensor() if isinstance(value, DTensor) else value
