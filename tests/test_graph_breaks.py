@@ -1,0 +1,58 @@
+"""What `meshrun train` compiles traces without a graph break, in every layout (2 gloo ranks on CPU).
+
+A graph break splits a compiled block into pieces that run eagerly in between: on a GPU each piece is launched
+(or, under train.cuda_graphs, recorded) on its own, and the host work between them lands on the step. Each layout
+builds its engine as the trainer does with ``train.compile=true``, while ``torch.compile`` is swapped for a counting
+eager backend with ``fullgraph=True``: any break in a block, the whole one-process/DDP step or a loss raises, naming
+its cause. The backend is eager, so this checks tracing, not inductor's code (the GPU tests run that).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from dist_utils import run_distributed
+from test_parallel_layouts import build, model_config, train
+
+pytestmark = pytest.mark.slow
+
+LAYOUTS = {
+    "ddp2": {"dp_replicate": 2},
+    "fsdp2": {"dp_replicate": 1, "dp_shard": 2},
+    "tp2": {"dp_replicate": 1, "tp": 2},
+    "tp2_sp": {"dp_replicate": 1, "tp": 2, "sequence_parallel": "true"},
+    "pp2": {"dp_replicate": 1, "pp": 2, "pp_microbatches": 2},
+}
+
+
+def _worker(rank: int, world_size: int, name: str) -> dict:
+    counter = CompileCounterWithBackend("eager")
+    compile_ = torch.compile
+
+    def one_graph(fn=None, **kwargs):
+        """torch.compile as the trainer calls it (a module's .compile() calls it too), traced whole or not at all."""
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("mode", "backend", "fullgraph")}
+        return compile_(fn, backend=counter, fullgraph=True, **kwargs)
+
+    torch.compile = one_graph
+    try:
+        torch._dynamo.reset()
+        grad_accum = 2 if name == "pp2" else 1
+        _, engine = build(model_config(tied=False), LAYOUTS[name], grad_accum=grad_accum, train={"compile": "true"})
+        losses = train(engine, grad_accum=grad_accum)["losses"]
+    finally:
+        torch.compile = compile_
+        dist.barrier()
+    return {"graphs": counter.frame_count, "losses": losses}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_compiled_blocks_and_losses_trace_as_whole_graphs(name):
+    results = run_distributed(_worker, 2, name)
+    for rank, result in enumerate(results):
+        # at least one graph per rank: something was compiled (fullgraph=True would have raised on a break)
+        assert result["graphs"] >= 1, (name, rank, result)
+        assert all(torch.isfinite(torch.tensor(result["losses"]))), (name, rank, result)
