@@ -7,6 +7,8 @@ For each case (model size x number of GPUs x gradient-clipping value) it runs, a
   - `meshrun train` once per layout (--layouts), and once more per layout for each --variant (LAYOUT/NAME: for that
     layout only); with --src, all of
     those again from another copy of meshrun (an older checkout's src), to compare two versions of the code;
+  - with --tune, one more meshrun row per layout for each documented setting its defaults choose between (TUNE),
+    and a line per layout saying whether the defaults are within 3% of the fastest of them;
   - with --session, the baseline's GPT through meshrun's `Session.prepare_model` (benchmarks/session_gpt.py, as
     docs/api.md shows: a user's own model) per layout given (ddp, fsdp).
 Every row reports tokens/s per GPU, MFU, peak memory, vs_baseline (its tokens/s over the baseline row of its case)
@@ -56,6 +58,20 @@ LAYOUTS = {  # meshrun overrides for a layout on G GPUs
     "pp": ["--parallel.pp=-1", "--parallel.dp_replicate=1", "--parallel.pp_schedule=1f1b"],
     "cp": ["--parallel.cp=-1", "--parallel.dp_replicate=1"],  # FSDP over the cp ranks, as torchtitan
 }
+TUNE = {  # --tune: the documented settings each layout's defaults choose between (docs/performance.md), one row each
+    "ddp": {"whole": "--parallel.ddp_graph=whole", "b25": "--parallel.ddp_bucket_mb=25",
+            "b200": "--parallel.ddp_bucket_mb=200", "launched": "--train.cuda_graphs=false",
+            "bf16-reduce": "--parallel.grad_reduce_dtype=bf16"},
+    "fsdp": {"u1": "--parallel.fsdp_unit_blocks=1", "u2": "--parallel.fsdp_unit_blocks=2",
+             "u3": "--parallel.fsdp_unit_blocks=3", "reshard": "--parallel.fsdp_reshard_after_forward=true",
+             "keep": "--parallel.fsdp_reshard_after_forward=false", "bf16-reduce": "--parallel.grad_reduce_dtype=bf16"},
+    "tp": {"sp": "--parallel.sequence_parallel=true", "launched": "--train.cuda_graphs=false"},
+    "pp": {"mb4": "--parallel.pp_microbatches=4", "mb16": "--parallel.pp_microbatches=16",
+           "interleaved": "--parallel.pp_schedule=interleaved1f1b", "gpipe": "--parallel.pp_schedule=gpipe",
+           "even": "--parallel.pp_balance=blocks", "launched": "--train.cuda_graphs=false"},
+    "cp": {"selective-ac": "--parallel.activation_checkpoint=selective"},
+}
+DEFAULTS_WITHIN = 0.03  # the defaults should be within 3% of the best setting --tune finds
 VALUE_OPTIONS = ("--extra", "--variant")  # options whose value may start with "--"
 
 
@@ -182,6 +198,7 @@ def run_case(case: Case, plan: Plan, env: dict[str, str]) -> Iterator[dict]:
     scripts = [s for s in ([BASELINE] if plan.baseline else []) + plan.peers + list(plan.session)
                if case.gpus > 1 or s.args[-1:] != ("fsdp",)]  # FSDP needs two GPUs or more
     jobs = [(script.impl, lambda _, s=script: run_script(s, case, plan, env)) for script in scripts]
+    tags: dict[str, dict] = {}  # a meshrun row's layout, setting (variant) and source, for --tune's comparison
     for layout in plan.layouts:
         if layout != "ddp" and case.gpus == 1:
             continue  # FSDP, TP, PP and CP need two GPUs or more
@@ -189,6 +206,7 @@ def run_case(case: Case, plan: Plan, env: dict[str, str]) -> Iterator[dict]:
             src_env = source_env(env, folder) if folder else env
             for name, overrides in [("", []), *variants_for(layout, plan.variants)]:
                 impl = (f"meshrun-{layout}-{name}" if name else f"meshrun-{layout}") + (f"@{source}" if source else "")
+                tags[impl] = {"layout": layout, "setting": name or "defaults", "source": source}
                 jobs.append((impl, lambda i, o=[*plan.extra, *overrides], lay=layout, e=src_env, name=impl:
                              run_meshrun(case, lay, plan, e, o,
                                          run_dir=kept_run_dir(plan, case, name, i) if plan.keep_runs else None)))
@@ -199,7 +217,7 @@ def run_case(case: Case, plan: Plan, env: dict[str, str]) -> Iterator[dict]:
             if plan.repeat > 1:
                 print(json.dumps({"impl": impl, "repeat": i + 1, **runs[impl][-1]}), flush=True)
     for impl, _ in jobs:
-        yield labelled(case, impl, combine(runs[impl]))
+        yield {**labelled(case, impl, combine(runs[impl])), **tags.get(impl, {})}
 
 
 def variants_for(layout: str, variants: list[tuple[str, list[str]]]) -> list[tuple[str, list[str]]]:
@@ -247,6 +265,29 @@ def add_ratios(rows: list[dict]) -> None:
             if best is not None:
                 row["vs_best_peer"] = row["tokens_per_s_per_gpu"] / best["tokens_per_s_per_gpu"]
                 row["best_peer"] = best["impl"]
+
+
+def defaults_against_best(rows: list[dict]) -> list[str]:
+    """For each case, layout and source with settings beside its defaults (--tune, --variant): sets vs_best_setting
+    and best_setting on the defaults' row (its tokens/s over the fastest row of that group) and returns one line per
+    group saying whether the defaults are within DEFAULTS_WITHIN of the best."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        if "error" not in row and "layout" in row:
+            key = (row["size"], row["gpus"], row["grad_clip"], row["layout"], row["source"])
+            groups.setdefault(key, []).append(row)
+    lines = []
+    for (size, gpus, clip, layout, source), group in groups.items():
+        defaults = next((r for r in group if r["setting"] == "defaults"), None)
+        if defaults is None or len(group) < 2:
+            continue
+        best = max(group, key=lambda r: r["tokens_per_s_per_gpu"])
+        ratio = defaults["tokens_per_s_per_gpu"] / best["tokens_per_s_per_gpu"]
+        defaults["vs_best_setting"], defaults["best_setting"] = ratio, best["impl"]
+        verdict = "within" if ratio >= 1 - DEFAULTS_WITHIN else "NOT within"
+        lines.append(f"{size} on {gpus}, clip {clip:g}: {defaults['impl']} (defaults) at {ratio:.3f}x of the best of "
+                     f"{len(group)} settings, {best['impl']}: {verdict} {DEFAULTS_WITHIN:.0%}")
+    return lines
 
 
 def installed_peers(names: list[str]) -> tuple[list[Script], list[str]]:
@@ -300,6 +341,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--variant", action="append", default=[], metavar="[LAYOUT/]NAME:OVERRIDES",
                    help="one more meshrun row per layout, meshrun-<layout>-NAME, with these overrides; "
                         "LAYOUT/NAME adds it for that layout only")
+    p.add_argument("--tune", action="store_true",
+                   help="one more row per layout for each documented setting its defaults choose between (ddp "
+                        "graphs and buckets, FSDP units and resharding, TP sequence parallelism, PP micro-batches, "
+                        "schedule and cut, CUDA graphs off), and say whether the defaults are within 3%% of the best")
     p.add_argument("--src", action="append", default=[], metavar="NAME:FOLDER",
                    help="meshrun rows again with the meshrun package in FOLDER (e.g. an older checkout's src), "
                         "named meshrun-<layout>@NAME, interleaved with this checkout's")
@@ -349,6 +394,9 @@ def make_plan(args: argparse.Namespace, device: str) -> tuple[Plan, list[str]]:
     """The run's plan from the arguments, and the reasons for the peers it skips."""
     peers, skipped = installed_peers(split(args.peers))
     variants = [(name, shlex.split(overrides)) for name, _, overrides in (v.partition(":") for v in args.variant)]
+    if args.tune:
+        variants += [(f"{layout}/{name}", shlex.split(overrides)) for layout in split(args.layouts)
+                     for name, overrides in TUNE.get(layout, {}).items()]
     plan = Plan(steps=args.steps, compile=device != "cpu" if args.compile is None else args.compile,
                 baseline=not args.no_baseline, peers=peers, session=tuple(SESSION[x] for x in split(args.session)),
                 layouts=split(args.layouts), variants=variants,
@@ -383,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(json.dumps(rows[-1]), flush=True)
     add_ratios(rows)
     print_table(rows, device, notes)
+    for line in defaults_against_best(rows):
+        print(line)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 1 if any("error" in r for r in rows) else 0

@@ -150,6 +150,38 @@ def test_a_layout_scoped_variant_runs_for_its_layout_only(monkeypatch):
         tb.parse_args(["--layouts", "ddp", "--variant", "tp/x:--y=1"])
 
 
+def test_tune_adds_each_layouts_documented_settings_and_tags_meshrun_rows(monkeypatch):
+    plan, _ = tb.make_plan(tb.parse_args(["--layouts", "ddp,tp", "--peers", "", "--tune"]), "cpu")
+    assert [name for name, _ in plan.variants] == [f"ddp/{n}" for n in tb.TUNE["ddp"]] + [
+        f"tp/{n}" for n in tb.TUNE["tp"]]
+    monkeypatch.setattr(tb, "run_script", lambda s, c, p, e: {"tokens_per_s_per_gpu": 1.0})
+    monkeypatch.setattr(tb, "run_meshrun", lambda c, lay, p, e, o, run_dir: {"tokens_per_s_per_gpu": 2.0})
+    rows = list(tb.run_case(tb.Case("tiny", 2, 0.0), plan, {}))
+    tp = [r for r in rows if r.get("layout") == "tp"]
+    assert [(r["impl"], r["setting"]) for r in tp] == [("meshrun-tp", "defaults"), ("meshrun-tp-sp", "sp"),
+                                                       ("meshrun-tp-launched", "launched")]
+    assert "layout" not in rows[0] and rows[0]["impl"] == "baseline-ddp"  # references carry no tags
+
+
+def test_defaults_are_compared_with_the_best_setting_of_their_layout_and_source():
+    def meshrun(impl, tps, layout, setting, source="", **extra):
+        return row(impl, tps, gpus=2, layout=layout, setting=setting, source=source, **extra)
+
+    rows = [row("baseline-ddp", 500.0, gpus=2),  # faster, but not a setting of meshrun's: not compared
+            meshrun("meshrun-ddp", 100.0, "ddp", "defaults"), meshrun("meshrun-ddp-b25", 98.0, "ddp", "b25"),
+            meshrun("meshrun-fsdp", 90.0, "fsdp", "defaults"), meshrun("meshrun-fsdp-u2", 100.0, "fsdp", "u2"),
+            meshrun("meshrun-fsdp-u3", 1e9, "fsdp", "u3", error="boom"),  # a failed row is no best
+            meshrun("meshrun-fsdp@old", 200.0, "fsdp", "defaults", source="old"),  # alone in its group
+            meshrun("meshrun-tp", 80.0, "tp", "defaults")]
+    lines = tb.defaults_against_best(rows)
+    assert lines == [
+        "124m on 2, clip 0: meshrun-ddp (defaults) at 1.000x of the best of 2 settings, meshrun-ddp: within 3%",
+        "124m on 2, clip 0: meshrun-fsdp (defaults) at 0.900x of the best of 2 settings, meshrun-fsdp-u2: NOT "
+        "within 3%"]
+    assert rows[3]["vs_best_setting"] == pytest.approx(0.9) and rows[3]["best_setting"] == "meshrun-fsdp-u2"
+    assert "vs_best_setting" not in rows[6] and "vs_best_setting" not in rows[7]
+
+
 def test_src_rows_run_another_meshrun_first_on_the_path_interleaved(monkeypatch, tmp_path):
     old = tmp_path / "old" / "src"
     (old / "meshrun").mkdir(parents=True)
