@@ -69,8 +69,7 @@ TUNE = {  # --tune: the documented settings each layout's defaults choose betwee
     "pp": {"mb4": "--parallel.pp_microbatches=4", "mb16": "--parallel.pp_microbatches=16",
            "interleaved": "--parallel.pp_schedule=interleaved1f1b", "gpipe": "--parallel.pp_schedule=gpipe",
            "even": "--parallel.pp_balance=blocks", "launched": "--train.cuda_graphs=false"},
-    "cp": {"selective-ac": "--parallel.activation_checkpoint=selective"},
-}
+}  # cp: none yet (its one speed setting, activation checkpointing, trades speed for memory)
 DEFAULTS_WITHIN = 0.03  # the defaults should be within 3% of the best setting --tune finds
 VALUE_OPTIONS = ("--extra", "--variant")  # options whose value may start with "--"
 
