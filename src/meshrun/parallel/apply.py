@@ -49,7 +49,6 @@ from meshrun.parallel.stage_cut import stage_ranges
 from meshrun.parallel.sharded import ShardedEngine
 from meshrun.parallel.tied import TP_FIX, find_shared
 from meshrun.parallel.tp import apply_tp, settle_async_outputs
-from meshrun.parallel.vocab_loss import sharded_loss_function
 
 log = logging.getLogger("meshrun")
 
@@ -98,8 +97,7 @@ def build_engine(*, job: JobConfig, model_cfg: ModelShape, dims: ParallelDims, m
     sharded_dp = uses_fsdp(dims)
     autocast = None if fp32 or sharded_dp else compute_dtype  # FSDP casts itself (MixedPrecisionPolicy)
     coords = dims.coords(rank)
-    # TP's vocabulary-sharded logits: the cross-entropy on each rank's shard (parallel/vocab_loss.py), compiled too
-    loss_fn = sharded_loss_function(compiled) if use_loss_parallel(dims) else loss_function(compiled)
+    loss_fn = loss_function(compiled, vocab_sharded=use_loss_parallel(dims))
     if dims.pp > 1:
         pipeline = PipelineEngine(parts, ids, n_stages=dims.stages, schedule=dims.pp_schedule,
                                   microbatches=dims.pp_microbatches, device=device,

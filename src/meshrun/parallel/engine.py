@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 
 from meshrun.models.spec import ModelStructure
 from meshrun.parallel.chunked_loss import chunked_token_loss_sum
+from meshrun.parallel.vocab_loss import sharded_loss_function
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs (B, T) int64, targets (B, T) int64)
 
@@ -69,10 +70,14 @@ def count_tensor(count: int, device: torch.device) -> torch.Tensor:
     return torch.full((), float(count), dtype=torch.float32, device=device)
 
 
-def loss_function(compiled: bool):
+def loss_function(compiled: bool, *, vocab_sharded: bool = False):
     """``token_loss_sum``, compiled when the model is: inductor then fuses the fp32 upcast into the cross-entropy,
     so the logits (B x T x V, the largest activation) never exist in fp32, in forward or backward. For layouts
-    whose model is compiled block by block (FSDP, TP, PP), where the head and loss would otherwise run eagerly."""
+    whose model is compiled block by block (FSDP, TP, PP), where the head and loss would otherwise run eagerly.
+    ``vocab_sharded``: TP's logits stay sharded over the vocabulary, and the loss runs on each rank's shard
+    (parallel/vocab_loss.py)."""
+    if vocab_sharded:
+        return sharded_loss_function(compiled)
     return torch.compile(token_loss_sum, dynamic=False) if compiled else token_loss_sum
 
 

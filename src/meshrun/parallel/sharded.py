@@ -25,10 +25,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from meshrun.parallel.context_parallel import SequenceShards
-from meshrun.parallel.engine import (Batch, autocast, count_tensor, new_replay_generation, token_loss_sum,
-                                     with_aux_loss)
+from meshrun.parallel.engine import (Batch, autocast, count_tensor, loss_function, new_replay_generation,
+                                     token_loss_sum, with_aux_loss)
 from meshrun.parallel.grad_norm import clip_grad_norm
-from meshrun.parallel.vocab_loss import sharded_loss_function
 
 
 class ShardedEngine:
@@ -44,12 +43,11 @@ class ShardedEngine:
         self.reports_loss = reports_loss
         """True on the one rank per data-parallel replica that returns non-zero loss sums."""
         self.fsdp = fsdp
-        self.loss_parallel = loss_parallel
         self.autocast_dtype = autocast_dtype
         self.loss_fn = loss_fn
         """(logits, targets) -> token-loss sum: ``token_loss_sum``, or its compiled form (engine.loss_function); with
         ``loss_parallel`` the vocabulary-sharded form (vocab_loss.sharded_loss_function)."""
-        self.eval_loss_fn = sharded_loss_function(False) if loss_parallel else token_loss_sum
+        self.eval_loss_fn = loss_function(False, vocab_sharded=loss_parallel)
         """The same loss for evaluation, not compiled (another batch shape would compile another graph)."""
         self.sequence_shards = sequence_shards
         """Context parallelism: splits each micro-batch's sequences over the cp ranks (None without CP)."""
