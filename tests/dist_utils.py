@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
+import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
@@ -24,12 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from meshrun.comm.process_group import shutdown
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from meshrun.launch.net import free_port  # noqa: F401 - tests import it from here
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue, init_pg: bool) -> None:
@@ -61,8 +56,6 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
         proc.start()
     results: dict[int, Any] = {}
     errors: list[str] = []
-    import time
-
     deadline = time.monotonic() + timeout
     while len(results) + len(errors) < world_size:
         if time.monotonic() > deadline:
@@ -79,6 +72,9 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
             results[rank] = pickle.loads(value)
         else:
             errors.append(f"rank {rank} failed:\n{value}")
+            # The test fails either way: give the other ranks a moment to report theirs (a rank blocked in a
+            # collective with the failed one would otherwise hold the test until ``timeout``).
+            deadline = min(deadline, time.monotonic() + 15)
     for proc in procs:
         proc.join(timeout=10)
         if proc.is_alive():

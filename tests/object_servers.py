@@ -12,13 +12,8 @@ import shutil
 import socket
 import subprocess
 import time
-from contextlib import closing
 
-
-def free_port() -> int:
-    with closing(socket.socket()) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from meshrun.launch.net import free_port  # noqa: F401 - tests import it from here
 
 
 def wait_for_port(port: int, timeout_s: float = 30.0) -> bool:

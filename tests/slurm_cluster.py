@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from meshrun.launch.net import free_port
+
 DAEMONS = ("slurmctld", "slurmd", "munged", "sbatch", "squeue", "nsenter", "unshare", "ip")
 
 
@@ -93,9 +95,7 @@ class SlurmCluster:
 
 
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
+    return free_port("0.0.0.0")
 
 
 def _ip(*args: str) -> None:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from meshrun.launch.net import free_port
+
 pytestmark = pytest.mark.slow
 
 # A script written for torchrun, unchanged: it reads torchrun's variables itself and uses env:// init.
@@ -125,9 +127,7 @@ def test_unreachable_endpoint_fails_within_the_timeout_naming_it(tmp_path, scrip
 
 
 def test_missing_nodes_fail_the_rendezvous_within_the_timeout(tmp_path, script):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     proc, elapsed = launch(["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-timeout", "4",
                             str(script), str(tmp_path)], cwd=tmp_path)
     assert proc.returncode == 1

@@ -118,3 +118,33 @@ def test_more_specific_ranks_route_over_refused_over_kernel_text_over_timeout():
     assert net.more_specific("timed out", "Permission denied") == "Permission denied"
     assert net.more_specific("Permission denied", "connection refused") == "connection refused"
     assert net.more_specific("no route to host", "network unreachable") == "network unreachable"  # a tie: the newer
+
+
+def test_free_port_is_below_the_ephemeral_range_so_outgoing_connections_cannot_take_it():
+    low, _ = net._ephemeral_range()
+    ports = {net.free_port() for _ in range(20)}
+    assert all(10000 <= p < low for p in ports) and len(ports) > 1  # random, not one port every call
+    first = net.free_port(count=4)
+    socks = [socket.socket() for _ in range(4)]
+    try:
+        for offset, sock in enumerate(socks):
+            sock.bind(("127.0.0.1", first + offset))  # all four consecutive ports were free
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def test_free_port_skips_a_port_in_use(monkeypatch):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", net.free_port()))
+        taken = held.getsockname()[1]
+
+        class Draws:  # the first draw is the held port
+            def __init__(self):
+                self.values = iter([taken, taken, taken + 1])
+
+            def randrange(self, *_):
+                return next(self.values)
+
+        monkeypatch.setattr(net.random, "Random", Draws)
+        assert net.free_port() == taken + 1

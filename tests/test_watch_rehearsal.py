@@ -12,7 +12,6 @@ node's system plot on a page of its own.
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,8 @@ import time
 import urllib.request
 
 import pytest
+
+from meshrun.launch.net import free_port
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("mlflow", reason="the mlflow extra (.[mlflow], mlflow-skinny) is not installed")
@@ -41,22 +42,7 @@ nodes race for it), and another test running beside this one may hold one of the
 
 def _free_ports(count: int) -> int:
     """The first of ``count`` consecutive ports that are free on 127.0.0.1 now."""
-    while True:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            first = sock.getsockname()[1]
-        if first + count > 65535:
-            continue
-        try:
-            socks = [socket.socket() for _ in range(count)]
-            for offset, sock in enumerate(socks):
-                sock.bind(("127.0.0.1", first + offset))
-            return first
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
+    return free_port(count=count)
 
 
 def _scrape_until(port: int, done: threading.Event, seen: dict) -> None:

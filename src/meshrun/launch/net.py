@@ -10,6 +10,7 @@ import errno
 import fcntl
 import ipaddress
 import json
+import random
 import shutil
 import socket
 import struct
@@ -20,6 +21,44 @@ from dataclasses import dataclass
 LOCAL_ADDR_VAR = "MESHRUN_LOCAL_ADDR"
 """Set by ``meshrun launch`` for its workers: the address it chose for this node (``--local-addr``, or the source
 address of the route to the rendezvous host). Per-node servers (the Prometheus endpoint) bind to it."""
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(v) for v in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_port(host: str = "127.0.0.1", count: int = 1) -> int:
+    """A port (the first of ``count`` consecutive ones) that is free on ``host`` now, for a server started later.
+
+    Chosen below the kernel's ephemeral range: a port the kernel hands out for ``bind(0)`` may also be taken, before
+    the server binds it, by any outgoing connection on the machine (gloo opens many), which fails the server with
+    EADDRINUSE. Below that range only another explicit bind can take it. Falls back to ``bind(0)``."""
+    low, _ = _ephemeral_range()
+    floor = 10000
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    rng = random.Random()  # own generator: tests seed the global one, and every caller would get the same port
+    for _ in range(200 if low - count > floor + 1000 else 0):
+        first = rng.randrange(floor, low - count)
+        socks = []
+        try:
+            for offset in range(count):
+                sock = socket.socket(family, socket.SOCK_STREAM)
+                socks.append(sock)
+                sock.bind((host, first + offset))
+            return first
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
 
 
 class EndpointError(ValueError):

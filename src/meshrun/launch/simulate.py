@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +20,7 @@ from typing import IO, Mapping
 import torch
 
 from meshrun.launch.args import LaunchArgs, LaunchUsageError, check_target, parse_nnodes
+from meshrun.launch.net import free_port
 from meshrun.launch.rendezvous import parse_rdzv_conf
 
 GRACE_S = 5.0
@@ -43,7 +43,7 @@ def simulate(largs: LaunchArgs) -> int:
     nodes = largs.ns.simulate_nodes
     _check_options(largs, nodes)
     check_target(largs.target)
-    port, run_id = _free_port(), f"sim-{uuid.uuid4().hex[:8]}"
+    port, run_id = free_port(), f"sim-{uuid.uuid4().hex[:8]}"
     commands = [agent_command(largs, index=i, nodes=nodes, port=port, run_id=run_id) for i in range(nodes)]
     visible = _visible_gpus()
     slices = split_gpus(nodes=nodes, nproc=str(largs.ns.nproc_per_node), visible=visible)
@@ -168,12 +168,6 @@ def _check_options(largs: LaunchArgs, nodes: int) -> None:
     if "rdzv_backend" in largs.given and largs.ns.rdzv_backend != "c10d":
         raise LaunchUsageError(f"--simulate-nodes rehearses the c10d rendezvous; drop --rdzv-backend "
                                f"{largs.ns.rdzv_backend}.")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _pump(source: IO[str] | None, sink: IO[str], prefix: str) -> threading.Thread:
