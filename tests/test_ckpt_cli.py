@@ -39,6 +39,7 @@ def test_ls_shows_complete_and_unfinished(folder, capsys):
     path, _ = folder
     assert main(["ckpt", "ls", str(path.parent)]) == 0  # a run folder works too
     out = capsys.readouterr().out
+    assert main(["ckpt", "list", str(path.parent)]) == 0 and capsys.readouterr().out == out  # other tools' word
     lines = [line for line in out.splitlines() if "step_000000" in line]
     assert len(lines) == 3
     assert "complete" in lines[0] and "dp_replicate=1" in lines[0] and "1,234" in lines[0]

@@ -67,7 +67,12 @@ def test_train_help_lists_every_config_option_by_section_with_its_description():
 
 @pytest.mark.parametrize("wrong, meant", [("train.learning_rate", "train.lr"), ("train.dp_shard", "parallel.dp_shard"),
                                           ("trian.stpes", "train.steps"), ("model.n_layer", "model.n_layers"),
-                                          ("checkpoint.save_total_limit", "checkpoint.keep_last")])
+                                          ("checkpoint.save_total_limit", "checkpoint.keep_last"),
+                                          ("parallel.fsdp", "parallel.dp_shard"),
+                                          ("parallel.tensor_model_parallel_size", "parallel.tp"),
+                                          ("parallel.data_parallel_replicate_degree", "parallel.dp_replicate"),
+                                          ("train.gradient_checkpointing", "parallel.activation_checkpoint"),
+                                          ("data.path", "data.source")])
 def test_a_wrong_option_gets_the_closest_one_of_any_section(wrong, meant):
     with pytest.raises(ConfigError, match=rf"^unknown config option '{wrong}' \(did you mean '{meant}'\?\)"):
         load_config(None, [f"--{wrong}=1"])

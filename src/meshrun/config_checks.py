@@ -109,9 +109,21 @@ def tri_state(option: str, value: Any) -> str:
     raise ConfigError(f"{option}={value!r} is not one of auto, true, false")
 
 
+CHOICE_HINTS: dict[tuple[str, str], str] = {
+    **{("train.dtype", v): "float8 matmuls are a switch of their own: --train.float8=true (with bf16)"
+       for v in ("fp8", "float8", "float8_e4m3fn", "e4m3")},
+    **{("train.dtype", v): "fp16 needs loss scaling, which meshrun does not do; bf16 needs none (Ampere and newer)"
+       for v in ("fp16", "float16", "half", "16-mixed")},
+    **{("train.dtype", v): "spell it bf16" for v in ("bfloat16", "bf16-mixed", "bf16-true")},
+    **{("train.dtype", v): "spell it fp32" for v in ("float32", "float", "32", "32-true")},
+}
+"""(option, a value other tools accept) -> what meshrun calls it, added to the refusal."""
+
+
 def check_choice(option: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ConfigError(f"{option}={value!r} is not one of {', '.join(choices)}")
+        hint = CHOICE_HINTS.get((option, str(value).lower()))
+        raise ConfigError(f"{option}={value!r} is not one of {', '.join(choices)}" + (f"; {hint}" if hint else ""))
 
 
 def _check_choices(job: JobConfig) -> None:

@@ -31,8 +31,22 @@ ELSEWHERE: dict[str, str] = {
     "num_attention_heads": "model.n_heads", "output_dir": "run.dir", "save_steps": "checkpoint.interval_steps",
     "save_total_limit": "checkpoint.keep_last", "eval_interval": "train.eval_every", "log_interval": "train.log_every",
     "tensor_parallel": "parallel.tp", "pipeline_parallel": "parallel.pp",
+    # parallel degrees as torchtitan, Megatron-LM, DeepSpeed and Accelerate name them
+    "fsdp": "parallel.dp_shard", "fsdp_size": "parallel.dp_shard", "zero": "parallel.dp_shard",
+    "ddp": "parallel.dp_replicate", "hsdp": "parallel.dp_replicate",
+    "data_parallel_shard_degree": "parallel.dp_shard", "data_parallel_replicate_degree": "parallel.dp_replicate",
+    "tensor_parallel_degree": "parallel.tp", "tensor_model_parallel_size": "parallel.tp", "tp_size": "parallel.tp",
+    "pipeline_parallel_degree": "parallel.pp", "pipeline_model_parallel_size": "parallel.pp", "pp_size": "parallel.pp",
+    "context_parallel": "parallel.cp", "context_parallel_degree": "parallel.cp", "context_parallel_size": "parallel.cp",
+    "cp_size": "parallel.cp", "gradient_checkpointing": "parallel.activation_checkpoint",
+    "activation_checkpointing": "parallel.activation_checkpoint", "recompute_granularity": "parallel.activation_checkpoint",
+    "num_microbatches": "parallel.pp_microbatches", "n_microbatches": "parallel.pp_microbatches",
+    "dataset": "data.source", "data_path": "data.source", "data_dir": "data.source", "train_file": "data.source",
+    "dataset_path": "data.source", "data.path": "data.source", "data.dir": "data.source", "data.files": "data.source",
+    "checkpoint.path": "checkpoint.dir", "checkpoint.save_dir": "checkpoint.dir", "checkpoint.folder": "checkpoint.dir",
 }
-"""Names other training tools (Hugging Face Trainer, Lightning, nanoGPT) give an option, and meshrun's name."""
+"""Names other training tools (Hugging Face Trainer, Lightning, nanoGPT, torchtitan, Megatron-LM, DeepSpeed) give an
+option, and meshrun's name."""
 
 
 HELP_COLUMN = 36
@@ -79,13 +93,13 @@ def suggest(dotted: str) -> str:
     """' (did you mean 'train.lr'?)' for a wrong option, looking across sections; '' when nothing is close.
 
     In order: the same key in another section (train.dp_shard), another tool's name for an option
-    (train.learning_rate), a close spelling of the whole name (trian.stpes), a close key in any section."""
+    (train.learning_rate, data.path), a close spelling of the whole name (trian.stpes), a close key in any section."""
     names = option_names()
     key = dotted.partition(".")[2] or dotted
     by_key: dict[str, str] = {}
     for name in names:
         by_key.setdefault(name.partition(".")[2], name)
-    best = by_key.get(key) or ELSEWHERE.get(key.lower())
+    best = by_key.get(key) or ELSEWHERE.get(dotted.lower()) or ELSEWHERE.get(key.lower())
     if best is None:
         close = difflib.get_close_matches(dotted, names, n=1) or [
             by_key[k] for k in difflib.get_close_matches(key, list(by_key), n=1)]

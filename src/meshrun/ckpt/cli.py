@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshrun ckpt", description="List, verify and export checkpoints.",
                                      formatter_class=PlainHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="{ls,verify,export}")
-    ls = sub.add_parser("ls", help="list the checkpoints of a folder, complete or not")
+    ls = sub.add_parser("ls", aliases=["list"], help="list the checkpoints of a folder, complete or not")
     ls.add_argument("dir", nargs="?", help=f"checkpoint folder or run folder (default: {reader.DEFAULT_FOLDER})")
     ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
     verify = sub.add_parser("verify", help="check marker, manifest, sizes and SHA-256 of every file")
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if is_url(location):  # fail within seconds, naming the URL and what to set, when the store cannot be reached
             store_for(location).probe(location)
-        return {"ls": _ls, "verify": _verify, "export": _export}[args.command](args)
+        return {"ls": _ls, "list": _ls, "verify": _verify, "export": _export}[args.command](args)
     except CheckpointError as exc:
         print(f"meshrun ckpt {args.command}: {exc}", file=sys.stderr)
         return 1
