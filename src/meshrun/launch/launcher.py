@@ -13,6 +13,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 
 from torch.distributed import DistError
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -87,7 +88,7 @@ def launch(largs: LaunchArgs) -> int:
     config, entrypoint, entry_args = config_from_args(largs.ns)
     _announce_restarts()
     forwarding = _forward_preemption_signals()
-    if hasattr(config, "signals_to_handle"):  # torch >= 2.6 sets the variable from its config at launch
+    if hasattr(config, "signals_to_handle"):  # torch >= 2.9 sets the variable from its config at launch
         config.signals_to_handle = os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"]
     started = time.monotonic()
     try:
@@ -203,7 +204,34 @@ def _forward_preemption_signals() -> PreemptionFlag:
         raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
 
     flag.install((*PREEMPTION_SIGNALS, signal.SIGINT), handler)
+    _keep_handler_when_the_agent_starts_workers(flag, handler)
     return flag
+
+
+def _keep_handler_when_the_agent_starts_workers(flag: PreemptionFlag, handler: Callable[[int, object], None]) -> None:
+    """torch 2.8 has no TORCHELASTIC_SIGNALS_TO_HANDLE: when its agent starts the workers it installs its own handler
+    for SIGTERM, SIGINT, SIGHUP and SIGQUIT, replacing meshrun's, so a burst of SIGTERMs cut the workers' save short
+    and a second Ctrl-C waited for it. The handler it installs is its module's ``_terminate_process_handler``; for
+    the signals meshrun forwards that name now calls meshrun's (torch's own for the rest), until ``flag.restore``."""
+    from torch.distributed.elastic.multiprocessing import api
+    from torch.distributed.launcher.api import LaunchConfig
+
+    if hasattr(LaunchConfig, "signals_to_handle"):  # torch >= 2.9 leaves the signals meshrun took out of the list
+        return
+    torch_handler = api._terminate_process_handler
+    ours = {signal.SIGINT, *PREEMPTION_SIGNALS}
+
+    def either(signum: int, frame: object) -> None:
+        (handler if signum in ours else torch_handler)(signum, frame)
+
+    api._terminate_process_handler = either
+    restore = flag.restore
+
+    def restore_both() -> None:
+        api._terminate_process_handler = torch_handler
+        restore()
+
+    flag.restore = restore_both  # type: ignore[method-assign]
 
 
 def _child_pids() -> list[int]:
