@@ -56,7 +56,7 @@ def resolve_degrees(degrees: dict[str, int], *, world_size: int) -> dict[str, in
         known = math.prod(v for v in degrees.values() if v != -1)
         if world_size % known:
             listed = " x ".join(f"{n}={v}" for n, v in degrees.items() if v != -1)
-            explicit = " x ".join(f"parallel.{n}={v}" for n, v in degrees.items() if v > 1) or listed
+            explicit = " or ".join(f"parallel.{n}={v}" for n, v in degrees.items() if v > 1) or listed
             raise ConfigError(f"parallel.{unknown[0]}=-1 cannot be inferred: world size {world_size} is not "
                               f"divisible by {listed} = {known}; start a multiple of {known} processes (for example "
                               f"meshrun launch --nproc-per-node {known}) or change {explicit}")
