@@ -222,19 +222,20 @@ class BatchPlan:
         return self.global_batch * self.seq_len
 
 
-def resolve_batch(train: TrainConfig, *, dp_size: int, seq_len: int) -> BatchPlan:
-    """Derive grad accumulation from global_batch (or the reverse); refuse combinations that do not divide."""
+def resolve_batch(train: TrainConfig, *, dp_size: int, seq_len: int, prefix: str = "train.") -> BatchPlan:
+    """Derive grad accumulation from global_batch (or the reverse); refuse combinations that do not divide.
+    ``prefix``: how errors name the options ('train.' for the CLI's, '' for Session.step_batches' arguments)."""
     per_step = train.micro_batch * dp_size
     if train.global_batch:
         if train.global_batch % per_step:
             raise ConfigError(
-                f"train.global_batch={train.global_batch} is not divisible by train.micro_batch={train.micro_batch} "
-                f"x {dp_size} data-parallel ranks = {per_step}; choose a global_batch that is a multiple of "
-                f"{per_step} or change train.micro_batch")
+                f"{prefix}global_batch={train.global_batch} is not divisible by {prefix}micro_batch="
+                f"{train.micro_batch} x {dp_size} data-parallel ranks = {per_step}; choose a global_batch that is a "
+                f"multiple of {per_step} or change {prefix}micro_batch")
         accum = train.global_batch // per_step
         if train.grad_accum and train.grad_accum != accum:
             raise ConfigError(
-                f"train.grad_accum={train.grad_accum} contradicts train.global_batch={train.global_batch} = "
+                f"{prefix}grad_accum={train.grad_accum} contradicts {prefix}global_batch={train.global_batch} = "
                 f"{train.micro_batch} x {dp_size} ranks x {accum}; set only one of them")
     else:
         accum = train.grad_accum or 1

@@ -42,7 +42,7 @@ from meshrun.config import CheckpointConfig, ConfigError, DistConfig, ReplicaCon
 from meshrun.data.loader import StepBatches
 from meshrun.comm.process_group import init_distributed, shutdown
 from meshrun.env import ProcessPlacement
-from meshrun.parallel.module import ModuleLayout, prepare_module, session_reduce_dtype
+from meshrun.parallel.module import LAYOUTS, ModuleLayout, prepare_module, session_reduce_dtype
 from meshrun.parallel.module_pipeline import PipelinedModule, PipelineOptions, prepare_pipeline
 from meshrun.rng import seed_rank_streams
 from meshrun.ckpt.session import SessionCheckpoints, model_fingerprint
@@ -110,6 +110,8 @@ class Session:
         loss). Every rank starts from rank 0's weights. Per-rank random streams (seed + rank) are set afterwards,
         for dropout and augmentation. Collective."""
         session_reduce_dtype(grad_reduce_dtype)  # refused before any collective
+        if layout not in LAYOUTS:  # in one process too, where any layout runs as one: not only at scale
+            raise ConfigError(f"layout={layout!r} is not one of {', '.join(LAYOUTS)}")
         if layout.startswith("pp"):
             if tp or dp_replicate or tp_plan:
                 raise ConfigError(f"layout={layout!r} takes no tp, dp_replicate or tp_plan (pipelines here combine "
@@ -136,8 +138,18 @@ class Session:
                      grad_accum: int = 0) -> StepBatches:
         """This rank's micro-batches of each optimizer step; B_global = micro_batch x dp ranks x accumulation.
         Call it after prepare_model, so TP ranks share their data."""
+        for name, value, least in (("micro_batch", micro_batch, 1), ("global_batch", global_batch, 0),
+                                   ("grad_accum", grad_accum, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ConfigError(f"{name}={value!r} must be an integer >= {least}"
+                                  + (" (0: derived from the others)" if least == 0 else ""))
         plan = resolve_batch(TrainConfig(micro_batch=micro_batch, global_batch=global_batch, grad_accum=grad_accum),
-                             dp_size=self.dp_size, seq_len=1)
+                             dp_size=self.dp_size, seq_len=1, prefix="")
+        if hasattr(dataset, "__len__") and len(dataset) < plan.global_batch:
+            raise ConfigError(f"the dataset has {len(dataset)} samples, fewer than one global batch of "
+                              f"{plan.global_batch} (micro_batch={micro_batch} x {self.dp_size} data-parallel ranks x "
+                              f"{plan.grad_accum} accumulation); give more samples or a smaller global_batch or "
+                              "micro_batch")
         dp_rank, dp_size = data_shard(self.replicas_config, self.dp_rank, self.dp_size)  # a group reads its share
         self._batches = StepBatches(dataset, dp_rank=dp_rank, dp_size=dp_size, seed=self.seed,
                                     micro_batch=micro_batch, grad_accum=plan.grad_accum, device=self.device)
