@@ -95,6 +95,17 @@ def test_missing_script_is_reported_before_launch(tmp_path):
     assert main([str(tmp_path / "nope.py")]) == 2
 
 
+@pytest.mark.parametrize("misplaced", ["--nproc-per-node", "--nproc_per_node=2", "--nnodes", "--rdzv-endpoint"])
+def test_a_launch_option_after_a_meshrun_command_is_refused_naming_where_it_goes(misplaced, tmp_path):
+    with pytest.raises(LaunchUsageError, match=rf"^{misplaced.split('=')[0]} comes after `train`, so it would go to "
+                                               r"every worker.*put launch options before the command"):
+        check_target(parse_launch_args(["train", "--train.steps=2", misplaced, "2"]).target)
+    check_target(parse_launch_args(["train", "--dry-run", "--world-size", "2"]).target)  # train's own --dry-run
+    script = tmp_path / "s.py"
+    script.write_text("")
+    check_target(parse_launch_args([str(script), "--nnodes", "2"]).target)  # a user's script may take any option
+
+
 def test_rdzv_conf_parsing():
     assert parse_rdzv_conf("join_timeout=5, is_host=1") == {"join_timeout": "5", "is_host": "1"}
     with pytest.raises(LaunchUsageError, match="--rdzv-conf"):

@@ -29,8 +29,8 @@ def test_minus_one_is_inferred_from_the_world_size():
 
 @pytest.mark.parametrize("parallel, world, message", [
     ({"dp_replicate": 3, "tp": 2}, 8, "parallel.pp x dp_replicate x dp_shard x cp x tp = 1 x 3 x 1 x 1 x 2 = 6 does not equal the world size 8"),
-    ({"dp_replicate": -1, "tp": 3}, 8, "parallel.dp_replicate=-1 cannot be inferred: world size 8 .*; start a multiple of 3 processes "
-     ".*or change parallel.tp=3"),
+    ({"dp_replicate": -1, "tp": 3}, 8, "parallel.dp_replicate=-1 cannot be inferred: world size 8 .*; run a multiple of 3 processes "
+     "or change parallel.tp=3"),
     ({"dp_replicate": -1, "dp_shard": -1}, 8, "parallel.dp_replicate and parallel.dp_shard are all -1"),
     ({"dp_replicate": 0}, 8, "parallel.dp_replicate=0 is not a degree"),
     ({"dp_replicate": 1, "tp": 16}, 16, "parallel.tp=16 is larger than the 8 GPUs of one node"),

@@ -58,7 +58,6 @@ def resolve_degrees(degrees: dict[str, int], *, world_size: int) -> dict[str, in
             listed = " x ".join(f"{n}={v}" for n, v in degrees.items() if v != -1)
             explicit = " or ".join(f"parallel.{n}={v}" for n, v in degrees.items() if v > 1) or listed
             raise ConfigError(f"parallel.{unknown[0]}=-1 cannot be inferred: world size {world_size} is not "
-                              f"divisible by {listed} = {known}; start a multiple of {known} processes (for example "
-                              f"meshrun launch --nproc-per-node {known}) or change {explicit}")
+                              f"divisible by {listed} = {known}; run a multiple of {known} processes or change {explicit}")
         degrees = {**degrees, unknown[0]: world_size // known}
     return degrees

@@ -173,11 +173,28 @@ def detect_target(ns: argparse.Namespace) -> Target:
     return Target(kind="script", name=name, args=args)
 
 
+PLACEMENT_OPTIONS = frozenset({"nnodes", "nproc_per_node", "node_rank", "rdzv_backend", "rdzv_endpoint", "rdzv_id",
+                               "rdzv_conf", "rdzv_timeout", "standalone", "max_restarts", "master_addr",
+                               "master_port", "local_addr", "numa_binding", "simulate_nodes"})
+"""Launch options (by destination) that say where and how many workers run: after a meshrun command they are a
+misplaced launch option, not one of the command's (``--dry-run`` and ``--environment`` are not here: train takes a
+``--dry-run`` of its own)."""
+
+
 def check_target(target: Target) -> None:
-    """Fail before starting agents when a script does not exist (torchrun would start N workers that all fail)."""
+    """Fail before starting agents when a script does not exist, or when a launch option was put after a meshrun
+    command, which would hand it to every worker (torchrun would start N workers that all fail)."""
     if target.kind == "script" and not Path(target.name).is_file():
         raise LaunchUsageError(f"script {target.name!r} not found (cwd {Path.cwd()}); give a path to a Python "
                                f"file, `-m module`, or a meshrun command ({', '.join(WORKER_COMMANDS)}).")
+    if target.kind == "meshrun":  # a user's script may take any option; meshrun's commands take none of these
+        launch_options = {o for a in build_parser()._actions if a.dest in PLACEMENT_OPTIONS for o in a.option_strings}
+        misplaced = [a for a in target.args if a.split("=", 1)[0] in launch_options]
+        if misplaced:
+            option = misplaced[0].split("=", 1)[0]
+            raise LaunchUsageError(f"{option} comes after `{target.name}`, so it would go to every worker, not to the "
+                                   f"launcher; put launch options before the command: meshrun launch {option} ... "
+                                   f"{target.name} ...")
 
 
 def apply_target(ns: argparse.Namespace, target: Target) -> None:
