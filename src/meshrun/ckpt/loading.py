@@ -222,7 +222,8 @@ def _prepare(node: dict[str, Any], prefix: str, saved: dict[str, Any], *, path: 
         elif tuple(entry.size) != tuple(value.shape):
             raise CheckpointError(f"resume refused: {source} has shape {tuple(entry.size)} in {path} but "
                                   f"{tuple(value.shape)} in this run (the model configuration differs); train it in "
-                                  "a new --run.dir, or start over with --fresh or --checkpoint.resume=none")
+                                  "a new --run.dir, or start over with --fresh or --checkpoint.resume=none (Session: "
+                                  "another checkpoint folder, or CheckpointConfig(resume='none'))")
         else:
             out[key] = value
         if source != dotted:
