@@ -49,6 +49,7 @@ def test_tp_across_nodes_only_when_allowed():
     assert dims.tp == 16
     with pytest.raises(ConfigError, match="does not divide the 8 GPUs per node"):
         dims_for(12, dp_replicate=-1, tp=6, gpus_per_node=8)
+    assert dims_for(3, dp_replicate=-1, tp=3, gpus_per_node=8).tp == 3  # 3 ranks on one node straddle nothing
 
 
 @pytest.mark.parametrize("model_change, parallel, message", [

@@ -128,7 +128,7 @@ class ParallelDims:
                     f"parallel.tp={self.tp} is larger than the {self.gpus_per_node} GPUs of one node, so tensor-"
                     "parallel all-reduces (several per layer) would cross the network; lower parallel.tp (use "
                     "parallel.pp or dp across nodes) or set --parallel.allow_tp_across_nodes=true")
-            if self.gpus_per_node % self.tp:
+            if self.gpus_per_node % self.tp and self.world_size > self.gpus_per_node:  # one node: nothing straddles
                 raise ConfigError(
                     f"parallel.tp={self.tp} does not divide the {self.gpus_per_node} GPUs per node, so some tensor-"
                     "parallel groups would straddle two nodes; choose a tp that divides it or set "
