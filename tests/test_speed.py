@@ -33,6 +33,30 @@ def test_auto_compiles_on_gpus_only():
     assert compile_enabled("true", CPU) and not compile_enabled("false", torch.device("cuda", 0))
 
 
+@pytest.mark.parametrize("capability, compiles, bf16", [((9, 0), True, True), ((8, 0), True, True),
+                                                         ((7, 5), True, False), ((6, 1), False, False)])
+def test_auto_compile_and_dtype_follow_the_gpus_compute_capability(monkeypatch, capability, compiles, bf16):
+    """A GPU without Triton support (before 7.0) is not compiled, one without bf16 (before 8.0) trains in fp32, and
+    the header says why; explicit choices are kept. (This machine has no GPU: torch's answers are patched.)"""
+    from meshrun.parallel.checks import compute_dtype
+    from meshrun.parallel.module import layout_dims, resolve_compute_dtype
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    gpu = torch.device("cuda", 0)
+    job = load_config(None, [])
+    assert compile_enabled("auto", gpu) is compiles and compile_enabled("true", gpu)
+    assert compute_dtype(job, gpu) is (torch.bfloat16 if bf16 else None)
+    assert compute_dtype(load_config(None, ["--train.dtype=bf16"]), gpu) is torch.bfloat16
+    assert resolve_compute_dtype("auto", layout_dims("fsdp", world_size=2), gpu) is (torch.bfloat16 if bf16 else None)
+    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: True, raising=False)
+    line = describe_speed(job, gpu, compute_dtype(job, gpu))
+    major, minor = capability
+    assert ("| fp32 (train.dtype=auto: no bf16 on compute capability" in line) is not bf16, line
+    assert (f"compile off (train.compile=auto: Triton needs 7.0, this GPU has compute capability {major}.{minor})"
+            in line) is not compiles, line
+
+
 def test_attention_auto_keeps_torchs_order_on_cpu():
     assert resolve_attention("auto", CPU) == "default"
     assert resolve_attention("flash", CPU) == "flash"

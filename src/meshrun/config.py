@@ -97,10 +97,11 @@ class TrainConfig:
     deterministic: bool = False
     """Use deterministic algorithms only (slower; torch.use_deterministic_algorithms)."""
     dtype: TrainDtype = "auto"
-    """Compute dtype: auto (bf16 on GPU, fp32 on CPU), fp32 or bf16."""
+    """Compute dtype: auto (bf16 on GPUs of compute capability 8.0 and newer; fp32 on older GPUs, which have no bf16
+    matmuls, and on CPU), fp32 or bf16."""
     compile: str = "auto"
-    """torch.compile the model: auto (on for CUDA GPUs, off on CPU, where compiling costs more than it saves),
-    true or false."""
+    """torch.compile the model: auto (on for CUDA GPUs of compute capability 7.0 and newer, which Triton supports;
+    off on older GPUs and on CPU, where compiling costs more than it saves), true or false."""
     cuda_graphs: str = "auto"
     """Compile with CUDA graphs (torch.compile mode reduce-overhead): each compiled graph is recorded once and
     replayed, so the host no longer launches every kernel. One process and DDP record the whole step; TP and PP

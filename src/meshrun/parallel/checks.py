@@ -23,7 +23,7 @@ from meshrun.models.spec import ModelSpec
 from meshrun.parallel.async_tp import check_async_tp
 from meshrun.parallel.context_parallel import check_context_parallel
 from meshrun.parallel.float8 import check_float8
-from meshrun.parallel.kernels import compile_enabled, require_compiled_cuda
+from meshrun.parallel.kernels import bf16_by_default, compile_enabled, require_compiled_cuda
 from meshrun.parallel.pipeline import effective_model_config
 
 
@@ -67,9 +67,10 @@ def graphs_supported(dims: ParallelDims, *, async_tp: bool = False) -> bool:
     return is_local(dims) or graphs_block_by_block(dims, async_tp=async_tp)
 
 
-def compute_dtype(job: JobConfig, device_type: str) -> torch.dtype | None:
-    """The autocast dtype of a training run, or None for plain fp32 (train.dtype=auto: bf16 on CUDA)."""
-    if job.train.dtype == "bf16" or (job.train.dtype == "auto" and device_type == "cuda"):
+def compute_dtype(job: JobConfig, device: torch.device | str) -> torch.dtype | None:
+    """The autocast dtype of a training run, or None for plain fp32 (train.dtype=auto: bf16 on CUDA GPUs that have
+    it, compute capability 8.0 and newer)."""
+    if job.train.dtype == "bf16" or (job.train.dtype == "auto" and bf16_by_default(device)):
         return torch.bfloat16
     return None
 

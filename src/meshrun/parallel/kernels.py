@@ -16,10 +16,35 @@ from meshrun.config import ConfigError, JobConfig
 _ORDER = ("cudnn", "flash", "efficient", "math")
 
 
+TRITON_MIN_CAPABILITY = (7, 0)
+"""The oldest GPUs inductor's Triton kernels run on (Volta); torch.compile fails on older ones."""
+BF16_MIN_CAPABILITY = (8, 0)
+"""The oldest GPUs with bf16 matmuls (Ampere); older ones have none (autocast turns itself off there)."""
+
+
+def cuda_capability(device: torch.device | str) -> tuple[int, int] | None:
+    """(major, minor) of ``device``'s GPU (the current one when it has no index); None for other devices and where
+    no CUDA GPU can be asked (a CPU machine planning a GPU job), which ``auto`` choices take as a recent GPU."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(device if device.index is not None else None)
+
+
 def compile_enabled(choice: str, device: torch.device) -> bool:
-    """train.compile: 'auto' compiles on CUDA GPUs only. On CPU the compile (tens of seconds per graph) costs more
-    than it saves for the short runs CPUs are used for, and needs a C++ toolchain."""
-    return choice == "true" or (choice == "auto" and device.type == "cuda")
+    """train.compile: 'auto' compiles on CUDA GPUs that Triton supports (compute capability 7.0 and newer). On CPU
+    the compile (tens of seconds per graph) costs more than it saves for the short runs CPUs are used for, and
+    needs a C++ toolchain."""
+    if choice == "true":
+        return True
+    capability = cuda_capability(device)
+    return choice == "auto" and device.type == "cuda" and (capability is None or capability >= TRITON_MIN_CAPABILITY)
+
+
+def bf16_by_default(device: torch.device | str) -> bool:
+    """Whether ``auto`` compute dtypes mean bf16 on ``device``: CUDA GPUs of compute capability 8.0 and newer."""
+    capability = cuda_capability(device)
+    return torch.device(device).type == "cuda" and (capability is None or capability >= BF16_MIN_CAPABILITY)
 
 
 def require_compiled_cuda(option: str, *, cuda_why: str, compile_why: str, device: torch.device,
@@ -76,7 +101,14 @@ def describe_speed(job: JobConfig, device: torch.device, compute_dtype: torch.dt
         bf16 += ", bf16 gradient all-reduce"
     precision = "float8 matmuls (torchao) + bf16" if t.float8 else (bf16 if compute_dtype == torch.bfloat16 else "fp32")
     compiled = "on with CUDA graphs" if cuda_graphs else "on"
-    parts = [f"compile {compiled if compile_enabled(t.compile, device) else 'off'} (train.compile={t.compile})",
+    capability = cuda_capability(device)
+    old = f"compute capability {capability[0]}.{capability[1]}" if capability else ""
+    if precision == "fp32" and t.dtype == "auto" and capability and capability < BF16_MIN_CAPABILITY:
+        precision += f" (train.dtype=auto: no bf16 on {old})"
+    compile_note = f"train.compile={t.compile}"
+    if t.compile == "auto" and capability and capability < TRITON_MIN_CAPABILITY:
+        compile_note += f": Triton needs 7.0, this GPU has {old}"
+    parts = [f"compile {compiled if compile_enabled(t.compile, device) else 'off'} ({compile_note})",
              precision, f"attention {resolve_attention(t.attention, device)}",
              "fused AdamW" if t.fused_optimizer and device.type == "cuda" else "AdamW (for-each)",
              f"grad clip {t.grad_clip:g}" if t.grad_clip else "no grad clip"]

@@ -32,6 +32,7 @@ from torch import nn
 from meshrun.config import REDUCE_DTYPES, ConfigError
 from meshrun.comm.mesh import ParallelDims
 from meshrun.models.spec import ModelStructure
+from meshrun.parallel.kernels import bf16_by_default
 from meshrun.parallel.options import ParallelOptions, reduce_dtype
 from meshrun.parallel.tied import find_shared
 from meshrun.parallel.tp import resolve_plan
@@ -78,7 +79,7 @@ def resolve_compute_dtype(choice: Any, dims: ParallelDims, device: torch.device)
     from meshrun.parallel.apply import uses_fsdp
 
     if isinstance(choice, str) and choice == "auto":
-        return torch.bfloat16 if device.type == "cuda" and uses_fsdp(dims) else None
+        return torch.bfloat16 if bf16_by_default(device) and uses_fsdp(dims) else None
     if choice is None or choice in COMPUTE_DTYPES:
         return choice
     raise ConfigError(f"compute_dtype={choice!r} is not 'auto', None or one of "

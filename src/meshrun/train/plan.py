@@ -74,7 +74,7 @@ class RunPlan:
         dims = ParallelDims.from_config(parallel, world_size=env.world_size, gpus_per_node=env.local_world_size,
                                         model=shape, spec=spec)
         device = choose_device(env, job.dist)  # this rank's GPU, or the CPU; ConfigError when it is missing
-        check_layout(job, spec, shape, dims, device=device, compute_dtype=compute_dtype(job, device.type))
+        check_layout(job, spec, shape, dims, device=device, compute_dtype=compute_dtype(job, device))
         return cls(job=job, spec=spec, shape=shape, dims=dims, batch=plan_batch(job.train, dims, shape),
                    layout_note=note, run_dir=group_run_dir(job))
 

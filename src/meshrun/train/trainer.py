@@ -96,7 +96,7 @@ class Trainer:
             check_consistency(env=self.env, strict=True, script=sys.argv[0])  # collective: every rank
         self.mesh = self.dims.build_mesh(self.device.type)  # collective: every rank
         set_mesh_timeouts(self.dims.all_meshes(), job.dist.timeout_s)
-        self.compute_dtype = compute_dtype(job, self.device.type)
+        self.compute_dtype = compute_dtype(job, self.device)
         self.engine: Engine = build_engine(job=job, model_cfg=self.model_cfg, dims=self.dims, mesh=self.mesh,
                                            device=self.device, compute_dtype=self.compute_dtype,
                                            batch=self.batch)
