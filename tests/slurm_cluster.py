@@ -94,10 +94,6 @@ class SlurmCluster:
         self.conf.unlink(missing_ok=True)
 
 
-def _free_port() -> int:
-    return free_port("0.0.0.0")
-
-
 def _ip(*args: str) -> None:
     done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
     if done.returncode != 0:
@@ -160,7 +156,7 @@ def _write_files(cluster: SlurmCluster) -> None:
     os.chmod(key, 0o400)
     ctl = socket.gethostname()  # slurmctld only starts on the host that SlurmctldHost names
     (folder / "hosts").write_text(f"127.0.0.1 localhost\n{net}.254 {ctl}\n{net}.1 n1\n{net}.2 n2\n")
-    ctl_port, slurmd_port = _free_port(), _free_port()
+    ctl_port, slurmd_port = free_port("0.0.0.0"), free_port("0.0.0.0")
     cluster.conf.write_text(f"""\
 ClusterName=meshrun{cluster.tag}
 SlurmctldHost={ctl}({net}.254)

@@ -37,12 +37,12 @@ def _sharded(rank, world_size, compiled):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-    from meshrun.parallel.vocab_loss import sharded_loss_function
+    from meshrun.parallel.engine import loss_function
 
     mesh = init_device_mesh("cpu", (world_size,))
     logits, targets = _inputs()
     sharded = distribute_tensor(logits, mesh, [Shard(2)]).requires_grad_(True)
-    loss = sharded_loss_function(compiled)(sharded, targets)
+    loss = loss_function(compiled, vocab_sharded=True)(sharded, targets)
     # autograd.grad, not .backward(): torch 2.8 files an unevenly sharded leaf's .grad as Replicate
     (grad,) = torch.autograd.grad(loss, sharded)
     assert isinstance(grad, DTensor) and grad.placements == (Shard(2),)
@@ -60,12 +60,12 @@ def test_local_shards_give_the_whole_cross_entropy_and_its_gradient(compiled):
 
 
 def test_logits_that_are_not_vocabulary_sharded_take_the_plain_cross_entropy():
-    from meshrun.parallel.vocab_loss import sharded_loss_function
+    from meshrun.parallel.engine import loss_function
 
     want_loss, want_grad = _reference()
     logits, targets = _inputs()
     logits.requires_grad_(True)
-    loss = sharded_loss_function(False)(logits, targets)  # a TP plan that gathers the logits
+    loss = loss_function(False, vocab_sharded=True)(logits, targets)  # a TP plan that gathers the logits
     loss.backward()
     torch.testing.assert_close(loss.detach(), want_loss)
     torch.testing.assert_close(logits.grad, want_grad)

@@ -40,11 +40,6 @@ SCRAPED_PORTS = 8
 nodes race for it), and another test running beside this one may hold one of them meanwhile."""
 
 
-def _free_ports(count: int) -> int:
-    """The first of ``count`` consecutive ports that are free on 127.0.0.1 now."""
-    return free_port(count=count)
-
-
 def _scrape_until(port: int, done: threading.Event, seen: dict) -> None:
     """Scrape ``port`` until it answers with a node's metrics, or the job ended. One thread per port: a node whose
     endpoint answers slowly on a loaded machine must not use up the short time the other one serves (8 steps).
@@ -71,7 +66,7 @@ def runs(tmp_path_factory):
     two, one = root / "two_nodes", root / "one_process"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     env.pop("MLFLOW_TRACKING_URI", None)
-    port = _free_ports(SCRAPED_PORTS)
+    port = free_port(count=SCRAPED_PORTS)
     seen: dict = {}
     done = threading.Event()
     scrapers = [threading.Thread(target=_scrape_until, args=(p, done, seen), daemon=True)

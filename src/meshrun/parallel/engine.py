@@ -77,7 +77,7 @@ def loss_function(compiled: bool, *, vocab_sharded: bool = False):
     ``vocab_sharded``: TP's logits stay sharded over the vocabulary, and the loss runs on each rank's shard
     (parallel/vocab_loss.py)."""
     if vocab_sharded:
-        return sharded_loss_function(compiled)
+        return sharded_loss_function(compiled, whole=token_loss_sum)
     return torch.compile(token_loss_sum, dynamic=False) if compiled else token_loss_sum
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol  # traceable all-reduce (torch.compile)
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
 IGNORE_INDEX = -100
@@ -72,12 +71,12 @@ def vocab_sharded(logits: torch.Tensor) -> bool:
         and logits.placements == (Shard(logits.ndim - 1),)
 
 
-def sharded_loss_function(compiled: bool):
+def sharded_loss_function(compiled: bool, whole):
     """(logits, targets) -> token-loss sum. Logits sharded on the vocabulary (``vocab_sharded``) give a plain tensor,
     the same on every TP rank, computed on the local shard; ``compiled`` compiles that computation (inductor fuses
     the fp32 upcast, the exponentials and the reductions, forward and backward). Other logits (a model whose TP
-    plan gathers them, e.g. a Hugging Face plan's ``colwise_rep`` head) go through ``F.cross_entropy`` inside
-    torch's ``loss_parallel()``, as before."""
+    plan gathers them, e.g. a Hugging Face plan's ``colwise_rep`` head) go through ``whole`` (the engine's
+    ``token_loss_sum``) inside torch's ``loss_parallel()``, as before."""
     local_sum = torch.compile(local_cross_entropy_sum, dynamic=False) if compiled else local_cross_entropy_sum
 
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -86,6 +85,6 @@ def sharded_loss_function(compiled: bool):
         from torch.distributed.tensor.parallel import loss_parallel
 
         with loss_parallel():
-            return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), reduction="sum")
+            return whole(logits, targets)
 
     return loss
