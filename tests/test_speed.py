@@ -117,6 +117,9 @@ def test_cuda_graphs_serve_whole_model_layouts_tp_and_pp():
     assert graphs_supported(dims(dp_replicate=4)) and graphs_supported(dims(tp=4))  # DDP; TP block by block
     assert graphs_block_by_block(dims(tp=4)) and not graphs_block_by_block(dims(dp_replicate=4))
     assert graphs_block_by_block(dims(pp=4)) and graphs_block_by_block(dims(tp=2, pp=2))  # sends between graphs
+    for schedule in ("interleaved1f1b", "interleavedzb", "loopedbfs"):  # several stages per rank: trained wrongly
+        assert not graphs_supported(dims(pp=4, pp_schedule=schedule)), schedule
+    assert graphs_supported(dims(pp=4, pp_schedule="gpipe"))
     assert not graphs_supported(dims(tp=4), async_tp=True)  # symmetric-memory kernels are not recorded
     for degrees in ({"tp": 2, "dp_shard": 2}, {"tp": 2, "dp_replicate": 2}, {"pp": 2, "dp_shard": 2},
                     {"pp": 2, "dp_replicate": 2}, {"tp": 2, "cp": 2}, {"dp_shard": 4}):
@@ -135,6 +138,11 @@ def test_cuda_graphs_auto_is_on_exactly_where_true_is_accepted():
     fsdp = ParallelDims.from_config(ParallelConfig(dp_shard=2), world_size=2, gpus_per_node=2)
     with pytest.raises(ConfigError, match="not for FSDP"):  # what the run plan checks before any process group
         check_layout(job, GPT_SPEC, SIZES["tiny"], fsdp, device=gpu, compute_dtype=torch.bfloat16)
+    interleaved = ParallelDims.from_config(ParallelConfig(pp=2, dp_replicate=1, pp_schedule="interleaved1f1b"),
+                                           world_size=2, gpus_per_node=2)
+    with pytest.raises(ConfigError, match="^train.cuda_graphs=true: parallel.pp_schedule=interleaved1f1b runs several "
+                                          "stages on each rank.*set --parallel.pp_schedule=1f1b"):
+        check_layout(job, GPT_SPEC, SIZES["small"], interleaved, device=gpu, compute_dtype=torch.bfloat16)
     assert load_config(None, []).train.cuda_graphs == "auto"
     with pytest.raises(ConfigError, match="train.cuda_graphs='sometimes' is not one of auto, true, false"):
         load_config(None, ["--train.cuda_graphs=sometimes"])
@@ -148,6 +156,9 @@ def test_cuda_graphs_auto_only_for_steps_gpu_tests_ran_as_graphs():
 
     assert measured(dp_replicate=4) and measured(tp=4) and measured(pp=4)
     assert not measured(tp=2, pp=2)  # needs 4 GPUs; not run as graphs yet
+    assert not use_cuda_graphs("auto", torch.device("cuda", 0), compiled=True, measured=measured(pp=4),
+                               supported=graphs_supported(ParallelDims.from_config(
+                                   ParallelConfig(pp=2, dp_replicate=1, pp_schedule="interleaved1f1b"), world_size=2)))
     assert not measured("--parallel.sequence_parallel=true", tp=4)
     assert not measured("--train.loss=chunked", dp_replicate=4)
 

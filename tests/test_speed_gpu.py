@@ -130,11 +130,12 @@ def test_tp_blocks_as_cuda_graphs_train_like_launched_kernels_and_exit(tmp_path)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved1f1b"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_pipeline_blocks_as_cuda_graphs_train_like_launched_kernels(tmp_path, schedule):
-    """PP 2 (4 micro-batches per step; interleaved: 2 stages per rank) records each compiled block of a stage as a
-    CUDA graph, the pipeline's sends and receives between them: up to 2 micro-batches' activations are alive at once
-    on the first stage, so each micro-batch of a step must replay graphs of its own."""
+    """PP 2 (4 micro-batches per step) records each compiled block of a stage as a CUDA graph, the pipeline's sends
+    and receives between them: up to 2 micro-batches' activations are alive at once on the first stage (all 4 with
+    gpipe), so each micro-batch of a step must replay graphs of its own. (interleaved1f1b, 2 stages per rank, failed
+    this test on 2 H100s, loss 3.17 against 2.03 at step 100, and is refused: checks.several_stages_per_rank.)"""
     _blocks_as_graphs_match_launched(tmp_path, f"PP 2 {schedule}", "--parallel.pp=2", "--parallel.dp_replicate=1",
                                      f"--parallel.pp_schedule={schedule}", "--train.grad_accum=4",
                                      "--parallel.pp_microbatches=4")

@@ -105,7 +105,8 @@ class TrainConfig:
     cuda_graphs: str = "auto"
     """Compile with CUDA graphs (torch.compile mode reduce-overhead): each compiled graph is recorded once and
     replayed, so the host no longer launches every kernel. One process and DDP record the whole step; TP and PP
-    without FSDP or context parallelism record each block (TP's all-reduces inside, the pipeline's sends between).
+    without FSDP or context parallelism record each block (TP's all-reduces inside, the pipeline's sends between;
+    not the schedules with several stages per rank, which trained wrongly as graphs).
     auto: on for those layouts when compiled on CUDA GPUs with the full loss, without float8, TP without sequence
     parallelism and TP or PP but not both (the combinations tested on GPUs), off elsewhere; true refuses the
     layouts it cannot serve; false launches every kernel."""
