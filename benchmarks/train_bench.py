@@ -89,6 +89,8 @@ PEERS = {"accelerate": Script("accelerate-ddp", "benchmarks/peer_accelerate.py",
          "fabric": Script("fabric-ddp", "benchmarks/peer_fabric.py", "lightning")}
 SESSION = {layout: Script(f"session-{layout}", "benchmarks/session_gpt.py", "", ("--layout", layout))
            for layout in ("ddp", "fsdp")}
+SESSION["ddp-graphs"] = Script("session-ddp-graphs", "benchmarks/session_gpt.py", "",
+                               ("--layout", "ddp", "--cuda-graphs"))  # prepare_model(cuda_graphs=True)
 REFERENCES = {BASELINE.impl} | {s.impl for s in PEERS.values()}  # what vs_best_peer compares against
 
 

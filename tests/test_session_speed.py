@@ -62,7 +62,51 @@ def test_compile_covers_a_model_without_repeated_blocks():
     assert prepared._compiled_call_impl is not None
 
 
+def test_cuda_graphs_are_refused_where_they_cannot_record_naming_the_fix():
+    from meshrun import Session
+    from meshrun.parallel.module import prepare_module
+
+    with pytest.raises(ConfigError, match=r"^cuda_graphs=True records what compile=True compiles; add compile=True"):
+        Session(seed=0).prepare_model(MLPLM(), layout="none", cuda_graphs=True)
+    with pytest.raises(ConfigError, match=r"^cuda_graphs=True records CUDA graphs and this process runs on cpu"):
+        Session(seed=0).prepare_model(MLPLM(), layout="none", compile=True, cuda_graphs=True)
+    # FSDP2 on 2 ranks: refused before the mesh (a collective) is built, so one process can ask
+    with pytest.raises(ConfigError, match=r"^cuda_graphs=True records the whole compiled model, for layout='ddp' or "
+                                          r"one process, not layout='fsdp'"):
+        prepare_module(MLPLM(), "fsdp", device=CUDA, world_size=2, compile=True, cuda_graphs=True)
+    with pytest.raises(ConfigError, match=r"^cuda_graphs=True records the whole compiled model.*not layout='pp'"):
+        Session(seed=0).prepare_model(MLPLM(), layout="pp", compile=True, cuda_graphs=True)
+
+
+def test_each_optimizer_step_starts_a_new_replay_generation(monkeypatch):
+    """Marked once when the model is prepared, then after every optimizer.step() of any optimizer, and no longer
+    once the session removes the hook."""
+    from meshrun.session import replay_generation_per_optimizer_step
+
+    marks = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    params = [torch.nn.Parameter(torch.ones(2))]
+    optimizers = torch.optim.SGD(params, lr=0.1), torch.optim.AdamW(params)
+    handle = replay_generation_per_optimizer_step()
+    assert len(marks) == 1
+    for optimizer in optimizers:
+        params[0].grad = torch.ones(2)
+        optimizer.step()
+    assert len(marks) == 3
+    handle.remove()
+    optimizers[0].step()
+    assert len(marks) == 3
+
+
 # ---- GPU ------------------------------------------------------------------------------------------------------------
+
+def on_two_gpus(test):
+    """A test for the GPU machine (pytest -m gpu), on 2 CUDA GPUs."""
+    for mark in (pytest.mark.gpu, pytest.mark.slow,
+                 pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")):
+        test = mark(test)
+    return test
+
 
 def _train(session, model, steps: int = 6) -> tuple[list[float], torch.dtype]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -95,9 +139,7 @@ def _gpu_defaults(rank: int, world_size: int) -> dict:
     return out
 
 
-@pytest.mark.gpu
-@pytest.mark.slow
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@on_two_gpus
 def test_fsdp_defaults_on_gpus_are_bf16_and_track_fp32():
     results = run_distributed(_gpu_defaults, 2, init_pg=False, timeout=600)
     fp32_losses, fp32_dtype, fp32_policy = results[0]["fp32"]
@@ -107,3 +149,52 @@ def test_fsdp_defaults_on_gpus_are_bf16_and_track_fp32():
         assert policy is torch.bfloat16 and dtype == torch.bfloat16, name
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(fp32_losses), rtol=0, atol=0.05,
                                    msg=lambda m: f"{name}: bf16 losses left fp32's: {m}")
+
+
+def _graphs_with_accumulation(rank: int, world_size: int) -> dict:
+    """DDP on 2 GPUs, fp32, 2 micro-batches per optimizer step through session.sync_gradients and an evaluation
+    every 5 steps, compiled with and without CUDA graphs: the losses, gradient norms and evaluation losses."""
+    from meshrun import Session
+
+    torch.cuda.set_device(rank)
+    session = Session(seed=0)
+    out = {}
+    for graphs in (False, True):
+        torch.manual_seed(0)
+        model = session.prepare_model(MLPLM(), layout="ddp", compile=True, cuda_graphs=graphs)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        gen = torch.Generator().manual_seed(7)
+        losses, norms, evals = [], [], []
+        for step in range(1, 31):
+            for i in range(2):
+                tokens = torch.randint(0, 64, (8, 17), generator=gen)[rank * 4:(rank + 1) * 4].to(session.device)
+                with session.sync_gradients(model, last=i == 1):
+                    logits = model(tokens[:, :-1])
+                    loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()) / 2
+                    loss.backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).item())
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(2 * loss.item())
+            if step % 5 == 0:
+                with torch.no_grad():
+                    held_out = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(99)).cuda()
+                    logits = model(held_out[:, :-1])
+                    evals.append(F.cross_entropy(logits.float().flatten(0, 1), held_out[:, 1:].flatten()).item())
+        out[graphs] = {"losses": losses, "norms": norms, "evals": evals, "line": session.layout.cuda_graphs}
+    session.close()
+    return out
+
+
+@on_two_gpus
+def test_ddp_with_cuda_graphs_accumulates_gradients_like_launched_kernels():
+    """A replay of the first micro-batch's graph by the second would overwrite the gradients the first one left
+    (pytorch#169545): norms and losses would leave the launched kernels' within a few steps. fp32, the same
+    kernels, so within 1e-3 relative."""
+    results = run_distributed(_graphs_with_accumulation, 2, init_pg=False, timeout=600)
+    launched, graphed = results[0][False], results[0][True]
+    assert graphed["line"] and not launched["line"]
+    for key in ("losses", "norms", "evals"):
+        torch.testing.assert_close(torch.tensor(graphed[key]), torch.tensor(launched[key]), rtol=1e-3, atol=1e-4,
+                                   msg=lambda m: f"{key} with CUDA graphs against launched kernels: {m}")
+    assert graphed["losses"][-1] < graphed["losses"][0] - 0.3

@@ -70,6 +70,7 @@ class Session:
         self.checkpoints = SessionCheckpoints(cfg, env=self.env, seed=seed) if cfg is not None else None
         self._batches: StepBatches | None = None
         self._health: JobHealth | None = None
+        self._graph_steps = None  # the optimizer-step hook of prepare_model(cuda_graphs=True)
         self._every = 10
 
     @property
@@ -93,7 +94,8 @@ class Session:
                       pp: int = 0, blocks: str | None = None, tp_plan: Mapping[str, Any] | None = None,
                       pipeline: PipelineOptions | None = None, activation_checkpoint: str = "none",
                       compute_dtype: torch.dtype | str | None = "auto",
-                      compile: bool = False, grad_reduce_dtype: str = "fp32") -> nn.Module | PipelinedModule:
+                      compile: bool = False, grad_reduce_dtype: str = "fp32",
+                      cuda_graphs: bool = False) -> nn.Module | PipelinedModule:
         """Apply ``layout`` (ddp, fsdp, hsdp, tp, tp+fsdp, pp, pp+fsdp) on this rank's device; see
         meshrun.parallel.module and, for pp, meshrun.parallel.module_pipeline.
 
@@ -102,6 +104,11 @@ class Session:
         ``compile=True`` compiles each repeated block in place before FSDP2 wraps it, as ``meshrun train`` does.
         ``grad_reduce_dtype="bf16"`` sums gradients across data-parallel ranks in bf16 (DDP, FSDP2, HSDP; half the
         bytes of the default fp32; on one NVLink node it was not faster, see docs/performance.md).
+        ``cuda_graphs=True`` (with ``compile=True``, layout ddp or one process, on a CUDA GPU) records the compiled
+        model as CUDA graphs and replays them, so the host no longer launches each kernel (meshrun train's default
+        there); DDP's all-reduce then runs per 100 MiB bucket during backward. Each ``optimizer.step()`` of any
+        optimizer starts a new replay generation, so a loop must call it once per training step, after all of the
+        step's micro-batches (gradient accumulation stays correct); evaluation in between is fine.
         Rank 0 prints one line saying what was applied.
 
         FSDP2 shards each repeated block (``blocks``, a dotted path, or detected), then the root; TP follows
@@ -113,6 +120,9 @@ class Session:
         if layout not in LAYOUTS:  # in one process too, where any layout runs as one: not only at scale
             raise ConfigError(f"layout={layout!r} is not one of {', '.join(LAYOUTS)}")
         if layout.startswith("pp"):
+            if cuda_graphs:
+                raise ConfigError(f"cuda_graphs=True records the whole compiled model, for layout='ddp' or one "
+                                  f"process, not layout={layout!r}; drop cuda_graphs")
             if tp or dp_replicate or tp_plan:
                 raise ConfigError(f"layout={layout!r} takes no tp, dp_replicate or tp_plan (pipelines here combine "
                                   "with DDP-style replication ('pp') or FSDP2 ('pp+fsdp') only); drop them")
@@ -127,7 +137,9 @@ class Session:
                 model, layout if self.world_size > 1 else "none", device=self.device, world_size=self.world_size,
                 nodes=self.env.num_nodes, tp=tp, dp_replicate=dp_replicate, blocks=blocks, tp_plan=tp_plan,
                 activation_checkpoint=activation_checkpoint, compute_dtype=compute_dtype, compile=compile,
-                grad_reduce_dtype=grad_reduce_dtype)
+                grad_reduce_dtype=grad_reduce_dtype, cuda_graphs=cuda_graphs)
+            if cuda_graphs and self._graph_steps is None:
+                self._graph_steps = replay_generation_per_optimizer_step()
         self.print(self.layout.describe(self.device, compute_dtype))
         if self.layout.note:
             self.print(f"meshrun: {self.layout.note}")  # the start-up line says what the layout word ran as
@@ -285,4 +297,21 @@ class Session:
             self.replicas = None
         if self._health is not None:
             self._health.stop()  # before the process group (and its store) goes away
-        shutdown()
+        if self._graph_steps is not None:
+            self._graph_steps.remove()
+            self._graph_steps = None
+        shutdown()  # frees the recorded CUDA graphs before the process group
+
+
+def replay_generation_per_optimizer_step():
+    """Session.prepare_model(cuda_graphs=True): a new CUDA-graph replay generation at every optimizer step, of any
+    optimizer (a hook torch runs after each ``step()``); returns the hook's handle.
+
+    Without it torch starts a new generation whenever a compiled forward runs with no backward pending, which under
+    gradient accumulation is every micro-batch: the second micro-batch's replay would overwrite the memory of the
+    first one's gradients, which became ``.grad`` without a copy (pytorch#169545). Marked once here, generations
+    change only when marked, as meshrun train marks them once per optimizer step."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    torch.compiler.cudagraph_mark_step_begin()
+    return register_optimizer_step_post_hook(lambda optimizer, args, kwargs: torch.compiler.cudagraph_mark_step_begin())

@@ -56,6 +56,8 @@ class ModuleLayout:
     """The dtype data parallelism sums gradients in ('fp32' or 'bf16')."""
     compiled: int = 0
     """Modules compiled in place (the blocks, or 1 for a model without repeated blocks)."""
+    cuda_graphs: bool = False
+    """The compiled model is recorded as CUDA graphs (prepare_model(cuda_graphs=True))."""
     note: str = ""
     """A start-up note when the layout ran as something else than its name says (hsdp on one node is FSDP)."""
 
@@ -64,6 +66,7 @@ class ModuleLayout:
         dtype = "fp32" if self.compute_dtype in (None, torch.float32) else str(self.compute_dtype).split(".")[-1]
         how = ("; pass compute_dtype=torch.float32 for fp32" if choice == "auto" and dtype != "fp32" else "")
         compiled = f"{self.compiled} module(s) compiled" if self.compiled else "not compiled (compile=True compiles)"
+        compiled += ", recorded as CUDA graphs" if self.cuda_graphs else ""
         reduce = "; gradients summed in bf16" if self.grad_reduce_dtype == "bf16" and self.dims.dp_size > 1 else ""
         return (f"meshrun: prepare_model: {self.name} over {self.dims.world_size} rank(s) on {device.type}; "
                 f"compute {dtype} (compute_dtype={choice!r}{how}){reduce}; {compiled}")
@@ -134,18 +137,25 @@ def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world
                    tp: int = 0, dp_replicate: int = 0, blocks: str | None = None,
                    tp_plan: Mapping[str, Any] | None = None, activation_checkpoint: str = "none",
                    compute_dtype: torch.dtype | str | None = None,
-                   compile: bool = False, grad_reduce_dtype: str = "fp32") -> tuple[nn.Module, ModuleLayout]:
+                   compile: bool = False, grad_reduce_dtype: str = "fp32",
+                   cuda_graphs: bool = False) -> tuple[nn.Module, ModuleLayout]:
     """Apply ``layout`` to ``model`` (in place where possible); returns (the module to train, what was done).
     ``compute_dtype``: see :func:`resolve_compute_dtype`; ``compile``: compile the blocks before FSDP2 or TP wraps
     them, or, for DDP and one process, the whole model; ``grad_reduce_dtype``: 'fp32' or 'bf16', the dtype DDP,
-    FSDP2 and HSDP sum gradients in across ranks (meshrun train's parallel.grad_reduce_dtype).
+    FSDP2 and HSDP sum gradients in across ranks (meshrun train's parallel.grad_reduce_dtype); ``cuda_graphs``:
+    record that whole compiled model as CUDA graphs (inductor's reduce-overhead), DDP split at 100 MiB gradient
+    buckets as meshrun train's defaults do (see :func:`check_session_graphs`; the caller marks a new replay
+    generation per optimizer step).
 
     Collective: every rank must call it (it builds the mesh and broadcasts rank 0's weights)."""
-    from meshrun.parallel.apply import layout_name, parallelize, uses_fsdp
+    from meshrun.parallel.apply import ddp_bucket_mb, layout_name, parallelize, uses_fsdp
     from meshrun.parallel.data_parallel import apply_ddp
 
     dims = layout_dims(layout, world_size=world_size, nodes=nodes, tp=tp, dp_replicate=dp_replicate)
     compute_dtype = resolve_compute_dtype(compute_dtype, dims, device)
+    if cuda_graphs:
+        check_session_graphs(layout, whole_graph=compile and not uses_fsdp(dims) and dims.tp == 1 and dims.pp == 1,
+                             compile=compile, device=device)
     if dims.pp > 1:
         raise ConfigError(f"layout={layout!r} cuts the model into stages: use meshrun.parallel.module_pipeline."
                           "prepare_pipeline (Session.prepare_model does)")
@@ -170,18 +180,32 @@ def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world
                               activation_checkpoint=activation_checkpoint, grad_reduce_dtype=grad_reduce_dtype)
     parallelize(model, structure, dims, options)
     if whole_graph:
-        model.compile()  # in place: parameter names keep no "_orig_mod."
-        if dims.dp_replicate > 1:  # one node: one graph each way (see parallel.ddp_graph)
-            torch._dynamo.config.optimize_ddp = nodes > 1
+        # in place: parameter names keep no "_orig_mod."; reduce-overhead: inductor's CUDA graphs
+        model.compile(mode="reduce-overhead" if cuda_graphs else None)
+        if dims.dp_replicate > 1:  # one node: one graph each way, unless recorded (see parallel.ddp_graph)
+            torch._dynamo.config.optimize_ddp = nodes > 1 or cuda_graphs
     compiled = 1 if whole_graph else compile_unblocked(model, structure) if compile else 0
     trained = model
     if dims.dp_replicate > 1 and not uses_fsdp(dims):
         trained = apply_ddp(model, dims.get_mesh("dp_replicate"), device, sync_buffers=True,
-                            reduce_dtype=options.reduce_dtype)
+                            reduce_dtype=options.reduce_dtype, bucket_mb=ddp_bucket_mb(0, cuda_graphs=cuda_graphs))
         shared.restore(model, layout=f"layout={layout!r}", after="DDP", reshare=False)
     return trained, ModuleLayout(dims=dims, name=layout_name(dims), blocks=blocks, module=model,
                                  compute_dtype=compute_dtype, grad_reduce_dtype=grad_reduce_dtype, compiled=compiled,
-                                 note=layout_note(layout, dims, nodes=nodes))
+                                 cuda_graphs=cuda_graphs, note=layout_note(layout, dims, nodes=nodes))
+
+
+def check_session_graphs(layout: str, *, whole_graph: bool, compile: bool, device: torch.device) -> None:
+    """``cuda_graphs=True`` records the whole model that ``compile=True`` compiles for DDP and one process, on a CUDA
+    GPU; anything else is refused before any collective, naming the fix."""
+    if not compile:
+        raise ConfigError("cuda_graphs=True records what compile=True compiles; add compile=True")
+    if not whole_graph:
+        raise ConfigError(f"cuda_graphs=True records the whole compiled model, for layout='ddp' or one process, not "
+                          f"layout={layout!r}, whose FSDP2 or TP hooks run between the compiled blocks; drop "
+                          "cuda_graphs")
+    if device.type != "cuda":
+        raise ConfigError(f"cuda_graphs=True records CUDA graphs and this process runs on {device}; drop cuda_graphs")
 
 
 def session_options(layout: str, *, compute_dtype: torch.dtype | None, device: torch.device, compiled: bool,
