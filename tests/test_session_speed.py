@@ -197,4 +197,5 @@ def test_ddp_with_cuda_graphs_accumulates_gradients_like_launched_kernels():
     for key in ("losses", "norms", "evals"):
         torch.testing.assert_close(torch.tensor(graphed[key]), torch.tensor(launched[key]), rtol=1e-3, atol=1e-4,
                                    msg=lambda m: f"{key} with CUDA graphs against launched kernels: {m}")
-    assert graphed["losses"][-1] < graphed["losses"][0] - 0.3
+    # it trained: uniform random tokens over 64 ids leave ln 64 = 4.16 as the floor; on 2 H100s 4.42 -> 4.23
+    assert graphed["losses"][-1] < graphed["losses"][0] - 0.1
