@@ -45,8 +45,8 @@ def main() -> None:
 
     elapsed, loss = time_steps(step, args, session.device)
     if session.rank == 0:
-        report(f"session-{args.layout}" + ("-graphs" if args.cuda_graphs else ""), args, world=session.world_size, n_params=n_params, elapsed=elapsed,
-               loss=loss, device=session.device)
+        report(f"session-{args.layout}" + ("-graphs" if args.cuda_graphs else ""), args, world=session.world_size,
+               n_params=n_params, elapsed=elapsed, loss=loss, device=session.device)
     session.close()
 
 
