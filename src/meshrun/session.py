@@ -108,7 +108,9 @@ class Session:
         model as CUDA graphs and replays them, so the host no longer launches each kernel (meshrun train's default
         there); DDP's all-reduce then runs per 100 MiB bucket during backward. Each ``optimizer.step()`` of any
         optimizer starts a new replay generation, so a loop must call it once per training step, after all of the
-        step's micro-batches (gradient accumulation stays correct); evaluation in between is fine.
+        step's micro-batches (gradient accumulation stays correct); evaluation in between is fine. The next step's
+        replay overwrites the model's outputs of this one: ``.item()`` or ``.clone()`` what you keep past
+        ``optimizer.step()``.
         Rank 0 prints one line saying what was applied.
 
         FSDP2 shards each repeated block (``blocks``, a dotted path, or detected), then the root; TP follows
