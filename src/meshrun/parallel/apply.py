@@ -260,11 +260,12 @@ def seed_for_init(seed: int, *, dims: ParallelDims, rank: int, device: torch.dev
 def graphs_measured(job: JobConfig, dims: ParallelDims) -> bool:
     """The step is one that GPU tests have run as CUDA graphs, so train.cuda_graphs=auto may turn them on: the full
     loss without float8, TP without sequence parallelism, TP or PP but not both (TP with PP needs 4 GPUs and has
-    not run as graphs on them), and PP with the 1f1b schedule (GPipe has not run as graphs on a GPU yet; the
-    interleaved schedules trained wrongly and are refused, checks.several_stages_per_rank). train.cuda_graphs=true
-    accepts the others."""
+    not run as graphs on them), and PP of 2 stages with the 1f1b schedule (GPipe and more stages, with more
+    micro-batches in flight per rank, have not run as graphs on a GPU yet; the interleaved schedules trained wrongly
+    and are refused, checks.several_stages_per_rank). train.cuda_graphs=true accepts the others."""
     return job.train.loss == "full" and not job.train.float8 and not (dims.tp > 1 and job.parallel.sequence_parallel) \
-        and not (dims.tp > 1 and dims.pp > 1) and not (dims.pp > 1 and job.parallel.pp_schedule != "1f1b")
+        and not (dims.tp > 1 and dims.pp > 1) \
+        and not (dims.pp > 1 and (job.parallel.pp_schedule != "1f1b" or dims.pp > 2))
 
 
 def use_cuda_graphs(choice: str, device: torch.device, *, compiled: bool, supported: bool,
