@@ -71,6 +71,9 @@ TUNE = {  # --tune: the documented settings each layout's defaults choose betwee
            "even": "--parallel.pp_balance=blocks", "launched": "--train.cuda_graphs=false"},
 }  # cp: none yet (its one speed setting, activation checkpointing, trades speed for memory)
 DEFAULTS_WITHIN = 0.03  # the defaults should be within 3% of the best setting --tune finds
+WORKLOAD_OPTIONS = ("--model.", "--train.micro_batch", "--train.grad_accum", "--train.global_batch")
+"""Overrides that change what a step trains (the model or the samples per step): a variant with one of them is a
+different workload, not a setting the defaults choose between, so it is left out of that comparison."""
 VALUE_OPTIONS = ("--extra", "--variant")  # options whose value may start with "--"
 
 
@@ -207,7 +210,8 @@ def run_case(case: Case, plan: Plan, env: dict[str, str]) -> Iterator[dict]:
             src_env = source_env(env, folder) if folder else env
             for name, overrides in [("", []), *variants_for(layout, plan.variants)]:
                 impl = (f"meshrun-{layout}-{name}" if name else f"meshrun-{layout}") + (f"@{source}" if source else "")
-                tags[impl] = {"layout": layout, "setting": name or "defaults", "source": source}
+                tags[impl] = {"layout": layout, "setting": name or "defaults", "source": source,
+                              "same_workload": not any(o.startswith(WORKLOAD_OPTIONS) for o in overrides)}
                 jobs.append((impl, lambda i, o=[*plan.extra, *overrides], lay=layout, e=src_env, name=impl:
                              run_meshrun(case, lay, plan, e, o,
                                          run_dir=kept_run_dir(plan, case, name, i) if plan.keep_runs else None)))
@@ -271,10 +275,11 @@ def add_ratios(rows: list[dict]) -> None:
 def defaults_against_best(rows: list[dict]) -> list[str]:
     """For each case, layout and source with settings beside its defaults (--tune, --variant): sets vs_best_setting
     and best_setting on the defaults' row (its tokens/s over the fastest row of that group) and returns one line per
-    group saying whether the defaults are within DEFAULTS_WITHIN of the best."""
+    group saying whether the defaults are within DEFAULTS_WITHIN of the best. Variants that change the workload
+    (WORKLOAD_OPTIONS: another model or batch) are not settings of the same run and stay out."""
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
-        if "error" not in row and "layout" in row:
+        if "error" not in row and "layout" in row and row.get("same_workload", True):
             key = (row["size"], row["gpus"], row["grad_clip"], row["layout"], row["source"])
             groups.setdefault(key, []).append(row)
     lines = []

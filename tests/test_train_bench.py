@@ -146,6 +146,10 @@ def test_a_layout_scoped_variant_runs_for_its_layout_only(monkeypatch):
     assert [r["impl"] for r in rows] == ["meshrun-ddp", "meshrun-ddp-v", "meshrun-pp", "meshrun-pp-m16",
                                          "meshrun-pp-v"]
     assert ("pp", ["--parallel.pp_microbatches=16"]) in calls and len(calls) == 5
+    assert all(r["same_workload"] for r in rows)  # a pipeline setting, not another batch
+    plan, _ = tb.make_plan(tb.parse_args(["--layouts", "pp", "--peers", "", "--no-baseline",
+                                          "--variant", "pp/ga8:--train.grad_accum=8"]), "cpu")
+    assert [r["same_workload"] for r in tb.run_case(tb.Case("tiny", 2, 0.0), plan, {})] == [True, False]
     with pytest.raises(SystemExit):  # a layout that does not run is named up front
         tb.parse_args(["--layouts", "ddp", "--variant", "tp/x:--y=1"])
 
@@ -172,7 +176,8 @@ def test_defaults_are_compared_with_the_best_setting_of_their_layout_and_source(
             meshrun("meshrun-fsdp", 90.0, "fsdp", "defaults"), meshrun("meshrun-fsdp-u2", 100.0, "fsdp", "u2"),
             meshrun("meshrun-fsdp-u3", 1e9, "fsdp", "u3", error="boom"),  # a failed row is no best
             meshrun("meshrun-fsdp@old", 200.0, "fsdp", "defaults", source="old"),  # alone in its group
-            meshrun("meshrun-tp", 80.0, "tp", "defaults")]
+            meshrun("meshrun-tp", 80.0, "tp", "defaults"),
+            meshrun("meshrun-ddp-ga8", 900.0, "ddp", "ga8", same_workload=False)]  # another batch: left out
     lines = tb.defaults_against_best(rows)
     assert lines == [
         "124m on 2, clip 0: meshrun-ddp (defaults) at 1.000x of the best of 2 settings, meshrun-ddp: within 3%",
