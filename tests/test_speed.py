@@ -17,7 +17,7 @@ from meshrun.comm.mesh import ParallelDims, choose_data_parallel
 from meshrun.models.build import model_shape, model_spec
 from meshrun.models.gpt import SIZES
 from meshrun.models.gpt_spec import GPT_SPEC
-from meshrun.parallel.apply import graphs_measured, reshard_after_forward, use_cuda_graphs
+from meshrun.parallel.apply import graphs_left_off, graphs_measured, reshard_after_forward, use_cuda_graphs
 from meshrun.parallel.checks import check_cuda_graphs, check_layout, graphs_block_by_block, graphs_supported
 from meshrun.parallel.engine import count_tensor, loss_function, token_loss_sum
 from meshrun.parallel.async_tp import check_async_tp
@@ -163,6 +163,29 @@ def test_cuda_graphs_auto_only_for_steps_gpu_tests_ran_as_graphs():
                                    ParallelConfig(pp=2, dp_replicate=1, pp_schedule="interleaved1f1b"), world_size=2)))
     assert not measured("--parallel.sequence_parallel=true", tp=4)
     assert not measured("--train.loss=chunked", dp_replicate=4)
+
+
+def test_the_header_says_why_auto_left_cuda_graphs_off():
+    gpu = torch.device("cuda", 0)
+
+    def off(*args, **degrees):
+        job = load_config(None, ["--train.compile=true", "--parallel.dp_replicate=1", *args,  # compile asked for
+                                 *(f"--parallel.{name}={degree}" for name, degree in degrees.items())])
+        return graphs_left_off(job, ParallelDims.from_config(job.parallel, world_size=4, gpus_per_node=4), gpu)
+
+    assert off(dp_replicate=4) == off(tp=4) == ""  # auto records them
+    assert off(dp_shard=4) == "FSDP's hooks or collectives run between the compiled graphs"
+    assert off(pp=4) == "PP 4 with 1f1b not yet run as graphs on a GPU"
+    assert off("--parallel.pp_schedule=interleaved1f1b", pp=2, dp_replicate=2) == (
+        "parallel.pp_schedule=interleaved1f1b runs several stages per rank, which train wrongly as graphs")
+    assert off("--train.float8=true", "--parallel.sequence_parallel=true", tp=4) == (
+        "train.float8, sequence parallelism not yet run as graphs on a GPU")
+    assert off("--train.cuda_graphs=false", dp_shard=4) == ""  # asked for: nothing to explain
+    assert graphs_left_off(load_config(None, []), ParallelDims.from_config(ParallelConfig(), world_size=1), CPU) == ""
+    job = load_config(None, ["--train.compile=true"])
+    line = describe_speed(job, CPU, None, graphs_off="FSDP's hooks or collectives run between the compiled graphs")
+    assert line.startswith("speed: compile on (train.compile=true; CUDA graphs off: FSDP's hooks or collectives ")
+    assert "CUDA graphs off" not in describe_speed(job, CPU, None, cuda_graphs=True, graphs_off="x")
 
 
 def test_ddp_graph_auto_splits_for_cuda_graphs_or_across_nodes():

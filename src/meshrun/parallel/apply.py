@@ -35,7 +35,7 @@ from meshrun.models.shape import ModelShape
 from meshrun.models.spec import ModelSpec, ModelStructure
 from meshrun.parallel.activation_checkpoint import apply_activation_checkpointing
 from meshrun.parallel.checks import (check_chunked_loss, check_cuda_graphs, check_layout, graphs_supported, is_local,
-                                    layout_name, uses_fsdp)
+                                    layout_name, several_stages_per_rank, uses_fsdp)
 from meshrun.parallel.context_parallel import SequenceShards
 from meshrun.parallel.data_parallel import apply_ddp, apply_fsdp, fsdp_units
 from meshrun.parallel.engine import Engine, LocalEngine, LossStep, loss_function
@@ -258,14 +258,36 @@ def seed_for_init(seed: int, *, dims: ParallelDims, rank: int, device: torch.dev
 
 
 def graphs_measured(job: JobConfig, dims: ParallelDims) -> bool:
-    """The step is one that GPU tests have run as CUDA graphs, so train.cuda_graphs=auto may turn them on: the full
-    loss without float8, TP without sequence parallelism, TP or PP but not both (TP with PP needs 4 GPUs and has
-    not run as graphs on them), and PP of 2 stages with the 1f1b schedule (GPipe and more stages, with more
-    micro-batches in flight per rank, have not run as graphs on a GPU yet; the interleaved schedules trained wrongly
-    and are refused, checks.several_stages_per_rank). train.cuda_graphs=true accepts the others."""
-    return job.train.loss == "full" and not job.train.float8 and not (dims.tp > 1 and job.parallel.sequence_parallel) \
-        and not (dims.tp > 1 and dims.pp > 1) \
-        and not (dims.pp > 1 and (job.parallel.pp_schedule != "1f1b" or dims.pp > 2))
+    """The step is one that GPU tests have run as CUDA graphs, so train.cuda_graphs=auto may turn them on (see
+    :func:`untested_as_graphs`). train.cuda_graphs=true accepts the others."""
+    return not untested_as_graphs(job, dims)
+
+
+def untested_as_graphs(job: JobConfig, dims: ParallelDims) -> list[str]:
+    """What in this step GPU tests have not run as CUDA graphs: the chunked loss, float8, TP's sequence parallelism,
+    TP with PP (it needs 4 GPUs), and PP other than 2 stages with the 1f1b schedule (GPipe, and more stages with
+    more micro-batches in flight per rank; the interleaved schedules trained wrongly and are refused,
+    checks.several_stages_per_rank)."""
+    return [what for what, applies in (
+        ("train.loss=chunked", job.train.loss != "full"),
+        ("train.float8", job.train.float8),
+        ("sequence parallelism", dims.tp > 1 and job.parallel.sequence_parallel),
+        ("TP with PP", dims.tp > 1 and dims.pp > 1),
+        (f"PP {dims.pp} with {job.parallel.pp_schedule}",
+         dims.pp > 1 and (job.parallel.pp_schedule != "1f1b" or dims.pp > 2))) if applies]
+
+
+def graphs_left_off(job: JobConfig, dims: ParallelDims, device: torch.device) -> str:
+    """Why train.cuda_graphs=auto leaves CUDA graphs off where compile is on on a GPU (the start-up header says it
+    beside "compile on"); empty where auto turns them on, or where compile or the GPU is what is missing."""
+    if job.train.cuda_graphs != "auto" or device.type != "cuda" or not compile_enabled(job.train.compile, device):
+        return ""
+    if several_stages_per_rank(dims):
+        return f"parallel.pp_schedule={dims.pp_schedule} runs several stages per rank, which train wrongly as graphs"
+    if not graphs_supported(dims, async_tp=job.parallel.async_tp):
+        return f"{layout_name(dims)}'s hooks or collectives run between the compiled graphs"
+    untested = untested_as_graphs(job, dims)
+    return f"{', '.join(untested)} not yet run as graphs on a GPU" if untested else ""
 
 
 def use_cuda_graphs(choice: str, device: torch.device, *, compiled: bool, supported: bool,

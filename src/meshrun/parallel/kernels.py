@@ -90,10 +90,11 @@ def select_attention(choice: str, device: torch.device) -> str:
 
 
 def describe_speed(job: JobConfig, device: torch.device, compute_dtype: torch.dtype | None, *,
-                   cuda_graphs: bool = False, fsdp: bool = False) -> str:
+                   cuda_graphs: bool = False, fsdp: bool = False, graphs_off: str = "") -> str:
     """The start-up header's line of performance choices, as resolved for this device (``cuda_graphs``: the
     engine's resolved train.cuda_graphs; ``fsdp``: FSDP2 holds the parameters, and its mixed precision, not
-    autocast, computes in bf16)."""
+    autocast, computes in bf16; ``graphs_off``: why train.cuda_graphs=auto left CUDA graphs off, from
+    apply.graphs_left_off)."""
     t = job.train
     reduce = job.parallel.grad_reduce_dtype
     bf16 = f"bf16 parameters (FSDP2), {reduce} gradient reduction" if fsdp else "bf16 autocast"
@@ -108,6 +109,8 @@ def describe_speed(job: JobConfig, device: torch.device, compute_dtype: torch.dt
     compile_note = f"train.compile={t.compile}"
     if t.compile == "auto" and capability and capability < TRITON_MIN_CAPABILITY:
         compile_note += f": Triton needs 7.0, this GPU has {old}"
+    if graphs_off and not cuda_graphs:
+        compile_note += f"; CUDA graphs off: {graphs_off}"
     parts = [f"compile {compiled if compile_enabled(t.compile, device) else 'off'} ({compile_note})",
              precision, f"attention {resolve_attention(t.attention, device)}",
              "fused AdamW" if t.fused_optimizer and device.type == "cuda" else "AdamW (for-each)",

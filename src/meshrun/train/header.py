@@ -7,7 +7,7 @@ import socket
 from typing import TYPE_CHECKING, Any
 
 from meshrun.models.spec import count_unique_params
-from meshrun.parallel.apply import describe_layout
+from meshrun.parallel.apply import describe_layout, graphs_left_off
 from meshrun.parallel.checks import uses_fsdp
 from meshrun.parallel.kernels import describe_speed
 from meshrun.train import runlog
@@ -56,7 +56,8 @@ def print_header(trainer: Trainer) -> None:
     lines[1:1] = [f"layout: {describe_layout(trainer.dims)}", *([trainer.layout_note] if trainer.layout_note else []),
                   describe_speed(trainer.job, trainer.device, trainer.compute_dtype,
                                  cuda_graphs=getattr(trainer.engine, "cuda_graphs", False),
-                                 fsdp=uses_fsdp(trainer.dims))]
+                                 fsdp=uses_fsdp(trainer.dims),
+                                 graphs_off=graphs_left_off(trainer.job, trainer.dims, trainer.device))]
     lines.append(describe_resume(trainer.resumed, run_dir=trainer.run_dir, moved_to=trainer.folder.moved_to,
                                  where=f"epoch {trainer.data.position.epoch}, {trainer.data.position.consumed:,} "
                                        "samples into it"))
