@@ -42,7 +42,8 @@ from meshrun.config import CheckpointConfig, ConfigError, DistConfig, ReplicaCon
 from meshrun.data.loader import StepBatches
 from meshrun.comm.process_group import init_distributed, shutdown
 from meshrun.env import ProcessPlacement
-from meshrun.parallel.module import LAYOUTS, ModuleLayout, prepare_module, session_reduce_dtype
+from meshrun.parallel.module import (LAYOUTS, ModuleLayout, check_session_graphs, prepare_module,
+                                     session_reduce_dtype)
 from meshrun.parallel.module_pipeline import PipelinedModule, PipelineOptions, prepare_pipeline
 from meshrun.rng import seed_rank_streams
 from meshrun.ckpt.session import SessionCheckpoints, model_fingerprint
@@ -123,8 +124,7 @@ class Session:
             raise ConfigError(f"layout={layout!r} is not one of {', '.join(LAYOUTS)}")
         if layout.startswith("pp"):
             if cuda_graphs:
-                raise ConfigError(f"cuda_graphs=True records the whole compiled model, for layout='ddp' or one "
-                                  f"process, not layout={layout!r}; drop cuda_graphs")
+                check_session_graphs(layout, whole_graph=False, compile=compile, device=self.device)
             if tp or dp_replicate or tp_plan:
                 raise ConfigError(f"layout={layout!r} takes no tp, dp_replicate or tp_plan (pipelines here combine "
                                   "with DDP-style replication ('pp') or FSDP2 ('pp+fsdp') only); drop them")

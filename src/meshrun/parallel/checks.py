@@ -95,12 +95,12 @@ def check_layout(job: JobConfig, spec: ModelSpec, shape: ModelShape, dims: Paral
                            fp32=compute_dtype in (None, torch.float32))
     if job.parallel.async_tp:
         check_async_tp(device, tp=dims.tp, compiled=compiled)
-    if job.train.cuda_graphs == "true" and several_stages_per_rank(dims):
-        raise ConfigError(f"train.cuda_graphs=true: parallel.pp_schedule={dims.pp_schedule} runs several stages on "
-                          "each rank, whose blocks train wrongly as CUDA graphs (a GPU test's loss stayed at 3.17 "
-                          "where launched kernels reached 2.03); drop --train.cuda_graphs, or set "
-                          "--parallel.pp_schedule=1f1b (which runs as CUDA graphs)")
     if job.train.cuda_graphs == "true":
+        if several_stages_per_rank(dims):
+            raise ConfigError(f"train.cuda_graphs=true: parallel.pp_schedule={dims.pp_schedule} runs several stages "
+                              "on each rank, whose blocks train wrongly as CUDA graphs (a GPU test's loss stayed at "
+                              "3.17 where launched kernels reached 2.03); drop --train.cuda_graphs, or set "
+                              "--parallel.pp_schedule=1f1b (which runs as CUDA graphs)")
         check_cuda_graphs(device, compiled=compiled, supported=graphs_supported(dims, async_tp=job.parallel.async_tp),
                           layout=layout_name(dims))
     check_chunked_loss(job.train.loss, spec, dims=dims, local=is_local(dims))

@@ -154,7 +154,7 @@ def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world
     dims = layout_dims(layout, world_size=world_size, nodes=nodes, tp=tp, dp_replicate=dp_replicate)
     compute_dtype = resolve_compute_dtype(compute_dtype, dims, device)
     if cuda_graphs:
-        check_session_graphs(layout, whole_graph=compile and not uses_fsdp(dims) and dims.tp == 1 and dims.pp == 1,
+        check_session_graphs(layout, whole_graph=not uses_fsdp(dims) and dims.tp == 1 and dims.pp == 1,
                              compile=compile, device=device)
     if dims.pp > 1:
         raise ConfigError(f"layout={layout!r} cuts the model into stages: use meshrun.parallel.module_pipeline."
@@ -196,14 +196,15 @@ def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world
 
 
 def check_session_graphs(layout: str, *, whole_graph: bool, compile: bool, device: torch.device) -> None:
-    """``cuda_graphs=True`` records the whole model that ``compile=True`` compiles for DDP and one process, on a CUDA
-    GPU; anything else is refused before any collective, naming the fix."""
-    if not compile:
-        raise ConfigError("cuda_graphs=True records what compile=True compiles; add compile=True")
+    """``cuda_graphs=True`` records the whole model that ``compile=True`` compiles for DDP and one process
+    (``whole_graph``: the layout keeps the model whole), on a CUDA GPU; anything else is refused before any
+    collective, naming the fix."""
     if not whole_graph:
         raise ConfigError(f"cuda_graphs=True records the whole compiled model, for layout='ddp' or one process, not "
-                          f"layout={layout!r}, whose FSDP2 or TP hooks run between the compiled blocks; drop "
-                          "cuda_graphs")
+                          f"layout={layout!r}, whose FSDP2 or TP hooks or pipeline stages run between the compiled "
+                          "blocks; drop cuda_graphs")
+    if not compile:
+        raise ConfigError("cuda_graphs=True records what compile=True compiles; add compile=True")
     if device.type != "cuda":
         raise ConfigError(f"cuda_graphs=True records CUDA graphs and this process runs on {device}; drop cuda_graphs")
 
