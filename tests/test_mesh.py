@@ -56,9 +56,12 @@ def test_tp_across_nodes_only_when_allowed():
     ({"n_heads": 12, "dim": 768}, {"tp": 8}, "parallel.tp=8 does not divide model.n_heads=12"),
     ({"n_kv_heads": 2}, {"tp": 4}, "does not divide model.n_kv_heads (key/value heads)=2"),
     ({"ffn_dim": 102}, {"tp": 4}, "does not divide model.ffn_dim (MLP width)=102"),
-    ({}, {"pp": 4}, "parallel.pp=4 = 4 pipeline stages but the model has only model.n_layers=2"),
+    ({}, {"pp": 4}, "parallel.pp=4 = 4 pipeline stages but the model has only model.n_layers=2; every stage needs "
+                    "at least one layer. Lower parallel.pp, or set --model.n_layers=4"),
     ({}, {"pp": 2, "pp_schedule": "interleaved1f1b", "pp_virtual_stages": 2},
-     "parallel.pp=2 x parallel.pp_virtual_stages=2 = 4 pipeline stages but the model has only model.n_layers=2"),
+     "parallel.pp=2 x parallel.pp_virtual_stages=2 = 4 pipeline stages but the model has only model.n_layers=2; "
+     "every stage needs at least one layer. Lower parallel.pp or parallel.pp_virtual_stages, or set "
+     "--model.n_layers=4"),
 ])
 def test_model_checks_name_the_option(model_change, parallel, message):
     model = replace(SIZES["tiny"], **model_change)

@@ -187,7 +187,9 @@ class ParallelDims:
             what = f"parallel.pp={self.pp}" + (f" x parallel.pp_virtual_stages={self.pp_virtual_stages}"
                                                if self.pp_virtual_stages > 1 else "")
             raise ConfigError(f"{what} = {stages} pipeline stages but the model has only model.n_layers="
-                              f"{model.n_layers}; every stage needs at least one layer. Lower parallel.pp")
+                              f"{model.n_layers}; every stage needs at least one layer. Lower parallel.pp"
+                              + (" or parallel.pp_virtual_stages" if self.pp_virtual_stages > 1 else "")
+                              + f", or set --model.n_layers={stages}")
         if spec.validate is not None:
             spec.validate(model, self)
         if self.pp > 1:
