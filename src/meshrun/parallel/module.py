@@ -89,14 +89,19 @@ def resolve_compute_dtype(choice: Any, dims: ParallelDims, device: torch.device)
                       f"{', '.join(str(d) for d in COMPUTE_DTYPES)}; give e.g. compute_dtype=torch.bfloat16")
 
 
+def check_layout_word(layout: str) -> None:
+    """A layout word is one of LAYOUTS (raises ConfigError naming them)."""
+    if layout not in LAYOUTS:
+        raise ConfigError(f"layout={layout!r} is not one of {', '.join(LAYOUTS)}")
+
+
 def layout_dims(layout: str, *, world_size: int, nodes: int = 1, tp: int = 0, dp_replicate: int = 0,
                 pp: int = 0) -> ParallelDims:
     """The degrees a layout word means at ``world_size`` ranks (pure arithmetic; raises ConfigError).
 
     Like ``tp`` for 'tp', ``pp`` defaults to every rank for 'pp' and to 2 for 'pp+fsdp'; ranks left over replicate
     ('pp') or shard ('pp+fsdp') each stage."""
-    if layout not in LAYOUTS:
-        raise ConfigError(f"layout={layout!r} is not one of {', '.join(LAYOUTS)}")
+    check_layout_word(layout)
     if layout == "none" and world_size > 1:
         raise ConfigError(f"layout='none' runs one process, but the world size is {world_size}; use layout='ddp'")
     tp = tp or (world_size if layout == "tp" else 2 if layout == "tp+fsdp" else 1)
@@ -153,9 +158,11 @@ def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world
 
     dims = layout_dims(layout, world_size=world_size, nodes=nodes, tp=tp, dp_replicate=dp_replicate)
     compute_dtype = resolve_compute_dtype(compute_dtype, dims, device)
+    # DDP or one process keep the model whole: compiled as one graph (with a loss inside it, the logits never exist
+    # in fp32), as meshrun train compiles them; per-block graphs where FSDP2 or TP hooks run between the blocks
+    keeps_whole = not uses_fsdp(dims) and dims.tp == 1 and dims.pp == 1
     if cuda_graphs:
-        check_session_graphs(layout, whole_graph=not uses_fsdp(dims) and dims.tp == 1 and dims.pp == 1,
-                             compile=compile, device=device)
+        check_session_graphs(layout, whole_graph=keeps_whole, compile=compile, device=device)
     if dims.pp > 1:
         raise ConfigError(f"layout={layout!r} cuts the model into stages: use meshrun.parallel.module_pipeline."
                           "prepare_pipeline (Session.prepare_model does)")
@@ -173,9 +180,7 @@ def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world
         dims.build_mesh(device.type)  # collective: every rank
     _broadcast_from_rank0(model)
     structure = ModelStructure(blocks=blocks, tp_plan=plan)
-    # DDP or one process: the whole model in one graph (with a loss inside it, the logits never exist in fp32), as
-    # meshrun train compiles them; per-block graphs where FSDP2 or TP hooks run between the blocks
-    whole_graph = compile and not uses_fsdp(dims) and dims.tp == 1
+    whole_graph = compile and keeps_whole
     options = session_options(layout, compute_dtype=compute_dtype, device=device, compiled=compile and not whole_graph,
                               activation_checkpoint=activation_checkpoint, grad_reduce_dtype=grad_reduce_dtype)
     parallelize(model, structure, dims, options)
