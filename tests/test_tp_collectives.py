@@ -14,15 +14,19 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dist_utils import run_distributed
 
 
-def _count_worker(rank: int, world_size: int, sequence_parallel: bool) -> dict[int, dict[str, int]]:
+def _tp_steps(world_size: int, sequence_parallel: bool, make_mode, read, bf16: bool = False) -> dict:
+    """One forward and backward of a 1-block and a 2-block GPT under TP, each inside a fresh ``make_mode()``; returns
+    ``{blocks: read(mode)}``."""
+    import contextlib
+
     import torch
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.debug import CommDebugMode
     from torch.distributed.tensor.parallel import loss_parallel
 
     from meshrun.models.gpt import GPT, SIZES
@@ -30,19 +34,27 @@ def _count_worker(rank: int, world_size: int, sequence_parallel: bool) -> dict[i
     from meshrun.parallel.tp import apply_tp
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
-    counts = {}
+    out = {}
     for blocks in (1, 2):
         torch.manual_seed(0)
         cfg = replace(SIZES["tiny"], n_layers=blocks, tie_embeddings=False)
         model = GPT(cfg)
         apply_tp(model, gpt_tp_plan, mesh, sequence_parallel=sequence_parallel, loss_parallel=True)
         tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
-        mode = CommDebugMode()
+        mode = make_mode()
         with mode, loss_parallel():
-            logits = model(tokens)
-            F.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
-        counts[blocks] = {str(op).rsplit(".", 1)[-1]: n for op, n in mode.get_comm_counts().items()}
-    return counts
+            with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
+                logits = model(tokens)
+            F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten()).backward()
+        out[blocks] = read(mode)
+    return out
+
+
+def _count_worker(rank: int, world_size: int, sequence_parallel: bool) -> dict[int, dict[str, int]]:
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    return _tp_steps(world_size, sequence_parallel, CommDebugMode,
+                     lambda mode: {str(op).rsplit(".", 1)[-1]: n for op, n in mode.get_comm_counts().items()})
 
 
 @pytest.mark.parametrize("sequence_parallel, per_block", [
@@ -54,6 +66,35 @@ def test_one_block_adds_exactly_megatrons_collectives(sequence_parallel, per_blo
     one, two = counts[1], counts[2]
     added = {op: two.get(op, 0) - one.get(op, 0) for op in {*one, *two}}
     assert {op: n for op, n in added.items() if n} == per_block, counts
+
+
+class _AllReduceDtypes(TorchDispatchMode):
+    """Records the dtype of every all-reduce's input."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "all_reduce" in str(func):
+            self.dtypes.append(str(args[0].dtype).removeprefix("torch."))
+        return func(*args, **(kwargs or {}))
+
+
+def _dtype_worker(rank: int, world_size: int) -> dict[int, list[str]]:
+    return _tp_steps(world_size, False, _AllReduceDtypes, lambda mode: mode.dtypes, bf16=True)
+
+
+def test_under_bf16_autocast_a_blocks_all_reduces_move_bf16_both_ways():
+    """RMSNorm returns its output in the autocast dtype, so the gradient of each sub-layer's input, which TP
+    all-reduces over the column-parallel projections that read it, is bf16 like the forward's all-reduces: half the
+    bytes of the fp32 it was (the norm computes in fp32 under autocast, and the projections cast its output anyway)."""
+    dtypes = run_distributed(_dtype_worker, 2, timeout=180)[0]
+    one, two = dtypes[1], dtypes[2]
+    added = list(two)
+    for d in one:  # what the second block adds: the 2-block run's all-reduces less the 1-block run's
+        added.remove(d)
+    assert sorted(added) == ["bfloat16"] * 4, dtypes
 
 
 def _hf_count_worker(rank: int, world_size: int) -> dict[int, dict[str, int]]:

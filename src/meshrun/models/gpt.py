@@ -50,7 +50,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        out = F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # fp32 under autocast (its fp32 op list)
+        if torch.is_autocast_enabled(x.device.type):
+            # the projections that read it would cast it anyway: returned in the autocast dtype, its gradient stays
+            # in that dtype too, so TP's all-reduce of it at the block's input moves half the bytes
+            out = out.to(torch.get_autocast_dtype(x.device.type))
+        return out
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
