@@ -7,8 +7,8 @@ For each case (model size x number of GPUs x gradient-clipping value) it runs, a
   - `meshrun train` once per layout (--layouts), and once more per layout for each --variant (LAYOUT/NAME: for that
     layout only); with --src, all of
     those again from another copy of meshrun (an older checkout's src), to compare two versions of the code;
-  - with --tune, one more meshrun row per layout for each documented setting its defaults choose between (TUNE),
-    and a line per layout saying whether the defaults are within 3% of the fastest of them;
+  - with --tune, one more meshrun row per layout for each documented setting its defaults choose between (TUNE,
+    and TUNE_COMPILED when compiling), and a line per layout saying whether the defaults are within 3% of the fastest of them;
   - with --session, the baseline's GPT through meshrun's `Session.prepare_model` (benchmarks/session_gpt.py, as
     docs/api.md shows: a user's own model) per layout given (ddp, fsdp).
 Every row reports tokens/s per GPU, MFU, peak memory, vs_baseline (its tokens/s over the baseline row of its case)
@@ -70,6 +70,7 @@ TUNE = {  # --tune: the documented settings each layout's defaults choose betwee
            "interleaved": "--parallel.pp_schedule=interleaved1f1b", "gpipe": "--parallel.pp_schedule=gpipe",
            "even": "--parallel.pp_balance=blocks", "launched": "--train.cuda_graphs=false"},
 }  # cp: none yet (its one speed setting, activation checkpointing, trades speed for memory)
+TUNE_COMPILED = {"autotune": "--train.compile_mode=max-autotune"}  # every layout, when the run compiles
 DEFAULTS_WITHIN = 0.03  # the defaults should be within 3% of the best setting --tune finds
 WORKLOAD_OPTIONS = ("--model.", "--train.micro_batch", "--train.grad_accum", "--train.global_batch")
 """Overrides that change what a step trains (the model or the samples per step): a variant with one of them is a
@@ -400,10 +401,11 @@ def make_plan(args: argparse.Namespace, device: str) -> tuple[Plan, list[str]]:
     """The run's plan from the arguments, and the reasons for the peers it skips."""
     peers, skipped = installed_peers(split(args.peers))
     variants = [(name, shlex.split(overrides)) for name, _, overrides in (v.partition(":") for v in args.variant)]
+    compile = device != "cpu" if args.compile is None else args.compile
     if args.tune:
         variants += [(f"{layout}/{name}", shlex.split(overrides)) for layout in split(args.layouts)
-                     for name, overrides in TUNE.get(layout, {}).items()]
-    plan = Plan(steps=args.steps, compile=device != "cpu" if args.compile is None else args.compile,
+                     for name, overrides in (TUNE.get(layout, {}) | (TUNE_COMPILED if compile else {})).items()]
+    plan = Plan(steps=args.steps, compile=compile,
                 baseline=not args.no_baseline, peers=peers, session=tuple(SESSION[x] for x in split(args.session)),
                 layouts=split(args.layouts), variants=variants,
                 extra=[x for value in args.extra for x in shlex.split(value)], repeat=args.repeat,

@@ -56,3 +56,36 @@ def test_compiled_blocks_and_losses_trace_as_whole_graphs(name):
         # at least one graph per rank: something was compiled (fullgraph=True would have raised on a break)
         assert result["graphs"] >= 1, (name, rank, result)
         assert all(torch.isfinite(torch.tensor(result["losses"]))), (name, rank, result)
+
+
+def _mode_worker(rank: int, world_size: int, name: str) -> dict:
+    modes = []
+    compile_ = torch.compile
+
+    def recording(fn=None, **kwargs):
+        """torch.compile recording the mode each call asks for, then compiling eagerly (the mode is inductor's)."""
+        modes.append(kwargs.get("mode"))
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("mode", "backend")}
+        return compile_(fn, backend="eager", **kwargs)
+
+    torch.compile = recording
+    try:
+        torch._dynamo.reset()
+        _, engine = build(model_config(tied=False), LAYOUTS[name], grad_accum=1,
+                          train={"compile": "true", "compile_mode": "max-autotune"})
+        losses = train(engine, grad_accum=1)["losses"]
+    finally:
+        torch.compile = compile_
+        dist.barrier()
+    return {"modes": modes, "losses": losses}
+
+
+@pytest.mark.parametrize("name, autotuned", [("ddp2", 1), ("fsdp2", 2)])
+def test_compile_mode_max_autotune_reaches_every_compile_of_the_step_or_blocks(name, autotuned):
+    """train.compile_mode=max-autotune: the whole DDP step (one compile) or each of FSDP2's 2 blocks is compiled in
+    torch's max-autotune mode (without CUDA graphs on CPU); only the separately compiled loss keeps the default."""
+    for rank, result in enumerate(run_distributed(_mode_worker, 2, name)):
+        modes = result["modes"]
+        assert modes.count("max-autotune-no-cudagraphs") == autotuned, (name, rank, modes)
+        assert set(modes) <= {"max-autotune-no-cudagraphs", None}, (name, rank, modes)
+        assert all(torch.isfinite(torch.tensor(result["losses"]))), (name, rank, result)

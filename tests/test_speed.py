@@ -22,7 +22,7 @@ from meshrun.parallel.checks import check_cuda_graphs, check_layout, graphs_bloc
 from meshrun.parallel.engine import count_tensor, loss_function, token_loss_sum
 from meshrun.parallel.async_tp import check_async_tp
 from meshrun.parallel.float8 import check_float8
-from meshrun.parallel.kernels import compile_enabled, describe_speed, resolve_attention, select_attention
+from meshrun.parallel.kernels import compile_enabled, describe_speed, inductor_mode, resolve_attention, select_attention
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -268,6 +268,22 @@ def test_train_prints_the_speed_line_and_refuses_float8_on_cpu(tmp_path):
     bad = subprocess.run([*base, "--train.float8=true"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0
     assert "train.float8=true needs an NVIDIA GPU" in bad.stderr + bad.stdout
+    uncompiled = subprocess.run([*base, "--train.compile_mode=max-autotune"], cwd=ROOT, capture_output=True,
+                                text=True, timeout=300)
+    assert uncompiled.returncode != 0
+    assert ("train.compile_mode=max-autotune needs compilation, which train.compile=auto leaves off on cpu: set "
+            "--train.compile=true or drop --train.compile_mode") in uncompiled.stderr.splitlines()[0]
+
+
+def test_compile_mode_names_torchs_mode_and_the_header_says_it():
+    assert inductor_mode("default", cuda_graphs=False) is None
+    assert inductor_mode("default", cuda_graphs=True) == "reduce-overhead"
+    assert inductor_mode("max-autotune", cuda_graphs=True) == "max-autotune"
+    assert inductor_mode("max-autotune", cuda_graphs=False) == "max-autotune-no-cudagraphs"
+    job = load_config(None, ["--train.compile=true", "--train.compile_mode=max-autotune"])
+    assert describe_speed(job, CPU, None).startswith("speed: compile on, max-autotune (train.compile=true) |")
+    with pytest.raises(ConfigError, match="train.compile_mode='fast' is not one of default, max-autotune"):
+        load_config(None, ["--train.compile_mode=fast"])
 
 
 def test_data_parallel_auto_shards_large_models_on_gpus():

@@ -158,6 +158,9 @@ def test_tune_adds_each_layouts_documented_settings_and_tags_meshrun_rows(monkey
     plan, _ = tb.make_plan(tb.parse_args(["--layouts", "ddp,tp", "--peers", "", "--tune"]), "cpu")
     assert [name for name, _ in plan.variants] == [f"ddp/{n}" for n in tb.TUNE["ddp"]] + [
         f"tp/{n}" for n in tb.TUNE["tp"]]
+    compiled, _ = tb.make_plan(tb.parse_args(["--layouts", "fsdp", "--peers", "", "--tune"]), "cuda")
+    assert [name for name, _ in compiled.variants] == [f"fsdp/{n}" for n in tb.TUNE["fsdp"]] + ["fsdp/autotune"]
+    assert compiled.variants[-1][1] == ["--train.compile_mode=max-autotune"]  # compiling only: it needs compile
     monkeypatch.setattr(tb, "run_script", lambda s, c, p, e: {"tokens_per_s_per_gpu": 1.0})
     monkeypatch.setattr(tb, "run_meshrun", lambda c, lay, p, e, o, run_dir: {"tokens_per_s_per_gpu": 2.0})
     rows = list(tb.run_case(tb.Case("tiny", 2, 0.0), plan, {}))

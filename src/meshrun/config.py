@@ -17,7 +17,7 @@ from typing import Any
 
 from meshrun.config_checks import (  # noqa: F401 - re-exported: `from meshrun.config import X` for all of them
     ACTIVATION_CHECKPOINT_MODES, ATTENTION_BACKENDS, ActivationCheckpointMode, AttentionBackend, BACKENDS, Backend,
-    BatchPlan, ConfigError, DATA_FORMATS, DATA_PARALLEL_MODES, DDP_GRAPH_MODES, DEVICE_KINDS, DataFormat,
+    BatchPlan, COMPILE_MODES, CompileMode, ConfigError, DATA_FORMATS, DATA_PARALLEL_MODES, DDP_GRAPH_MODES, DEVICE_KINDS, DataFormat,
     DataParallelMode, DdpGraphMode, DeviceKind, HANG_ACTIONS, HangAction, LOSS_MODES, LR_SCHEDULES, LossMode,
     LrSchedule, MULTI_STAGE_SCHEDULES, MULTIPLE_OF_PP_SCHEDULES, NONFINITE_MODES, NonfiniteMode, PIPELINE_BALANCES,
     PIPELINE_SCHEDULES, PROGRESS_MODES, PipelineBalance, PipelineSchedule, ProgressMode, REDUCE_DTYPES, ReduceDtype,
@@ -102,6 +102,11 @@ class TrainConfig:
     compile: str = "auto"
     """torch.compile the model: auto (on for CUDA GPUs of compute capability 7.0 and newer, which Triton supports;
     off on older GPUs and on CPU, where compiling costs more than it saves), true or false."""
+    compile_mode: CompileMode = "default"
+    """How inductor compiles: default, or max-autotune (each matmul shape benchmarked against Triton GEMM templates,
+    pointwise work fused into them where one wins, and the Triton kernels' launch settings tuned: minutes more of
+    compilation, cached on disk, for a step that is at times faster; docs/performance.md). CUDA graphs stay as
+    train.cuda_graphs decides. Needs compilation (train.compile)."""
     cuda_graphs: str = "auto"
     """Compile with CUDA graphs (torch.compile mode reduce-overhead): each compiled graph is recorded once and
     replayed, so the host no longer launches every kernel. One process and DDP record the whole step; TP and PP

@@ -21,6 +21,7 @@ TokenDtype = Literal["uint16", "uint32"]
 NonfiniteMode = Literal["skip", "stop", "off"]
 TrainDtype = Literal["auto", "fp32", "bf16"]
 LossMode = Literal["full", "chunked"]
+CompileMode = Literal["default", "max-autotune"]
 AttentionBackend = Literal["auto", "cudnn", "flash", "efficient", "math", "default"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved1f1b", "interleavedzb", "loopedbfs"]
 PipelineBalance = Literal["cost", "blocks"]
@@ -40,6 +41,7 @@ TOKEN_DTYPES: tuple[str, ...] = get_args(TokenDtype)
 NONFINITE_MODES: tuple[str, ...] = get_args(NonfiniteMode)
 TRAIN_DTYPES: tuple[str, ...] = get_args(TrainDtype)
 LOSS_MODES: tuple[str, ...] = get_args(LossMode)
+COMPILE_MODES: tuple[str, ...] = get_args(CompileMode)
 ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
 PIPELINE_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
 PIPELINE_BALANCES: tuple[str, ...] = get_args(PipelineBalance)
@@ -139,6 +141,7 @@ def _check_choices(job: JobConfig) -> None:
                  ACTIVATION_CHECKPOINT_MODES)
     check_choice("train.attention", job.train.attention, ATTENTION_BACKENDS)
     check_choice("train.loss", job.train.loss, LOSS_MODES)
+    check_choice("train.compile_mode", job.train.compile_mode, COMPILE_MODES)
     check_choice("train.nonfinite", job.train.nonfinite, NONFINITE_MODES)
     check_choice("train.lr_schedule", job.train.lr_schedule, LR_SCHEDULES)
     job.train.compile = tri_state("train.compile", job.train.compile)

@@ -41,7 +41,7 @@ from meshrun.parallel.data_parallel import apply_ddp, apply_fsdp, fsdp_units
 from meshrun.parallel.engine import Engine, LocalEngine, LossStep, loss_function
 from meshrun.parallel.async_tp import enable_async_tp
 from meshrun.parallel.float8 import convert_blocks_to_float8
-from meshrun.parallel.kernels import compile_enabled, select_attention
+from meshrun.parallel.kernels import compile_enabled, inductor_mode, select_attention
 from meshrun.parallel.options import ParallelOptions, parallel_options
 from meshrun.parallel.pipeline import (PipelineEngine, bubble_fraction, effective_model_config, split_stage,
                                       stage_ids)
@@ -80,6 +80,10 @@ def build_engine(*, job: JobConfig, model_cfg: ModelShape, dims: ParallelDims, m
     log.info("attention kernel: %s", select_attention(job.train.attention, device))
     fp32 = compute_dtype is None or compute_dtype == torch.float32
     compiled = compile_enabled(job.train.compile, device)
+    if job.train.compile_mode != "default" and not compiled:
+        raise ConfigError(f"train.compile_mode={job.train.compile_mode} needs compilation, which "
+                          f"train.compile={job.train.compile} leaves off on {device.type}: set --train.compile=true "
+                          "or drop --train.compile_mode")
     if job.parallel.async_tp:
         enable_async_tp(dims.get_mesh("tp"))
     local = is_local(dims)
@@ -175,7 +179,7 @@ def parallelize(part: nn.Module, structure: ModelStructure, dims: ParallelDims, 
         convert_blocks_to_float8(part, fsdp=uses_fsdp(dims), blocks_attr=structure.blocks)
     apply_activation_checkpointing(part, options.activation_checkpoint, blocks=blocks)
     if options.compiled:
-        mode = "reduce-overhead" if options.cuda_graphs else None  # inductor's CUDA graphs, block by block
+        mode = inductor_mode(options.compile_mode, options.cuda_graphs)  # CUDA graphs: block by block
         for block in blocks:
             block.compile(mode=mode)  # in place: parameter names stay as they are (no "_orig_mod.")
         if dims.tp > 1:  # the TP styles' async collectives must not reach a compiled block as its input
@@ -349,7 +353,7 @@ def _local_engine(job: JobConfig, spec: ModelSpec, cfg: ModelShape, dims: Parall
     step: nn.Module = LossStep(model, autocast_dtype, structure=spec, chunked=job.train.loss == "chunked")
     ddp = dims.dp_replicate > 1
     overlap = ddp and compiled and job.parallel.ddp_overlap
-    mode = "reduce-overhead" if cuda_graphs else None  # reduce-overhead: inductor's CUDA graphs
+    mode = inductor_mode(job.train.compile_mode, cuda_graphs)
     if ddp and compiled:
         split = ddp_graph_split(job.parallel.ddp_graph, dims, cuda_graphs=cuda_graphs)
         log.info("DDP compiled as %s", "graphs split at the gradient buckets (all-reduce overlaps backward)" if split

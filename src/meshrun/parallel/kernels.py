@@ -41,6 +41,13 @@ def compile_enabled(choice: str, device: torch.device) -> bool:
     return choice == "auto" and device.type == "cuda" and (capability is None or capability >= TRITON_MIN_CAPABILITY)
 
 
+def inductor_mode(compile_mode: str, cuda_graphs: bool) -> str | None:
+    """torch.compile's mode for train.compile_mode and whether the compiled graphs are recorded as CUDA graphs."""
+    if compile_mode == "max-autotune":
+        return "max-autotune" if cuda_graphs else "max-autotune-no-cudagraphs"
+    return "reduce-overhead" if cuda_graphs else None  # reduce-overhead: inductor's CUDA graphs
+
+
 def bf16_by_default(device: torch.device | str) -> bool:
     """Whether ``auto`` compute dtypes mean bf16 on ``device``: CUDA GPUs of compute capability 8.0 and newer."""
     capability = cuda_capability(device)
@@ -102,6 +109,8 @@ def describe_speed(job: JobConfig, device: torch.device, compute_dtype: torch.dt
         bf16 += ", bf16 gradient all-reduce"
     precision = "float8 matmuls (torchao) + bf16" if t.float8 else (bf16 if compute_dtype == torch.bfloat16 else "fp32")
     compiled = "on with CUDA graphs" if cuda_graphs else "on"
+    if t.compile_mode != "default":
+        compiled += f", {t.compile_mode}"
     capability = cuda_capability(device)
     old = f"compute capability {capability[0]}.{capability[1]}" if capability else ""
     if precision == "fp32" and t.dtype == "auto" and capability and capability < BF16_MIN_CAPABILITY:

@@ -24,6 +24,8 @@ class ParallelOptions:
     """Compile each repeated block in place (parameter names keep no ``_orig_mod.``)."""
     cuda_graphs: bool = False
     """Compile the blocks with inductor's CUDA graphs (mode reduce-overhead): train.cuda_graphs for TP and PP."""
+    compile_mode: str = "default"
+    """default or max-autotune (train.compile_mode)."""
     activation_checkpoint: ActivationCheckpointMode = "none"
     """Activation checkpointing of each block: none, selective or full (parallel.activation_checkpoint)."""
     sequence_parallel: bool = False
@@ -48,6 +50,7 @@ def parallel_options(job: JobConfig, *, compute_dtype: torch.dtype | None, compi
     """The trainer's options: its ``[parallel]`` and ``[train]`` choices, with the resolved dtype and compilation."""
     p = job.parallel
     return ParallelOptions(compute_dtype=compute_dtype, compiled=compiled, cuda_graphs=cuda_graphs and compiled,
+                           compile_mode=job.train.compile_mode,
                            activation_checkpoint=p.activation_checkpoint, sequence_parallel=p.sequence_parallel,
                            float8=job.train.float8, reduce_dtype=reduce_dtype(p.grad_reduce_dtype),
                            fsdp_reshard_after_forward=p.fsdp_reshard_after_forward,
