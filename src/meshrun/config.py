@@ -17,11 +17,12 @@ from typing import Any
 
 from meshrun.config_checks import (  # noqa: F401 - re-exported: `from meshrun.config import X` for all of them
     ACTIVATION_CHECKPOINT_MODES, ATTENTION_BACKENDS, ActivationCheckpointMode, AttentionBackend, BACKENDS, Backend,
-    BatchPlan, COMPILE_MODES, CompileMode, ConfigError, DATA_FORMATS, DATA_PARALLEL_MODES, DDP_GRAPH_MODES, DEVICE_KINDS, DataFormat,
-    DataParallelMode, DdpGraphMode, DeviceKind, HANG_ACTIONS, HangAction, LOSS_MODES, LR_SCHEDULES, LossMode,
-    LrSchedule, MULTI_STAGE_SCHEDULES, MULTIPLE_OF_PP_SCHEDULES, NONFINITE_MODES, NonfiniteMode, PIPELINE_BALANCES,
-    PIPELINE_SCHEDULES, PROGRESS_MODES, PipelineBalance, PipelineSchedule, ProgressMode, REDUCE_DTYPES, ReduceDtype,
-    TOKEN_DTYPES, TRACKERS, TRAIN_DTYPES, TokenDtype, TrackerName, TrainDtype, resolve_batch, validate_job)
+    BatchPlan, COMPILE_MODES, CompileMode, ConfigError, DATA_FORMATS, DATA_PARALLEL_MODES, DDP_GRAPH_MODES,
+    DEVICE_KINDS, DataFormat, DataParallelMode, DdpGraphMode, DeviceKind, HANG_ACTIONS, HangAction, LOSS_MODES,
+    LR_SCHEDULES, LossMode, LrSchedule, MULTI_STAGE_SCHEDULES, MULTIPLE_OF_PP_SCHEDULES, NONFINITE_MODES,
+    NonfiniteMode, PIPELINE_BALANCES, PIPELINE_SCHEDULES, PROGRESS_MODES, PipelineBalance, PipelineSchedule,
+    ProgressMode, REDUCE_DTYPES, ReduceDtype, TOKEN_DTYPES, TRACKERS, TRAIN_DTYPES, TokenDtype, TrackerName,
+    TrainDtype, resolve_batch, validate_job)
 from meshrun.config_load import join_overrides, load_config, set_option, to_toml  # noqa: F401 - re-exported
 from meshrun.models.shape import ModelShape
 

@@ -32,7 +32,7 @@ from torch import nn
 from meshrun.config import REDUCE_DTYPES, ConfigError
 from meshrun.comm.mesh import ParallelDims
 from meshrun.models.spec import ModelStructure
-from meshrun.parallel.kernels import bf16_by_default
+from meshrun.parallel.kernels import bf16_by_default, inductor_mode
 from meshrun.parallel.options import ParallelOptions, reduce_dtype
 from meshrun.parallel.tied import find_shared
 from meshrun.parallel.tp import resolve_plan
@@ -185,8 +185,8 @@ def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world
                               activation_checkpoint=activation_checkpoint, grad_reduce_dtype=grad_reduce_dtype)
     parallelize(model, structure, dims, options)
     if whole_graph:
-        # in place: parameter names keep no "_orig_mod."; reduce-overhead: inductor's CUDA graphs
-        model.compile(mode="reduce-overhead" if cuda_graphs else None)
+        # in place: parameter names keep no "_orig_mod."; with cuda_graphs, inductor's reduce-overhead
+        model.compile(mode=inductor_mode("default", cuda_graphs))
         if dims.dp_replicate > 1:  # one node: one graph each way, unless recorded (see parallel.ddp_graph)
             torch._dynamo.config.optimize_ddp = nodes > 1 or cuda_graphs
     compiled = 1 if whole_graph else compile_unblocked(model, structure) if compile else 0
