@@ -269,8 +269,8 @@ def graphs_measured(job: JobConfig, dims: ParallelDims) -> bool:
 
 def untested_as_graphs(job: JobConfig, dims: ParallelDims) -> list[str]:
     """What in this step GPU tests have not run as CUDA graphs: the chunked loss, float8, TP's sequence parallelism,
-    TP with PP (it needs 4 GPUs), and PP other than 2 stages with the 1f1b schedule (GPipe, and more stages with
-    more micro-batches in flight per rank; the interleaved schedules trained wrongly and are refused,
+    TP with PP (it needs 4 GPUs), and PP other than 2 stages with the 1f1b or gpipe schedule (more stages put more
+    micro-batches in flight per rank; the interleaved schedules trained wrongly and are refused,
     checks.several_stages_per_rank)."""
     return [what for what, applies in (
         ("train.loss=chunked", job.train.loss != "full"),
@@ -278,7 +278,7 @@ def untested_as_graphs(job: JobConfig, dims: ParallelDims) -> list[str]:
         ("sequence parallelism", dims.tp > 1 and job.parallel.sequence_parallel),
         ("TP with PP", dims.tp > 1 and dims.pp > 1),
         (f"PP {dims.pp} with {job.parallel.pp_schedule}",
-         dims.pp > 1 and (job.parallel.pp_schedule != "1f1b" or dims.pp > 2))) if applies]
+         dims.pp > 1 and (job.parallel.pp_schedule not in ("1f1b", "gpipe") or dims.pp > 2))) if applies]
 
 
 def graphs_left_off(job: JobConfig, dims: ParallelDims, device: torch.device) -> str:
