@@ -158,7 +158,7 @@ def test_cuda_graphs_auto_only_for_steps_gpu_tests_ran_as_graphs():
     assert not measured(pp=4)  # 4 stages: up to 4 micro-batches in flight on the first; not run as graphs yet
     assert not measured(tp=2, pp=2)  # needs 4 GPUs; not run as graphs yet
     assert measured("--parallel.pp_schedule=gpipe", pp=2, dp_replicate=2)  # its GPU test passed (round 7)
-    assert not measured("--parallel.pp_schedule=gpipe", pp=4)  # all 8 micro-batches in flight: not run as graphs yet
+    assert not measured("--parallel.pp_schedule=gpipe", pp=4)  # GPipe of 4 stages: not run as graphs yet
     assert not use_cuda_graphs("auto", torch.device("cuda", 0), compiled=True, measured=measured(pp=4),
                                supported=graphs_supported(ParallelDims.from_config(
                                    ParallelConfig(pp=2, dp_replicate=1, pp_schedule="interleaved1f1b"), world_size=2)))
