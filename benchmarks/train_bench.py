@@ -402,11 +402,11 @@ def make_plan(args: argparse.Namespace, device: str) -> tuple[Plan, list[str]]:
     """The run's plan from the arguments, and the reasons for the peers it skips."""
     peers, skipped = installed_peers(split(args.peers))
     variants = [(name, shlex.split(overrides)) for name, _, overrides in (v.partition(":") for v in args.variant)]
-    compile = device != "cpu" if args.compile is None else args.compile
+    compiled = device != "cpu" if args.compile is None else args.compile
     if args.tune:
         variants += [(f"{layout}/{name}", shlex.split(overrides)) for layout in split(args.layouts)
-                     for name, overrides in (TUNE.get(layout, {}) | (TUNE_COMPILED if compile else {})).items()]
-    plan = Plan(steps=args.steps, compile=compile,
+                     for name, overrides in (TUNE.get(layout, {}) | (TUNE_COMPILED if compiled else {})).items()]
+    plan = Plan(steps=args.steps, compile=compiled,
                 baseline=not args.no_baseline, peers=peers, session=tuple(SESSION[x] for x in split(args.session)),
                 layouts=split(args.layouts), variants=variants,
                 extra=[x for value in args.extra for x in shlex.split(value)], repeat=args.repeat,

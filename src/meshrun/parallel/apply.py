@@ -80,10 +80,6 @@ def build_engine(*, job: JobConfig, model_cfg: ModelShape, dims: ParallelDims, m
     log.info("attention kernel: %s", select_attention(job.train.attention, device))
     fp32 = compute_dtype is None or compute_dtype == torch.float32
     compiled = compile_enabled(job.train.compile, device)
-    if job.train.compile_mode != "default" and not compiled:
-        raise ConfigError(f"train.compile_mode={job.train.compile_mode} needs compilation, which "
-                          f"train.compile={job.train.compile} leaves off on {device.type}: set --train.compile=true "
-                          "or drop --train.compile_mode")
     if job.parallel.async_tp:
         enable_async_tp(dims.get_mesh("tp"))
     local = is_local(dims)

@@ -89,6 +89,10 @@ def check_layout(job: JobConfig, spec: ModelSpec, shape: ModelShape, dims: Paral
     ``device`` (its type is what matters: ``torch.device('cuda')`` before a GPU is chosen)."""
     dims.validate_model(effective_model_config(shape, pp=dims.pp), spec)
     compiled = compile_enabled(job.train.compile, device)
+    if job.train.compile_mode != "default" and not compiled:
+        raise ConfigError(f"train.compile_mode={job.train.compile_mode} needs compilation, which "
+                          f"train.compile={job.train.compile} leaves off on {device.type}: set --train.compile=true "
+                          "or drop --train.compile_mode")
     if job.train.float8:
         check_float8(device, tp=dims.tp)
     check_context_parallel(cp=dims.cp, device=device, spec=spec, attention=job.train.attention,
