@@ -13,13 +13,15 @@ A rank that raises fails the call with that rank's traceback; a rank that hangs 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -107,3 +109,21 @@ def mesh_group_timeouts(parallel: dict, timeout_s: float) -> tuple[int, int, set
     count = set_mesh_timeouts(dims.all_meshes(), timeout_s)
     groups = {id(g): g for m in dims.all_meshes() for g in m.get_all_groups()}
     return made, count, {g._get_backend(torch.device("cpu")).options._timeout for g in groups.values()}
+
+
+@contextlib.contextmanager
+def recorded_compile_modes() -> Iterator[list]:
+    """Within: torch.compile records the mode each call asks for (into the yielded list), then compiles eagerly (the
+    mode is inductor's, which CPU tests do not need)."""
+    modes: list = []
+    compile_ = torch.compile
+
+    def recording(fn=None, **kwargs):
+        modes.append(kwargs.get("mode"))
+        return compile_(fn, backend="eager", **{k: v for k, v in kwargs.items() if k not in ("mode", "backend")})
+
+    torch.compile = recording
+    try:
+        yield modes
+    finally:
+        torch.compile = compile_

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from dist_utils import run_distributed
+from dist_utils import recorded_compile_modes, run_distributed
 from test_parallel_layouts import build, model_config, train
 
 pytestmark = pytest.mark.slow
@@ -59,23 +59,13 @@ def test_compiled_blocks_and_losses_trace_as_whole_graphs(name):
 
 
 def _mode_worker(rank: int, world_size: int, name: str) -> dict:
-    modes = []
-    compile_ = torch.compile
-
-    def recording(fn=None, **kwargs):
-        """torch.compile recording the mode each call asks for, then compiling eagerly (the mode is inductor's)."""
-        modes.append(kwargs.get("mode"))
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("mode", "backend")}
-        return compile_(fn, backend="eager", **kwargs)
-
-    torch.compile = recording
     try:
-        torch._dynamo.reset()
-        _, engine = build(model_config(tied=False), LAYOUTS[name], grad_accum=1,
-                          train={"compile": "true", "compile_mode": "max-autotune"})
-        losses = train(engine, grad_accum=1)["losses"]
+        with recorded_compile_modes() as modes:
+            torch._dynamo.reset()
+            _, engine = build(model_config(tied=False), LAYOUTS[name], grad_accum=1,
+                              train={"compile": "true", "compile_mode": "max-autotune"})
+            losses = train(engine, grad_accum=1)["losses"]
     finally:
-        torch.compile = compile_
         dist.barrier()
     return {"modes": modes, "losses": losses}
 

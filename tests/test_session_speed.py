@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dist_utils import run_distributed
+from dist_utils import recorded_compile_modes, run_distributed
 from mlp_lm import MLPLM
 
 from meshrun.config import ConfigError
@@ -76,6 +76,56 @@ def test_cuda_graphs_are_refused_where_they_cannot_record_naming_the_fix():
         prepare_module(MLPLM(), "fsdp", device=CUDA, world_size=2, compile=True, cuda_graphs=True)
     with pytest.raises(ConfigError, match=r"^cuda_graphs=True records the whole compiled model.*not layout='pp'"):
         Session(seed=0).prepare_model(MLPLM(), layout="pp", compile=True, cuda_graphs=True)
+
+
+@pytest.mark.parametrize("layout, compiled", [("none", 1), ("pp", 3)])
+def test_compile_mode_max_autotune_reaches_every_compiled_module_and_the_start_up_line(capsys, layout, compiled):
+    """One process: the whole model (layout none), or each of the 3 blocks (pp in one process), compiled in
+    inductor's max-autotune mode (without CUDA graphs); the default mode asks for none."""
+    from meshrun import Session
+
+    session = Session(seed=0)
+    with recorded_compile_modes() as modes:
+        model = session.prepare_model(MLPLM(), layout=layout, compile=True, compile_mode="max-autotune")
+        assert modes == ["max-autotune-no-cudagraphs"] * compiled, modes
+        assert f"{compiled} module(s) compiled (max-autotune)" in capsys.readouterr().out
+        if layout == "none":
+            logits = model(torch.randint(0, 64, (2, 16)))
+            assert logits.shape == (2, 16, 64) and torch.isfinite(logits).all()
+        modes.clear()
+        session.prepare_model(MLPLM(), layout=layout, compile=True)
+        assert modes == [None] * compiled, modes
+    assert "(max-autotune)" not in capsys.readouterr().out
+
+
+def _fsdp_autotune(rank: int, world_size: int) -> dict:
+    from meshrun import Session
+
+    with recorded_compile_modes() as modes:
+        session = Session(seed=0)
+        model = session.prepare_model(MLPLM(), layout="fsdp", compile=True, compile_mode="max-autotune")
+        losses, _ = _train(session, model, steps=3)
+    return {"modes": modes, "losses": losses}
+
+
+def test_compile_mode_max_autotune_compiles_each_fsdp_block_so_on_two_ranks():
+    """FSDP2 on 2 gloo ranks: each of the 3 blocks is compiled in max-autotune mode before FSDP2 wraps it, and the
+    model trains (finite losses, the same on both ranks)."""
+    results = run_distributed(_fsdp_autotune, 2)
+    for rank, result in enumerate(results):
+        assert result["modes"] == ["max-autotune-no-cudagraphs"] * 3, (rank, result["modes"])
+        assert torch.isfinite(torch.tensor(result["losses"])).all(), (rank, result)
+    assert results[0]["losses"] == results[1]["losses"]
+
+
+def test_compile_mode_is_refused_without_compile_or_when_unknown_naming_the_fix():
+    from meshrun import Session
+
+    with pytest.raises(ConfigError, match=r"^compile_mode='max-autotune' sets how compile=True compiles; add "
+                                          r"compile=True or drop compile_mode"):
+        Session(seed=0).prepare_model(MLPLM(), layout="none", compile_mode="max-autotune")
+    with pytest.raises(ConfigError, match=r"^compile_mode='fast': choose one of default, max-autotune"):
+        Session(seed=0).prepare_model(MLPLM(), layout="pp", compile=True, compile_mode="fast")
 
 
 def test_each_optimizer_step_starts_a_new_replay_generation(monkeypatch):

@@ -42,8 +42,8 @@ from meshrun.config import CheckpointConfig, ConfigError, DistConfig, ReplicaCon
 from meshrun.data.loader import StepBatches
 from meshrun.comm.process_group import init_distributed, shutdown
 from meshrun.env import ProcessPlacement
-from meshrun.parallel.module import (ModuleLayout, check_layout_word, check_session_graphs, prepare_module,
-                                     session_reduce_dtype)
+from meshrun.parallel.module import (ModuleLayout, check_compile_mode, check_layout_word, check_session_graphs,
+                                     prepare_module, session_reduce_dtype)
 from meshrun.parallel.module_pipeline import PipelinedModule, PipelineOptions, prepare_pipeline
 from meshrun.rng import seed_rank_streams
 from meshrun.ckpt.session import SessionCheckpoints, model_fingerprint
@@ -95,7 +95,7 @@ class Session:
                       pp: int = 0, blocks: str | None = None, tp_plan: Mapping[str, Any] | None = None,
                       pipeline: PipelineOptions | None = None, activation_checkpoint: str = "none",
                       compute_dtype: torch.dtype | str | None = "auto",
-                      compile: bool = False, grad_reduce_dtype: str = "fp32",
+                      compile: bool = False, compile_mode: str = "default", grad_reduce_dtype: str = "fp32",
                       cuda_graphs: bool = False) -> nn.Module | PipelinedModule:
         """Apply ``layout`` (ddp, fsdp, hsdp, tp, tp+fsdp, pp, pp+fsdp) on this rank's device; see
         meshrun.parallel.module and, for pp, meshrun.parallel.module_pipeline.
@@ -103,6 +103,9 @@ class Session:
         ``compute_dtype="auto"``: bf16 parameters with fp32 gradient reduction where FSDP2 holds them on a GPU, fp32
         otherwise (DDP, one process: autocast in your loop); None or torch.float32 keeps fp32 everywhere.
         ``compile=True`` compiles each repeated block in place before FSDP2 wraps it, as ``meshrun train`` does.
+        ``compile_mode="max-autotune"`` (with ``compile=True``) has inductor benchmark each matmul shape against its
+        Triton templates, as ``--train.compile_mode`` does: minutes more of compilation, for a step that is at times
+        faster (1b FSDP2 on 2 H200s: 1.4-3.9% faster; 124m DDP and 1b TP level; docs/performance.md).
         ``grad_reduce_dtype="bf16"`` sums gradients across data-parallel ranks in bf16 (DDP, FSDP2, HSDP; half the
         bytes of the default fp32; on one NVLink node it was not faster, see docs/performance.md).
         ``cuda_graphs=True`` (with ``compile=True``, layout ddp or one process, on a CUDA GPU) records the compiled
@@ -120,6 +123,7 @@ class Session:
         loss). Every rank starts from rank 0's weights. Per-rank random streams (seed + rank) are set afterwards,
         for dropout and augmentation. Collective."""
         session_reduce_dtype(grad_reduce_dtype)  # refused before any collective
+        check_compile_mode(compile_mode, compile=compile)
         check_layout_word(layout)  # in one process too, where any layout runs as one: not only at scale
         if layout.startswith("pp"):
             if cuda_graphs:
@@ -130,7 +134,8 @@ class Session:
             prepared, self.layout = prepare_pipeline(
                 model, layout, device=self.device, world_size=self.world_size, nodes=self.env.num_nodes, pp=pp,
                 blocks=blocks, options=pipeline, activation_checkpoint=activation_checkpoint,
-                compute_dtype=compute_dtype, compile=compile, grad_reduce_dtype=grad_reduce_dtype)
+                compute_dtype=compute_dtype, compile=compile, compile_mode=compile_mode,
+                grad_reduce_dtype=grad_reduce_dtype)
         else:
             if pp or pipeline is not None:
                 raise ConfigError(f"pp={pp} / pipeline= need layout='pp' or 'pp+fsdp', not {layout!r}")
@@ -138,7 +143,7 @@ class Session:
                 model, layout if self.world_size > 1 else "none", device=self.device, world_size=self.world_size,
                 nodes=self.env.num_nodes, tp=tp, dp_replicate=dp_replicate, blocks=blocks, tp_plan=tp_plan,
                 activation_checkpoint=activation_checkpoint, compute_dtype=compute_dtype, compile=compile,
-                grad_reduce_dtype=grad_reduce_dtype, cuda_graphs=cuda_graphs)
+                compile_mode=compile_mode, grad_reduce_dtype=grad_reduce_dtype, cuda_graphs=cuda_graphs)
             if cuda_graphs and self._graph_steps is None:
                 self._graph_steps = replay_generation_per_optimizer_step()
         self.print(self.layout.describe(self.device, compute_dtype))

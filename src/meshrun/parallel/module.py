@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshrun.config import REDUCE_DTYPES, ConfigError
+from meshrun.config import COMPILE_MODES, REDUCE_DTYPES, ConfigError
 from meshrun.comm.mesh import ParallelDims
 from meshrun.models.spec import ModelStructure
 from meshrun.parallel.kernels import bf16_by_default, inductor_mode
@@ -56,6 +56,8 @@ class ModuleLayout:
     """The dtype data parallelism sums gradients in ('fp32' or 'bf16')."""
     compiled: int = 0
     """Modules compiled in place (the blocks, or 1 for a model without repeated blocks)."""
+    compile_mode: str = "default"
+    """Inductor's mode for them: default or max-autotune (prepare_model(compile_mode=...))."""
     cuda_graphs: bool = False
     """The compiled model is recorded as CUDA graphs (prepare_model(cuda_graphs=True))."""
     note: str = ""
@@ -66,6 +68,7 @@ class ModuleLayout:
         dtype = "fp32" if self.compute_dtype in (None, torch.float32) else str(self.compute_dtype).split(".")[-1]
         how = ("; pass compute_dtype=torch.float32 for fp32" if choice == "auto" and dtype != "fp32" else "")
         compiled = f"{self.compiled} module(s) compiled" if self.compiled else "not compiled (compile=True compiles)"
+        compiled += f" ({self.compile_mode})" if self.compiled and self.compile_mode != "default" else ""
         compiled += ", recorded as CUDA graphs" if self.cuda_graphs else ""
         reduce = "; gradients summed in bf16" if self.grad_reduce_dtype == "bf16" and self.dims.dp_size > 1 else ""
         return (f"meshrun: prepare_model: {self.name} over {self.dims.world_size} rank(s) on {device.type}; "
@@ -142,11 +145,12 @@ def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world
                    tp: int = 0, dp_replicate: int = 0, blocks: str | None = None,
                    tp_plan: Mapping[str, Any] | None = None, activation_checkpoint: str = "none",
                    compute_dtype: torch.dtype | str | None = None,
-                   compile: bool = False, grad_reduce_dtype: str = "fp32",
+                   compile: bool = False, compile_mode: str = "default", grad_reduce_dtype: str = "fp32",
                    cuda_graphs: bool = False) -> tuple[nn.Module, ModuleLayout]:
     """Apply ``layout`` to ``model`` (in place where possible); returns (the module to train, what was done).
     ``compute_dtype``: see :func:`resolve_compute_dtype`; ``compile``: compile the blocks before FSDP2 or TP wraps
-    them, or, for DDP and one process, the whole model; ``grad_reduce_dtype``: 'fp32' or 'bf16', the dtype DDP,
+    them, or, for DDP and one process, the whole model, in inductor's ``compile_mode`` (see
+    :func:`check_compile_mode`); ``grad_reduce_dtype``: 'fp32' or 'bf16', the dtype DDP,
     FSDP2 and HSDP sum gradients in across ranks (meshrun train's parallel.grad_reduce_dtype); ``cuda_graphs``:
     record that whole compiled model as CUDA graphs (inductor's reduce-overhead), DDP split at 100 MiB gradient
     buckets as meshrun train's defaults do (see :func:`check_session_graphs`; the caller marks a new replay
@@ -156,6 +160,7 @@ def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world
     from meshrun.parallel.apply import ddp_bucket_mb, layout_name, parallelize, uses_fsdp
     from meshrun.parallel.data_parallel import apply_ddp
 
+    check_compile_mode(compile_mode, compile=compile)
     dims = layout_dims(layout, world_size=world_size, nodes=nodes, tp=tp, dp_replicate=dp_replicate)
     compute_dtype = resolve_compute_dtype(compute_dtype, dims, device)
     # DDP or one process keep the model whole: compiled as one graph (with a loss inside it, the logits never exist
@@ -182,14 +187,15 @@ def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world
     structure = ModelStructure(blocks=blocks, tp_plan=plan)
     whole_graph = compile and keeps_whole
     options = session_options(layout, compute_dtype=compute_dtype, device=device, compiled=compile and not whole_graph,
-                              activation_checkpoint=activation_checkpoint, grad_reduce_dtype=grad_reduce_dtype)
+                              compile_mode=compile_mode, activation_checkpoint=activation_checkpoint,
+                              grad_reduce_dtype=grad_reduce_dtype)
     parallelize(model, structure, dims, options)
     if whole_graph:
         # in place: parameter names keep no "_orig_mod."; with cuda_graphs, inductor's reduce-overhead
-        model.compile(mode=inductor_mode("default", cuda_graphs))
+        model.compile(mode=inductor_mode(compile_mode, cuda_graphs))
         if dims.dp_replicate > 1:  # one node: one graph each way, unless recorded (see parallel.ddp_graph)
             torch._dynamo.config.optimize_ddp = nodes > 1 or cuda_graphs
-    compiled = 1 if whole_graph else compile_unblocked(model, structure) if compile else 0
+    compiled = 1 if whole_graph else compile_unblocked(model, structure, compile_mode) if compile else 0
     trained = model
     if dims.dp_replicate > 1 and not uses_fsdp(dims):
         trained = apply_ddp(model, dims.get_mesh("dp_replicate"), device, sync_buffers=True,
@@ -197,7 +203,7 @@ def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world
         shared.restore(model, layout=f"layout={layout!r}", after="DDP", reshare=False)
     return trained, ModuleLayout(dims=dims, name=layout_name(dims), blocks=blocks, module=model,
                                  compute_dtype=compute_dtype, grad_reduce_dtype=grad_reduce_dtype, compiled=compiled,
-                                 cuda_graphs=cuda_graphs, note=layout_note(layout, dims, nodes=nodes))
+                                 compile_mode=compile_mode, cuda_graphs=cuda_graphs, note=layout_note(layout, dims, nodes=nodes))
 
 
 def check_session_graphs(layout: str, *, whole_graph: bool, compile: bool, device: torch.device) -> None:
@@ -214,12 +220,24 @@ def check_session_graphs(layout: str, *, whole_graph: bool, compile: bool, devic
         raise ConfigError(f"cuda_graphs=True records CUDA graphs and this process runs on {device}; drop cuda_graphs")
 
 
+def check_compile_mode(compile_mode: str, *, compile: bool) -> None:
+    """``compile_mode`` of ``Session.prepare_model``: 'default' or 'max-autotune' (as meshrun train's
+    train.compile_mode), and only with ``compile=True``; refused before any collective, naming the fix."""
+    if compile_mode not in COMPILE_MODES:
+        raise ConfigError(f"compile_mode={compile_mode!r}: choose one of {', '.join(COMPILE_MODES)} (inductor's "
+                          "mode for what compile=True compiles)")
+    if compile_mode != "default" and not compile:
+        raise ConfigError(f"compile_mode={compile_mode!r} sets how compile=True compiles; add compile=True or drop "
+                          "compile_mode")
+
+
 def session_options(layout: str, *, compute_dtype: torch.dtype | None, device: torch.device, compiled: bool,
-                    activation_checkpoint: str, grad_reduce_dtype: str = "fp32") -> ParallelOptions:
+                    activation_checkpoint: str, grad_reduce_dtype: str = "fp32",
+                    compile_mode: str = "default") -> ParallelOptions:
     """parallelize's options for ``Session.prepare_model``: its arguments; the rest as ``meshrun train``'s defaults
     (no sequence parallelism or float8, FSDP2 units of one block, 'auto' resharding)."""
-    return ParallelOptions(compute_dtype=compute_dtype, compiled=compiled, activation_checkpoint=activation_checkpoint,
-                           device=device, layout=f"layout={layout!r}",
+    return ParallelOptions(compute_dtype=compute_dtype, compiled=compiled, compile_mode=compile_mode,
+                           activation_checkpoint=activation_checkpoint, device=device, layout=f"layout={layout!r}",
                            reduce_dtype=session_reduce_dtype(grad_reduce_dtype))
 
 
@@ -231,12 +249,12 @@ def session_reduce_dtype(choice: str) -> torch.dtype:
     return reduce_dtype(choice)
 
 
-def compile_unblocked(model: nn.Module, spec: ModelStructure) -> int:
+def compile_unblocked(model: nn.Module, spec: ModelStructure, compile_mode: str = "default") -> int:
     """After ``parallelize(..., compiled=True)`` compiled the blocks: the whole model, in place, when it has none
     (parameter names keep no ``_orig_mod.``). Returns how many modules are compiled."""
     blocks = spec.block_modules(model)
     if not blocks:
-        model.compile()
+        model.compile(mode=inductor_mode(compile_mode, False))
     return len(blocks) or 1
 
 

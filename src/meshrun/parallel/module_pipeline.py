@@ -35,6 +35,7 @@ from meshrun.comm.mesh import ParallelDims
 from meshrun.config import (MULTI_STAGE_SCHEDULES, MULTIPLE_OF_PP_SCHEDULES, PIPELINE_SCHEDULES, ConfigError,
                             PipelineSchedule)
 from meshrun.models.spec import ModelStructure
+from meshrun.parallel.kernels import inductor_mode
 from meshrun.parallel.module import ModuleLayout, find_blocks, layout_dims, resolve_compute_dtype, session_options
 from meshrun.parallel.pipeline import layer_ranges
 from meshrun.parallel.tied import find_shared
@@ -273,9 +274,10 @@ def copy_from_rank0(whole: nn.Module, parts: list[nn.Module], device: torch.devi
 def prepare_pipeline(model: nn.Module, layout: str, *, device: torch.device, world_size: int, nodes: int = 1,
                      pp: int = 0, blocks: str | None = None, options: PipelineOptions | None = None,
                      activation_checkpoint: str = "none", compute_dtype: torch.dtype | str | None = None,
-                     compile: bool = False, grad_reduce_dtype: str = "fp32") -> tuple[PipelinedModule, ModuleLayout]:
+                     compile: bool = False, compile_mode: str = "default",
+                     grad_reduce_dtype: str = "fp32") -> tuple[PipelinedModule, ModuleLayout]:
     """Cut ``model`` into pipeline stages and build this rank's (see the module docstring). In one process the
-    whole model runs in ``step``. ``compute_dtype``, ``compile`` and ``grad_reduce_dtype`` as for
+    whole model runs in ``step``. ``compute_dtype``, ``compile``, ``compile_mode`` and ``grad_reduce_dtype`` as for
     meshrun.parallel.module.prepare_module.
     Collective: every rank must call it (mesh, weight broadcast)."""
     from meshrun.parallel.apply import layout_name, parallelize, uses_fsdp
@@ -288,9 +290,10 @@ def prepare_pipeline(model: nn.Module, layout: str, *, device: torch.device, wor
     if world_size == 1:
         model = model.to(device)
         dims = layout_dims("none", world_size=1)
-        compiled = compile_blocks(model, blocks) if compile else 0
+        compiled = compile_blocks(model, blocks, compile_mode) if compile else 0
         return (PipelinedModule([model], None, loss_fn=loss_fn, fingerprint=fingerprint),
-                ModuleLayout(dims=dims, name=layout_name(dims), blocks=blocks, module=model, compiled=compiled))
+                ModuleLayout(dims=dims, name=layout_name(dims), blocks=blocks, module=model, compiled=compiled,
+                             compile_mode=compile_mode))
     dims = pipeline_dims(layout, options, world_size=world_size, nodes=nodes, pp=pp)
     compute_dtype = resolve_compute_dtype(compute_dtype, dims, device)
     spec = stage_spec(model, blocks, options, dims=dims, layout=layout)
@@ -303,7 +306,8 @@ def prepare_pipeline(model: nn.Module, layout: str, *, device: torch.device, wor
         shared.restore(part, layout=f"layout={layout!r}", after="cutting the stages")
     copy_from_rank0(model, parts, device)
     options = session_options(layout, compute_dtype=compute_dtype, device=device, compiled=compile,
-                              activation_checkpoint=activation_checkpoint, grad_reduce_dtype=grad_reduce_dtype)
+                              compile_mode=compile_mode, activation_checkpoint=activation_checkpoint,
+                              grad_reduce_dtype=grad_reduce_dtype)
     for part in parts:
         parallelize(part, spec, dims, options)
     fp32 = compute_dtype is None or compute_dtype == torch.float32
@@ -318,12 +322,13 @@ def prepare_pipeline(model: nn.Module, layout: str, *, device: torch.device, wor
     compiled = sum(len(spec.block_modules(part)) for part in parts) if compile else 0
     return (PipelinedModule(parts, engine, loss_fn=loss_fn, fingerprint=fingerprint),
             ModuleLayout(dims=dims, name=layout_name(dims), blocks=blocks, module=parts[0], compute_dtype=compute_dtype,
-                         grad_reduce_dtype=grad_reduce_dtype, compiled=compiled))
+                         grad_reduce_dtype=grad_reduce_dtype, compiled=compiled, compile_mode=compile_mode))
 
 
-def compile_blocks(model: nn.Module, blocks: str) -> int:
-    """Compile each block under ``blocks`` in place (names keep no ``_orig_mod.``); returns how many."""
+def compile_blocks(model: nn.Module, blocks: str, compile_mode: str = "default") -> int:
+    """Compile each block under ``blocks`` in place (names keep no ``_orig_mod.``) in inductor's ``compile_mode``;
+    returns how many."""
     found = [block for block in (model.get_submodule(blocks).children() if blocks else ()) if block is not None]
     for block in found:
-        block.compile()
+        block.compile(mode=inductor_mode(compile_mode, False))
     return len(found)
