@@ -41,6 +41,9 @@ BF16 = {
     "fsdp2_compile_selective": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 1, "dp_shard": 2,
                                                                          "activation_checkpoint": "selective"},
                                       train={"compile": "true"}),
+    # inductor's max-autotune mode (train.compile_mode): other kernels for the same math
+    "fsdp2_compile_autotune": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 1, "dp_shard": 2},
+                                     train={"compile": "true", "compile_mode": "max-autotune"}),
     "tp2_full_ac": Layout(tied=True, grad_accum=1, parallel={"dp_replicate": 1, "tp": 2,
                                                              "activation_checkpoint": "full"}),
     # TP's compiled cross-entropy on each rank's vocabulary shard (meshrun.parallel.vocab_loss), blocks as graphs
