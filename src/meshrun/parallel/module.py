@@ -203,7 +203,8 @@ def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world
         shared.restore(model, layout=f"layout={layout!r}", after="DDP", reshare=False)
     return trained, ModuleLayout(dims=dims, name=layout_name(dims), blocks=blocks, module=model,
                                  compute_dtype=compute_dtype, grad_reduce_dtype=grad_reduce_dtype, compiled=compiled,
-                                 compile_mode=compile_mode, cuda_graphs=cuda_graphs, note=layout_note(layout, dims, nodes=nodes))
+                                 compile_mode=compile_mode, cuda_graphs=cuda_graphs,
+                                 note=layout_note(layout, dims, nodes=nodes))
 
 
 def check_session_graphs(layout: str, *, whole_graph: bool, compile: bool, device: torch.device) -> None:
