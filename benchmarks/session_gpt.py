@@ -1,7 +1,8 @@
 """meshrun's Session on a user's own model: the baseline's GPT through `Session.prepare_model`, as docs/api.md shows.
 
 `meshrun.Session()`, `session.prepare_model(model, layout=..., compile=True)` (with `--cuda-graphs`,
-`cuda_graphs=True`: the compiled model recorded as CUDA graphs, DDP only) (each block compiled in place before
+`cuda_graphs=True`: the compiled model recorded as CUDA graphs, DDP only; with `--compile-mode max-autotune`,
+`compile_mode="max-autotune"`) (each block compiled in place before
 FSDP2 wraps it; on GPUs FSDP2 computes in bf16 and reduces gradients in fp32 by default), fused AdamW, the user's
 own bf16 autocast and `clip_grad_norm_` when --grad-clip is set. Same model, tokens, arguments and JSON line as
 benchmarks/baseline_ddp_gpt.py; --layout picks ddp or fsdp. Launch with torchrun or meshrun launch:
@@ -23,13 +24,16 @@ def main() -> None:
     def extra(p):
         p.add_argument("--layout", default="ddp", choices=("ddp", "fsdp"))
         p.add_argument("--cuda-graphs", action="store_true", help="prepare_model(cuda_graphs=True): ddp, compiled")
+        p.add_argument("--compile-mode", default="default", choices=("default", "max-autotune"),
+                       help="prepare_model(compile_mode=...), with compile")
 
     args = bench_args(__doc__, extra=extra)
     session = meshrun.Session(seed=SEED)
     torch.backends.cuda.matmul.allow_tf32 = True
     model = build_model(args)
     n_params = sum(p.numel() for p in model.parameters())
-    model = session.prepare_model(model, layout=args.layout, compile=args.compile, cuda_graphs=args.cuda_graphs)
+    model = session.prepare_model(model, layout=args.layout, compile=args.compile, cuda_graphs=args.cuda_graphs,
+                                  compile_mode=args.compile_mode if args.compile else "default")
     opt = adamw(model, session.device)
     inputs, targets = random_batch(args, session.rank, session.device)
 
@@ -45,7 +49,9 @@ def main() -> None:
 
     elapsed, loss = time_steps(step, args, session.device)
     if session.rank == 0:
-        report(f"session-{args.layout}" + ("-graphs" if args.cuda_graphs else ""), args, world=session.world_size,
+        impl = (f"session-{args.layout}" + ("-graphs" if args.cuda_graphs else "")
+                + ("-autotune" if args.compile_mode == "max-autotune" else ""))
+        report(impl, args, world=session.world_size,
                n_params=n_params, elapsed=elapsed, loss=loss, device=session.device)
     session.close()
 

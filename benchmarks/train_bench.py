@@ -96,6 +96,8 @@ SESSION = {layout: Script(f"session-{layout}", "benchmarks/session_gpt.py", "", 
            for layout in ("ddp", "fsdp")}
 SESSION["ddp-graphs"] = Script("session-ddp-graphs", "benchmarks/session_gpt.py", "",
                                ("--layout", "ddp", "--cuda-graphs"))  # prepare_model(cuda_graphs=True)
+SESSION["fsdp-autotune"] = Script("session-fsdp-autotune", "benchmarks/session_gpt.py", "",
+                                  ("--layout", "fsdp", "--compile-mode", "max-autotune"))  # compile_mode=...
 REFERENCES = {BASELINE.impl} | {s.impl for s in PEERS.values()}  # what vs_best_peer compares against
 
 
@@ -202,7 +204,7 @@ def run_case(case: Case, plan: Plan, env: dict[str, str]) -> Iterator[dict]:
     machine's slow minute does not land on one row's repeats) and each row reports the median of its runs and their
     min-max."""
     scripts = [s for s in ([BASELINE] if plan.baseline else []) + plan.peers + list(plan.session)
-               if case.gpus > 1 or s.args[-1:] != ("fsdp",)]  # FSDP needs two GPUs or more
+               if case.gpus > 1 or "fsdp" not in s.args]  # FSDP needs two GPUs or more
     jobs = [(script.impl, lambda _, s=script: run_script(s, case, plan, env)) for script in scripts]
     tags: dict[str, dict] = {}  # a meshrun row's layout, setting (variant) and source, for --tune's comparison
     for layout in plan.layouts:

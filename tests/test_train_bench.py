@@ -91,6 +91,17 @@ def test_session_rows_run_the_session_script_per_layout_and_fsdp_only_on_several
     assert not {"session-ddp", "session-fsdp"} & tb.REFERENCES, "Session rows are meshrun's, not references"
 
 
+def test_session_fsdp_autotune_row_passes_the_compile_mode_and_needs_two_gpus(monkeypatch):
+    plan, _ = tb.make_plan(tb.parse_args(["--session", "fsdp-autotune", "--peers", "", "--no-baseline",
+                                          "--layouts", ""]), "cpu")
+    assert [s.impl for s in plan.session] == ["session-fsdp-autotune"]
+    calls = []
+    monkeypatch.setattr(tb, "run_script", lambda script, case, plan, env: calls.append((script.args, case.gpus)) or {})
+    for gpus in (1, 2):
+        list(tb.run_case(tb.Case("tiny", gpus, 0.0), plan, {}))
+    assert calls == [(("--layout", "fsdp", "--compile-mode", "max-autotune"), 2)]
+
+
 @pytest.mark.slow
 def test_session_script_trains_the_baseline_model_with_fsdp_on_two_cpu_processes():
     proc = subprocess.run([sys.executable, "-m", "meshrun", "launch", "--standalone", "--nproc-per-node=2",
