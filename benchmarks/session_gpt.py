@@ -1,11 +1,11 @@
 """meshrun's Session on a user's own model: the baseline's GPT through `Session.prepare_model`, as docs/api.md shows.
 
-`meshrun.Session()`, `session.prepare_model(model, layout=..., compile=True)` (with `--cuda-graphs`,
-`cuda_graphs=True`: the compiled model recorded as CUDA graphs, DDP only; with `--compile-mode max-autotune`,
-`compile_mode="max-autotune"`) (each block compiled in place before
+`meshrun.Session()`, `session.prepare_model(model, layout=..., compile=True)` (each block compiled in place before
 FSDP2 wraps it; on GPUs FSDP2 computes in bf16 and reduces gradients in fp32 by default), fused AdamW, the user's
-own bf16 autocast and `clip_grad_norm_` when --grad-clip is set. Same model, tokens, arguments and JSON line as
-benchmarks/baseline_ddp_gpt.py; --layout picks ddp or fsdp. Launch with torchrun or meshrun launch:
+own bf16 autocast and `clip_grad_norm_` when --grad-clip is set. `--cuda-graphs` adds `cuda_graphs=True` (the
+compiled model recorded as CUDA graphs, DDP only), `--compile-mode max-autotune` adds
+`compile_mode="max-autotune"`. Same model, tokens, arguments and JSON line as benchmarks/baseline_ddp_gpt.py;
+--layout picks ddp or fsdp. Launch with torchrun or meshrun launch:
 
     meshrun launch --standalone --nproc-per-node 2 benchmarks/session_gpt.py --size 1b --layout fsdp
 
