@@ -79,8 +79,8 @@ def test_fused_optimizer_skips_on_the_device():
     assert guard.check(2, world_size=1) is None  # reported once
 
 
-def test_checkpoint_save_gets_the_checkpoint_timeout_before_a_hang_is_reported(tmp_path):
-    trainer = tiny_trainer(tmp_path, "--checkpoint.timeout_s=3600", "--health.hang_timeout_s=60")
+def record_beats(trainer) -> list[tuple[str, float | None]]:
+    """Swap the trainer's hang watchdog for a recorder of its heartbeats: (phase, timeout_s) each."""
     beats = []
 
     class Recorder:
@@ -88,11 +88,31 @@ def test_checkpoint_save_gets_the_checkpoint_timeout_before_a_hang_is_reported(t
             beats.append((phase, timeout_s))
 
     trainer.health.watchdog = Recorder()
+    return beats
+
+
+def test_checkpoint_save_gets_the_checkpoint_timeout_before_a_hang_is_reported(tmp_path):
+    trainer = tiny_trainer(tmp_path, "--checkpoint.timeout_s=3600", "--health.hang_timeout_s=60")
+    beats = record_beats(trainer)
     trainer.train_step()
     trainer.save_checkpoint()
     trainer.ckpt.wait()
     trainer.close()
     assert ("checkpoint", 3600.0) in beats
+
+
+def test_the_first_evaluation_gets_the_compile_allowance_before_a_hang_is_reported(tmp_path):
+    """The first evaluation compiles the evaluation graphs (minutes with max-autotune), like the first step: both get
+    the 1800 s allowance; later evaluations and steps the plain hang limit."""
+    trainer = tiny_trainer(tmp_path, "--health.hang_timeout_s=60")
+    beats = record_beats(trainer)
+    trainer.train_step()
+    trainer.evaluate()
+    trainer.train_step()
+    trainer.evaluate()
+    trainer.close()
+    assert [b for b in beats if b[0] in ("forward_backward", "evaluate")] == [
+        ("forward_backward", 1800.0), ("evaluate", 1800.0), ("forward_backward", None), ("evaluate", None)]
 
 
 def _nan_loss_worker(rank, world_size, run_dir):

@@ -118,6 +118,8 @@ class Trainer:
         if self.proceeds:  # after the resume: it may have re-derived the batch
             self.folder.open(self.config_toml())
         self.start_step = self.last_saved_step = self.step
+        self.evaluations = 0
+        """Evaluations this process has run (the first compiles the evaluation graphs)."""
         self.sink = MetricsSink(self.run_dir, total_steps=job.train.steps, progress=job.run.progress,
                                 enabled=self.env.is_rank_zero and self.proceeds, start_step=self.step,
                                 tracker=open_tracker(self.job, self.run_dir) if self.env.is_rank_zero and self.proceeds
@@ -256,7 +258,7 @@ class Trainer:
         batches = self.data.next_step()
         self.health.timer.add_data(time.perf_counter() - start)
         first = self.step == self.start_step  # compiles and warms up: as slow as a checkpoint, not a hang
-        self.beat("forward_backward", timeout_s=max(1800.0, self.job.health.hang_timeout_s) if first else None)
+        self.beat("forward_backward", timeout_s=self.compile_allowance_s() if first else None)
         loss_sum, tokens = self.engine.forward_backward(batches)
         self.beat("optimizer")
         if self.replicas is not None and not self.replicas.average_gradients():
@@ -276,9 +278,17 @@ class Trainer:
         self.progress.tokens_seen += self.batch.tokens_per_step * (self.replicas.live_groups if self.replicas else 1)
         return loss_sum, tokens, grad_norm
 
+    def compile_allowance_s(self) -> float:
+        """The hang limit of a phase that compiles (the first step, the first evaluation): torch.compile, and with
+        train.compile_mode=max-autotune its matmul benchmarks, can take minutes before the next heartbeat."""
+        return max(1800.0, self.job.health.hang_timeout_s)
+
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Validation loss over every rank's fixed batches (one all-reduce; every rank must call it)."""
+        """Validation loss over every rank's fixed batches (one all-reduce; every rank must call it). The first one
+        compiles the evaluation graphs (no autograd, the model in eval mode), so it gets the first step's hang limit."""
+        self.beat("evaluate", timeout_s=self.compile_allowance_s() if not self.evaluations else None)
+        self.evaluations += 1
         for part in self.engine.model_parts:
             part.eval()
         sums = SumMetrics(("loss_sum", "tokens"), self.device)
@@ -339,7 +349,6 @@ class Trainer:
                 self.system.log_interval(self.step, record, self.sink)  # collective when on: every rank
                 interval_start, interval_steps = time.perf_counter(), 0
             if job.train.eval_every and (self.step % job.train.eval_every == 0 or self.step == job.train.steps):
-                self.beat("evaluate")
                 result.val_loss = self.evaluate()
                 self.sink.log({"kind": "eval", "step": self.step, "loss": result.val_loss})
                 interval_start = time.perf_counter()  # evaluation time is not training throughput
