@@ -42,8 +42,8 @@ from meshrun.config import CheckpointConfig, ConfigError, DistConfig, ReplicaCon
 from meshrun.data.loader import StepBatches
 from meshrun.comm.process_group import init_distributed, shutdown
 from meshrun.env import ProcessPlacement
-from meshrun.parallel.module import (ModuleLayout, check_compile_mode, check_layout_word, check_session_graphs,
-                                     prepare_module, session_reduce_dtype)
+from meshrun.parallel.module import (ModuleLayout, check_layout_word, check_session_graphs, prepare_module,
+                                     session_reduce_dtype)
 from meshrun.parallel.module_pipeline import PipelinedModule, PipelineOptions, prepare_pipeline
 from meshrun.rng import seed_rank_streams
 from meshrun.ckpt.session import SessionCheckpoints, model_fingerprint
@@ -123,7 +123,6 @@ class Session:
         loss). Every rank starts from rank 0's weights. Per-rank random streams (seed + rank) are set afterwards,
         for dropout and augmentation. Collective."""
         session_reduce_dtype(grad_reduce_dtype)  # refused before any collective
-        check_compile_mode(compile_mode, compile=compile)
         check_layout_word(layout)  # in one process too, where any layout runs as one: not only at scale
         if layout.startswith("pp"):
             if cuda_graphs:

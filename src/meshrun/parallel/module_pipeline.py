@@ -36,7 +36,8 @@ from meshrun.config import (MULTI_STAGE_SCHEDULES, MULTIPLE_OF_PP_SCHEDULES, PIP
                             PipelineSchedule)
 from meshrun.models.spec import ModelStructure
 from meshrun.parallel.kernels import inductor_mode
-from meshrun.parallel.module import ModuleLayout, find_blocks, layout_dims, resolve_compute_dtype, session_options
+from meshrun.parallel.module import (ModuleLayout, check_compile_mode, find_blocks, layout_dims,
+                                     resolve_compute_dtype, session_options)
 from meshrun.parallel.pipeline import layer_ranges
 from meshrun.parallel.tied import find_shared
 
@@ -283,6 +284,7 @@ def prepare_pipeline(model: nn.Module, layout: str, *, device: torch.device, wor
     from meshrun.parallel.apply import layout_name, parallelize, uses_fsdp
     from meshrun.parallel.pipeline import PipelineEngine, split_stage, stage_ids
 
+    check_compile_mode(compile_mode, compile=compile)
     options = options or PipelineOptions()
     loss_fn = options.loss_fn or mean_cross_entropy
     blocks = find_blocks(model) if blocks is None else blocks
