@@ -1,7 +1,9 @@
 """Training throughput of meshrun against the plain DDP baseline and its peers, in one run on the same GPUs.
 
 For each case (model size x number of GPUs x gradient-clipping value) it runs, all through `meshrun launch`:
-  - the baseline, benchmarks/baseline_ddp_gpt.py: plain DDP, bf16 autocast, SDPA, fused AdamW, torch.compile;
+  - the baseline, benchmarks/baseline_ddp_gpt.py: plain DDP, bf16 autocast, SDPA, fused AdamW, torch.compile,
+    once per DDP graph setting (--baseline-graphs; compiled: one graph, baseline-ddp, and split at DDP's buckets,
+    baseline-ddp-split, which overlaps the all-reduce with backward), as a user would try both and keep the faster;
   - the peers (--peers) whose library is installed: benchmarks/peer_accelerate.py (Hugging Face Accelerate) and
     benchmarks/peer_fabric.py (Lightning Fabric), which train the baseline's model on the same tokens;
   - `meshrun train` once per layout (--layouts), and once more per layout for each --variant (LAYOUT/NAME: for that
@@ -12,8 +14,9 @@ For each case (model size x number of GPUs x gradient-clipping value) it runs, a
     fastest of them;
   - with --session, the baseline's GPT through meshrun's `Session.prepare_model` (benchmarks/session_gpt.py, as
     docs/api.md shows: a user's own model) per layout given (ddp, fsdp).
-Every row reports tokens/s per GPU, MFU, peak memory, vs_baseline (its tokens/s over the baseline row of its case)
-and vs_best_peer (over the fastest of the baseline and the peers of its case). Prints a table and writes JSON.
+Every row reports tokens/s per GPU, MFU, peak memory, vs_baseline (its tokens/s over the faster baseline row of its
+case) and vs_best_peer (over the fastest of the baseline rows and the peers of its case). Prints a line per run as
+it finishes, then a table, and writes JSON.
 
     PYTHONPATH=src python3 benchmarks/train_bench.py --sizes 124m --gpus 1,2 --grad-clip 0,1 --json out.json
     PYTHONPATH=src python3 benchmarks/train_bench.py --sizes 124m --gpus 2 --peers '' \\
@@ -27,9 +30,10 @@ and vs_best_peer (over the fastest of the baseline and the peers of its case). P
 `--` (`--extra --train.x=1` and `--extra=--train.x=1` are the same). Several overrides go in one quoted value.
 Gradient clipping is set with --grad-clip only, so that it is equal on every side.
 
-The scripts time every step after the warm-up third of --steps; meshrun's figure is the median of its logged
-intervals after it. Without a GPU, --gpus counts CPU processes (gloo, fp32, no compile): a smoke test of the
-harness, not a measurement.
+Every row is timed alike: the tokens of the steps after the warm-up third of --steps over their wall time. The
+scripts time those steps themselves; meshrun logs at a divisor of the warm-up, so that its intervals after it cover
+the same steps, and its row also lists each interval's tokens/s (intervals). Without a GPU, --gpus counts CPU
+processes (gloo, fp32, no compile): a smoke test of the harness, not a measurement.
 """
 
 from __future__ import annotations
@@ -89,7 +93,10 @@ class Script:
     args: tuple[str, ...] = ()  # arguments of its own
 
 
-BASELINE = Script("baseline-ddp", "benchmarks/baseline_ddp_gpt.py", "")
+BASELINES = {  # the baseline in each of its DDP graph settings: a ratio is over the faster one of its case
+    "whole": Script("baseline-ddp", "benchmarks/baseline_ddp_gpt.py", "", ("--ddp-graph", "whole")),
+    "split": Script("baseline-ddp-split", "benchmarks/baseline_ddp_gpt.py", "", ("--ddp-graph", "split"))}
+BASELINE_IMPLS = {s.impl for s in BASELINES.values()}
 PEERS = {"accelerate": Script("accelerate-ddp", "benchmarks/peer_accelerate.py", "accelerate"),
          "fabric": Script("fabric-ddp", "benchmarks/peer_fabric.py", "lightning")}
 SESSION = {layout: Script(f"session-{layout}", "benchmarks/session_gpt.py", "", ("--layout", layout))
@@ -98,7 +105,7 @@ SESSION["ddp-graphs"] = Script("session-ddp-graphs", "benchmarks/session_gpt.py"
                                ("--layout", "ddp", "--cuda-graphs"))  # prepare_model(cuda_graphs=True)
 SESSION["fsdp-autotune"] = Script("session-fsdp-autotune", "benchmarks/session_gpt.py", "",
                                   ("--layout", "fsdp", "--compile-mode", "max-autotune"))  # compile_mode=...
-REFERENCES = {BASELINE.impl} | {s.impl for s in PEERS.values()}  # what vs_best_peer compares against
+REFERENCES = BASELINE_IMPLS | {s.impl for s in PEERS.values()}  # what vs_best_peer compares against
 
 
 @dataclass(frozen=True)
@@ -125,6 +132,7 @@ class Plan:
     session: tuple[Script, ...] = ()  # meshrun's Session rows (not references)
     sources: tuple[tuple[str, str], ...] = ()  # (name, folder holding another meshrun): rows meshrun-<layout>@name
     keep_runs: str = ""  # a folder that keeps each meshrun run's folder (metrics, profiler traces); '' = temporary
+    baseline_graphs: tuple[str, ...] = ("whole",)  # the baseline's DDP graph settings (BASELINES), one row each
 
 
 def launch(gpus: int, target: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -140,7 +148,7 @@ def run_script(script: Script, case: Case, plan: Plan, env: dict[str, str]) -> d
     """The row the baseline or a peer prints for this case."""
     mb, seq = MICRO[case.size]
     proc = launch(case.gpus, [script.path, "--size", case.size, "--micro-batch", str(mb), "--seq", str(seq),
-                              "--steps", str(plan.steps), "--warmup", str(plan.steps // 3),
+                              "--steps", str(plan.steps), "--warmup", str(warmup_steps(plan.steps)),
                               "--grad-clip", str(case.grad_clip), "--compile" if plan.compile else "--no-compile",
                               *script.args], env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -149,12 +157,23 @@ def run_script(script: Script, case: Case, plan: Plan, env: dict[str, str]) -> d
     return json.loads(lines[-1])
 
 
+def warmup_steps(steps: int) -> int:
+    """The untimed first steps of every row: the first third (compilation, allocator growth, CUDA graph capture)."""
+    return steps // 3
+
+
+def log_every(steps: int) -> int:
+    """meshrun's log interval in the harness: at most 5 steps, and a divisor of both the warm-up and the run, so that
+    its logged intervals after the warm-up cover exactly the steps the scripts time."""
+    warm = warmup_steps(steps)
+    return next(d for d in (5, 4, 3, 2, 1) if warm % d == 0 and steps % d == 0)
+
+
 def meshrun_args(case: Case, layout: str, plan: Plan, run_dir: str, overrides: list[str]) -> list[str]:
     """`meshrun train` arguments; the user's overrides come last, so they win over the harness's."""
     mb, seq = MICRO[case.size]
-    log_every = max(1, min(5, plan.steps // 3))  # at least two intervals after the warm-up third
     args = ["train", f"--model.name={case.size}", f"--model.seq_len={seq}", f"--train.micro_batch={mb}",
-            f"--train.steps={plan.steps}", f"--train.log_every={log_every}", "--train.eval_every=0",
+            f"--train.steps={plan.steps}", f"--train.log_every={log_every(plan.steps)}", "--train.eval_every=0",
             f"--train.compile={str(plan.compile).lower()}", f"--train.grad_clip={case.grad_clip}",
             "--checkpoint.final=false", "--run.progress=lines", f"--run.dir={run_dir}", *LAYOUTS[layout]]
     if layout == "pp":
@@ -169,20 +188,38 @@ def kept_run_dir(plan: Plan, case: Case, impl: str, repeat: int) -> Path:
 
 def run_meshrun(case: Case, layout: str, plan: Plan, env: dict[str, str], overrides: list[str],
                 run_dir: Path | None = None) -> dict:
-    """A meshrun row for this case: medians of the train records after the warm-up third. The run's folder is
+    """A meshrun row for this case, timed as the scripts time themselves (see window_speed). The run's folder is
     ``run_dir`` (kept: --keep-runs) or a temporary one."""
     with (contextlib.nullcontext(str(run_dir)) if run_dir else tempfile.TemporaryDirectory()) as folder:
         proc = launch(case.gpus, meshrun_args(case, layout, plan, folder, overrides), env)
         metrics = Path(folder, "metrics.jsonl")
         records = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
-    train = [r for r in records if r.get("kind") == "train" and r["step"] > plan.steps // 3]
-    if proc.returncode or not train:
+    train = [r for r in records if r.get("kind") == "train"]
+    if proc.returncode or not any(r["step"] > warmup_steps(plan.steps) for r in train):
         return failure(proc)
-    mfu = [r["mfu"] for r in train if r["mfu"] is not None]  # None where the peak is unknown (CPU)
-    peak = [r["peak_mem_gib"] for r in train if r.get("peak_mem_gib") is not None]
-    return {"tokens_per_s_per_gpu": statistics.median(r["tokens_per_s_per_device"] for r in train),
-            "mfu": statistics.median(mfu) if mfu else None, "loss": train[-1]["loss"],
-            "peak_mem_gib": max(peak) if peak else None, "overrides": overrides}
+    return {**window_speed(train, warmup_steps(plan.steps)), "overrides": overrides}
+
+
+def window_speed(train: list[dict], warm: int) -> dict:
+    """tokens/s per GPU over the steps after ``warm``: their tokens over their wall time, as the scripts measure
+    (not a median of intervals, which would drop a slow stretch the scripts count), with MFU scaled alike, the last
+    loss, the peak memory, and each logged interval's tokens/s (``intervals``: is a slow run one stall or slow
+    throughout?). ``train`` is the run's train records in step order; each covers the steps since the one before."""
+    tokens = seconds = 0.0
+    timed = []
+    for before, record in zip([{"step": 0}, *train], train):
+        if record["step"] > warm:
+            elapsed = record["step_time_s"] * (record["step"] - before["step"])
+            tokens += record["tokens_per_s_per_device"] * elapsed
+            seconds += elapsed
+            timed.append(record)
+    speed = tokens / seconds
+    first = timed[0]  # MFU is proportional to tokens/s; None where the peak is unknown (CPU)
+    peak = [r["peak_mem_gib"] for r in timed if r.get("peak_mem_gib") is not None]
+    return {"tokens_per_s_per_gpu": speed,
+            "mfu": first["mfu"] * speed / first["tokens_per_s_per_device"] if first.get("mfu") is not None else None,
+            "loss": timed[-1]["loss"], "peak_mem_gib": max(peak) if peak else None,
+            "intervals": [round(r["tokens_per_s_per_device"]) for r in timed]}
 
 
 def source_env(env: dict[str, str], folder: str) -> dict[str, str]:
@@ -203,7 +240,8 @@ def run_case(case: Case, plan: Plan, env: dict[str, str]) -> Iterator[dict]:
     (and again per --src). With plan.repeat > 1 the whole sequence runs that many times (interleaved, so that a
     machine's slow minute does not land on one row's repeats) and each row reports the median of its runs and their
     min-max."""
-    scripts = [s for s in ([BASELINE] if plan.baseline else []) + plan.peers + list(plan.session)
+    baselines = [BASELINES[graph] for graph in plan.baseline_graphs] if plan.baseline else []
+    scripts = [s for s in baselines + plan.peers + list(plan.session)
                if case.gpus > 1 or "fsdp" not in s.args]  # FSDP needs two GPUs or more
     jobs = [(script.impl, lambda _, s=script: run_script(s, case, plan, env)) for script in scripts]
     tags: dict[str, dict] = {}  # a meshrun row's layout, setting (variant) and source, for --tune's comparison
@@ -223,8 +261,8 @@ def run_case(case: Case, plan: Plan, env: dict[str, str]) -> Iterator[dict]:
     for i in range(plan.repeat):
         for impl, job in jobs:
             runs[impl].append(job(i + 1))
-            if plan.repeat > 1:
-                print(json.dumps({"impl": impl, "repeat": i + 1, **runs[impl][-1]}), flush=True)
+            # each run as it finishes: a call cut off by its time limit still shows the runs it finished
+            print(json.dumps({"impl": impl, "repeat": i + 1, **runs[impl][-1]}), flush=True)
     for impl, _ in jobs:
         yield {**labelled(case, impl, combine(runs[impl])), **tags.get(impl, {})}
 
@@ -258,19 +296,22 @@ def labelled(case: Case, impl: str, result: dict) -> dict:
 
 
 def add_ratios(rows: list[dict]) -> None:
-    """Sets vs_baseline, vs_best_peer and best_peer on every row that ran, against the rows of its own case:
-    the baseline row, and the fastest of the baseline and the peers (so vs_best_peer >= 1 means it beat them all)."""
+    """Sets vs_baseline and baseline, vs_best_peer and best_peer on every row that ran, against the rows of its own
+    case: the faster of the baseline's rows (its DDP graph settings: whichever a user would keep), and the fastest of
+    the baseline rows and the peers (so vs_best_peer >= 1 means it beat them all)."""
     cases: dict[tuple, list[dict]] = {}
     for row in rows:
         if "error" not in row:
             cases.setdefault((row["size"], row["gpus"], row["grad_clip"]), []).append(row)
     for group in cases.values():
         refs = [r for r in group if r["impl"] in REFERENCES]
-        base = next((r for r in refs if r["impl"] == BASELINE.impl), None)
+        base = max((r for r in refs if r["impl"] in BASELINE_IMPLS), key=lambda r: r["tokens_per_s_per_gpu"],
+                   default=None)
         best = max(refs, key=lambda r: r["tokens_per_s_per_gpu"], default=None)
         for row in group:
             if base is not None:
                 row["vs_baseline"] = row["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"]
+                row["baseline"] = base["impl"]
             if best is not None:
                 row["vs_best_peer"] = row["tokens_per_s_per_gpu"] / best["tokens_per_s_per_gpu"]
                 row["best_peer"] = best["impl"]
@@ -347,6 +388,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile on every side (default: on with a GPU, off on CPU)")
     p.add_argument("--no-baseline", action="store_true")
+    p.add_argument("--baseline-graphs", default=None, metavar="LIST",
+                   help="comma list of the baseline's DDP graph settings, one row each: whole (one compiled graph, "
+                        "all-reduce after backward: baseline-ddp), split (graph split at DDP's buckets, torch's "
+                        "default, all-reduce overlapped with backward: baseline-ddp-split); vs baseline is over the "
+                        "faster. Default: both when compiling, whole otherwise (the setting only matters compiled)")
     p.add_argument("--extra", action="append", default=[], help="meshrun overrides for every meshrun row")
     p.add_argument("--variant", action="append", default=[], metavar="[LAYOUT/]NAME:OVERRIDES",
                    help="one more meshrun row per layout, meshrun-<layout>-NAME, with these overrides; "
@@ -371,7 +417,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuses, naming the value given, what would otherwise fail in the middle of a long run."""
     for option, given, known in (("--sizes", args.sizes, MICRO), ("--layouts", args.layouts, LAYOUTS),
-                                 ("--peers", args.peers, PEERS), ("--session", args.session, SESSION)):
+                                 ("--peers", args.peers, PEERS), ("--session", args.session, SESSION),
+                                 ("--baseline-graphs", args.baseline_graphs or "", BASELINES)):
         unknown = [x for x in split(given) if x not in known]
         if unknown:
             p.error(f"{option} {given!r}: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
@@ -413,7 +460,9 @@ def make_plan(args: argparse.Namespace, device: str) -> tuple[Plan, list[str]]:
                 layouts=split(args.layouts), variants=variants,
                 extra=[x for value in args.extra for x in shlex.split(value)], repeat=args.repeat,
                 sources=tuple((name, folder) for name, _, folder in (x.partition(":") for x in args.src)),
-                keep_runs=args.keep_runs)
+                keep_runs=args.keep_runs,
+                baseline_graphs=tuple(split(args.baseline_graphs) if args.baseline_graphs is not None
+                                      else BASELINES if compiled else ["whole"]))
     return plan, skipped
 
 

@@ -46,6 +46,31 @@ def test_ratios_compare_within_one_case_against_baseline_and_fastest_reference()
     assert (rows[8]["vs_baseline"], rows[8]["best_peer"]) == (pytest.approx(0.5), "baseline-ddp")
 
 
+def test_the_baseline_is_the_faster_of_its_ddp_graph_settings_in_each_case():
+    rows = [row("baseline-ddp", 400.0), row("baseline-ddp-split", 500.0), row("meshrun-ddp", 550.0),
+            row("baseline-ddp", 300.0, gpus=2), row("baseline-ddp-split", 200.0, gpus=2),
+            row("meshrun-ddp", 330.0, gpus=2)]
+    tb.add_ratios(rows)
+    assert (rows[2]["vs_baseline"], rows[2]["baseline"]) == (pytest.approx(1.1), "baseline-ddp-split")
+    assert (rows[5]["vs_baseline"], rows[5]["baseline"]) == (pytest.approx(1.1), "baseline-ddp")
+    assert rows[2]["best_peer"] == "baseline-ddp-split"
+
+
+def test_both_baseline_graph_settings_run_when_compiling_and_each_passes_its_setting(monkeypatch):
+    compiled, _ = tb.make_plan(tb.parse_args(["--peers", "", "--layouts", ""]), "NVIDIA H100 80GB HBM3")
+    eager, _ = tb.make_plan(tb.parse_args(["--peers", "", "--layouts", ""]), "cpu")
+    chosen, _ = tb.make_plan(tb.parse_args(["--peers", "", "--layouts", "", "--baseline-graphs", "split"]), "cpu")
+    assert (compiled.baseline_graphs, eager.baseline_graphs, chosen.baseline_graphs) == (
+        ("whole", "split"), ("whole",), ("split",))
+    calls = []
+    monkeypatch.setattr(tb, "run_script", lambda script, case, plan, env: calls.append((script.impl, script.args))
+                        or {"tokens_per_s_per_gpu": 1.0})
+    list(tb.run_case(tb.Case("tiny", 2, 0.0), compiled, {}))
+    assert calls == [("baseline-ddp", ("--ddp-graph", "whole")), ("baseline-ddp-split", ("--ddp-graph", "split"))]
+    with pytest.raises(SystemExit):
+        tb.parse_args(["--baseline-graphs", "whole,fused"])
+
+
 def test_ratios_skip_failed_rows_and_cases_without_references():
     rows = [row("baseline-ddp", 0.0, error="boom"), row("accelerate-ddp", 500.0), row("meshrun-ddp", 250.0),
             row("meshrun-ddp", 10.0, gpus=4)]
@@ -72,6 +97,7 @@ def test_extra_and_variant_take_values_that_start_with_dashes():
     (["--variant", "noclip"], "expected NAME:OVERRIDES"),
     (["--peers", "accelerate,deepspeed"], "unknown deepspeed"),
     (["--session", "ddp,tp"], "--session 'ddp,tp': unknown tp"),
+    (["--baseline-graphs", "whole,fused"], "--baseline-graphs 'whole,fused': unknown fused"),
 ])
 def test_bad_arguments_are_refused_naming_the_value(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -119,6 +145,39 @@ def test_meshrun_clips_as_asked_and_user_overrides_come_last():
     args = tb.meshrun_args(tb.Case("tiny", 2, 1.0), "ddp", plan, "/tmp/run", ["--train.lr=1e-3"])
     assert "--train.grad_clip=1.0" in args and "--train.compile=false" in args
     assert args[-1] == "--train.lr=1e-3"
+
+
+def test_meshrun_logs_at_a_divisor_of_the_warm_up_and_the_run():
+    for steps, every in ((24, 4), (45, 5), (60, 5), (30, 5), (6, 2), (7, 1)):
+        assert tb.log_every(steps) == every
+        assert tb.warmup_steps(steps) % every == 0 and steps % every == 0  # intervals after it: the timed steps
+
+
+def test_meshrun_speed_is_tokens_over_wall_time_of_the_timed_steps_as_the_scripts_measure():
+    def rec(step, tps, step_time, mfu=None):
+        return {"kind": "train", "step": step, "tokens_per_s_per_device": tps, "step_time_s": step_time,
+                "mfu": mfu, "loss": step / 100, "peak_mem_gib": step / 10}
+    # 4-step intervals, warm-up 8: steps 9-24 are timed; one slow stretch (100 tokens/s) among fast ones (400)
+    train = [rec(4, 50.0, 4.0), rec(8, 100.0, 2.0), rec(12, 400.0, 0.5, 0.4), rec(16, 400.0, 0.5, 0.4),
+             rec(20, 100.0, 2.0, 0.1), rec(24, 400.0, 0.5, 0.4)]
+    out = tb.window_speed(train, 8)
+    # 4 x 4 steps of 200 tokens each (tps x step time), over 4 x (3 x 0.5 + 2.0) seconds: 3200 / 14
+    assert out["tokens_per_s_per_gpu"] == pytest.approx(3200 / 14)  # the median of intervals would say 400
+    assert out["mfu"] == pytest.approx(0.4 * (3200 / 14) / 400)
+    assert out["intervals"] == [400, 400, 100, 400]
+    assert (out["loss"], out["peak_mem_gib"]) == (0.24, 2.4)
+
+
+def test_each_run_is_printed_as_it_finishes(monkeypatch, capsys):
+    monkeypatch.setattr(tb, "run_script", lambda s, c, p, e: {"tokens_per_s_per_gpu": 1.0})
+    monkeypatch.setattr(tb, "run_meshrun", lambda c, lay, p, e, o, run_dir: print("meshrun ran") or
+                        {"tokens_per_s_per_gpu": 2.0})
+    plan = tb.Plan(steps=6, compile=False, baseline=True, peers=[], layouts=["ddp"], variants=[], extra=[])
+    next(tb.run_case(tb.Case("tiny", 2, 0.0), plan, {}))
+    lines = capsys.readouterr().out.splitlines()
+    # the baseline's run is printed before meshrun's starts (a call cut off by its limit keeps what finished)
+    assert lines == ['{"impl": "baseline-ddp", "repeat": 1, "tokens_per_s_per_gpu": 1.0}', "meshrun ran",
+                     '{"impl": "meshrun-ddp", "repeat": 1, "tokens_per_s_per_gpu": 2.0}']
 
 
 def test_repeated_runs_report_the_median_run_and_its_spread():
