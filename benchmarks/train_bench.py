@@ -32,7 +32,8 @@ Gradient clipping is set with --grad-clip only, so that it is equal on every sid
 
 Every row is timed alike: the tokens of the steps after the warm-up third of --steps over their wall time. The
 scripts time those steps themselves; meshrun logs at a divisor of the warm-up, so that its intervals after it cover
-the same steps, and its row also lists each interval's tokens/s (intervals). Without a GPU, --gpus counts CPU
+the same steps, and its row also lists each interval's tokens/s (intervals) and what the machine did in it
+(machine: GPU utilisation, lowest SM clock, CPU utilisation, throttle reasons). Without a GPU, --gpus counts CPU
 processes (gloo, fp32, no compile): a smoke test of the harness, not a measurement.
 """
 
@@ -195,9 +196,11 @@ def run_meshrun(case: Case, layout: str, plan: Plan, env: dict[str, str], overri
         metrics = Path(folder, "metrics.jsonl")
         records = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
     train = [r for r in records if r.get("kind") == "train"]
-    if proc.returncode or not any(r["step"] > warmup_steps(plan.steps) for r in train):
+    warm = warmup_steps(plan.steps)
+    if proc.returncode or not any(r["step"] > warm for r in train):
         return failure(proc)
-    return {**window_speed(train, warmup_steps(plan.steps)), "overrides": overrides}
+    machine = machine_window([r for r in records if r.get("kind") == "system"], warm)
+    return {**window_speed(train, warm), **({"machine": machine} if machine else {}), "overrides": overrides}
 
 
 def window_speed(train: list[dict], warm: int) -> dict:
@@ -220,6 +223,27 @@ def window_speed(train: list[dict], warm: int) -> dict:
             "mfu": first["mfu"] * speed / first["tokens_per_s_per_device"] if first.get("mfu") is not None else None,
             "loss": timed[-1]["loss"], "peak_mem_gib": max(peak) if peak else None,
             "intervals": [round(r["tokens_per_s_per_device"]) for r in timed]}
+
+
+def machine_window(system: list[dict], warm: int) -> dict:
+    """What the machine did in the timed steps, from the run's ``system`` records (one per node and logged interval,
+    sampled off the training thread): per interval, the GPUs' mean utilisation, their lowest SM clock and the CPUs'
+    utilisation, and any clock-throttle reason named. A slow run with a low clock or a busy CPU says why; {} where
+    nothing was sampled (CPU runs have no GPU fields)."""
+    timed = [r for r in system if r["step"] > warm]
+    out: dict = {}
+    for key, pick in (("gpu_util_pct", lambda g: [x["util_pct"] for x in g if "util_pct" in x]),
+                      ("sm_clock_mhz", lambda g: [x["sm_clock_mhz"] for x in g if "sm_clock_mhz" in x])):
+        values = [pick(r.get("gpus", [])) for r in timed]
+        if any(values):
+            agg = statistics.fmean if key == "gpu_util_pct" else min
+            out[key] = [round(agg(v)) if v else None for v in values]
+    if any("cpu_util_pct" in r for r in timed):
+        out["cpu_util_pct"] = [round(r["cpu_util_pct"]) if "cpu_util_pct" in r else None for r in timed]
+    reasons = sorted({g["throttle"] for r in timed for g in r.get("gpus", []) if g.get("throttle")})
+    if reasons:
+        out["throttle"] = reasons
+    return out
 
 
 def source_env(env: dict[str, str], folder: str) -> dict[str, str]:

@@ -168,6 +168,19 @@ def test_meshrun_speed_is_tokens_over_wall_time_of_the_timed_steps_as_the_script
     assert (out["loss"], out["peak_mem_gib"]) == (0.24, 2.4)
 
 
+def test_a_run_keeps_what_the_machine_did_in_its_timed_steps():
+    def system(step, clocks, utils, cpu, throttle=""):
+        return {"kind": "system", "step": step, "cpu_util_pct": cpu,
+                "gpus": [{"index": i, "sm_clock_mhz": c, "util_pct": u, **({"throttle": throttle} if throttle else {})}
+                         for i, (c, u) in enumerate(zip(clocks, utils))]}
+    records = [system(8, [1000, 1000], [10.0, 20.0], 90.0),  # warm-up: left out
+               system(12, [1980, 1755], [99.0, 97.0], 12.4), system(16, [1980, 1980], [98.0, 100.0], 13.0, "power cap")]
+    assert tb.machine_window(records, 8) == {"gpu_util_pct": [98, 99], "sm_clock_mhz": [1755, 1980],
+                                             "cpu_util_pct": [12, 13], "throttle": ["power cap"]}
+    cpu_only = [{"kind": "system", "step": 12, "cpu_util_pct": 50.2}]
+    assert tb.machine_window(cpu_only, 8) == {"cpu_util_pct": [50]} and tb.machine_window([], 8) == {}
+
+
 def test_each_run_is_printed_as_it_finishes(monkeypatch, capsys):
     monkeypatch.setattr(tb, "run_script", lambda s, c, p, e: {"tokens_per_s_per_gpu": 1.0})
     monkeypatch.setattr(tb, "run_meshrun", lambda c, lay, p, e, o, run_dir: print("meshrun ran") or
