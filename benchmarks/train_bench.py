@@ -67,7 +67,9 @@ LAYOUTS = {  # meshrun overrides for a layout on G GPUs
 TUNE = {  # --tune: the documented settings each layout's defaults choose between (docs/performance.md), one row each
     "ddp": {"whole": "--parallel.ddp_graph=whole", "b25": "--parallel.ddp_bucket_mb=25",
             "b200": "--parallel.ddp_bucket_mb=200", "launched": "--train.cuda_graphs=false",
-            "bf16-reduce": "--parallel.grad_reduce_dtype=bf16"},
+            "bf16-reduce": "--parallel.grad_reduce_dtype=bf16",
+            # DDP and FSDP2: parallel.data_parallel=auto picks one by model size (FSDP2 from 1B parameters on GPUs)
+            "dp-ddp": "--parallel.data_parallel=ddp", "dp-fsdp": "--parallel.data_parallel=fsdp"},
     "fsdp": {"u1": "--parallel.fsdp_unit_blocks=1", "u2": "--parallel.fsdp_unit_blocks=2",
              "u3": "--parallel.fsdp_unit_blocks=3", "reshard": "--parallel.fsdp_reshard_after_forward=true",
              "keep": "--parallel.fsdp_reshard_after_forward=false", "bf16-reduce": "--parallel.grad_reduce_dtype=bf16"},
@@ -423,8 +425,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "LAYOUT/NAME adds it for that layout only")
     p.add_argument("--tune", action="store_true",
                    help="one more row per layout for each documented setting its defaults choose between (ddp "
-                        "graphs and buckets, FSDP units and resharding, TP sequence parallelism, PP micro-batches, "
-                        "schedule and cut, CUDA graphs off), and say whether the defaults are within 3%% of the best")
+                        "graphs and buckets, DDP or FSDP2 for the data-parallel layout, FSDP units and resharding, TP "
+                        "sequence parallelism, PP micro-batches, schedule and cut, CUDA graphs off), and say whether "
+                        "the defaults are within 3%% of the best")
     p.add_argument("--src", action="append", default=[], metavar="NAME:FOLDER",
                    help="meshrun rows again with the meshrun package in FOLDER (e.g. an older checkout's src), "
                         "named meshrun-<layout>@NAME, interleaved with this checkout's")
