@@ -348,3 +348,26 @@ def test_fused_adamw_clips_through_grad_scale_like_scaling_the_gradients(max_nor
     for p, q, p0 in zip(scaled, folded, initial):
         assert (p - q).abs().max() < 1e-6
         assert (p - p0).abs().max() > 1e-2  # the steps moved the weights
+
+
+def test_logged_tokens_per_second_count_the_log_steps_own_work(tmp_path):
+    """The work done at a log step (the straggler and system-metrics gathers, the records) is training's own cost:
+    the next interval starts when the last one was measured, not after that work, so the intervals tile the
+    training time and tokens/s is what the wall clock says. Here that work is made to take 0.4 s."""
+    import json
+    import time
+
+    from meshrun.train.trainer import Trainer
+
+    trainer = Trainer(load_config(None, [f"--run.dir={tmp_path}", "--train.steps=6", "--train.log_every=2",
+                                         "--train.eval_every=0", "--data.max_bytes=200000",
+                                         "--checkpoint.final=false", "--run.progress=lines"]))
+    log_interval = trainer.system.log_interval
+    trainer.system.log_interval = lambda *args: time.sleep(0.4) or log_interval(*args)
+    trainer.fit()
+    trainer.close()
+    train = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [2, 4, 6]
+    for record in train[1:]:  # each interval after the first holds the 0.4 s of the log step before it
+        assert record["step_time_s"] * 2 >= 0.4
+        assert record["tokens_per_s"] == pytest.approx(2 * trainer.batch.tokens_per_step / (2 * record["step_time_s"]))
