@@ -268,8 +268,9 @@ def run_case(case: Case, plan: Plan, env: dict[str, str]) -> Iterator[dict]:
     machine's slow minute does not land on one row's repeats) and each row reports the median of its runs and their
     min-max."""
     baselines = [BASELINES[graph] for graph in plan.baseline_graphs] if plan.baseline else []
+    # FSDP needs two GPUs or more; on one GPU nothing is all-reduced, and the split graph only adds graphs
     scripts = [s for s in baselines + plan.peers + list(plan.session)
-               if case.gpus > 1 or "fsdp" not in s.args]  # FSDP needs two GPUs or more
+               if case.gpus > 1 or ("fsdp" not in s.args and s is not BASELINES["split"])]
     jobs = [(script.impl, lambda _, s=script: run_script(s, case, plan, env)) for script in scripts]
     tags: dict[str, dict] = {}  # a meshrun row's layout, setting (variant) and source, for --tune's comparison
     for layout in plan.layouts:

@@ -67,6 +67,9 @@ def test_both_baseline_graph_settings_run_when_compiling_and_each_passes_its_set
                         or {"tokens_per_s_per_gpu": 1.0})
     list(tb.run_case(tb.Case("tiny", 2, 0.0), compiled, {}))
     assert calls == [("baseline-ddp", ("--ddp-graph", "whole")), ("baseline-ddp-split", ("--ddp-graph", "split"))]
+    calls.clear()
+    list(tb.run_case(tb.Case("tiny", 1, 0.0), compiled, {}))  # one GPU: nothing to overlap, one graph only
+    assert calls == [("baseline-ddp", ("--ddp-graph", "whole"))]
     with pytest.raises(SystemExit):
         tb.parse_args(["--baseline-graphs", "whole,fused"])
 
