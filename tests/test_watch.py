@@ -267,3 +267,33 @@ def test_sampler_reads_each_gpu_through_nvml():
     assert [row["index"] for row in rows] == list(range(torch.cuda.device_count()))
     assert rows[0]["util_pct"] > 50 and rows[0]["mem_used_gib"] > 0.25 and rows[0]["power_w"] > 0
     assert rows[0]["sm_clock_mhz"] > 0 and isinstance(rows[0]["throttle"], str)
+
+
+def _collect_on_one_node(rank, world_size):
+    """Both ranks on one node: rank 0 samples and keeps its record; no rank enters a gather."""
+    import torch
+    import torch.distributed as dist
+
+    from meshrun.placement.process import ProcessPlacement
+    from meshrun.watch.node import SystemWatch
+
+    def no_gather(*args, **kwargs):
+        raise AssertionError("gather_object on one node")
+
+    dist.gather_object = no_gather
+    env = ProcessPlacement(rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size,
+                           node_rank=0, num_nodes=1, master_addr="127.0.0.1", master_port=0, source="torchrun")
+    watch = SystemWatch(load_config(None, ["--run.system_sample_s=0.05"]).run, env=env, device=torch.device("cpu"))
+    try:
+        return [watch.collect(step)[0] for step in (10, 20)]
+    finally:
+        watch.close()
+
+
+def test_a_one_node_job_keeps_rank_zeros_record_without_a_gather():
+    from dist_utils import run_distributed
+
+    rank0, rank1 = run_distributed(_collect_on_one_node, 2)
+    assert [[(r["step"], r["node"], r["rank"]) for r in records] for records in rank0] == [[(10, 0, 0)], [(20, 0, 0)]]
+    assert all("host_mem_used_gib" in records[0] for records in rank0)  # the sampled record itself
+    assert rank1 == [[], []]

@@ -75,7 +75,8 @@ class SystemWatch:
         return self.sampler is not None
 
     def collect(self, step: int) -> tuple[list[dict[str, Any]], list[str]]:
-        """(records, verdicts) on rank 0, ([], []) elsewhere. Collective when distributed: every rank calls it."""
+        """(records, verdicts) on rank 0, ([], []) elsewhere. Collective when the job spans several nodes: every rank
+        calls it."""
         if not self.active:
             return [], []
         mine = None
@@ -86,7 +87,9 @@ class SystemWatch:
                 mine["prometheus"] = self.endpoint.url
                 self.endpoint.update_system(mine)
         records = [mine] if mine is not None else []
-        if self.env.is_distributed and dist.is_initialized():
+        # on one node rank 0 is its only sampler and already holds the one record: no gather (the same answer on
+        # every rank, so all skip it), which saves each log step a pickled gather while the GPUs wait
+        if self.env.is_distributed and dist.is_initialized() and self.env.local_world_size < self.env.world_size:
             gathered: list = [None] * dist.get_world_size() if self.env.is_rank_zero else []
             dist.gather_object(mine, gathered if self.env.is_rank_zero else None, dst=0)  # collective: every rank
             records = sorted((g for g in gathered if g is not None), key=lambda r: r["node"])
