@@ -290,6 +290,7 @@ def _collect_on_one_node(rank, world_size):
         watch.close()
 
 
+@pytest.mark.slow
 def test_a_one_node_job_keeps_rank_zeros_record_without_a_gather():
     from dist_utils import run_distributed
 
