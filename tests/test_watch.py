@@ -11,11 +11,15 @@ import time
 import urllib.request
 
 import pytest
+import torch
+import torch.distributed as dist
 
+from dist_utils import run_distributed
 from meshrun.config import ConfigError, load_config
+from meshrun.placement.process import ProcessPlacement
 from meshrun.report.trackers import open_tracker, record_metrics
 from meshrun.train.metrics import MetricsSink
-from meshrun.watch.node import bind_address, comm_interface
+from meshrun.watch.node import SystemWatch, bind_address, comm_interface
 from meshrun.watch.system import SystemSampler
 from meshrun.watch.verdicts import SystemVerdicts
 
@@ -252,8 +256,6 @@ def test_endpoint_binds_the_launchers_address_and_never_every_interface_by_defau
 
 @pytest.mark.gpu
 def test_sampler_reads_each_gpu_through_nvml():
-    import torch
-
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU on this machine")
     pytest.importorskip("pynvml", reason="nvidia-ml-py (the gpu extra) is not installed")
@@ -271,12 +273,6 @@ def test_sampler_reads_each_gpu_through_nvml():
 
 def _collect_on_one_node(rank, world_size):
     """Both ranks on one node: rank 0 samples and keeps its record; no rank enters a gather."""
-    import torch
-    import torch.distributed as dist
-
-    from meshrun.placement.process import ProcessPlacement
-    from meshrun.watch.node import SystemWatch
-
     def no_gather(*args, **kwargs):
         raise AssertionError("gather_object on one node")
 
@@ -292,8 +288,6 @@ def _collect_on_one_node(rank, world_size):
 
 @pytest.mark.slow
 def test_a_one_node_job_keeps_rank_zeros_record_without_a_gather():
-    from dist_utils import run_distributed
-
     rank0, rank1 = run_distributed(_collect_on_one_node, 2)
     assert [[(r["step"], r["node"], r["rank"]) for r in records] for records in rank0] == [[(10, 0, 0)], [(20, 0, 0)]]
     assert all("host_mem_used_gib" in records[0] for records in rank0)  # the sampled record itself

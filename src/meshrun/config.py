@@ -107,7 +107,8 @@ class TrainConfig:
     """How inductor compiles: default, or max-autotune (each matmul shape benchmarked against Triton GEMM templates,
     pointwise work fused into them where one wins, and the Triton kernels' launch settings tuned: minutes more of
     compilation, cached on disk, for a step that is at times faster: 1b FSDP2 1.4-3.9% on 2 H200s but 1.3% slower
-    on 2 H100s, 124m DDP and 1b TP level; docs/performance.md). CUDA graphs stay as train.cuda_graphs decides. Needs compilation (train.compile)."""
+    on 2 H100s, 124m DDP and 1b TP level; docs/performance.md). CUDA graphs stay as train.cuda_graphs decides.
+    Needs compilation (train.compile)."""
     cuda_graphs: str = "auto"
     """Compile with CUDA graphs (torch.compile mode reduce-overhead): each compiled graph is recorded once and
     replayed, so the host no longer launches every kernel. One process and DDP record the whole step; TP and PP
