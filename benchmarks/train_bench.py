@@ -47,6 +47,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -136,11 +137,36 @@ class Plan:
     sources: tuple[tuple[str, str], ...] = ()  # (name, folder holding another meshrun): rows meshrun-<layout>@name
     keep_runs: str = ""  # a folder that keeps each meshrun run's folder (metrics, profiler traces); '' = temporary
     baseline_graphs: tuple[str, ...] = ("whole",)  # the baseline's DDP graph settings (BASELINES), one row each
+    run_timeout: float = 1200.0  # seconds one run may take before it is stopped and becomes an error row
 
 
-def launch(gpus: int, target: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+def launch(gpus: int, target: list[str], env: dict[str, str], timeout: float = 1200.0) -> subprocess.CompletedProcess:
+    """One run through `meshrun launch`. A run still going after ``timeout`` seconds is stopped with all of its
+    processes (the launcher and its workers: one process group), and comes back as exit code 124 with a last line
+    saying so, so that it becomes an error row and the next row runs on free GPUs."""
     cmd = [sys.executable, "-m", "meshrun", "launch", "--standalone", f"--nproc-per-node={gpus}", *target]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    except subprocess.TimeoutExpired:
+        # SIGTERM first: torchrun's agent then stops its workers, which run in sessions of their own (SIGTERM, then
+        # SIGKILL after 30 s); SIGKILL to the launcher would leave them holding the GPUs
+        for sig, wait_s in ((signal.SIGTERM, 45), (signal.SIGKILL, 10)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+            try:
+                out, err = proc.communicate(timeout=wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        else:
+            out, err = "", ""
+        with contextlib.suppress(ProcessLookupError):  # workers that outlived the launcher
+            os.killpg(proc.pid, signal.SIGKILL)
+        note = f"train_bench: the run timed out after {timeout:g} s (--run-timeout); its processes were stopped"
+        return subprocess.CompletedProcess(cmd, 124, out, f"{err}\n{note}")
 
 
 def failure(proc: subprocess.CompletedProcess) -> dict:
@@ -153,7 +179,7 @@ def run_script(script: Script, case: Case, plan: Plan, env: dict[str, str]) -> d
     proc = launch(case.gpus, [script.path, "--size", case.size, "--micro-batch", str(mb), "--seq", str(seq),
                               "--steps", str(plan.steps), "--warmup", str(warmup_steps(plan.steps)),
                               "--grad-clip", str(case.grad_clip), "--compile" if plan.compile else "--no-compile",
-                              *script.args], env)
+                              *script.args], env, plan.run_timeout)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode or not lines:
         return failure(proc)
@@ -195,7 +221,7 @@ def run_meshrun(case: Case, layout: str, plan: Plan, env: dict[str, str], overri
     """A meshrun row for this case, timed as the scripts time themselves (see window_speed). The run's folder is
     ``run_dir`` (kept: --keep-runs) or a temporary one."""
     with (contextlib.nullcontext(str(run_dir)) if run_dir else tempfile.TemporaryDirectory()) as folder:
-        proc = launch(case.gpus, meshrun_args(case, layout, plan, folder, overrides), env)
+        proc = launch(case.gpus, meshrun_args(case, layout, plan, folder, overrides), env, plan.run_timeout)
         metrics = Path(folder, "metrics.jsonl")
         records = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
     train = [r for r in records if r.get("kind") == "train"]
@@ -434,6 +460,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="meshrun rows again with the meshrun package in FOLDER (e.g. an older checkout's src), "
                         "named meshrun-<layout>@NAME, interleaved with this checkout's")
     p.add_argument("--repeat", type=int, default=1, help="run every row N times; report the median and min-max")
+    p.add_argument("--run-timeout", type=float, default=1200.0, metavar="SECONDS",
+                   help="stop a run (all its processes) that takes longer and report it as an error row, so that "
+                        "the rows after it still run (default 1200)")
     p.add_argument("--keep-runs", default="", metavar="DIR",
                    help="keep each meshrun run's folder (metrics.jsonl, profiler traces of --run.profile_steps) in "
                         "DIR/<row>_<size>_<G>gpu_clip<C>_r<repeat>, to read with `meshrun trace` or `meshrun report`")
@@ -468,6 +497,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                     "__init__.py), e.g. old:/tmp/old-checkout/src")
     if args.repeat < 1:
         p.error(f"--repeat {args.repeat}: needs at least 1")
+    if args.run_timeout <= 0:
+        p.error(f"--run-timeout {args.run_timeout:g}: needs a number of seconds above 0")
     if args.steps < 3:
         p.error(f"--steps {args.steps}: needs at least 3 (the first third is warm-up)")
 
@@ -489,7 +520,7 @@ def make_plan(args: argparse.Namespace, device: str) -> tuple[Plan, list[str]]:
                 layouts=split(args.layouts), variants=variants,
                 extra=[x for value in args.extra for x in shlex.split(value)], repeat=args.repeat,
                 sources=tuple((name, folder) for name, _, folder in (x.partition(":") for x in args.src)),
-                keep_runs=args.keep_runs,
+                keep_runs=args.keep_runs, run_timeout=args.run_timeout,
                 baseline_graphs=tuple(split(args.baseline_graphs) if args.baseline_graphs is not None
                                       else BASELINES if compiled else ["whole"]))
     return plan, skipped

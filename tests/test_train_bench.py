@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -93,6 +95,7 @@ def test_extra_and_variant_take_values_that_start_with_dashes():
     assert plan.extra == ["--train.compile=false", "--train.lr=1e-3", "--train.min_lr=1e-4"]
     assert plan.variants == [("ac", ["--parallel.activation_checkpoint=full"])]
     assert (plan.peers, skipped, plan.compile) == ([], [], False)
+    assert plan.run_timeout == 1200 and tb.make_plan(tb.parse_args(["--run-timeout", "90"]), "cpu")[0].run_timeout == 90
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -101,6 +104,7 @@ def test_extra_and_variant_take_values_that_start_with_dashes():
     (["--peers", "accelerate,deepspeed"], "unknown deepspeed"),
     (["--session", "ddp,tp"], "--session 'ddp,tp': unknown tp"),
     (["--baseline-graphs", "whole,fused"], "--baseline-graphs 'whole,fused': unknown fused"),
+    (["--run-timeout", "0"], "--run-timeout 0: needs a number of seconds above 0"),
 ])
 def test_bad_arguments_are_refused_naming_the_value(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -319,3 +323,20 @@ def test_cpu_run_has_a_row_per_case_and_ratios_to_its_baseline(tmp_path):
         ran = [key for key in rows if key[0] == impl]
         skipped = [line for line in proc.stdout.splitlines() if line.startswith(f"{impl} skipped:")]
         assert len(ran) == 4 or (not ran and len(skipped) == 1 and "not installed" in skipped[0]), proc.stdout
+
+
+@pytest.mark.slow
+def test_a_run_past_its_timeout_is_stopped_with_its_workers_and_becomes_an_error(tmp_path):
+    marker = f"train-bench-hang-{os.getpid()}-{time.time_ns()}"  # names the worker's own child, to look it up
+    script = tmp_path / "hang.py"
+    script.write_text("import subprocess, sys, time\n"
+                      f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', {marker!r}])\n"
+                      "print('training', flush=True)\ntime.sleep(600)\n")
+    started = time.monotonic()
+    proc = tb.launch(1, [str(script)], dict(os.environ), timeout=15)
+    assert proc.returncode == 124 and time.monotonic() - started < 120
+    error = tb.failure(proc)["error"]
+    assert error.endswith("the run timed out after 15 s (--run-timeout); its processes were stopped"), error
+    time.sleep(2)
+    left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True)
+    assert left.returncode == 1, f"processes left running: {left.stdout}"  # the worker's child went too
