@@ -141,32 +141,41 @@ class Plan:
 
 
 def launch(gpus: int, target: list[str], env: dict[str, str], timeout: float = 1200.0) -> subprocess.CompletedProcess:
-    """One run through `meshrun launch`. A run still going after ``timeout`` seconds is stopped with all of its
-    processes (the launcher and its workers: one process group), and comes back as exit code 124 with a last line
-    saying so, so that it becomes an error row and the next row runs on free GPUs."""
+    """One run through `meshrun launch`, in a session of its own. A run still going after ``timeout`` seconds is
+    stopped (see stop_run) and comes back as exit code 124 with a last line saying so, so that it becomes an error
+    row and the next row runs on free GPUs. Ctrl-C stops the run too (the terminal's SIGINT does not reach its
+    session) before it ends the harness."""
     cmd = [sys.executable, "-m", "meshrun", "launch", "--standalone", f"--nproc-per-node={gpus}", *target]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
-        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     except subprocess.TimeoutExpired:
-        # SIGTERM first: torchrun's agent then stops its workers, which run in sessions of their own (SIGTERM, then
-        # SIGKILL after 30 s); SIGKILL to the launcher would leave them holding the GPUs
-        for sig, wait_s in ((signal.SIGTERM, 45), (signal.SIGKILL, 10)):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, sig)
-            try:
-                out, err = proc.communicate(timeout=wait_s)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        else:
-            out, err = "", ""
-        with contextlib.suppress(ProcessLookupError):  # workers that outlived the launcher
-            os.killpg(proc.pid, signal.SIGKILL)
+        out, err = stop_run(proc)
         note = f"train_bench: the run timed out after {timeout:g} s (--run-timeout); its processes were stopped"
         return subprocess.CompletedProcess(cmd, 124, out, f"{err}\n{note}")
+    except BaseException:
+        stop_run(proc)
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def stop_run(proc: subprocess.Popen) -> tuple[str, str]:
+    """Stops a launched run and returns what it printed. SIGTERM to the launcher's process group first: torchrun's
+    agent then stops its workers, which run in sessions of their own (SIGTERM, then SIGKILL after 30 s); a SIGKILL
+    to the launcher would leave them holding the GPUs. SIGKILL after 45 s."""
+    out, err = "", ""
+    for sig, wait_s in ((signal.SIGTERM, 45), (signal.SIGKILL, 10)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            out, err = proc.communicate(timeout=wait_s)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    with contextlib.suppress(ProcessLookupError):  # whatever of the launcher's group is still alive
+        os.killpg(proc.pid, signal.SIGKILL)
+    return out, err
 
 
 def failure(proc: subprocess.CompletedProcess) -> dict:

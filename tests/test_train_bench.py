@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -325,18 +326,46 @@ def test_cpu_run_has_a_row_per_case_and_ratios_to_its_baseline(tmp_path):
         assert len(ran) == 4 or (not ran and len(skipped) == 1 and "not installed" in skipped[0]), proc.stdout
 
 
-@pytest.mark.slow
-def test_a_run_past_its_timeout_is_stopped_with_its_workers_and_becomes_an_error(tmp_path):
-    marker = f"train-bench-hang-{os.getpid()}-{time.time_ns()}"  # names the worker's own child, to look it up
+def hanging_worker(tmp_path) -> tuple[Path, str]:
+    """A worker script that never ends and has a child of its own, and a marker naming that child (for pgrep)."""
+    marker = f"train-bench-hang-{os.getpid()}-{time.time_ns()}"
     script = tmp_path / "hang.py"
     script.write_text("import subprocess, sys, time\n"
                       f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', {marker!r}])\n"
                       "print('training', flush=True)\ntime.sleep(600)\n")
+    return script, marker
+
+
+def left_running(marker: str) -> str:
+    """The processes still running whose command line holds ``marker`` ('' when none)."""
+    time.sleep(2)
+    return subprocess.run(["pgrep", "-af", marker], capture_output=True, text=True).stdout
+
+
+@pytest.mark.slow
+def test_a_run_past_its_timeout_is_stopped_with_its_workers_and_becomes_an_error(tmp_path):
+    script, marker = hanging_worker(tmp_path)
     started = time.monotonic()
     proc = tb.launch(1, [str(script)], dict(os.environ), timeout=15)
     assert proc.returncode == 124 and time.monotonic() - started < 120
     error = tb.failure(proc)["error"]
     assert error.endswith("the run timed out after 15 s (--run-timeout); its processes were stopped"), error
-    time.sleep(2)
-    left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True)
-    assert left.returncode == 1, f"processes left running: {left.stdout}"  # the worker's child went too
+    assert not left_running(marker)  # the worker's own child went too
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_the_harness_stops_the_run_it_waits_for(tmp_path):
+    """The run has a session of its own, which the terminal's SIGINT does not reach: the harness stops it."""
+    script, marker = hanging_worker(tmp_path)
+    driver = tmp_path / "driver.py"
+    driver.write_text(f"import os, sys\nsys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+                      "from test_train_bench import load_harness\n"
+                      f"load_harness().launch(1, [{str(script)!r}], dict(os.environ), timeout=600)\n")
+    harness = subprocess.Popen([sys.executable, str(driver)], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not subprocess.run(["pgrep", "-f", marker], capture_output=True).stdout and time.monotonic() < deadline:
+        time.sleep(0.5)  # until the worker's child runs
+    harness.send_signal(signal.SIGINT)
+    _, err = harness.communicate(timeout=120)
+    assert harness.returncode != 0 and "KeyboardInterrupt" in err
+    assert not left_running(marker)
