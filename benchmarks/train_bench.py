@@ -144,7 +144,7 @@ def launch(gpus: int, target: list[str], env: dict[str, str], timeout: float = 1
     """One run through `meshrun launch`, in a session of its own. A run still going after ``timeout`` seconds is
     stopped (see stop_run) and comes back as exit code 124 with a last line saying so, so that it becomes an error
     row and the next row runs on free GPUs. Ctrl-C stops the run too (the terminal's SIGINT does not reach its
-    session) before it ends the harness."""
+    session) before it ends the harness, and so does SIGTERM once main has set stop_runs_on_sigterm."""
     cmd = [sys.executable, "-m", "meshrun", "launch", "--standalone", f"--nproc-per-node={gpus}", *target]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -535,8 +535,15 @@ def make_plan(args: argparse.Namespace, device: str) -> tuple[Plan, list[str]]:
     return plan, skipped
 
 
+def stop_runs_on_sigterm() -> None:
+    """SIGTERM (`timeout`, a scheduler) ends the harness as Ctrl-C does: through launch's stop_run, so that the run
+    it waits for, in a session of its own, does not outlive it."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    stop_runs_on_sigterm()
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{os.environ.get('PYTHONPATH', '')}"}
     device = probe_device(env)
     plan, skipped = make_plan(args, device)
