@@ -270,12 +270,11 @@ def machine_window(system: list[dict], warm: int) -> dict:
     nothing was sampled (CPU runs have no GPU fields)."""
     timed = [r for r in system if r["step"] > warm]
     out: dict = {}
-    for key, pick in (("gpu_util_pct", lambda g: [x["util_pct"] for x in g if "util_pct" in x]),
-                      ("sm_clock_mhz", lambda g: [x["sm_clock_mhz"] for x in g if "sm_clock_mhz" in x])):
-        values = [pick(r.get("gpus", [])) for r in timed]
+    for key, field, across_gpus in (("gpu_util_pct", "util_pct", statistics.fmean),
+                                    ("sm_clock_mhz", "sm_clock_mhz", min)):
+        values = [[g[field] for g in r.get("gpus", []) if field in g] for r in timed]  # per interval, per GPU
         if any(values):
-            agg = statistics.fmean if key == "gpu_util_pct" else min
-            out[key] = [round(agg(v)) if v else None for v in values]
+            out[key] = [round(across_gpus(v)) if v else None for v in values]
     if any("cpu_util_pct" in r for r in timed):
         out["cpu_util_pct"] = [round(r["cpu_util_pct"]) if "cpu_util_pct" in r else None for r in timed]
     reasons = sorted({g["throttle"] for r in timed for g in r.get("gpus", []) if g.get("throttle")})

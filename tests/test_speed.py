@@ -25,7 +25,7 @@ from meshrun.parallel.engine import count_tensor, loss_function, token_loss_sum
 from meshrun.parallel.async_tp import check_async_tp
 from meshrun.parallel.float8 import check_float8
 from meshrun.parallel.kernels import compile_enabled, describe_speed, inductor_mode, resolve_attention, select_attention
-from meshrun.train.trainer import Trainer
+from test_train_guards import tiny_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -357,9 +357,7 @@ def test_logged_tokens_per_second_count_the_log_steps_own_work(tmp_path):
     """The work done at a log step (the straggler and system-metrics gathers, the records) is training's own cost:
     the next interval starts when the last one was measured, not after that work, so the intervals tile the
     training time and tokens/s is what the wall clock says. Here that work is made to take 0.4 s."""
-    trainer = Trainer(load_config(None, [f"--run.dir={tmp_path}", "--train.steps=6", "--train.log_every=2",
-                                         "--train.eval_every=0", "--data.max_bytes=200000",
-                                         "--checkpoint.final=false", "--run.progress=lines"]))
+    trainer = tiny_trainer(tmp_path)  # 6 steps, a log step every 2
     log_interval = trainer.system.log_interval
     trainer.system.log_interval = lambda *args: time.sleep(0.4) or log_interval(*args)
     trainer.fit()
