@@ -192,7 +192,8 @@ def run_script(script: Script, case: Case, plan: Plan, env: dict[str, str]) -> d
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode or not lines:
         return failure(proc)
-    return json.loads(lines[-1])
+    # the row is named by the harness: one script runs as several rows (the baseline's graph settings)
+    return {**json.loads(lines[-1]), "impl": script.impl}
 
 
 def warmup_steps(steps: int) -> int:

@@ -77,6 +77,17 @@ def test_both_baseline_graph_settings_run_when_compiling_and_each_passes_its_set
         tb.parse_args(["--baseline-graphs", "whole,fused"])
 
 
+def test_each_baseline_row_is_named_by_its_graph_setting_not_by_the_script(monkeypatch, capsys):
+    # the one script prints "impl": "baseline-ddp" whichever graph it runs; the rows must still tell them apart
+    out = json.dumps({"impl": "baseline-ddp", "tokens_per_s_per_gpu": 1.0})
+    monkeypatch.setattr(tb, "launch", lambda *a, **k: subprocess.CompletedProcess([], 0, out + "\n", ""))
+    plan, _ = tb.make_plan(tb.parse_args(["--peers", "", "--layouts", ""]), "NVIDIA H100 80GB HBM3")
+    rows = list(tb.run_case(tb.Case("tiny", 2, 0.0), plan, {}))
+    assert [r["impl"] for r in rows] == ["baseline-ddp", "baseline-ddp-split"]
+    printed = [json.loads(line)["impl"] for line in capsys.readouterr().out.splitlines()]
+    assert printed == ["baseline-ddp", "baseline-ddp-split"]
+
+
 def test_ratios_skip_failed_rows_and_cases_without_references():
     rows = [row("baseline-ddp", 0.0, error="boom"), row("accelerate-ddp", 500.0), row("meshrun-ddp", 250.0),
             row("meshrun-ddp", 10.0, gpus=4)]
