@@ -158,11 +158,14 @@ def test_cuda_graphs_auto_only_for_steps_gpu_tests_ran_as_graphs():
         return graphs_measured(load_config(None, list(args)), dims)
 
     assert measured(dp_replicate=4) and measured(tp=4) and measured(pp=2, dp_replicate=2)
-    assert not measured(pp=4)  # 4 stages: up to 4 micro-batches in flight on the first; not run as graphs yet
-    assert not measured(tp=2, pp=2)  # needs 4 GPUs; not run as graphs yet
+    assert measured(pp=4)  # 1F1B of 4 stages: its 4-GPU test passed (4 H100s, 2026-11-28)
+    eight = ParallelDims.from_config(ParallelConfig(pp=8, dp_replicate=1), world_size=8, gpus_per_node=8)
+    assert not graphs_measured(load_config(None, []), eight)  # more micro-batches in flight than any GPU test ran
+    assert measured(tp=2, pp=2)  # TP 2 x PP 2 with 1F1B: its 4-GPU test passed too
+    assert not measured("--parallel.pp_schedule=gpipe", tp=2, pp=2)  # TP with GPipe: not run as graphs yet
     assert measured("--parallel.pp_schedule=gpipe", pp=2, dp_replicate=2)  # its GPU test passed (round 7)
     assert not measured("--parallel.pp_schedule=gpipe", pp=4)  # GPipe of 4 stages: not run as graphs yet
-    assert not use_cuda_graphs("auto", torch.device("cuda", 0), compiled=True, measured=measured(pp=4),
+    assert not use_cuda_graphs("auto", torch.device("cuda", 0), compiled=True, measured=measured(pp=2, dp_replicate=2),
                                supported=graphs_supported(ParallelDims.from_config(
                                    ParallelConfig(pp=2, dp_replicate=1, pp_schedule="interleaved1f1b"), world_size=2)))
     assert not measured("--parallel.sequence_parallel=true", tp=4)
@@ -179,7 +182,10 @@ def test_the_header_says_why_auto_left_cuda_graphs_off():
 
     assert off(dp_replicate=4) == off(tp=4) == ""  # auto records them
     assert off(dp_shard=4) == "FSDP's hooks or collectives run between the compiled graphs"
-    assert off(pp=4) == "PP 4 with 1f1b not yet run as graphs on a GPU"
+    assert off(pp=4) == off(tp=2, pp=2) == ""  # their 4-GPU tests passed
+    assert off("--parallel.pp_schedule=gpipe", pp=4) == "PP 4 with gpipe not yet run as graphs on a GPU"
+    assert off("--parallel.pp_schedule=gpipe", tp=2, pp=2) == (
+        "TP with PP other than 2 stages of 1f1b not yet run as graphs on a GPU")
     assert off("--parallel.pp_schedule=interleaved1f1b", pp=2, dp_replicate=2) == (
         "parallel.pp_schedule=interleaved1f1b runs several stages per rank, which train wrongly as graphs")
     assert off("--train.float8=true", "--parallel.sequence_parallel=true", tp=4) == (

@@ -115,8 +115,9 @@ class TrainConfig:
     without FSDP or context parallelism record each block (TP's all-reduces inside, the pipeline's sends between;
     not the schedules with several stages per rank, which trained wrongly as graphs).
     auto: on for those layouts when compiled on CUDA GPUs with the full loss, without float8, TP without sequence
-    parallelism, TP or PP but not both and PP of 2 stages with the 1f1b or gpipe schedule (the combinations tested
-    on GPUs), off elsewhere; true refuses the layouts it cannot serve; false launches every kernel."""
+    parallelism, PP of up to 4 stages with the 1f1b schedule or 2 with gpipe, and TP with PP of 2 stages with 1f1b
+    (the combinations tested on GPUs), off elsewhere; true refuses the layouts it cannot serve; false launches every
+    kernel."""
     gc_every: int = 50
     """Python's garbage collector runs every N optimizer steps (young generations only) instead of whenever
     allocations trigger it, with the objects alive after the first step frozen out of its scans; 0 leaves Python's

@@ -263,18 +263,22 @@ def graphs_measured(job: JobConfig, dims: ParallelDims) -> bool:
     return not untested_as_graphs(job, dims)
 
 
+GRAPH_TESTED_PP = {"1f1b": 4, "gpipe": 2}
+"""The most pipeline stages each schedule's GPU test has run as CUDA graphs (tests/test_speed_gpu.py: 1F1B of 2 and
+4 stages, GPipe of 2); more stages put more micro-batches in flight per rank. The interleaved schedules trained
+wrongly and are refused (checks.several_stages_per_rank)."""
+
+
 def untested_as_graphs(job: JobConfig, dims: ParallelDims) -> list[str]:
     """What in this step GPU tests have not run as CUDA graphs: the chunked loss, float8, TP's sequence parallelism,
-    TP with PP (it needs 4 GPUs), and PP other than 2 stages with the 1f1b or gpipe schedule (more stages put more
-    micro-batches in flight per rank; the interleaved schedules trained wrongly and are refused,
-    checks.several_stages_per_rank)."""
+    PP beyond GRAPH_TESTED_PP, and TP with PP other than 2 stages of 1F1B (the combination its 4-GPU test ran)."""
+    schedule = job.parallel.pp_schedule
     return [what for what, applies in (
         ("train.loss=chunked", job.train.loss != "full"),
         ("train.float8", job.train.float8),
         ("sequence parallelism", dims.tp > 1 and job.parallel.sequence_parallel),
-        ("TP with PP", dims.tp > 1 and dims.pp > 1),
-        (f"PP {dims.pp} with {job.parallel.pp_schedule}",
-         dims.pp > 1 and (job.parallel.pp_schedule not in ("1f1b", "gpipe") or dims.pp > 2))) if applies]
+        ("TP with PP other than 2 stages of 1f1b", dims.tp > 1 and dims.pp > 1 and (dims.pp, schedule) != (2, "1f1b")),
+        (f"PP {dims.pp} with {schedule}", dims.pp > GRAPH_TESTED_PP.get(schedule, 1))) if applies]
 
 
 def graphs_left_off(job: JobConfig, dims: ParallelDims, device: torch.device) -> str:
