@@ -28,6 +28,8 @@ it finishes, then a table, and writes JSON.
 
 --extra and --variant take meshrun overrides; the word after them is always their value, even when it starts with
 `--` (`--extra --train.x=1` and `--extra=--train.x=1` are the same). Several overrides go in one quoted value.
+--launch-args takes `meshrun launch` options the same way, for every row (baseline and peers included), e.g.
+`--launch-args '--numa-binding node'`: every side is launched alike.
 Gradient clipping is set with --grad-clip only, so that it is equal on every side.
 
 Every row is timed alike: the tokens of the steps after the warm-up third of --steps over their wall time. The
@@ -84,7 +86,7 @@ DEFAULTS_WITHIN = 0.03  # the defaults should be within 3% of the best setting -
 WORKLOAD_OPTIONS = ("--model.", "--train.micro_batch", "--train.grad_accum", "--train.global_batch")
 """Overrides that change what a step trains (the model or the samples per step): a variant with one of them is a
 different workload, not a setting the defaults choose between, so it is left out of that comparison."""
-VALUE_OPTIONS = ("--extra", "--variant")  # options whose value may start with "--"
+VALUE_OPTIONS = ("--extra", "--variant", "--launch-args")  # options whose value may start with "--"
 
 
 @dataclass(frozen=True)
@@ -138,14 +140,17 @@ class Plan:
     keep_runs: str = ""  # a folder that keeps each meshrun run's folder (metrics, profiler traces); '' = temporary
     baseline_graphs: tuple[str, ...] = ("whole",)  # the baseline's DDP graph settings (BASELINES), one row each
     run_timeout: float = 1200.0  # seconds one run may take before it is stopped and becomes an error row
+    launch_args: tuple[str, ...] = ()  # `meshrun launch` options for every row (baseline, peers and meshrun alike)
 
 
-def launch(gpus: int, target: list[str], env: dict[str, str], timeout: float = 1200.0) -> subprocess.CompletedProcess:
-    """One run through `meshrun launch`, in a session of its own. A run still going after ``timeout`` seconds is
+def launch(gpus: int, target: list[str], env: dict[str, str], timeout: float = 1200.0,
+           launch_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """One run through `meshrun launch` (with ``launch_args``, the launcher's own options), in a session of its own. A run still going after ``timeout`` seconds is
     stopped (see stop_run) and comes back as exit code 124 with a last line saying so, so that it becomes an error
     row and the next row runs on free GPUs. Ctrl-C stops the run too (the terminal's SIGINT does not reach its
     session) before it ends the harness, and so does SIGTERM once main has set stop_runs_on_sigterm."""
-    cmd = [sys.executable, "-m", "meshrun", "launch", "--standalone", f"--nproc-per-node={gpus}", *target]
+    cmd = [sys.executable, "-m", "meshrun", "launch", "--standalone", f"--nproc-per-node={gpus}", *launch_args,
+           *target]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
@@ -188,7 +193,7 @@ def run_script(script: Script, case: Case, plan: Plan, env: dict[str, str]) -> d
     proc = launch(case.gpus, [script.path, "--size", case.size, "--micro-batch", str(mb), "--seq", str(seq),
                               "--steps", str(plan.steps), "--warmup", str(warmup_steps(plan.steps)),
                               "--grad-clip", str(case.grad_clip), "--compile" if plan.compile else "--no-compile",
-                              *script.args], env, plan.run_timeout)
+                              *script.args], env, plan.run_timeout, plan.launch_args)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode or not lines:
         return failure(proc)
@@ -231,7 +236,8 @@ def run_meshrun(case: Case, layout: str, plan: Plan, env: dict[str, str], overri
     """A meshrun row for this case, timed as the scripts time themselves (see window_speed). The run's folder is
     ``run_dir`` (kept: --keep-runs) or a temporary one."""
     with (contextlib.nullcontext(str(run_dir)) if run_dir else tempfile.TemporaryDirectory()) as folder:
-        proc = launch(case.gpus, meshrun_args(case, layout, plan, folder, overrides), env, plan.run_timeout)
+        proc = launch(case.gpus, meshrun_args(case, layout, plan, folder, overrides), env, plan.run_timeout,
+                      plan.launch_args)
         metrics = Path(folder, "metrics.jsonl")
         records = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
     train = [r for r in records if r.get("kind") == "train"]
@@ -417,9 +423,11 @@ def installed_peers(names: list[str]) -> tuple[list[Script], list[str]]:
 
 
 def versions(plan: Plan) -> str:
-    """The versions every row depends on, for the record beside the numbers."""
+    """The versions every row depends on, and the launcher options every row ran with, for the record beside the
+    numbers (the table's caption)."""
     names = ["torch", *(s.module for s in plan.peers)]
-    return ", ".join(f"{name} {importlib.metadata.version(name)}" for name in names)
+    line = ", ".join(f"{name} {importlib.metadata.version(name)}" for name in names)
+    return line + (f"; every row launched with {shlex.join(plan.launch_args)}" if plan.launch_args else "")
 
 
 def probe_device(env: dict[str, str]) -> str:
@@ -469,6 +477,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="meshrun rows again with the meshrun package in FOLDER (e.g. an older checkout's src), "
                         "named meshrun-<layout>@NAME, interleaved with this checkout's")
     p.add_argument("--repeat", type=int, default=1, help="run every row N times; report the median and min-max")
+    p.add_argument("--launch-args", action="append", default=[], metavar="OPTIONS",
+                   help="`meshrun launch` options for every row, baseline and peers included (e.g. "
+                        "'--numa-binding node')")
     p.add_argument("--run-timeout", type=float, default=1200.0, metavar="SECONDS",
                    help="stop a run (all its processes) that takes longer and report it as an error row, so that "
                         "the rows after it still run (default 1200)")
@@ -530,6 +541,7 @@ def make_plan(args: argparse.Namespace, device: str) -> tuple[Plan, list[str]]:
                 extra=[x for value in args.extra for x in shlex.split(value)], repeat=args.repeat,
                 sources=tuple((name, folder) for name, _, folder in (x.partition(":") for x in args.src)),
                 keep_runs=args.keep_runs, run_timeout=args.run_timeout,
+                launch_args=tuple(x for value in args.launch_args for x in shlex.split(value)),
                 baseline_graphs=tuple(split(args.baseline_graphs) if args.baseline_graphs is not None
                                       else BASELINES if compiled else ["whole"]))
     return plan, skipped

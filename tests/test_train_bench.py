@@ -77,6 +77,28 @@ def test_both_baseline_graph_settings_run_when_compiling_and_each_passes_its_set
         tb.parse_args(["--baseline-graphs", "whole,fused"])
 
 
+def test_launch_args_reach_every_rows_launcher_and_the_caption(monkeypatch):
+    plan, _ = tb.make_plan(tb.parse_args(["--peers", "", "--layouts", "ddp", "--launch-args", "--numa-binding node",
+                                          "--launch-args=--max-restarts 0"]), "NVIDIA H100 80GB HBM3")
+    assert plan.launch_args == ("--numa-binding", "node", "--max-restarts", "0")
+    assert tb.versions(plan).endswith("; every row launched with --numa-binding node --max-restarts 0")
+    launched = []
+
+    class FakePopen:  # what launch would start: the launcher's own options go before the script and its arguments
+        def __init__(self, cmd, **kwargs):
+            launched.append(cmd)
+            self.returncode, self.pid = 1, 0
+
+        def communicate(self, timeout=None):
+            return "", "failed on purpose"
+
+    monkeypatch.setattr(tb.subprocess, "Popen", FakePopen)
+    list(tb.run_case(tb.Case("tiny", 2, 0.0), plan, {}))
+    assert [cmd[cmd.index("launch"):][:6] for cmd in launched] == [
+        ["launch", "--standalone", "--nproc-per-node=2", "--numa-binding", "node", "--max-restarts"]] * 3
+    assert [cmd[cmd.index("launch") + 7] for cmd in launched] == ["benchmarks/baseline_ddp_gpt.py"] * 2 + ["train"]
+
+
 def test_each_baseline_row_is_named_by_its_graph_setting_not_by_the_script(monkeypatch, capsys):
     # the one script prints "impl": "baseline-ddp" whichever graph it runs; the rows must still tell them apart
     out = json.dumps({"impl": "baseline-ddp", "tokens_per_s_per_gpu": 1.0})
