@@ -145,10 +145,11 @@ class Plan:
 
 def launch(gpus: int, target: list[str], env: dict[str, str], timeout: float = 1200.0,
            launch_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    """One run through `meshrun launch` (with ``launch_args``, the launcher's own options), in a session of its own. A run still going after ``timeout`` seconds is
-    stopped (see stop_run) and comes back as exit code 124 with a last line saying so, so that it becomes an error
-    row and the next row runs on free GPUs. Ctrl-C stops the run too (the terminal's SIGINT does not reach its
-    session) before it ends the harness, and so does SIGTERM once main has set stop_runs_on_sigterm."""
+    """One run through `meshrun launch` (with ``launch_args``, the launcher's own options), in a session of its own.
+    A run still going after ``timeout`` seconds is stopped (see stop_run) and comes back as exit code 124 with a last
+    line saying so, so that it becomes an error row and the next row runs on free GPUs. Ctrl-C stops the run too (the
+    terminal's SIGINT does not reach its session) before it ends the harness, and so does SIGTERM once main has set
+    stop_runs_on_sigterm."""
     cmd = [sys.executable, "-m", "meshrun", "launch", "--standalone", f"--nproc-per-node={gpus}", *launch_args,
            *target]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
