@@ -368,7 +368,9 @@ def labelled(case: Case, impl: str, result: dict) -> dict:
 def add_ratios(rows: list[dict]) -> None:
     """Sets vs_baseline and baseline, vs_best_peer and best_peer on every row that ran, against the rows of its own
     case: the faster of the baseline's rows (its DDP graph settings: whichever a user would keep), and the fastest of
-    the baseline rows and the peers (so vs_best_peer >= 1 means it beat them all)."""
+    the baseline rows and the peers (so vs_best_peer >= 1 means it beat them all). With repeats the medians are
+    compared, and vs_baseline_worst and vs_best_peer_worst set the row's slowest run against the fastest run of that
+    baseline row and of any reference row: 1 or more means every run of the row beat every run of theirs."""
     cases: dict[tuple, list[dict]] = {}
     for row in rows:
         if "error" not in row:
@@ -379,11 +381,14 @@ def add_ratios(rows: list[dict]) -> None:
                    default=None)
         best = max(refs, key=lambda r: r["tokens_per_s_per_gpu"], default=None)
         for row in group:
+            slowest = row.get("min", row["tokens_per_s_per_gpu"])  # min and max: only rows of several runs have them
             if base is not None:
                 row["vs_baseline"] = row["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"]
+                row["vs_baseline_worst"] = slowest / base.get("max", base["tokens_per_s_per_gpu"])
                 row["baseline"] = base["impl"]
             if best is not None:
                 row["vs_best_peer"] = row["tokens_per_s_per_gpu"] / best["tokens_per_s_per_gpu"]
+                row["vs_best_peer_worst"] = slowest / max(r.get("max", r["tokens_per_s_per_gpu"]) for r in refs)
                 row["best_peer"] = best["impl"]
 
 
@@ -599,14 +604,20 @@ def print_table(rows: list[dict], device: str, notes: list[str]) -> None:
         spread = f"{r['min']:,.0f}-{r['max']:,.0f} ({r['spread']:.1%})" if r.get("runs", 1) > 1 else "-"
         cells = ["error", "", "", "", "", ""] if "error" in r else [
             f"{r['tokens_per_s_per_gpu']:,.0f}", spread, fmt(r.get("mfu"), "{:.1%}"),
-            fmt(r.get("peak_mem_gib"), "{:.1f}"), fmt(r.get("vs_baseline"), "{:.3f}x"),
-            fmt(r.get("vs_best_peer"), "{:.3f}x")]
+            fmt(r.get("peak_mem_gib"), "{:.1f}"), ratio(r, "vs_baseline"), ratio(r, "vs_best_peer")]
         table.add_row(r["impl"], r["size"], str(r["gpus"]), f"{r['grad_clip']:g}", *cells)
     Console(width=shutil.get_terminal_size((150, 24)).columns).print(table)  # 150 when piped
 
 
 def fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else spec.format(value)
+
+
+def ratio(row: dict, key: str) -> str:
+    """A ratio cell: the medians' ratio, and with repeats the worst case beside it (the row's slowest run over the
+    fastest run compared with), e.g. '1.019x (worst 1.001x)'."""
+    worst = f" (worst {row[key + '_worst']:.3f}x)" if row.get("runs", 1) > 1 and key + "_worst" in row else ""
+    return fmt(row.get(key), "{:.3f}x") + worst
 
 
 if __name__ == "__main__":

@@ -49,6 +49,23 @@ def test_ratios_compare_within_one_case_against_baseline_and_fastest_reference()
     assert (rows[8]["vs_baseline"], rows[8]["best_peer"]) == (pytest.approx(0.5), "baseline-ddp")
 
 
+def test_worst_case_ratios_set_the_slowest_run_against_the_fastest_run_compared_with():
+    # round 10's 1b case: every meshrun run beat every run of the faster baseline, by 0.1% at worst
+    rows = [row("baseline-ddp", 64_997.0, runs=3, min=64_922.0, max=65_188.0),
+            row("baseline-ddp-split", 66_663.0, runs=3, min=66_523.0, max=66_750.0),
+            row("accelerate-ddp", 66_000.0),  # one run: its only run is its fastest
+            row("meshrun-fsdp", 67_953.0, runs=3, min=66_819.0, max=72_484.0), row("meshrun-tp", 70_000.0)]
+    tb.add_ratios(rows)
+    mesh = rows[3]
+    assert (mesh["vs_baseline"], mesh["baseline"]) == (pytest.approx(67_953 / 66_663), "baseline-ddp-split")
+    assert mesh["vs_baseline_worst"] == pytest.approx(66_819 / 66_750)
+    assert mesh["vs_best_peer_worst"] == pytest.approx(66_819 / 66_750)
+    assert rows[4]["vs_baseline_worst"] == pytest.approx(70_000 / 66_750)  # one run against the baseline's fastest
+    assert tb.ratio(mesh, "vs_baseline") == "1.019x (worst 1.001x)"
+    assert tb.ratio(rows[4], "vs_baseline") == "1.050x"  # one run: no worst case to show
+    assert tb.ratio({}, "vs_baseline") == "-"
+
+
 def test_the_baseline_is_the_faster_of_its_ddp_graph_settings_in_each_case():
     rows = [row("baseline-ddp", 400.0), row("baseline-ddp-split", 500.0), row("meshrun-ddp", 550.0),
             row("baseline-ddp", 300.0, gpus=2), row("baseline-ddp-split", 200.0, gpus=2),
