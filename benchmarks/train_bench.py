@@ -381,15 +381,20 @@ def add_ratios(rows: list[dict]) -> None:
                    default=None)
         best = max(refs, key=lambda r: r["tokens_per_s_per_gpu"], default=None)
         for row in group:
-            slowest = row.get("min", row["tokens_per_s_per_gpu"])  # min and max: only rows of several runs have them
             if base is not None:
                 row["vs_baseline"] = row["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"]
-                row["vs_baseline_worst"] = slowest / base.get("max", base["tokens_per_s_per_gpu"])
+                row["vs_baseline_worst"] = run_extreme(row, "min") / run_extreme(base, "max")
                 row["baseline"] = base["impl"]
             if best is not None:
                 row["vs_best_peer"] = row["tokens_per_s_per_gpu"] / best["tokens_per_s_per_gpu"]
-                row["vs_best_peer_worst"] = slowest / max(r.get("max", r["tokens_per_s_per_gpu"]) for r in refs)
+                row["vs_best_peer_worst"] = run_extreme(row, "min") / max(run_extreme(r, "max") for r in refs)
                 row["best_peer"] = best["impl"]
+
+
+def run_extreme(row: dict, which: str) -> float:
+    """The tokens/s of a row's slowest ("min") or fastest ("max") run: combine sets them on rows of several runs; a
+    row of one run is both."""
+    return row.get(which, row["tokens_per_s_per_gpu"])
 
 
 def defaults_against_best(rows: list[dict]) -> list[str]:
