@@ -6,6 +6,7 @@ import argparse
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,9 @@ import torch
 
 from meshrun.config import ConfigError, load_config
 from meshrun.train.cli import main as train_main
-from meshrun.train.profiling import StepProfiler, build_profiler
+from meshrun.train.profiling import SlowdownWatch, StepProfiler, build_profiler
+from meshrun.train.trainer import Trainer
+from meshrun.watch.step_trace import run_step_time, trace_files
 
 # ---- options (pure logic) -------------------------------------------------------------------------------------------
 
@@ -26,6 +29,8 @@ from meshrun.train.profiling import StepProfiler, build_profiler
     ("--run.profile_steps=8-12", "run.profile_steps='8-12' ends after train.steps=10"),
     ("--run.profile_ranks=x", "run.profile_ranks='x'"),
     ("--run.profile_ranks=0,", "run.profile_ranks='0,'"),
+    ("--run.profile_on_slowdown=1", "run.profile_on_slowdown=1.0 is out of range"),
+    ("--run.profile_on_slowdown=-0.1", "run.profile_on_slowdown=-0.1 is out of range"),
 ])
 def test_bad_profile_options_name_the_option(override, option):
     with pytest.raises(ConfigError) as info:
@@ -100,6 +105,123 @@ def test_a_stop_inside_the_window_writes_what_was_recorded(tmp_path):
     recorded = _profile_loop(tmp_path, first=2, last=5, start_step=0, stop_after=3)
     assert recorded[:2] == ["ProfilerStep#1", "ProfilerStep#2"]
     assert "aten::mm" in (tmp_path / "rank_00000_summary.txt").read_text()
+
+
+# ---- run.profile_on_slowdown ---------------------------------------------------------------------------------------
+
+
+def _watch(tmp_path, *, fraction=0.1, ranks=None, rank=0, window=None) -> SlowdownWatch:
+    return SlowdownWatch(fraction, ranks=ranks, rank=rank, run_dir=tmp_path, device=torch.device("cpu"),
+                         profile_steps=window)
+
+
+def _feed(watch: SlowdownWatch, times, *, every=5, last_step=100):
+    """Intervals of ``every`` steps with these step times; what each one returned."""
+    return [watch.observe(step=every * (i + 1), interval_steps=every, step_s=t, last_step=last_step)
+            for i, t in enumerate(times)]
+
+
+def test_a_slowdown_is_judged_against_the_median_of_earlier_intervals_after_the_first(tmp_path):
+    # the first interval (compilation: 5 s) is no reference; two earlier ones are needed; then 0.1112 s is 10% fewer
+    # tokens/s than 0.1 s (fires), and only the first slowdown of the run is said
+    found = _feed(_watch(tmp_path), [5.0, 0.1, 0.2, 0.1, 0.1112, 0.3])
+    assert found[:4] == [None] * 4, "the first interval and too few references never count"
+    line, record = found[4]
+    assert found[5] is None, "once per run"
+    assert line.startswith("slowdown: steps 21-25 took 111.2 ms each, 10% fewer tokens/s than the median of the run's "
+                           "earlier intervals (100.0 ms); recording steps 27-28 on rank(s) all -> ")
+    assert f"{tmp_path}/profile/slowdown_27-28/rank_<N>.json" in line
+    assert record == {"kind": "slowdown", "step": 25, "steps": 5, "step_s": 0.1112, "median_step_s": 0.1,
+                      "profile_steps": [27, 28]}
+    assert _feed(_watch(tmp_path), [5.0, 0.1, 0.1, 0.1109])[3] is None, "under the fraction: no slowdown"
+
+
+def test_a_slowdown_is_said_but_not_recorded_where_it_cannot_be(tmp_path):
+    # too few steps left after it, and run.profile_steps still to come (one torch profiler at a time)
+    line, record = _feed(_watch(tmp_path), [1.0, 0.1, 0.1, 0.2], last_step=21)[3]
+    assert line.endswith("; too few steps left to record (run.profile_on_slowdown)") and record["profile_steps"] is None
+    line, record = _feed(_watch(tmp_path, window=(40, 42)), [1.0, 0.1, 0.1, 0.2])[3]
+    assert "not recorded: run.profile_steps is still to come" in line and record["profile_steps"] is None
+    # the intervals holding the profiled steps, or the step after them (which writes the trace), are no slowdown
+    assert _feed(_watch(tmp_path, window=(14, 15)), [1.0, 0.1, 0.1, 0.5], every=4)[3] is None  # steps 13-16
+    assert _feed(_watch(tmp_path, window=(14, 15)), [1.0, 0.1, 0.1, 0.1, 0.5], every=4)[4] is not None  # 17-20
+
+
+def test_only_the_listed_ranks_record_a_slowdown_and_they_write_what_it_was(tmp_path):
+    unlisted = _watch(tmp_path, ranks=frozenset({0}), rank=1)
+    line = _feed(unlisted, [1.0, 0.1, 0.1, 0.2])[3][0]
+    assert "on rank(s) 0 ->" in line and unlisted.start(20) is None
+    listed = _watch(tmp_path, ranks=frozenset({0}), rank=0)
+    _feed(listed, [1.0, 0.1, 0.1, 0.2])
+    profiler = listed.start(20)
+    try:
+        for step in (21, 22, 23):
+            torch.mm(torch.ones(8, 8), torch.ones(8, 8))
+            profiler.step(step)
+    finally:
+        profiler.close()
+    folder = tmp_path / "profile" / "slowdown_22-23"
+    steps = {e["name"] for e in json.loads((folder / "rank_00000.json").read_text())["traceEvents"]
+             if e.get("name", "").startswith("ProfilerStep#")}
+    assert steps == {"ProfilerStep#1", "ProfilerStep#2"}, "steps 22-23, after step 21's warm-up"
+    assert json.loads((folder / "slowdown.json").read_text())["step_s"] == 0.2
+    assert listed.start(24) is None, "one recording"
+
+
+def _slowing_run(rank: int, world_size: int, run_dir: Path, *extra: str) -> str:
+    """15 steps of the tiny model, logged every 3; from step 10 on rank ``world_size - 1`` waits 0.8 s for each
+    step's data, so the interval 10-12 runs far under the median of 4-6 and 7-9 (10-50 ms a step here; under 0.8 s
+    on a loaded machine). Returns what rank 0 printed."""
+    job = load_config(None, [f"--run.dir={run_dir}", "--train.steps=15", "--train.log_every=3", "--train.eval_every=0",
+                             "--data.max_bytes=100000", "--run.progress=lines", "--health.straggler_threshold=0",
+                             "--checkpoint.final=false", "--run.profile_on_slowdown=0.5", *extra])
+    trainer = Trainer(job)
+    next_step = trainer.data.next_step
+
+    def slowed():
+        if rank == world_size - 1 and trainer.step >= 9:  # steps 10 onwards
+            time.sleep(0.8)
+        return next_step()
+
+    trainer.data.next_step = slowed
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    return (run_dir / "logs" / f"rank_{rank:05d}.log").read_text()
+
+
+def _slowdown_records(run_dir: Path) -> list[dict]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r["kind"] == "slowdown"]
+
+
+def test_a_run_that_slows_down_records_its_slow_steps_where_meshrun_trace_finds_them(tmp_path, capsys):
+    _slowing_run(0, 1, tmp_path)
+    out = capsys.readouterr().out
+    assert "slowdown: steps 10-12 took" in out and "recording steps 14-15 on rank(s) 0" in out, out[-2000:]
+    slow = _slowdown_records(tmp_path)
+    assert len(slow) == 1 and slow[0]["profile_steps"] == [14, 15]
+    assert slow[0]["step_s"] > 0.8 > slow[0]["median_step_s"]
+    traces = trace_files([str(tmp_path)])
+    assert traces == [tmp_path / "profile" / "slowdown_14-15" / "rank_00000.json"]
+    steps = {e["name"] for e in json.loads(traces[0].read_text())["traceEvents"]
+             if e.get("name", "").startswith("ProfilerStep#")}
+    assert len(steps) == 2, steps
+    assert run_step_time(traces[0]) is None, "a CPU trace has no GPU timeline"
+
+
+@pytest.mark.slow
+def test_one_slow_rank_makes_every_listed_rank_record(tmp_path):
+    # rank 1 alone waits for data; rank 0 waits for rank 1 in the collectives, and both judge rank 0's step time
+    # (gathered at the log step), so both record the same steps without a collective of their own
+    from dist_utils import run_distributed
+
+    logs = run_distributed(_slowing_run, 2, tmp_path, "--run.profile_ranks=all")
+    assert "recording steps 14-15 on rank(s) all" in logs[0], logs[0][-3000:]
+    assert [r["profile_steps"] for r in _slowdown_records(tmp_path)] == [[14, 15]]
+    folder = tmp_path / "profile" / "slowdown_14-15"
+    assert sorted(p.name for p in folder.glob("rank_*.json")) == ["rank_00000.json", "rank_00001.json"]
 
 
 # ---- two ranks through the real launcher -----------------------------------------------------------------------------

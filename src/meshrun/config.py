@@ -303,7 +303,11 @@ class RunConfig:
     profile_steps: str = ""
     """Optimizer steps to record with the torch profiler, e.g. 20-22 or 20 (counted from 1); empty = off."""
     profile_ranks: str = "0"
-    """Ranks that record with run.profile_steps: all, or a comma list such as 0,3."""
+    """Ranks that record with run.profile_steps (and run.profile_on_slowdown): all, or a comma list such as 0,3."""
+    profile_on_slowdown: float = 0.0
+    """Record 2 steps with the torch profiler on run.profile_ranks when a logged interval runs this fraction under the
+    tokens/s of the run's earlier intervals (their median), e.g. 0.05; once per run, into
+    <run.dir>/profile/slowdown_<first>-<last>/; 0 = off."""
 
     def profile_window(self) -> tuple[int, int] | None:
         """(first, last) step of run.profile_steps, both recorded; None when profiling is off."""

@@ -87,6 +87,8 @@ _RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("checkpoint.keep_every", lambda v: v >= 0, "give a step multiple to keep as milestones, or 0 for none"),
     ("checkpoint.timeout_s", lambda v: v > 0, "give a positive number of seconds, e.g. 1800"),
     ("health.hang_timeout_s", lambda v: v >= 0, "give a number of seconds, or 0 to disable hang reports"),
+    ("run.profile_on_slowdown", lambda v: 0 <= v < 1, "give a fraction of the tokens/s, e.g. 0.05 to record a step "
+                                                      "that runs 5% slow, or 0 for off"),
     *((f"parallel.{name}", lambda v: v == -1 or v >= 1, "give a degree of 1 or more, or -1 to infer it from the "
        "world size") for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp")),  # comm/mesh.py MESH_DIMS
     ("parallel.ddp_bucket_mb", lambda v: v >= 0, "give a bucket size in MiB, e.g. 25, or 0 for auto"),

@@ -8,7 +8,9 @@ as before.
 
 from __future__ import annotations
 
+import json
 import logging
+import statistics
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Callable
@@ -60,6 +62,11 @@ class StepProfiler:
         if step >= self.last:
             self.close()
 
+    @property
+    def finished(self) -> bool:
+        """Its window is written (or it was stopped): another profiler may start."""
+        return self.prof is None
+
     def close(self) -> None:
         """Stop the profiler (a stop inside the window writes what was recorded). Never raises: profiling is an aid,
         and a failure here must not hide the error that ended the run."""
@@ -103,12 +110,9 @@ def build_profiler(run: RunConfig, *, rank: int, world_size: int, device: torch.
                    start_step: int, say: Callable[[str], None]) -> StepProfiler | None:
     """The profiler for this rank, not started yet; None when profiling is off, this rank is not listed, or a
     resumed run is past the window. ``say`` prints on rank 0 only."""
-    window, ranks = run.profile_window(), run.profiled_ranks()
+    window, ranks = run.profile_window(), profiled_ranks(run, world_size)
     if window is None:
         return None
-    if ranks is not None and max(ranks) >= world_size:
-        raise ConfigError(f"run.profile_ranks={run.profile_ranks!r} names rank {max(ranks)}, but the world size is "
-                          f"{world_size} (ranks 0..{world_size - 1})")
     first, last = window
     folder = run_dir / "profile"
     if last <= start_step:
@@ -121,3 +125,92 @@ def build_profiler(run: RunConfig, *, rank: int, world_size: int, device: torch.
         return None
     return StepProfiler(first=first, last=last, start_step=start_step, rank=rank, device=device, folder=folder,
                         announce=lambda: say(line))
+
+
+def profiled_ranks(run: RunConfig, world_size: int) -> frozenset[int] | None:
+    """run.profile_ranks (None: all), checked against the world size."""
+    ranks = run.profiled_ranks()
+    if ranks is not None and max(ranks) >= world_size:
+        raise ConfigError(f"run.profile_ranks={run.profile_ranks!r} names rank {max(ranks)}, but the world size is "
+                          f"{world_size} (ranks 0..{world_size - 1})")
+    return ranks
+
+
+SLOWDOWN_STEPS = 2
+"""Steps run.profile_on_slowdown records, after one step of profiler warm-up."""
+SLOWDOWN_REFERENCE = 2
+"""Earlier intervals (not counting the first after a start, which compiles and warms up) a slowdown is judged
+against: fewer give no reliable median."""
+
+
+class SlowdownWatch:
+    """``run.profile_on_slowdown``: notices the first logged interval whose step time rose so far above the median of
+    the run's earlier intervals that its tokens/s fell by ``fraction``, and names the steps to record.
+
+    A slowdown that comes and goes (a GPU waiting on its host in some runs and not others, a throttled clock, a noisy
+    neighbour) is gone by the time someone reruns with ``run.profile_steps``; this records it while it lasts. Every
+    rank feeds it the same number (rank 0's step time from the interval's gathered timing table), so every rank
+    agrees on it without a collective of its own, and only the listed ranks record.
+    """
+
+    def __init__(self, fraction: float, *, ranks: frozenset[int] | None, rank: int, run_dir: Path,
+                 device: torch.device, profile_steps: tuple[int, int] | None):
+        self.fraction, self.ranks, self.rank, self.device = fraction, ranks, rank, device
+        self.folder = run_dir / "profile"
+        self.window = profile_steps or (0, -1)
+        """run.profile_steps: one torch profiler at a time, and intervals it slows are no slowdown."""
+        self.step_times: list[float] = []
+        self.intervals = 0
+        self.fired = False
+        self.pending: tuple[int, int, dict] | None = None
+
+    def observe(self, *, step: int, interval_steps: int, step_s: float, last_step: int) -> tuple[str, dict] | None:
+        """One logged interval ending at ``step``: (the line to print, the metrics record) when it is the run's first
+        slowdown, else None. A recording it asks for starts after this step (:meth:`start`)."""
+        self.intervals += 1
+        if self.intervals == 1:
+            return None  # compilation and warm-up, not the run's pace
+        if step - interval_steps < self.window[1] + 1 and step >= self.window[0]:
+            return None  # holds run.profile_steps or the step after them, which writes the trace
+        reference = statistics.median(self.step_times) if len(self.step_times) >= SLOWDOWN_REFERENCE else None
+        self.step_times.append(step_s)
+        if self.fired or reference is None or step_s * (1 - self.fraction) <= reference:
+            return None
+        self.fired = True
+        first, last = step + 2, step + 1 + SLOWDOWN_STEPS
+        record = {"kind": "slowdown", "step": step, "steps": interval_steps, "step_s": round(step_s, 6),
+                  "median_step_s": round(reference, 6), "profile_steps": None}
+        said = (f"slowdown: steps {step - interval_steps + 1}-{step} took {1e3 * step_s:.1f} ms each, "
+                f"{1 - reference / step_s:.0%} fewer tokens/s than the median of the run's earlier intervals "
+                f"({1e3 * reference:.1f} ms)")
+        if last > last_step:
+            return f"{said}; too few steps left to record (run.profile_on_slowdown)", record
+        if step < self.window[1]:
+            return f"{said}; not recorded: run.profile_steps is still to come (run.profile_on_slowdown)", record
+        record["profile_steps"] = [first, last]
+        folder = self.folder / f"slowdown_{first}-{last}"
+        who = "all" if self.ranks is None else ",".join(map(str, sorted(self.ranks)))
+        if self.ranks is None or self.rank in self.ranks:
+            self.pending = (first, last, record)
+        return (f"{said}; recording steps {first}-{last} on rank(s) {who} -> {folder}/rank_<N>.json "
+                "(run.profile_on_slowdown; meshrun trace reads it)", record)
+
+    def start(self, step: int) -> StepProfiler | None:
+        """After step ``step``'s logging and profiler step: the profiler the slowdown asked for, started (None when
+        none was asked for on this rank)."""
+        if self.pending is None:
+            return None
+        first, last, record = self.pending
+        self.pending = None
+        folder = self.folder / f"slowdown_{first}-{last}"
+        try:  # the slow interval's step time: what the trace's idle time is weighed against
+            folder.mkdir(parents=True, exist_ok=True)
+            part = folder / f"slowdown.json.{self.rank}"
+            part.write_text(json.dumps(record) + "\n")
+            part.replace(folder / "slowdown.json")
+        except OSError as exc:
+            log.warning("profiler: could not write %s: %s", folder / "slowdown.json", exc)
+        profiler = StepProfiler(first=first, last=last, start_step=step, rank=self.rank, device=self.device,
+                                folder=folder, announce=lambda: None)
+        profiler.start()
+        return profiler

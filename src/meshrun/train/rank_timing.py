@@ -38,6 +38,11 @@ def timing_row(*, work_s: float, data_s: float, step_s: float, device: torch.dev
     return [work_s, data_s, max(step_s - work_s, 0.0), peak_memory_gib(device)]
 
 
+def rank0_step_s(table: np.ndarray) -> float:
+    """Rank 0's wall-clock step time from a gathered table: its working time plus the rest."""
+    return float(table[0, FIELDS.index("work_s")] + table[0, FIELDS.index("rest_s")])
+
+
 def ranks_record(table: np.ndarray, *, step: int, step_s: float) -> dict[str, Any]:
     """The ``ranks`` record of metrics.jsonl from a gathered table whose first columns are :data:`FIELDS`."""
     record: dict[str, Any] = {"kind": "ranks", "step": step, "step_s": step_s}
@@ -46,9 +51,10 @@ def ranks_record(table: np.ndarray, *, step: int, step_s: float) -> dict[str, An
     return record
 
 
-def log_rank_timing(trainer: Trainer, steps: int, elapsed: float) -> None:
+def log_rank_timing(trainer: Trainer, steps: int, elapsed: float) -> np.ndarray:
     """Every rank's own working time (data + forward, before any blocking collective), peak memory and, for the
-    straggler detector, GPU clock, in one gather: the ``ranks`` record, and the numbers compared across ranks."""
+    straggler detector, GPU clock, in one gather: the ``ranks`` record, and the numbers compared across ranks.
+    Returns the gathered table, the same on every rank (its first columns are :data:`FIELDS`)."""
     health = trainer.health
     work_s, data_s = health.timer.take(steps)
     step_s = elapsed / max(steps, 1)
@@ -61,7 +67,7 @@ def log_rank_timing(trainer: Trainer, steps: int, elapsed: float) -> None:
     if trainer.env.is_rank_zero:
         trainer.sink.record(ranks_record(table, step=trainer.step, step_s=step_s))
     if not observe:
-        return
+        return table
     trainer.beat("straggler_check")
     times = np.concatenate([table[:, :2], table[:, len(FIELDS):]], axis=1)  # (world, 5): work, data, clock
     report = health.stragglers.observe_table(trainer.step, times)  # collective when the GEMM is re-run
@@ -70,3 +76,4 @@ def log_rank_timing(trainer: Trainer, steps: int, elapsed: float) -> None:
     notice = health.notice(trainer.step, report)
     if notice:
         trainer.sink.print(f"warning: {notice}")
+    return table

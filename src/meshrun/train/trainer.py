@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from meshrun.config import BatchPlan, ConfigError, JobConfig
@@ -43,8 +44,8 @@ from meshrun.train.metrics import MetricsSink, SumMetrics, peak_flops
 from meshrun.watch.node import SystemWatch
 from meshrun.train.header import print_header, start_record
 from meshrun.train.nonfinite import NonFiniteGuard
-from meshrun.train.rank_timing import log_rank_timing
-from meshrun.train.profiling import StepProfiler, build_profiler
+from meshrun.train.rank_timing import log_rank_timing, rank0_step_s
+from meshrun.train.profiling import SlowdownWatch, StepProfiler, build_profiler, profiled_ranks
 from meshrun.train.plan import RunPlan, validated
 from meshrun.train.replicas import ReplicaGroups, ReplicaQuorumError, data_shard
 from meshrun.train.run_folder import RunFolder
@@ -136,6 +137,10 @@ class Trainer:
         self.profiler: StepProfiler | None = build_profiler(
             job.run, rank=self.env.rank, world_size=self.env.world_size, device=self.device, run_dir=self.run_dir,
             start_step=self.step, say=self.sink.print)
+        self.slowdown = SlowdownWatch(
+            job.run.profile_on_slowdown, ranks=profiled_ranks(job.run, self.env.world_size), rank=self.env.rank,
+            run_dir=self.run_dir, device=self.device, profile_steps=job.run.profile_window(),
+        ) if job.run.profile_on_slowdown else None
 
     @property
     def step(self) -> int:
@@ -345,7 +350,8 @@ class Trainer:
                 result.losses.append(record["loss"])
                 self.sink.log(record)
                 self.check_nonfinite()
-                self.check_stragglers(interval_steps, elapsed)
+                table = self.check_stragglers(interval_steps, elapsed)
+                self.watch_slowdown(table, interval_steps)
                 self.beat("system_metrics")
                 self.system.log_interval(self.step, record, self.sink)  # collective when on: every rank
                 # the next interval starts now, not after this logging: its gathers and records are training's own
@@ -366,6 +372,8 @@ class Trainer:
             if self.profiler is not None:  # after logging, evaluation and saving: they belong to this step
                 self.beat("profiler")  # writing the trace after the window's last step can take a while
                 self.profiler.step(self.step)
+            if self.slowdown is not None and (capture := self.slowdown.start(self.step)) is not None:
+                self.profiler = capture  # records the slow steps from the next one on (warm-up), closed as above
         if job.checkpoint.final and not self.ckpt.stop_requested:
             self.save_checkpoint(final=True)
         self.ckpt.wait()
@@ -392,9 +400,23 @@ class Trainer:
             self.sink.print(f"warning: {report}")
             log.info("%s", report)  # the rank log; the console has the line above
 
-    def check_stragglers(self, steps: int, elapsed: float) -> None:
-        """At log steps: the ``ranks`` record and the straggler check, from one gather (train/rank_timing.py)."""
-        log_rank_timing(self, steps, elapsed)
+    def check_stragglers(self, steps: int, elapsed: float) -> np.ndarray:
+        """At log steps: the ``ranks`` record and the straggler check, from one gather (train/rank_timing.py); returns
+        the gathered table."""
+        return log_rank_timing(self, steps, elapsed)
+
+    def watch_slowdown(self, table: np.ndarray, steps: int) -> None:
+        """At log steps, with run.profile_on_slowdown: the run's first slow interval is said, recorded in the metrics
+        and, where the profiler is free, recorded by it on run.profile_ranks (train/profiling.py)."""
+        if self.slowdown is None:
+            return
+        found = self.slowdown.observe(step=self.step, interval_steps=steps, step_s=rank0_step_s(table),
+                                      last_step=self.job.train.steps)
+        if found is not None:
+            line, record = found
+            self.sink.print(line)
+            self.sink.record(record)
+            log.info("%s", line)
 
     def train_record(self, totals: dict[str, float], steps: int, elapsed: float, gnorm: float | None) -> dict[str, Any]:
         tokens_per_s = steps * self.batch.tokens_per_step / max(elapsed, 1e-9)

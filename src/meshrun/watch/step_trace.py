@@ -167,6 +167,8 @@ def run_step_time(trace: Path, *, unprofiled: dict[Path, float | None] | None = 
     t = step_time(read_trace(trace), str(trace))
     if t is None:
         return None
+    if (trace.parent / "slowdown.json").is_file():  # run.profile_on_slowdown: the slow interval's own step time
+        return replace(t, unprofiled_ms=slowdown_step_ms(trace.parent / "slowdown.json"))
     run_dir = trace.parent.parent if trace.parent.name == "profile" else trace.parent
     cache = {} if unprofiled is None else unprofiled
     if run_dir not in cache:
@@ -174,14 +176,24 @@ def run_step_time(trace: Path, *, unprofiled: dict[Path, float | None] | None = 
     return replace(t, unprofiled_ms=cache[run_dir])
 
 
+def slowdown_step_ms(path: Path) -> float | None:
+    """The step time (ms) of the slow interval that a run.profile_on_slowdown recording followed."""
+    try:
+        return 1e3 * float(json.loads(path.read_text())["step_s"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def trace_files(paths: list[str]) -> list[Path]:
-    """Trace files named directly, or every ``profile/rank_*.json`` of a run folder (or of a profile folder)."""
+    """Trace files named directly, or every ``profile/rank_*.json`` of a run folder (or of a profile folder), those
+    of its ``slowdown_*`` recordings (run.profile_on_slowdown) after them."""
     found: list[Path] = []
     for name in paths:
         p = Path(name)
         if p.is_dir():
             folder = p / "profile" if (p / "profile").is_dir() else p
-            found += sorted(folder.glob("rank_*.json")) + sorted(folder.glob("rank_*.json.gz"))
+            for where in (folder, *sorted(folder.glob("slowdown_*"))):
+                found += sorted(where.glob("rank_*.json")) + sorted(where.glob("rank_*.json.gz"))
         else:
             found.append(p)
     return found
@@ -204,7 +216,7 @@ def render_table(rows: list[StepTime]):
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="meshrun trace", description=__doc__.split("\n\n")[0],
                                 formatter_class=PlainHelpFormatter)
-    p.add_argument("paths", nargs="+", help="run folders (their profile/rank_*.json) or trace files")
+    p.add_argument("paths", nargs="+", help="run folders (their profile/rank_*.json and profile/slowdown_*/rank_*.json) or trace files")
     p.add_argument("--json", action="store_true", help="print one JSON object per trace instead of a table")
     p.add_argument("--kernels", action="store_true", help="also list each trace's kernels with the most time")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
