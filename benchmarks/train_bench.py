@@ -29,7 +29,9 @@ it finishes, then a table, and writes JSON.
 --extra and --variant take meshrun overrides; the word after them is always their value, even when it starts with
 `--` (`--extra --train.x=1` and `--extra=--train.x=1` are the same). Several overrides go in one quoted value.
 --launch-args takes `meshrun launch` options the same way, for every row (baseline and peers included), e.g.
-`--launch-args '--numa-binding node'`: every side is launched alike.
+`--launch-args '--numa-binding node'`: every side is launched alike. --launch-variant NAME:OPTIONS adds a meshrun row
+per layout launched with more options, interleaved with the others, e.g. `--launch-variant 'excl:--numa-binding
+exclusive'` (each worker on CPU cores of its own) beside the defaults.
 Gradient clipping is set with --grad-clip only, so that it is equal on every side.
 
 Every row is timed alike: the tokens of the steps after the warm-up third of --steps over their wall time. The
@@ -86,7 +88,7 @@ DEFAULTS_WITHIN = 0.03  # the defaults should be within 3% of the best setting -
 WORKLOAD_OPTIONS = ("--model.", "--train.micro_batch", "--train.grad_accum", "--train.global_batch")
 """Overrides that change what a step trains (the model or the samples per step): a variant with one of them is a
 different workload, not a setting the defaults choose between, so it is left out of that comparison."""
-VALUE_OPTIONS = ("--extra", "--variant", "--launch-args")  # options whose value may start with "--"
+VALUE_OPTIONS = ("--extra", "--variant", "--launch-args", "--launch-variant")  # options whose value may start with "--"
 
 
 @dataclass(frozen=True)
@@ -141,6 +143,7 @@ class Plan:
     baseline_graphs: tuple[str, ...] = ("whole",)  # the baseline's DDP graph settings (BASELINES), one row each
     run_timeout: float = 1200.0  # seconds one run may take before it is stopped and becomes an error row
     launch_args: tuple[str, ...] = ()  # `meshrun launch` options for every row (baseline, peers and meshrun alike)
+    launch_variants: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (name, more launch options): meshrun rows
 
 
 def launch(gpus: int, target: list[str], env: dict[str, str], timeout: float = 1200.0,
@@ -233,12 +236,13 @@ def kept_run_dir(plan: Plan, case: Case, impl: str, repeat: int) -> Path:
 
 
 def run_meshrun(case: Case, layout: str, plan: Plan, env: dict[str, str], overrides: list[str],
-                run_dir: Path | None = None) -> dict:
+                run_dir: Path | None = None, launch_extra: tuple[str, ...] = ()) -> dict:
     """A meshrun row for this case, timed as the scripts time themselves (see window_speed). The run's folder is
-    ``run_dir`` (kept: --keep-runs) or a temporary one."""
+    ``run_dir`` (kept: --keep-runs) or a temporary one; ``launch_extra``: launcher options of this row alone
+    (--launch-variant), after --launch-args."""
     with (contextlib.nullcontext(str(run_dir)) if run_dir else tempfile.TemporaryDirectory()) as folder:
         proc = launch(case.gpus, meshrun_args(case, layout, plan, folder, overrides), env, plan.run_timeout,
-                      plan.launch_args)
+                      (*plan.launch_args, *launch_extra))
         metrics = Path(folder, "metrics.jsonl")
         records = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
     train = [r for r in records if r.get("kind") == "train"]
@@ -320,13 +324,16 @@ def run_case(case: Case, plan: Plan, env: dict[str, str]) -> Iterator[dict]:
             continue  # FSDP, TP, PP and CP need two GPUs or more
         for source, folder in [("", ""), *plan.sources]:
             src_env = source_env(env, folder) if folder else env
-            for name, overrides in [("", []), *variants_for(layout, plan.variants)]:
+            rows = [("", [], ()), *((name, o, ()) for name, o in variants_for(layout, plan.variants)),
+                    *((name, [], opts) for name, opts in plan.launch_variants)]
+            for name, overrides, launch_extra in rows:
                 impl = (f"meshrun-{layout}-{name}" if name else f"meshrun-{layout}") + (f"@{source}" if source else "")
                 tags[impl] = {"layout": layout, "setting": name or "defaults", "source": source,
                               "same_workload": not any(o.startswith(WORKLOAD_OPTIONS) for o in overrides)}
-                jobs.append((impl, lambda i, o=[*plan.extra, *overrides], lay=layout, e=src_env, name=impl:
-                             run_meshrun(case, lay, plan, e, o,
-                                         run_dir=kept_run_dir(plan, case, name, i) if plan.keep_runs else None)))
+                jobs.append((impl, lambda i, o=[*plan.extra, *overrides], lay=layout, e=src_env, name=impl,
+                             more=launch_extra: run_meshrun(case, lay, plan, e, o, launch_extra=more,
+                                                            run_dir=kept_run_dir(plan, case, name, i)
+                                                            if plan.keep_runs else None)))
     runs: dict[str, list[dict]] = {impl: [] for impl, _ in jobs}
     for i in range(plan.repeat):
         for impl, job in jobs:
@@ -491,6 +498,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--launch-args", action="append", default=[], metavar="OPTIONS",
                    help="`meshrun launch` options for every row, baseline and peers included (e.g. "
                         "'--numa-binding node')")
+    p.add_argument("--launch-variant", action="append", default=[], metavar="NAME:OPTIONS",
+                   help="one more meshrun row per layout, meshrun-<layout>-NAME, launched with these `meshrun "
+                        "launch` options as well (e.g. 'excl:--numa-binding exclusive'), interleaved with the others")
     p.add_argument("--run-timeout", type=float, default=1200.0, metavar="SECONDS",
                    help="stop a run (all its processes) that takes longer and report it as an error row, so that "
                         "the rows after it still run (default 1200)")
@@ -518,6 +528,10 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         if only and only not in split(args.layouts):
             p.error(f"--variant {variant!r}: {only!r} is not one of --layouts {args.layouts!r}; give LAYOUT/NAME "
                     "for a layout that runs, or NAME for all of them")
+    for variant in args.launch_variant:
+        name, _, options = variant.partition(":")
+        if not name or "/" in name or not options.strip():
+            p.error(f"--launch-variant {variant!r}: expected NAME:OPTIONS, e.g. excl:'--numa-binding exclusive'")
     for value in [*args.extra, *args.variant]:
         if "--train.grad_clip" in value:
             p.error(f"{value!r} sets --train.grad_clip for meshrun alone; use --grad-clip, which clips every side")
@@ -553,6 +567,8 @@ def make_plan(args: argparse.Namespace, device: str) -> tuple[Plan, list[str]]:
                 sources=tuple((name, folder) for name, _, folder in (x.partition(":") for x in args.src)),
                 keep_runs=args.keep_runs, run_timeout=args.run_timeout,
                 launch_args=tuple(x for value in args.launch_args for x in shlex.split(value)),
+                launch_variants=tuple((name, tuple(shlex.split(options))) for name, _, options
+                                      in (v.partition(":") for v in args.launch_variant)),
                 baseline_graphs=tuple(split(args.baseline_graphs) if args.baseline_graphs is not None
                                       else BASELINES if compiled else ["whole"]))
     return plan, skipped

@@ -116,6 +116,37 @@ def test_launch_args_reach_every_rows_launcher_and_the_caption(monkeypatch):
     assert [cmd[cmd.index("launch") + 7] for cmd in launched] == ["benchmarks/baseline_ddp_gpt.py"] * 2 + ["train"]
 
 
+def test_a_launch_variant_is_a_meshrun_row_launched_with_more_options(monkeypatch):
+    plan, _ = tb.make_plan(tb.parse_args(["--peers", "", "--layouts", "ddp", "--no-baseline", "--launch-args",
+                                          "--max-restarts 0", "--launch-variant", "excl:--numa-binding exclusive"]),
+                           "NVIDIA H100 80GB HBM3")
+    assert plan.launch_variants == (("excl", ("--numa-binding", "exclusive")),)
+    launched = []
+
+    class FakePopen:
+        def __init__(self, cmd, **kwargs):
+            launched.append(cmd[cmd.index("launch"):cmd.index("train")])
+            self.returncode, self.pid = 1, 0
+
+        def communicate(self, timeout=None):
+            return "", "failed on purpose"
+
+    monkeypatch.setattr(tb.subprocess, "Popen", FakePopen)
+    rows = list(tb.run_case(tb.Case("tiny", 2, 0.0), plan, {}))
+    assert [r["impl"] for r in rows] == ["meshrun-ddp", "meshrun-ddp-excl"]
+    assert rows[1]["setting"] == "excl" and rows[1]["same_workload"]
+    assert launched == [["launch", "--standalone", "--nproc-per-node=2", "--max-restarts", "0"],
+                        ["launch", "--standalone", "--nproc-per-node=2", "--max-restarts", "0", "--numa-binding",
+                         "exclusive"]]
+
+
+@pytest.mark.parametrize("value", ["excl", ":--numa-binding node", "excl:", "fsdp/excl:--numa-binding node"])
+def test_a_malformed_launch_variant_is_refused(value, capsys):
+    with pytest.raises(SystemExit):
+        tb.parse_args(["--launch-variant", value])
+    assert f"--launch-variant {value!r}: expected NAME:OPTIONS" in capsys.readouterr().err
+
+
 def test_each_baseline_row_is_named_by_its_graph_setting_not_by_the_script(monkeypatch, capsys):
     # the one script prints "impl": "baseline-ddp" whichever graph it runs; the rows must still tell them apart
     out = json.dumps({"impl": "baseline-ddp", "tokens_per_s_per_gpu": 1.0})
@@ -241,7 +272,7 @@ def test_a_run_keeps_what_the_machine_did_in_its_timed_steps():
 
 def test_each_run_is_printed_as_it_finishes(monkeypatch, capsys):
     monkeypatch.setattr(tb, "run_script", lambda s, c, p, e: {"tokens_per_s_per_gpu": 1.0})
-    monkeypatch.setattr(tb, "run_meshrun", lambda c, lay, p, e, o, run_dir: print("meshrun ran") or
+    monkeypatch.setattr(tb, "run_meshrun", lambda c, lay, p, e, o, run_dir, launch_extra=(): print("meshrun ran") or
                         {"tokens_per_s_per_gpu": 2.0})
     plan = tb.Plan(steps=6, compile=False, baseline=True, peers=[], layouts=["ddp"], variants=[], extra=[])
     next(tb.run_case(tb.Case("tiny", 2, 0.0), plan, {}))
@@ -264,7 +295,7 @@ def test_repeat_runs_every_row_that_many_times_interleaved(monkeypatch):
     calls = []
     monkeypatch.setattr(tb, "run_script", lambda s, c, p, e: calls.append(s.impl) or {"tokens_per_s_per_gpu": 1.0})
     kept = []
-    monkeypatch.setattr(tb, "run_meshrun", lambda c, lay, p, e, o, run_dir: kept.append(run_dir) or
+    monkeypatch.setattr(tb, "run_meshrun", lambda c, lay, p, e, o, run_dir, launch_extra=(): kept.append(run_dir) or
                         calls.append(f"m{o}") or {"tokens_per_s_per_gpu": 2.0})
     plan = tb.Plan(steps=6, compile=False, baseline=True, peers=[], layouts=["ddp"], variants=[("v", ["--x=1"])],
                    extra=[], repeat=2)
@@ -281,7 +312,7 @@ def test_a_layout_scoped_variant_runs_for_its_layout_only(monkeypatch):
                                           "--variant", "pp/m16:--parallel.pp_microbatches=16",
                                           "--variant", "v:--x=1"]), "cpu")
     calls = []
-    monkeypatch.setattr(tb, "run_meshrun", lambda c, lay, p, e, o, run_dir: calls.append((lay, o)) or
+    monkeypatch.setattr(tb, "run_meshrun", lambda c, lay, p, e, o, run_dir, launch_extra=(): calls.append((lay, o)) or
                         {"tokens_per_s_per_gpu": 2.0})
     rows = list(tb.run_case(tb.Case("tiny", 2, 0.0), plan, {}))
     assert [r["impl"] for r in rows] == ["meshrun-ddp", "meshrun-ddp-v", "meshrun-pp", "meshrun-pp-m16",
@@ -303,7 +334,7 @@ def test_tune_adds_each_layouts_documented_settings_and_tags_meshrun_rows(monkey
     assert [name for name, _ in compiled.variants] == [f"fsdp/{n}" for n in tb.TUNE["fsdp"]] + ["fsdp/autotune"]
     assert compiled.variants[-1][1] == ["--train.compile_mode=max-autotune"]  # compiling only: it needs compile
     monkeypatch.setattr(tb, "run_script", lambda s, c, p, e: {"tokens_per_s_per_gpu": 1.0})
-    monkeypatch.setattr(tb, "run_meshrun", lambda c, lay, p, e, o, run_dir: {"tokens_per_s_per_gpu": 2.0})
+    monkeypatch.setattr(tb, "run_meshrun", lambda c, lay, p, e, o, run_dir, launch_extra=(): {"tokens_per_s_per_gpu": 2.0})
     rows = list(tb.run_case(tb.Case("tiny", 2, 0.0), plan, {}))
     tp = [r for r in rows if r.get("layout") == "tp"]
     assert [(r["impl"], r["setting"]) for r in tp] == [("meshrun-tp", "defaults"), ("meshrun-tp-sp", "sp"),
@@ -339,7 +370,7 @@ def test_src_rows_run_another_meshrun_first_on_the_path_interleaved(monkeypatch,
                                           "--variant", "v:--x=1"]), "cpu")
     assert plan.sources == (("old", str(old)),)
     calls = []
-    monkeypatch.setattr(tb, "run_meshrun", lambda c, lay, p, e, o, run_dir: calls.append((o, e["PYTHONPATH"])) or
+    monkeypatch.setattr(tb, "run_meshrun", lambda c, lay, p, e, o, run_dir, launch_extra=(): calls.append((o, e["PYTHONPATH"])) or
                         {"tokens_per_s_per_gpu": 2.0})
     rows = list(tb.run_case(tb.Case("tiny", 2, 0.0), plan, {"PYTHONPATH": "/here/src"}))
     assert [r["impl"] for r in rows] == ["meshrun-ddp", "meshrun-ddp-v", "meshrun-ddp@old", "meshrun-ddp-v@old"]
