@@ -211,6 +211,20 @@ def test_a_run_that_slows_down_records_its_slow_steps_where_meshrun_trace_finds_
     assert run_step_time(traces[0]) is None, "a CPU trace has no GPU timeline"
 
 
+def test_the_report_names_a_runs_slowdown_and_where_its_traces_are(tmp_path):
+    from meshrun.report.load import Run
+    from meshrun.report.page import layout_block
+
+    run = Run(path=tmp_path, name="a", records=[
+        {"kind": "start", "step": 0, "layout": "DDP (1 rank)", "world_size": 1},
+        {"kind": "slowdown", "step": 12, "steps": 3, "step_s": 0.9, "median_step_s": 0.1, "profile_steps": [14, 15]},
+        {"kind": "slowdown", "step": 29, "steps": 3, "step_s": 0.5, "median_step_s": 0.1, "profile_steps": None}])
+    block = layout_block(run)
+    assert (f"slowdown: steps 10-12 took 900.0 ms each against a median of 100.0 ms; traces in {tmp_path}/profile/"
+            "slowdown_14-15/") in block
+    assert "slowdown: steps 27-29 took 500.0 ms each against a median of 100.0 ms; not profiled" in block
+
+
 @pytest.mark.slow
 def test_one_slow_rank_makes_every_listed_rank_record(tmp_path):
     # rank 1 alone waits for data; rank 0 waits for rank 1 in the collectives, and both judge rank 0's step time

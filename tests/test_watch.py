@@ -100,6 +100,9 @@ def test_system_record_becomes_per_node_tracker_metrics():
     assert not any(key.endswith(("/rank", "/index", "/comm", "/throttle")) for key in metrics)
     ranks = record_metrics({"kind": "ranks", "step": 3, "work_s": [0.1, 0.2], "step_s": 0.5})
     assert ranks == {"ranks/step_s": 0.5, "ranks/work_s/rank_0": 0.1, "ranks/work_s/rank_1": 0.2}
+    slowdown = record_metrics({"kind": "slowdown", "step": 12, "steps": 3, "step_s": 0.9, "median_step_s": 0.1,
+                               "profile_steps": [14, 15]})
+    assert slowdown == {"slowdown/steps": 3.0, "slowdown/step_s": 0.9, "slowdown/median_step_s": 0.1}
 
 
 def _write_run(tmp_path, tracker_name, monkeypatch):

@@ -205,7 +205,7 @@ def record_metrics(record: dict[str, Any]) -> dict[str, float]:
     """The numbers of one metrics.jsonl record as tracker metrics: ``train/loss``; per-rank lists as
     ``ranks/work_s/rank_3``; a node's system record as ``system/node_1/cpu_util_pct``,
     ``system/node_1/gpu_0/util_pct``, ``system/node_1/net/eth0/sent_mb_s`` and, for the interface NCCL/gloo use,
-    ``system/node_1/comm_net/sent_mb_s``."""
+    ``system/node_1/comm_net/sent_mb_s``. Lists of other records (a slowdown's recorded steps) are no metrics."""
     kind = record.get("kind", "train")
     if kind == "system":
         prefix = f"system/node_{record.get('node', 0)}"
@@ -217,7 +217,7 @@ def record_metrics(record: dict[str, Any]) -> dict[str, float]:
             found.update(_numbers(row, f"{prefix}/{where}", skip=("comm",)))
         return found
     found = _numbers(record, kind, skip=("step", "time"))
-    for key, value in record.items():
+    for key, value in record.items() if kind == "ranks" else ():  # its lists hold one value per rank
         if isinstance(value, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
             found.update({f"{kind}/{key}/rank_{rank}": float(v) for rank, v in enumerate(value)})
     return found
