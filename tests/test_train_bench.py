@@ -334,7 +334,8 @@ def test_tune_adds_each_layouts_documented_settings_and_tags_meshrun_rows(monkey
     assert [name for name, _ in compiled.variants] == [f"fsdp/{n}" for n in tb.TUNE["fsdp"]] + ["fsdp/autotune"]
     assert compiled.variants[-1][1] == ["--train.compile_mode=max-autotune"]  # compiling only: it needs compile
     monkeypatch.setattr(tb, "run_script", lambda s, c, p, e: {"tokens_per_s_per_gpu": 1.0})
-    monkeypatch.setattr(tb, "run_meshrun", lambda c, lay, p, e, o, run_dir, launch_extra=(): {"tokens_per_s_per_gpu": 2.0})
+    monkeypatch.setattr(tb, "run_meshrun",
+                        lambda c, lay, p, e, o, run_dir, launch_extra=(): {"tokens_per_s_per_gpu": 2.0})
     rows = list(tb.run_case(tb.Case("tiny", 2, 0.0), plan, {}))
     tp = [r for r in rows if r.get("layout") == "tp"]
     assert [(r["impl"], r["setting"]) for r in tp] == [("meshrun-tp", "defaults"), ("meshrun-tp-sp", "sp"),
@@ -370,8 +371,8 @@ def test_src_rows_run_another_meshrun_first_on_the_path_interleaved(monkeypatch,
                                           "--variant", "v:--x=1"]), "cpu")
     assert plan.sources == (("old", str(old)),)
     calls = []
-    monkeypatch.setattr(tb, "run_meshrun", lambda c, lay, p, e, o, run_dir, launch_extra=(): calls.append((o, e["PYTHONPATH"])) or
-                        {"tokens_per_s_per_gpu": 2.0})
+    monkeypatch.setattr(tb, "run_meshrun", lambda c, lay, p, e, o, run_dir, launch_extra=():
+                        calls.append((o, e["PYTHONPATH"])) or {"tokens_per_s_per_gpu": 2.0})
     rows = list(tb.run_case(tb.Case("tiny", 2, 0.0), plan, {"PYTHONPATH": "/here/src"}))
     assert [r["impl"] for r in rows] == ["meshrun-ddp", "meshrun-ddp-v", "meshrun-ddp@old", "meshrun-ddp-v@old"]
     assert calls == [([], "/here/src"), (["--x=1"], "/here/src"), ([], f"{old.resolve()}:/here/src"),

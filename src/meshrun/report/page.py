@@ -68,12 +68,10 @@ def layout_block(run: Run) -> str:
              f"starts: {len(starts)} (restarts/resumes at step(s) "
              f"{', '.join(str(x.get('step')) for x in starts[1:]) or 'none'})"]
     for slow in run.kind("slowdown"):  # run.profile_on_slowdown
-        step, steps, ms, median = slow.get("step", 0), slow.get("steps", 1), 1e3 * slow.get("step_s", 0.0), \
-            1e3 * slow.get("median_step_s", 0.0)
-        recorded = slow.get("profile_steps")
-        lines.append(f"slowdown: steps {step - steps + 1}-{step} took {ms:.1f} ms each against a median of "
-                     f"{median:.1f} ms; " + (f"traces in {run.path / 'profile'}/slowdown_{recorded[0]}-{recorded[1]}/"
-                                             if recorded else "not profiled"))
+        step, steps, recorded = slow.get("step", 0), slow.get("steps", 1), slow.get("profile_steps")
+        where = f"traces in {run.path}/profile/slowdown_{recorded[0]}-{recorded[1]}/" if recorded else "not profiled"
+        lines.append(f"slowdown: steps {step - steps + 1}-{step} took {1e3 * slow.get('step_s', 0.0):.1f} ms each "
+                     f"against a median of {1e3 * slow.get('median_step_s', 0.0):.1f} ms; {where}")
     return '<pre class="layout">' + "\n".join(html.escape(line) for line in lines) + "</pre>"
 
 

@@ -62,11 +62,6 @@ class StepProfiler:
         if step >= self.last:
             self.close()
 
-    @property
-    def finished(self) -> bool:
-        """Its window is written (or it was stopped): another profiler may start."""
-        return self.prof is None
-
     def close(self) -> None:
         """Stop the profiler (a stop inside the window writes what was recorded). Never raises: profiling is an aid,
         and a failure here must not hide the error that ended the run."""

@@ -216,7 +216,8 @@ def render_table(rows: list[StepTime]):
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="meshrun trace", description=__doc__.split("\n\n")[0],
                                 formatter_class=PlainHelpFormatter)
-    p.add_argument("paths", nargs="+", help="run folders (their profile/rank_*.json and profile/slowdown_*/rank_*.json) or trace files")
+    p.add_argument("paths", nargs="+",
+                   help="run folders (their profile/rank_*.json and profile/slowdown_*/rank_*.json) or trace files")
     p.add_argument("--json", action="store_true", help="print one JSON object per trace instead of a table")
     p.add_argument("--kernels", action="store_true", help="also list each trace's kernels with the most time")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
