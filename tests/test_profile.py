@@ -14,7 +14,7 @@ import torch
 
 from meshrun.config import ConfigError, load_config
 from meshrun.train.cli import main as train_main
-from meshrun.train.profiling import SlowdownWatch, StepProfiler, build_profiler
+from meshrun.train.profiling import IntervalMachine, SlowdownWatch, StepProfiler, build_profiler
 from meshrun.train.trainer import Trainer
 from meshrun.watch.step_trace import run_step_time, trace_files
 
@@ -147,6 +147,32 @@ def test_a_slowdown_is_said_but_not_recorded_where_it_cannot_be(tmp_path):
     assert _feed(_watch(tmp_path, window=(14, 15)), [1.0, 0.1, 0.1, 0.1, 0.5], every=4)[4] is not None  # 17-20
 
 
+def _node(util, clock=1755, throttle="power cap"):
+    return [{"kind": "system", "node": 0, "cpu_util_pct": 13.0,
+             "gpus": [{"index": 0, "util_pct": util, "sm_clock_mhz": clock, "throttle": throttle},
+                      {"index": 1, "util_pct": util - 2, "sm_clock_mhz": clock + 30}]}]
+
+
+@pytest.mark.parametrize("util, share, says", [
+    (91.0, 0.01, "the GPUs idled more than before: they waited on their hosts"),
+    (99.0, 0.01, "the GPUs were as busy as before: slower kernels (clocks, heat) or longer collectives"),
+    (60.0, 0.5, "the ranks waited for data"),
+])
+def test_a_slowdown_says_what_the_machine_did_in_it(tmp_path, util, share, says):
+    # the earlier intervals' GPUs were 99% busy (the mean of two GPUs); the slow interval's figures say where to look
+    watch = _watch(tmp_path)
+    for step, step_s, busy in ((5, 1.0, 50.0), (10, 0.1, 100.0), (15, 0.1, 100.0)):
+        assert watch.observe(step=step, interval_steps=5, step_s=step_s, last_step=100,
+                             machine=IntervalMachine.of(_node(busy), 0.01)) is None
+    line, record = watch.observe(step=20, interval_steps=5, step_s=0.2, last_step=100,
+                                 machine=IntervalMachine.of(_node(util + 1), share))
+    assert f"(100.0 ms); GPUs busy {util:.0f}% (99% before), lowest SM clock 1755 MHz (power cap), CPU 13%, data " \
+           f"wait {share:.0%} of a step: {says}" in line
+    assert record["gpu_util_pct"] == util and record["usual_gpu_util_pct"] == 99.0 and record["data_share"] == share
+    cpu_only = IntervalMachine.of([{"kind": "system", "node": 0, "cpu_util_pct": 80.0}], 0.0)
+    assert cpu_only.describe(None) == "CPU 80%, data wait 0% of a step: the trace will tell"
+
+
 def test_only_the_listed_ranks_record_a_slowdown_and_they_write_what_it_was(tmp_path):
     unlisted = _watch(tmp_path, ranks=frozenset({0}), rank=1)
     line = _feed(unlisted, [1.0, 0.1, 0.1, 0.2])[3][0]
@@ -206,8 +232,9 @@ def test_a_run_that_slows_down_records_its_slow_steps_where_meshrun_trace_finds_
     _slowing_run(0, 1, tmp_path)
     out = capsys.readouterr().out
     assert "slowdown: steps 10-12 took" in out and "recording steps 14-15 on rank(s) 0" in out, out[-2000:]
+    assert "of a step: the ranks waited for data (data.num_workers, the storage)" in out, out[-2000:]
     slow = _slowdown_records(tmp_path)
-    assert len(slow) == 1 and slow[0]["profile_steps"] == [14, 15]
+    assert len(slow) == 1 and slow[0]["profile_steps"] == [14, 15] and slow[0]["data_share"] > 0.9
     assert slow[0]["step_s"] > SLOW_STEP_S and slow[0]["median_step_s"] < 0.7 * slow[0]["step_s"]
     traces = trace_files([str(tmp_path)])
     assert traces == [tmp_path / "profile" / "slowdown_14-15" / "rank_00000.json"]

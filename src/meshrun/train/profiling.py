@@ -12,8 +12,9 @@ import json
 import logging
 import statistics
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
@@ -131,6 +132,71 @@ def profiled_ranks(run: RunConfig, world_size: int) -> frozenset[int] | None:
     return ranks
 
 
+DATA_BOUND_SHARE = 0.3
+"""A slow interval whose ranks spent this share of a step or more waiting for data is put down to data loading."""
+IDLE_POINTS = 3.0
+"""GPU utilisation this many points under the earlier intervals' median reads as GPUs that idled more."""
+
+
+@dataclass(frozen=True)
+class IntervalMachine:
+    """What the machine did in one logged interval, for a slowdown's line and record: the GPUs' mean utilisation,
+    their lowest SM clock and the throttle reasons NVML gave (from rank 0's node's system record; None without
+    GPUs or system metrics), the host's CPU utilisation, and the largest share of a rank's step spent waiting for
+    data (every rank's, from the interval's gathered timing)."""
+
+    gpu_util_pct: float | None = None
+    sm_clock_mhz: float | None = None
+    throttle: tuple[str, ...] = ()
+    cpu_util_pct: float | None = None
+    data_share: float = 0.0
+
+    @classmethod
+    def of(cls, system: list[dict[str, Any]], data_share: float) -> IntervalMachine:
+        """From the interval's system records (rank 0's node first; [] elsewhere or without them)."""
+        node = system[0] if system else {}
+        gpus = node.get("gpus", [])
+        utils = [g["util_pct"] for g in gpus if "util_pct" in g]
+        clocks = [g["sm_clock_mhz"] for g in gpus if "sm_clock_mhz" in g]
+        return cls(gpu_util_pct=statistics.fmean(utils) if utils else None, sm_clock_mhz=min(clocks, default=None),
+                   throttle=tuple(sorted({g["throttle"] for g in gpus if g.get("throttle")})),
+                   cpu_util_pct=node.get("cpu_util_pct"), data_share=data_share)
+
+    def describe(self, usual_util: float | None) -> str:
+        """'GPUs busy 91% (99% before), lowest SM clock 1890 MHz, CPU 13%, data wait 0% of a step: the GPUs idled
+        more than before: ...'."""
+        parts = []
+        if self.gpu_util_pct is not None:
+            parts.append(f"GPUs busy {self.gpu_util_pct:.0f}%"
+                         + (f" ({usual_util:.0f}% before)" if usual_util is not None else ""))
+        if self.sm_clock_mhz is not None:
+            parts.append(f"lowest SM clock {self.sm_clock_mhz:.0f} MHz"
+                         + (f" ({', '.join(self.throttle)})" if self.throttle else ""))
+        if self.cpu_util_pct is not None:
+            parts.append(f"CPU {self.cpu_util_pct:.0f}%")
+        parts.append(f"data wait {self.data_share:.0%} of a step")
+        return ", ".join(parts) + f": {self.hint(usual_util)}"
+
+    def hint(self, usual_util: float | None) -> str:
+        if self.data_share >= DATA_BOUND_SHARE:
+            return "the ranks waited for data (data.num_workers, the storage)"
+        if self.gpu_util_pct is not None and usual_util is not None and self.gpu_util_pct < usual_util - IDLE_POINTS:
+            return ("the GPUs idled more than before: they waited on their hosts (Python, launches, a sync, other "
+                    "work on the CPUs) or on a collective")
+        if self.gpu_util_pct is not None and usual_util is not None:
+            return "the GPUs were as busy as before: slower kernels (clocks, heat) or longer collectives"
+        return "the trace will tell"
+
+    def fields(self, usual_util: float | None) -> dict[str, Any]:
+        """The slowdown record's machine fields."""
+        found: dict[str, Any] = {"data_share": round(self.data_share, 4)}
+        for key, value in (("gpu_util_pct", self.gpu_util_pct), ("usual_gpu_util_pct", usual_util),
+                           ("sm_clock_mhz", self.sm_clock_mhz), ("cpu_util_pct", self.cpu_util_pct)):
+            if value is not None:
+                found[key] = round(value, 2)
+        return found
+
+
 SLOWDOWN_STEPS = 2
 """Steps run.profile_on_slowdown records, after one step of profiler warm-up."""
 SLOWDOWN_REFERENCE = 2
@@ -155,29 +221,37 @@ class SlowdownWatch:
         self.window = profile_steps or (0, -1)
         """run.profile_steps: one torch profiler at a time, and intervals it slows are no slowdown."""
         self.step_times: list[float] = []
+        self.gpu_utils: list[float] = []
+        """The GPUs' mean utilisation of the judged intervals where it was sampled (rank 0's node)."""
         self.intervals = 0
         self.fired = False
         self.pending: tuple[int, int, dict] | None = None
 
-    def observe(self, *, step: int, interval_steps: int, step_s: float, last_step: int) -> tuple[str, dict] | None:
+    def observe(self, *, step: int, interval_steps: int, step_s: float, last_step: int,
+                machine: IntervalMachine | None = None) -> tuple[str, dict] | None:
         """One logged interval ending at ``step``: (the line to print, the metrics record) when it is the run's first
-        slowdown, else None. A recording it asks for starts after this step (:meth:`start`)."""
+        slowdown, else None. ``machine``: what the machine did in it, for the line (rank 0's). A recording it asks for
+        starts after this step (:meth:`start`)."""
         self.intervals += 1
         if self.intervals == 1:
             return None  # compilation and warm-up, not the run's pace
         if step - interval_steps < self.window[1] + 1 and step >= self.window[0]:
             return None  # holds run.profile_steps or the step after them, which writes the trace
         reference = statistics.median(self.step_times) if len(self.step_times) >= SLOWDOWN_REFERENCE else None
+        usual_util = statistics.median(self.gpu_utils) if self.gpu_utils else None
         self.step_times.append(step_s)
+        if machine is not None and machine.gpu_util_pct is not None:
+            self.gpu_utils.append(machine.gpu_util_pct)
         if self.fired or reference is None or step_s * (1 - self.fraction) <= reference:
             return None
         self.fired = True
         first, last = step + 2, step + 1 + SLOWDOWN_STEPS
         record = {"kind": "slowdown", "step": step, "steps": interval_steps, "step_s": round(step_s, 6),
-                  "median_step_s": round(reference, 6), "profile_steps": None}
+                  "median_step_s": round(reference, 6), "profile_steps": None,
+                  **(machine.fields(usual_util) if machine is not None else {})}
         said = (f"slowdown: steps {step - interval_steps + 1}-{step} took {1e3 * step_s:.1f} ms each, "
                 f"{1 - reference / step_s:.0%} fewer tokens/s than the median of the run's earlier intervals "
-                f"({1e3 * reference:.1f} ms)")
+                f"({1e3 * reference:.1f} ms)" + (f"; {machine.describe(usual_util)}" if machine is not None else ""))
         if last > last_step:
             return f"{said}; too few steps left to record (run.profile_on_slowdown)", record
         if step < self.window[1]:

@@ -43,6 +43,12 @@ def rank0_step_s(table: np.ndarray) -> float:
     return float(table[0, FIELDS.index("work_s")] + table[0, FIELDS.index("rest_s")])
 
 
+def data_share(table: np.ndarray) -> float:
+    """The largest share of a rank's step that it spent waiting for data, from a gathered table."""
+    step = table[:, FIELDS.index("work_s")] + table[:, FIELDS.index("rest_s")]
+    return float(np.max(table[:, FIELDS.index("data_s")] / np.maximum(step, 1e-9)))
+
+
 def ranks_record(table: np.ndarray, *, step: int, step_s: float) -> dict[str, Any]:
     """The ``ranks`` record of metrics.jsonl from a gathered table whose first columns are :data:`FIELDS`."""
     record: dict[str, Any] = {"kind": "ranks", "step": step, "step_s": step_s}

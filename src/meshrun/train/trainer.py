@@ -44,8 +44,8 @@ from meshrun.train.metrics import MetricsSink, SumMetrics, peak_flops
 from meshrun.watch.node import SystemWatch
 from meshrun.train.header import print_header, start_record
 from meshrun.train.nonfinite import NonFiniteGuard
-from meshrun.train.rank_timing import log_rank_timing, rank0_step_s
-from meshrun.train.profiling import SlowdownWatch, StepProfiler, build_profiler, profiled_ranks
+from meshrun.train.rank_timing import data_share, log_rank_timing, rank0_step_s
+from meshrun.train.profiling import IntervalMachine, SlowdownWatch, StepProfiler, build_profiler, profiled_ranks
 from meshrun.train.plan import RunPlan, validated
 from meshrun.train.replicas import ReplicaGroups, ReplicaQuorumError, data_shard
 from meshrun.train.run_folder import RunFolder
@@ -351,9 +351,9 @@ class Trainer:
                 self.sink.log(record)
                 self.check_nonfinite()
                 table = self.check_stragglers(interval_steps, elapsed)
-                self.watch_slowdown(table, interval_steps)
                 self.beat("system_metrics")
-                self.system.log_interval(self.step, record, self.sink)  # collective when on: every rank
+                system = self.system.log_interval(self.step, record, self.sink)  # collective when on: every rank
+                self.watch_slowdown(table, interval_steps, system)
                 # the next interval starts now, not after this logging: its gathers and records are training's own
                 # cost, so the intervals tile the training time and tokens/s is what the wall clock says
                 interval_start, interval_steps = now, 0
@@ -405,13 +405,15 @@ class Trainer:
         the gathered table."""
         return log_rank_timing(self, steps, elapsed)
 
-    def watch_slowdown(self, table: np.ndarray, steps: int) -> None:
-        """At log steps, with run.profile_on_slowdown: the run's first slow interval is said, recorded in the metrics
-        and, where the profiler is free, recorded by it on run.profile_ranks (train/profiling.py)."""
+    def watch_slowdown(self, table: np.ndarray, steps: int, system: list[dict[str, Any]]) -> None:
+        """At log steps, with run.profile_on_slowdown: the run's first slow interval is said (with what the machine
+        did in it: the interval's ``system`` records and timing ``table``), recorded in the metrics and, where the
+        profiler is free, recorded by it on run.profile_ranks (train/profiling.py)."""
         if self.slowdown is None:
             return
         found = self.slowdown.observe(step=self.step, interval_steps=steps, step_s=rank0_step_s(table),
-                                      last_step=self.job.train.steps)
+                                      last_step=self.job.train.steps,
+                                      machine=IntervalMachine.of(system, data_share(table)))
         if found is not None:
             line, record = found
             self.sink.print(line)

@@ -97,10 +97,10 @@ class SystemWatch:
             return [], []
         return records, [line for record in records for line in self.verdicts.observe(record)]
 
-    def log_interval(self, step: int, train_record: dict[str, Any], sink) -> None:
+    def log_interval(self, step: int, train_record: dict[str, Any], sink) -> list[dict[str, Any]]:
         """At a log step: rank 0's endpoint takes the training record; every node's system record goes to
-        ``sink`` (metrics.jsonl and the tracker), and a verdict that became due is printed and logged.
-        Collective when on: every rank calls it."""
+        ``sink`` (metrics.jsonl and the tracker), and a verdict that became due is printed and logged. Returns the
+        records (rank 0's node first; [] on other ranks). Collective when on: every rank calls it."""
         if self.endpoint is not None and self.env.is_rank_zero:
             self.endpoint.update_train(train_record)
         records, verdicts = self.collect(step)
@@ -109,6 +109,7 @@ class SystemWatch:
         for verdict in verdicts:
             sink.print(f"warning: {verdict}")
             log.warning("%s", verdict)
+        return records
 
     def close(self) -> None:
         if self.sampler is not None:
