@@ -250,7 +250,10 @@ def run_meshrun(case: Case, layout: str, plan: Plan, env: dict[str, str], overri
     if proc.returncode or not any(r["step"] > warm for r in train):
         return failure(proc)
     machine = machine_window([r for r in records if r.get("kind") == "system"], warm)
-    return {**window_speed(train, warm), **({"machine": machine} if machine else {}), "overrides": overrides}
+    slowdown = [{k: v for k, v in r.items() if k not in ("kind", "time")}  # run.profile_on_slowdown's finding
+                for r in records if r.get("kind") == "slowdown"]
+    return {**window_speed(train, warm), **({"machine": machine} if machine else {}),
+            **({"slowdown": slowdown[0]} if slowdown else {}), "overrides": overrides}
 
 
 def window_speed(train: list[dict], warm: int) -> dict:

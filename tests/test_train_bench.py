@@ -257,6 +257,26 @@ def test_meshrun_speed_is_tokens_over_wall_time_of_the_timed_steps_as_the_script
     assert (out["loss"], out["peak_mem_gib"]) == (0.24, 2.4)
 
 
+def test_a_meshrun_row_carries_its_runs_slowdown(monkeypatch):
+    # with --extra '--run.profile_on_slowdown=...' the row says which interval slowed and what the machine did then
+    slow = {"kind": "slowdown", "step": 12, "steps": 3, "step_s": 0.9, "median_step_s": 0.1, "profile_steps": [14, 15],
+            "gpu_util_pct": 91.0, "time": 1.0}
+    train = [{"kind": "train", "step": s, "step_time_s": 0.1, "tokens_per_s_per_device": 100.0, "loss": 1.0}
+             for s in (3, 6, 9, 12)]
+
+    def fake_launch(gpus, target, env, timeout, launch_args):
+        folder = next(a.partition("=")[2] for a in target if a.startswith("--run.dir="))
+        (Path(folder) / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in [*train, slow]) + "\n")
+        return subprocess.CompletedProcess([], 0, "", "")
+
+    monkeypatch.setattr(tb, "launch", fake_launch)
+    plan = tb.Plan(steps=12, compile=False, baseline=False, peers=[], layouts=["ddp"], variants=[], extra=[])
+    row = tb.run_meshrun(tb.Case("tiny", 2, 0.0), "ddp", plan, {}, [])
+    assert row["slowdown"] == {"step": 12, "steps": 3, "step_s": 0.9, "median_step_s": 0.1, "profile_steps": [14, 15],
+                               "gpu_util_pct": 91.0}
+    assert row["intervals"] == [100, 100, 100]  # steps 5-12, after the warm-up third
+
+
 def test_a_run_keeps_what_the_machine_did_in_its_timed_steps():
     def system(step, clocks, utils, cpu, throttle=""):
         return {"kind": "system", "step": step, "cpu_util_pct": cpu,
