@@ -225,7 +225,8 @@ class SlowdownWatch:
         """The GPUs' mean utilisation of the judged intervals where it was sampled (rank 0's node)."""
         self.intervals = 0
         self.fired = False
-        self.pending: tuple[int, int, dict] | None = None
+        self.pending: dict | None = None
+        """The slowdown record whose profile_steps this rank records, until :meth:`start` starts it."""
 
     def observe(self, *, step: int, interval_steps: int, step_s: float, last_step: int,
                 machine: IntervalMachine | None = None) -> tuple[str, dict] | None:
@@ -257,21 +258,24 @@ class SlowdownWatch:
         if step < self.window[1]:
             return f"{said}; not recorded: run.profile_steps is still to come (run.profile_on_slowdown)", record
         record["profile_steps"] = [first, last]
-        folder = self.folder / f"slowdown_{first}-{last}"
         who = "all" if self.ranks is None else ",".join(map(str, sorted(self.ranks)))
         if self.ranks is None or self.rank in self.ranks:
-            self.pending = (first, last, record)
-        return (f"{said}; recording steps {first}-{last} on rank(s) {who} -> {folder}/rank_<N>.json "
+            self.pending = record
+        return (f"{said}; recording steps {first}-{last} on rank(s) {who} -> {self.folder_of(record)}/rank_<N>.json "
                 "(run.profile_on_slowdown; meshrun trace reads it)", record)
+
+    def folder_of(self, record: dict) -> Path:
+        """Where a slowdown record's recorded steps go: <run.dir>/profile/slowdown_<first>-<last>."""
+        first, last = record["profile_steps"]
+        return self.folder / f"slowdown_{first}-{last}"
 
     def start(self, step: int) -> StepProfiler | None:
         """After step ``step``'s logging and profiler step: the profiler the slowdown asked for, started (None when
         none was asked for on this rank)."""
         if self.pending is None:
             return None
-        first, last, record = self.pending
-        self.pending = None
-        folder = self.folder / f"slowdown_{first}-{last}"
+        record, self.pending = self.pending, None
+        (first, last), folder = record["profile_steps"], self.folder_of(record)
         try:  # the slow interval's step time: what the trace's idle time is weighed against
             folder.mkdir(parents=True, exist_ok=True)
             part = folder / f"slowdown.json.{self.rank}"

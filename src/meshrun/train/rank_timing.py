@@ -38,15 +38,18 @@ def timing_row(*, work_s: float, data_s: float, step_s: float, device: torch.dev
     return [work_s, data_s, max(step_s - work_s, 0.0), peak_memory_gib(device)]
 
 
+def step_times(table: np.ndarray) -> np.ndarray:
+    """Each rank's wall-clock step time from a gathered table: its working time plus the rest."""
+    return table[:, FIELDS.index("work_s")] + table[:, FIELDS.index("rest_s")]
+
+
 def rank0_step_s(table: np.ndarray) -> float:
-    """Rank 0's wall-clock step time from a gathered table: its working time plus the rest."""
-    return float(table[0, FIELDS.index("work_s")] + table[0, FIELDS.index("rest_s")])
+    return float(step_times(table)[0])
 
 
 def data_share(table: np.ndarray) -> float:
     """The largest share of a rank's step that it spent waiting for data, from a gathered table."""
-    step = table[:, FIELDS.index("work_s")] + table[:, FIELDS.index("rest_s")]
-    return float(np.max(table[:, FIELDS.index("data_s")] / np.maximum(step, 1e-9)))
+    return float(np.max(table[:, FIELDS.index("data_s")] / np.maximum(step_times(table), 1e-9)))
 
 
 def ranks_record(table: np.ndarray, *, step: int, step_s: float) -> dict[str, Any]:
