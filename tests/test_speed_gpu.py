@@ -109,15 +109,22 @@ def _blocks_as_graphs_match_launched(tmp_path: Path, name: str, *layout: str, gp
     """Over 100 steps with an evaluation every 50, every loss from step 50 on within 2% of the launched kernels'
     (lr 1e-3, as above) and the median gradient norm within 10% (a replay that overwrote the first micro-batch's
     gradients would leave a fraction of the norm, which AdamW's losses alone would hide); both runs exit."""
+    _runs_match(tmp_path, name, layout, ("launched", "--train.cuda_graphs=false"),
+                ("CUDA graphs", "--train.cuda_graphs=true"), gpus=gpus)
+
+
+def _runs_match(tmp_path: Path, name: str, layout, first: tuple[str, str], second: tuple[str, str], *,
+                gpus: int) -> None:
+    """The checks of :func:`_blocks_as_graphs_match_launched` between two runs, each (label, option)."""
     common = [*layout, "--train.steps=100", "--train.eval_every=50", "--train.lr=1e-3"]
-    launched = _records(tmp_path / "launched", *common, "--train.cuda_graphs=false", gpus=gpus)
-    graphed = _records(tmp_path / "graphed", *common, "--train.cuda_graphs=true", gpus=gpus)
-    losses = [(round(a["loss"], 4), round(b["loss"], 4)) for a, b in zip(launched, graphed)]
-    print(f"{name} (launched, CUDA graphs) loss every 10 steps:", losses)
-    assert len(graphed) == 10 and graphed[-1]["loss"] < graphed[0]["loss"] - 1.0, losses
+    runs = [_records(tmp_path / f"run{i}", *common, option, gpus=gpus) for i, (_, option) in enumerate((first, second))]
+    losses = [(round(a["loss"], 4), round(b["loss"], 4)) for a, b in zip(*runs)]
+    labels = f"({first[0]}, {second[0]})"
+    print(f"{name} {labels} loss every 10 steps:", losses)
+    assert len(runs[1]) == 10 and runs[1][-1]["loss"] < runs[1][0]["loss"] - 1.0, losses
     assert max(abs(b - a) / a for a, b in losses[4:]) < 0.02, losses
-    norms = [statistics.median(r["grad_norm"] for r in run) for run in (launched, graphed)]
-    assert abs(norms[1] / norms[0] - 1) < 0.1, f"median gradient norm (launched, CUDA graphs): {norms}"
+    norms = [statistics.median(r["grad_norm"] for r in run) for run in runs]
+    assert abs(norms[1] / norms[0] - 1) < 0.1, f"median gradient norm {labels}: {norms}"
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
@@ -139,6 +146,18 @@ def test_pipeline_blocks_as_cuda_graphs_train_like_launched_kernels(tmp_path, sc
     _blocks_as_graphs_match_launched(tmp_path, f"PP 2 {schedule}", "--parallel.pp=2", "--parallel.dp_replicate=1",
                                      f"--parallel.pp_schedule={schedule}", "--train.grad_accum=4",
                                      "--parallel.pp_microbatches=4")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_pipeline_weights_cast_once_per_step_train_like_casts_per_micro_batch(tmp_path):
+    """parallel.pp_cast_once on PP 2 (1F1B, 4 micro-batches, the blocks as CUDA graphs by default): the linear layers
+    hold bf16 copies refreshed in place once per step, the graphs' fixed inputs. On CPU it trains bitwise like
+    autocast's casts (tests/test_step_weights.py); here a copy left stale by a graph, or a gradient lost between the
+    copy and the fp32 parameter, would show in the losses or the gradient norm."""
+    _runs_match(tmp_path, "PP 2 1f1b", ("--parallel.pp=2", "--parallel.dp_replicate=1", "--train.grad_accum=4",
+                                        "--parallel.pp_microbatches=4"),
+                ("casts per micro-batch", "--parallel.pp_cast_once=false"),
+                ("cast once per step", "--parallel.pp_cast_once=true"), gpus=2)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs")

@@ -165,6 +165,11 @@ class ParallelConfig:
     pp_balance: PipelineBalance = "cost"
     """Cut the blocks into stages so each stage's estimated FLOPs are even (cost: the last stage, which also runs the
     output head and loss, gets fewer blocks) or give every stage the same block count (blocks)."""
+    pp_cast_once: bool = False
+    """With bf16 compute: each stage's linear layers hold bf16 copies of their weights, made once per optimizer step,
+    instead of casting the fp32 weights again for every micro-batch, and each micro-batch's weight gradient is added
+    straight into the fp32 one (autocast's arithmetic, bitwise). Pipeline layouts without FSDP, with a schedule that
+    runs each backward whole (not interleavedzb), without float8."""
     sequence_parallel: bool = False
     """Shard norms and dropout along the sequence in TP regions."""
     async_tp: bool = False

@@ -47,6 +47,7 @@ from meshrun.parallel.pipeline import (PipelineEngine, bubble_fraction, effectiv
                                       stage_ids)
 from meshrun.parallel.stage_cut import stage_ranges
 from meshrun.parallel.sharded import ShardedEngine
+from meshrun.parallel.step_weights import StepWeights
 from meshrun.parallel.tied import TP_FIX, find_shared
 from meshrun.parallel.tp import apply_tp, settle_async_outputs
 
@@ -103,7 +104,8 @@ def build_engine(*, job: JobConfig, model_cfg: ModelShape, dims: ParallelDims, m
                                   microbatches=dims.pp_microbatches, device=device,
                                   pp_group=dims.get_mesh("pp").get_group(), dp_rank=dims.dp_rank(rank),
                                   dp_size=dims.dp_size, tp_rank=coords.tp, autocast_dtype=autocast, loss_fn=loss_fn,
-                                  cuda_graphs=options.cuda_graphs)
+                                  cuda_graphs=options.cuda_graphs,
+                                  step_weights=StepWeights(parts, autocast) if job.parallel.pp_cast_once else None)
         pipeline.timed_modules = [m for part in parts for m in timed_modules(part, spec, dims=dims, compiled=compiled)]
         return pipeline
     engine = ShardedEngine(parts[0], dp_rank=dims.dp_rank(rank), dp_size=dims.dp_size, reports_loss=coords.tp == 0,

@@ -107,6 +107,8 @@ def describe_speed(job: JobConfig, device: torch.device, compute_dtype: torch.dt
     bf16 = f"bf16 parameters (FSDP2), {reduce} gradient reduction" if fsdp else "bf16 autocast"
     if reduce == "bf16" and not fsdp:
         bf16 += ", bf16 gradient all-reduce"
+    if job.parallel.pp_cast_once and not fsdp:
+        bf16 += ", weights cast once per step"
     precision = "float8 matmuls (torchao) + bf16" if t.float8 else (bf16 if compute_dtype == torch.bfloat16 else "fp32")
     compiled = "on with CUDA graphs" if cuda_graphs else "on"
     if t.compile_mode != "default":

@@ -39,6 +39,7 @@ from meshrun.parallel.kernels import inductor_mode
 from meshrun.parallel.module import (ModuleLayout, check_compile_mode, find_blocks, layout_dims,
                                      resolve_compute_dtype, session_options)
 from meshrun.parallel.pipeline import layer_ranges
+from meshrun.parallel.step_weights import StepWeights
 from meshrun.parallel.tied import find_shared
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -56,6 +57,11 @@ class PipelineOptions:
     """Stages per rank with interleaved1f1b, interleavedzb and loopedbfs (gpipe and 1f1b run one)."""
     loss_fn: LossFn | None = None
     """(last stage's output, targets) -> the mean loss of a micro-batch; None: cross-entropy over the last dim."""
+    cast_once: bool = False
+    """With bf16 autocast (layout='pp', compute_dtype bf16): each stage's nn.Linear layers hold bf16 copies of their
+    weights, made once per step() call, instead of casting the fp32 weights for every micro-batch, and each
+    micro-batch's weight gradient is added straight into the fp32 ``.grad`` (autocast's arithmetic, bitwise; the
+    trainer's parallel.pp_cast_once, meshrun.parallel.step_weights)."""
     first_stage: tuple[str, ...] | None = None
     """Dotted names of the modules before the blocks (None: those registered before them)."""
     last_stage: tuple[str, ...] | None = None
@@ -287,6 +293,7 @@ def prepare_pipeline(model: nn.Module, layout: str, *, device: torch.device, wor
     check_compile_mode(compile_mode, compile=compile)
     options = options or PipelineOptions()
     loss_fn = options.loss_fn or mean_cross_entropy
+    cast_once = options.cast_once
     blocks = find_blocks(model) if blocks is None else blocks
     fingerprint = model_fingerprint(model)
     if world_size == 1:
@@ -317,14 +324,31 @@ def prepare_pipeline(model: nn.Module, layout: str, *, device: torch.device, wor
     def summed_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return loss_fn(output, targets) * targets.numel()  # the engine divides by the step's target count
 
+    autocast_dtype = None if fp32 or uses_fsdp(dims) else compute_dtype
+    if cast_once:
+        check_session_cast_once(layout, dims, autocast_dtype)
     engine = PipelineEngine(parts, ids, n_stages=dims.stages, schedule=dims.pp_schedule,
                             microbatches=dims.pp_microbatches, device=device, pp_group=dims.get_mesh("pp").get_group(),
                             dp_rank=dims.dp_rank(rank), dp_size=dims.dp_size, tp_rank=0,
-                            autocast_dtype=None if fp32 or uses_fsdp(dims) else compute_dtype, loss_fn=summed_loss)
+                            autocast_dtype=autocast_dtype, loss_fn=summed_loss,
+                            step_weights=StepWeights(parts, autocast_dtype) if cast_once else None)
     compiled = sum(len(spec.block_modules(part)) for part in parts) if compile else 0
     return (PipelinedModule(parts, engine, loss_fn=loss_fn, fingerprint=fingerprint),
             ModuleLayout(dims=dims, name=layout_name(dims), blocks=blocks, module=parts[0], compute_dtype=compute_dtype,
                          grad_reduce_dtype=grad_reduce_dtype, compiled=compiled, compile_mode=compile_mode))
+
+
+def check_session_cast_once(layout: str, dims: ParallelDims, autocast_dtype: torch.dtype | None) -> None:
+    """Refuse PipelineOptions(cast_once=True) where the copies would not be used or their gradients not summed."""
+    if autocast_dtype is None:
+        why = ("FSDP2 already gives the stages bf16 parameters (its mixed-precision policy)" if layout == "pp+fsdp"
+               else "this model computes in fp32")
+        raise ConfigError(f"PipelineOptions(cast_once=True) copies weights for bf16 autocast, and {why}: pass "
+                          "compute_dtype=torch.bfloat16 with layout='pp', or drop cast_once")
+    if dims.pp_schedule == "interleavedzb":
+        raise ConfigError("PipelineOptions(cast_once=True): schedule='interleavedzb' writes weight gradients outside "
+                          "autograd's accumulation, which the copies' gradients go through; use "
+                          "schedule='interleaved1f1b', or drop cast_once")
 
 
 def compile_blocks(model: nn.Module, blocks: str, compile_mode: str = "default") -> int:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import inspect
 import math
+from contextlib import nullcontext
 from dataclasses import replace
 from typing import TYPE_CHECKING, Sequence
 
@@ -35,6 +36,7 @@ from meshrun.config import ConfigError, PipelineSchedule
 from meshrun.models.shape import ModelShape
 from meshrun.parallel.engine import Batch, autocast, count_tensor, new_replay_generation, token_loss_sum
 from meshrun.parallel.grad_norm import clip_grad_norm
+from meshrun.parallel.step_weights import StepWeights
 
 if TYPE_CHECKING:
     from meshrun.models.spec import ModelStructure
@@ -138,7 +140,8 @@ class PipelineEngine:
 
     def __init__(self, parts: list[nn.Module], ids: list[int], *, n_stages: int, schedule: str, microbatches: int,
                  device: torch.device, pp_group: dist.ProcessGroup, dp_rank: int, dp_size: int, tp_rank: int,
-                 autocast_dtype: torch.dtype | None, loss_fn=token_loss_sum, cuda_graphs: bool = False):
+                 autocast_dtype: torch.dtype | None, loss_fn=token_loss_sum, cuda_graphs: bool = False,
+                 step_weights: StepWeights | None = None):
         from torch.distributed.pipelining import PipelineStage
 
         self.cuda_graphs = cuda_graphs
@@ -160,6 +163,8 @@ class PipelineEngine:
         """True on the one rank per data-parallel replica that returns non-zero loss sums."""
         self.autocast_dtype = autocast_dtype
         self.token_loss = loss_fn
+        self.step_weights = step_weights
+        """parallel.pp_cast_once: the linear layers hold compute-dtype copies of their weights during each step."""
         stages = [PipelineStage(part, i, n_stages, device, group=pp_group) for part, i in zip(parts, ids)]
         self.schedule = build_schedule(stages, schedule=schedule, microbatches=microbatches, loss_fn=self._loss_fn)
         self._eval_schedules: dict[int, object] = {}
@@ -178,7 +183,7 @@ class PipelineEngine:
         args = (inputs,) if self.is_first else ()
         losses: list[torch.Tensor] = []
         new_replay_generation(self.cuda_graphs)
-        with autocast(self.device.type, self.autocast_dtype):
+        with autocast(self.device.type, self.autocast_dtype), self._weights_held():
             self.schedule.step(*args, target=targets, losses=losses)
         return self._reported(losses, targets.numel())
 
@@ -190,7 +195,7 @@ class PipelineEngine:
         new_replay_generation(self.cuda_graphs)
         args = (inputs.contiguous(),) if self.is_first else ()  # stages check strides (torch 2.8: (T+1, 1) slices fail)
         losses: list[torch.Tensor] = []
-        with autocast(self.device.type, self.autocast_dtype):
+        with autocast(self.device.type, self.autocast_dtype), self._weights_held():
             if hasattr(schedule, "eval"):
                 schedule.eval(*args, target=targets, losses=losses)
             else:  # torch < 2.9: a forward-only schedule without loss_fn (see build_schedule) returns the logits
@@ -198,6 +203,9 @@ class PipelineEngine:
                 if self.is_last:
                     losses.append(self._loss_fn(logits, targets))
         return self._reported(losses, targets.numel())
+
+    def _weights_held(self):
+        return self.step_weights.held() if self.step_weights is not None else nullcontext()
 
     def _eval_schedule(self, batch: int):
         # Stages fix their receive buffers' shapes at the first step, so evaluation gets its own stages.
