@@ -2,7 +2,8 @@
 and each micro-batch's gradient goes straight into the fp32 one. The arithmetic is autocast's, so everything is
 compared bitwise with the same run without it (CPU, bf16 autocast): gradients of a block over several
 micro-batches, eager and compiled, and the losses, evaluation losses and weights of 2-rank pipeline runs through the
-trainer."""
+trainer and through Session. Last, the first step of a bf16 pipeline gives every weight a gradient (torch 2.8's
+autocast cache took it from the linear layers)."""
 
 from __future__ import annotations
 
@@ -190,3 +191,29 @@ def test_session_refuses_the_option_without_bf16_autocast():
     with pytest.raises(ConfigError, match="schedule='interleaved1f1b'"):
         check_session_cast_once("pp", zero_bubble, torch.bfloat16)
     check_session_cast_once("pp", dims, torch.bfloat16)
+
+
+# ---- the first step of a bf16 pipeline -----------------------------------------------------------------------------
+
+def _first_step_grads(rank, world_size, run_dir, extra):
+    from test_resume import job
+    from meshrun.train.trainer import Trainer
+
+    trainer = Trainer(job(run_dir, steps=1, extra=(*COMMON, *extra)))
+    try:
+        trainer.engine.forward_backward(trainer.data.next_step())
+        return sorted(name for part in trainer.engine.model_parts for name, param in part.named_parameters()
+                      if param.grad is None or not param.grad.any())
+    finally:
+        trainer.close()
+
+
+@pytest.mark.slow
+def test_the_first_bf16_pipeline_step_gives_every_weight_a_gradient(tmp_path):
+    """The stages infer their shapes with a forward under no_grad in the first step, inside the step's autocast; torch
+    2.8's autocast cache kept those casts, made without autograd, for the real forwards, and every linear layer
+    (uncompiled) went without a gradient in that step (the run with pp_cast_once, which casts no weights, did
+    not)."""
+    for extra in ((), ("--parallel.pp_cast_once=true",)):
+        missing = run_distributed(_first_step_grads, 2, tmp_path / str(len(extra)), extra)
+        assert missing == [[], []], (extra, missing)

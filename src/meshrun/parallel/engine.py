@@ -135,9 +135,12 @@ class LossStep(nn.Module):
         return with_aux_loss(summed, self.aux_loss(self.model) if self.aux_loss else None, targets.numel())
 
 
-def autocast(device_type: str, dtype: torch.dtype | None):
-    """``torch.autocast`` to ``dtype``, or nothing for plain fp32 (dtype None)."""
-    return contextlib.nullcontext() if dtype is None else torch.autocast(device_type, dtype=dtype)
+def autocast(device_type: str, dtype: torch.dtype | None, *, cache: bool = True):
+    """``torch.autocast`` to ``dtype``, or nothing for plain fp32 (dtype None); ``cache``: autocast's cache of weight
+    casts within the block (torch's ``cache_enabled``)."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=dtype, cache_enabled=cache)
 
 
 def _is_compiled(module: nn.Module) -> bool:

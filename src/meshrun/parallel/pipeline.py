@@ -169,6 +169,8 @@ class PipelineEngine:
         self.schedule = build_schedule(stages, schedule=schedule, microbatches=microbatches, loss_fn=self._loss_fn)
         self._eval_schedules: dict[int, object] = {}
         self._scale = 1
+        self._stepped = False
+        """A training step has run: its stages have inferred their shapes."""
 
     def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # A pipeline micro-batch's token-loss sum over the tokens of the whole step. (Not recorded here: torch may
@@ -183,8 +185,13 @@ class PipelineEngine:
         args = (inputs,) if self.is_first else ()
         losses: list[torch.Tensor] = []
         new_replay_generation(self.cuda_graphs)
-        with autocast(self.device.type, self.autocast_dtype), self._weights_held():
+        # The first step's stages infer their output shapes with a forward under torch.no_grad(), inside this
+        # autocast. In torch 2.8 autocast's cache then keeps those weight casts, made without autograd, and the
+        # step's real forwards reuse them: the uncompiled linear layers (all of them without compile, the output
+        # head with it) got no gradient in the first step. Without the cache for that step every cast is made anew.
+        with autocast(self.device.type, self.autocast_dtype, cache=self._stepped), self._weights_held():
             self.schedule.step(*args, target=targets, losses=losses)
+        self._stepped = True
         return self._reported(losses, targets.numel())
 
     @torch.no_grad()
