@@ -84,6 +84,7 @@ TUNE = {  # --tune: the documented settings each layout's defaults choose betwee
            "even": "--parallel.pp_balance=blocks", "launched": "--train.cuda_graphs=false"},
 }  # cp: none yet (its one speed setting, activation checkpointing, trades speed for memory)
 TUNE_COMPILED = {"autotune": "--train.compile_mode=max-autotune"}  # every layout, when the run compiles
+TUNE_BF16 = {"pp": {"once": "--parallel.pp_cast_once=true"}}  # with bf16 compute: GPUs, or --extra --train.dtype=bf16
 DEFAULTS_WITHIN = 0.03  # the defaults should be within 3% of the best setting --tune finds
 WORKLOAD_OPTIONS = ("--model.", "--train.micro_batch", "--train.grad_accum", "--train.global_batch")
 """Overrides that change what a step trains (the model or the samples per step): a variant with one of them is a
@@ -560,13 +561,15 @@ def make_plan(args: argparse.Namespace, device: str) -> tuple[Plan, list[str]]:
     peers, skipped = installed_peers(split(args.peers))
     variants = [(name, shlex.split(overrides)) for name, _, overrides in (v.partition(":") for v in args.variant)]
     compiled = device != "cpu" if args.compile is None else args.compile
+    extra = [x for value in args.extra for x in shlex.split(value)]
+    bf16 = device != "cpu" or "--train.dtype=bf16" in extra
     if args.tune:
         variants += [(f"{layout}/{name}", shlex.split(overrides)) for layout in split(args.layouts)
-                     for name, overrides in (TUNE.get(layout, {}) | (TUNE_COMPILED if compiled else {})).items()]
+                     for name, overrides in (TUNE.get(layout, {}) | (TUNE_COMPILED if compiled else {})
+                                             | (TUNE_BF16.get(layout, {}) if bf16 else {})).items()]
     plan = Plan(steps=args.steps, compile=compiled,
                 baseline=not args.no_baseline, peers=peers, session=tuple(SESSION[x] for x in split(args.session)),
-                layouts=split(args.layouts), variants=variants,
-                extra=[x for value in args.extra for x in shlex.split(value)], repeat=args.repeat,
+                layouts=split(args.layouts), variants=variants, extra=extra, repeat=args.repeat,
                 sources=tuple((name, folder) for name, _, folder in (x.partition(":") for x in args.src)),
                 keep_runs=args.keep_runs, run_timeout=args.run_timeout,
                 launch_args=tuple(x for value in args.launch_args for x in shlex.split(value)),
