@@ -191,3 +191,15 @@ def test_the_time_estimate_names_a_custom_shape_as_such(capsys):
     assert "the custom shape above: dim, n_layers given, the rest from the 124m size)" in text
     assert planner.main(["--model", "350m", "--tokens", "1B"]) == 0
     assert "parameters, the gpt 350m size)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_weights_cast_once_add_their_bf16_copies_to_each_stage():
+    """parallel.pp_cast_once keeps a 2-byte copy of every linear weight: each stage's blocks' matrices, and the
+    output head on the last."""
+    common = ("--nodes", "1", "--gpus-per-node", "2", "--model", "1b", "--pp", "2", "--untied")
+    plain, once = make_plan(*common), make_plan(*common, "--parallel.pp_cast_once=true")
+    mats, _ = plain.spec.block_params(plain.model)
+    head = plain.model.vocab_size * plain.model.dim
+    for stage, (a, b) in enumerate(zip(plain.memory, once.memory)):
+        copies = (len(a["layers"]) * mats + (head if stage == 1 else 0)) * 2
+        assert b["bytes"]["params"] - a["bytes"]["params"] == copies, stage
