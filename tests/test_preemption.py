@@ -25,6 +25,49 @@ TRAIN_ARGS = ["--model.name=tiny", f"--train.steps={STEPS}", "--train.micro_batc
 FIRST = "step_0000002"
 
 
+# ---------------------------------------------------------------- a rank whose peer ends first while it stops
+
+
+class _PeerEndedFirst:
+    """A trainer on rank 1 that got Ctrl-C and, before its checkpoint, lost its peer mid-collective (the other node's
+    agent got the second Ctrl-C first and ended its worker at once)."""
+
+    def __init__(self, job, *, stopping: bool):
+        from types import SimpleNamespace
+
+        from meshrun.ckpt.preemption import PreemptionFlag
+
+        flag = PreemptionFlag()
+        if stopping:
+            flag.set("SIGINT")
+        self.env, self.step = SimpleNamespace(rank=1), 4
+        self.ckpt, self.folder = SimpleNamespace(preemption=flag), SimpleNamespace(opened=False)
+
+    def fit(self):
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                           "[127.0.0.1]:17538")
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("stopping", [True, False])
+def test_a_peer_ending_first_during_a_stop_is_the_stop_not_a_traceback(tmp_path, monkeypatch, capsys, stopping):
+    from meshrun.config import load_config
+    from meshrun.train import cli, trainer
+
+    monkeypatch.setattr(trainer, "Trainer", lambda job: _PeerEndedFirst(job, stopping=stopping))
+    code = cli.run(load_config(None, [f"--run.dir={tmp_path / 'run'}"]))
+    err = capsys.readouterr().err
+    if stopping:
+        assert code == 130 and "Traceback" not in err, err
+        assert err.strip().splitlines() == [
+            f"meshrun train: rank 1 ({os.uname().nodename}) at step 4: stopping for Ctrl-C (SIGINT) when another rank "
+            "ended first (no checkpoint of the current step); exit code 130."], err
+    else:  # no stop under way: a peer's failure is this run's failure, with the hint and the traceback
+        assert code == 1 and "a collective failed: another rank probably died" in err and "Traceback" in err, err
+
+
 # ---------------------------------------------------------------- the handler alone (one process, no training)
 
 @pytest.fixture

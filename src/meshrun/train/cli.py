@@ -97,6 +97,12 @@ def _where(trainer) -> str:
     return f"rank {trainer.env.rank} ({socket.gethostname()}) at step {trainer.step}: "
 
 
+def _stopping_signal(trainer) -> str | None:
+    """The signal this rank was stopping for (SIGINT, SIGTERM, ...) when it failed; None when none had come."""
+    flag = trainer.ckpt.preemption if trainer is not None else None
+    return flag.signal_name if flag is not None and flag.is_set() else None
+
+
 def _is_peer_failure(exc: BaseException) -> bool:
     text = f"{type(exc).__name__} {exc}".lower()
     return any(word in text for word in ("connection closed", "connection reset", "broken pipe", "nccl", "gloo",
@@ -181,6 +187,17 @@ def run(job) -> int:
         clean = _clean_error(exc)
         ending = ("failed", f"{_where(trainer)}{_first_line(exc)}")
         rank = _rank(trainer)
+        stopping = _stopping_signal(trainer)
+        if stopping is not None and _is_peer_failure(exc):
+            # A stop was under way here when a peer ended first, mid-collective: a second Ctrl-C reached the other
+            # node's agent a moment earlier (or the peer was killed outright). The stop is the story, not a trace.
+            from meshrun.ckpt.preemption import exit_code, signal_label
+
+            code = exit_code(stopping)
+            ending = ("stopped early", f"stopped by {stopping} at step {trainer.step}; another rank ended first")
+            _say(f"meshrun train: {_where(trainer)}stopping for {signal_label(stopping)} when another rank ended "
+                 f"first (no checkpoint of the current step); exit code {code}.")
+            return code
         if clean is not None:
             line, code, agreed = clean
             if rank == 0 or not agreed:
