@@ -217,3 +217,20 @@ def test_the_first_bf16_pipeline_step_gives_every_weight_a_gradient(tmp_path):
     for extra in ((), ("--parallel.pp_cast_once=true",)):
         missing = run_distributed(_first_step_grads, 2, tmp_path / str(len(extra)), extra)
         assert missing == [[], []], (extra, missing)
+
+
+def test_a_weight_two_layers_share_gets_one_copy_and_both_gradients():
+    torch.manual_seed(0)
+    first, second = nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False)
+    second.weight = first.weight
+    model = nn.Sequential(first, nn.ReLU(), second)
+    reference = copy.deepcopy(model)  # deepcopy keeps the tie
+    weights = StepWeights([model], torch.bfloat16)
+    assert len({id(c) for *_, c in weights.slots}) == 1 and len(weights) == 2
+    x = torch.randn(4, 8)
+    with torch.autocast("cpu", torch.bfloat16), weights.held():
+        assert first.weight is second.weight and first.weight.dtype == torch.bfloat16
+        model(x).float().sum().backward()
+    with torch.autocast("cpu", torch.bfloat16):
+        reference(x).float().sum().backward()
+    assert torch.equal(first.weight.grad, reference[0].weight.grad)

@@ -46,7 +46,8 @@ class StepWeights:
     def __init__(self, parts: Sequence[nn.Module], dtype: torch.dtype):
         self.dtype = dtype
         self.slots: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = []
-        """(module, name, fp32 parameter, copy) for each copied parameter."""
+        """(module, name, fp32 parameter, copy) for each place a copied parameter is held."""
+        copies: dict[int, nn.Parameter] = {}  # a weight two layers share gets one copy, which both hold
         for part in parts:
             for module in part.modules():
                 if not isinstance(module, COPIED_MODULES):
@@ -54,10 +55,12 @@ class StepWeights:
                 for name, param in module.named_parameters(recurse=False):
                     if not param.is_floating_point() or param.dtype == dtype:
                         continue
-                    copy = nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
-                    if param.requires_grad:
-                        copy.register_post_accumulate_grad_hook(partial(_add_into, param))
-                    self.slots.append((module, name, param, copy))
+                    if id(param) not in copies:
+                        copy = nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
+                        if param.requires_grad:
+                            copy.register_post_accumulate_grad_hook(partial(_add_into, param))
+                        copies[id(param)] = copy
+                    self.slots.append((module, name, param, copies[id(param)]))
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -65,7 +68,7 @@ class StepWeights:
     @torch.no_grad()
     def refresh(self) -> None:
         """Copy the fp32 parameters (as the optimizer or a checkpoint left them) into the copies, in place."""
-        for _, _, param, copy in self.slots:
+        for copy, param in {id(copy): (copy, param) for _, _, param, copy in self.slots}.values():
             copy.copy_(param)
 
     @contextmanager
