@@ -39,6 +39,44 @@ def test_the_span_splits_into_compute_exposed_communication_and_idle_per_step():
     assert t.verdict().startswith("host-bound: the GPU idled 36% of the span")
 
 
+# kernel names as the torch profiler records them on H100s (cuBLAS, cuDNN attention, Triton, fused AdamW, copies)
+NAMED = {
+    "nvjet_tst_192x192_64x4_2x1_v_bz_coopB_TNN": "matmuls",
+    "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1": "matmuls",
+    "triton_tem_fused_mm_0": "matmuls",
+    "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x64x64_4x1x1": "attention",
+    "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits>": "attention",
+    "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0": "fused element-wise (compiled)",
+    "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor<float, 4>>": (
+        "optimizer and norms (multi-tensor)"),
+    "void at::native::elementwise_kernel<128, 4, at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)>": (
+        "copies and casts"),
+    "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>": (
+        "element-wise and reductions (eager)"),
+    "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL": "communication",
+    "Memcpy DtoD (Device -> Device)": "copies and casts",
+    "some_custom_kernel": "other",
+}
+
+
+def test_kernel_time_is_also_split_by_what_the_kernels_are():
+    names = list(NAMED)
+    t = step_time(trace(*(kernel(name, 100 * i, 100 * i + 10 * (i + 1),
+                                 "gpu_memcpy" if name.startswith("Memcpy") else "kernel")
+                          for i, name in enumerate(names))))
+    expected: dict[str, float] = {}
+    for i, name in enumerate(names):  # 10 (i + 1) us each, over 2 steps
+        expected[NAMED[name]] = expected.get(NAMED[name], 0.0) + 10 * (i + 1) / 2e3
+    assert dict(t.by_kind) == pytest.approx(expected)
+    assert [ms for _, ms in t.by_kind] == sorted((ms for _, ms in t.by_kind), reverse=True)
+    from meshrun.watch.step_trace import describe_step_time
+
+    largest, ms = t.by_kind[0]
+    assert (largest, round(ms, 3)) == ("copies and casts", 0.095)  # direct_copy (8) and Memcpy (11): 190 us / 2
+    assert "kernel time per step by kind (overlaps counted in each): copies and casts 0.10 ms, " in (
+        describe_step_time(t))
+
+
 def test_exposed_collectives_and_busy_kernels_get_their_own_verdicts():
     comm = step_time(trace(kernel("gemm", 0, 100), kernel("ncclDevKernel_AllGather", 100, 150)))
     assert comm.verdict().startswith("communication-bound: only collectives ran for 33% of the span")

@@ -34,6 +34,18 @@ from typing import Any, Iterable
 from meshrun.help_format import PlainHelpFormatter
 
 KERNEL_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+KERNEL_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("communication", ("nccl",)),
+    ("attention", ("flash", "fmha", "sdpa", "attention", "attn")),
+    ("matmuls", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "wgmma", "s16816", "triton_tem")),
+    ("optimizer and norms (multi-tensor)", ("multi_tensor_apply", "adam", "foreach")),
+    ("fused element-wise (compiled)", ("triton",)),
+    ("copies and casts", ("copy", "memcpy", "memset", "chunk_cat", "split_with_sizes")),
+    ("element-wise and reductions (eager)", ("elementwise_kernel", "reduce_kernel")),
+)
+"""What a kernel's name says it is, the first match winning (lower-cased substrings; CUDA, cuBLAS, cuDNN, Triton and
+NCCL names as the torch profiler records them). A cast is a copy kernel; gradient accumulation an eager add."""
+OTHER_KIND = "other"
 BOUND_SHARE = 0.10
 """Idle or exposed communication above this share of the span names the step host- or communication-bound."""
 
@@ -53,6 +65,8 @@ class StepTime:
     """The kernels with the most device time per step (name, ms), communication included."""
     unprofiled_ms: float | None = None
     """The run's step time without the profiler (median of its logged intervals), when known."""
+    by_kind: list[tuple[str, float]] = field(default_factory=list)
+    """Kernel time per step (ms) by what the kernels are (:data:`KERNEL_KINDS`), the largest first."""
 
     def verdict(self) -> str:
         busy = self.span_ms - self.idle_ms
@@ -75,6 +89,14 @@ class StepTime:
             text += (f" (the profiler's own host time left the GPU idle {self.idle_ms:.3g} ms per recorded step; "
                      f"unprofiled steps take {self.unprofiled_ms:.3g} ms against {busy:.3g} ms of kernels)")
         return text
+
+
+def kernel_kind(name: str, cat: str = "kernel") -> str:
+    """The :data:`KERNEL_KINDS` name of one device event (a memcpy or memset event is a copy whatever its name)."""
+    if cat in ("gpu_memcpy", "gpu_memset"):
+        return "copies and casts"
+    lower = name.lower()
+    return next((kind for kind, words in KERNEL_KINDS if any(word in lower for word in words)), OTHER_KIND)
 
 
 def union_us(intervals: Iterable[tuple[float, float]]) -> float:
@@ -111,13 +133,16 @@ def step_time(trace: dict[str, Any], path: str = "", *, top: int = 8) -> StepTim
     busy, compute_us, comm_us = union_us(spans), union_us(compute), union_us(comm)
     span_us = max(end for _, end in spans) - min(start for start, _ in spans)
     by_name: collections.Counter[str] = collections.Counter()
+    by_kind: collections.Counter[str] = collections.Counter()
     for e in kernels:
         by_name[e["name"]] += e["dur"]
+        by_kind[kernel_kind(e["name"], e["cat"])] += e["dur"]
     per_step = 1e3 * steps  # microseconds of the whole trace -> milliseconds per step
     return StepTime(path=path, steps=steps, span_ms=span_us / per_step, compute_ms=compute_us / per_step,
                     comm_ms=comm_us / per_step, exposed_comm_ms=(busy - compute_us) / per_step,
                     idle_ms=(span_us - busy) / per_step,
-                    top_kernels=[(name, us / per_step) for name, us in by_name.most_common(top)])
+                    top_kernels=[(name, us / per_step) for name, us in by_name.most_common(top)],
+                    by_kind=[(kind, us / per_step) for kind, us in by_kind.most_common()])
 
 
 def describe_step_time(t: StepTime) -> str:
@@ -125,7 +150,10 @@ def describe_step_time(t: StepTime) -> str:
     lines = [f"GPU timeline per step ({t.steps} step(s) recorded): span {t.span_ms:.2f} ms = compute "
              f"{t.compute_ms:.2f} ms + exposed communication {t.exposed_comm_ms:.2f} ms + idle {t.idle_ms:.2f} ms "
              f"(communication {t.comm_ms:.2f} ms in all, {t.comm_ms - t.exposed_comm_ms:.2f} ms of it hidden "
-             "behind compute)", t.verdict(), "kernels with the most time per step:"]
+             "behind compute)", t.verdict(),
+             "kernel time per step by kind (overlaps counted in each): "
+             + ", ".join(f"{kind} {ms:.2f} ms" for kind, ms in t.by_kind),
+             "kernels with the most time per step:"]
     lines += [f"  {ms:8.3f} ms  {name[:110]}" for name, ms in t.top_kernels]
     return "\n".join(lines)
 
