@@ -47,6 +47,8 @@ class StepWeights:
         self.dtype = dtype
         self.slots: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = []
         """(module, name, fp32 parameter, copy) for each place a copied parameter is held."""
+        self.pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
+        """(fp32 parameter, copy), once each."""
         copies: dict[int, nn.Parameter] = {}  # a weight two layers share gets one copy, which both hold
         for part in parts:
             for module in part.modules():
@@ -60,6 +62,7 @@ class StepWeights:
                         if param.requires_grad:
                             copy.register_post_accumulate_grad_hook(partial(_add_into, param))
                         copies[id(param)] = copy
+                        self.pairs.append((param, copy))
                     self.slots.append((module, name, param, copies[id(param)]))
 
     def __len__(self) -> int:
@@ -68,7 +71,7 @@ class StepWeights:
     @torch.no_grad()
     def refresh(self) -> None:
         """Copy the fp32 parameters (as the optimizer or a checkpoint left them) into the copies, in place."""
-        for copy, param in {id(copy): (copy, param) for _, _, param, copy in self.slots}.values():
+        for param, copy in self.pairs:
             copy.copy_(param)
 
     @contextmanager

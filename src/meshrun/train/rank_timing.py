@@ -44,6 +44,7 @@ def step_times(table: np.ndarray) -> np.ndarray:
 
 
 def rank0_step_s(table: np.ndarray) -> float:
+    """Rank 0's wall-clock step time from a gathered table."""
     return float(step_times(table)[0])
 
 
