@@ -84,7 +84,8 @@ TUNE = {  # --tune: the documented settings each layout's defaults choose betwee
            "even": "--parallel.pp_balance=blocks", "launched": "--train.cuda_graphs=false"},
 }  # cp: none yet (its one speed setting, activation checkpointing, trades speed for memory)
 TUNE_COMPILED = {"autotune": "--train.compile_mode=max-autotune"}  # every layout, when the run compiles
-TUNE_BF16 = {"pp": {"once": "--parallel.pp_cast_once=true"}}  # with bf16 compute: GPUs, or --extra --train.dtype=bf16
+TUNE_BF16 = {"pp": {"casts": "--parallel.pp_cast_once=false"}}  # with bf16 compute (GPUs, or --extra
+# --train.dtype=bf16): weights cast per micro-batch, against the default's once per step on GPUs
 DEFAULTS_WITHIN = 0.03  # the defaults should be within 3% of the best setting --tune finds
 WORKLOAD_OPTIONS = ("--model.", "--train.micro_batch", "--train.grad_accum", "--train.global_batch")
 """Overrides that change what a step trains (the model or the samples per step): a variant with one of them is a

@@ -195,9 +195,10 @@ def test_the_time_estimate_names_a_custom_shape_as_such(capsys):
 
 def test_weights_cast_once_add_their_bf16_copies_to_each_stage():
     """parallel.pp_cast_once keeps a 2-byte copy of every linear weight: each stage's blocks' matrices, and the
-    output head on the last."""
+    output head on the last. Its default (auto) keeps them on GPUs, which the planner plans for."""
     common = ("--nodes", "1", "--gpus-per-node", "2", "--model", "1b", "--pp", "2", "--untied")
-    plain, once = make_plan(*common), make_plan(*common, "--parallel.pp_cast_once=true")
+    plain, once = make_plan(*common, "--parallel.pp_cast_once=false"), make_plan(*common)
+    assert once.memory == make_plan(*common, "--parallel.pp_cast_once=true").memory
     mats, _ = plain.spec.block_params(plain.model)
     head = plain.model.vocab_size * plain.model.dim
     for stage, (a, b) in enumerate(zip(plain.memory, once.memory)):

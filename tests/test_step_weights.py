@@ -18,7 +18,7 @@ from meshrun.comm.mesh import ParallelDims
 from meshrun.config import ConfigError, load_config
 from meshrun.models.gpt import Block, gpt_config, rope_cache
 from meshrun.models.spec import get_model_spec
-from meshrun.parallel.checks import check_cast_once, check_layout
+from meshrun.parallel.checks import check_cast_once, check_layout, use_cast_once
 from meshrun.parallel.kernels import describe_speed
 from meshrun.parallel.step_weights import StepWeights
 
@@ -103,8 +103,28 @@ def test_the_layout_check_applies_it_and_the_speed_line_says_so():
     with pytest.raises(ConfigError, match="set --train.dtype=bf16"):
         check_layout(job, spec, shape, _dims("--parallel.pp=2"), device=torch.device("cpu"), compute_dtype=None)
     check_layout(job, spec, shape, _dims("--parallel.pp=2"), device=torch.device("cpu"), compute_dtype=torch.bfloat16)
-    line = describe_speed(job, torch.device("cpu"), torch.bfloat16)
+    line = describe_speed(job, torch.device("cpu"), torch.bfloat16, cast_once=True)
     assert "bf16 autocast, weights cast once per step" in line, line
+
+
+@pytest.mark.parametrize(("choice", "overrides", "device", "fp32", "expected"), [
+    ("auto", ("--parallel.pp=2",), "cuda", False, True),  # the default: a pipeline in bf16 on GPUs
+    ("auto", ("--parallel.pp=2",), "cpu", False, False),  # measured on GPUs only
+    ("auto", ("--parallel.pp=2",), "cuda", True, False),  # fp32: nothing to cast
+    ("auto", ("--parallel.pp=2", "--parallel.dp_shard=2"), "cuda", False, False),  # FSDP2 casts itself
+    ("auto", ("--parallel.pp=2", "--parallel.pp_schedule=interleavedzb"), "cuda", False, False),
+    ("auto", ("--parallel.tp=2",), "cuda", False, False),  # no pipeline
+    ("false", ("--parallel.pp=2",), "cuda", False, False),
+    ("true", ("--parallel.pp=2",), "cpu", False, True),
+])
+def test_auto_casts_once_where_it_can_serve_on_gpus(choice, overrides, device, fp32, expected):
+    """parallel.pp_cast_once=auto (the default) is on for the pipeline layouts it serves on CUDA GPUs, where it was
+    measured faster, and off wherever true would be refused or nothing was measured."""
+    world = 4 if "--parallel.dp_shard=2" in overrides else 2
+    job = load_config(None, ["--model.name=tiny", "--parallel.dp_replicate=1", *overrides,
+                             f"--parallel.pp_cast_once={choice}"])
+    dims = _dims(*overrides, world_size=world)
+    assert use_cast_once(job, dims, torch.device(device), None if fp32 else torch.bfloat16) is expected
 
 
 # ---- through the trainer: 2 pipeline stages on 2 gloo ranks --------------------------------------------------------

@@ -148,6 +148,7 @@ def _check_choices(job: JobConfig) -> None:
     check_choice("train.lr_schedule", job.train.lr_schedule, LR_SCHEDULES)
     job.train.compile = tri_state("train.compile", job.train.compile)
     job.train.cuda_graphs = tri_state("train.cuda_graphs", job.train.cuda_graphs)
+    job.parallel.pp_cast_once = tri_state("parallel.pp_cast_once", job.parallel.pp_cast_once)
     check_choice("parallel.ddp_graph", job.parallel.ddp_graph, DDP_GRAPH_MODES)
     check_choice("parallel.grad_reduce_dtype", job.parallel.grad_reduce_dtype, REDUCE_DTYPES)
     job.parallel.fsdp_reshard_after_forward = tri_state("parallel.fsdp_reshard_after_forward",

@@ -35,7 +35,7 @@ from meshrun.models.shape import ModelShape
 from meshrun.models.spec import ModelSpec, ModelStructure
 from meshrun.parallel.activation_checkpoint import apply_activation_checkpointing
 from meshrun.parallel.checks import (check_chunked_loss, check_cuda_graphs, check_layout, graphs_supported, is_local,
-                                    layout_name, several_stages_per_rank, uses_fsdp)
+                                    layout_name, several_stages_per_rank, use_cast_once, uses_fsdp)
 from meshrun.parallel.context_parallel import SequenceShards
 from meshrun.parallel.data_parallel import apply_ddp, apply_fsdp, fsdp_units
 from meshrun.parallel.engine import Engine, LocalEngine, LossStep, loss_function
@@ -105,7 +105,8 @@ def build_engine(*, job: JobConfig, model_cfg: ModelShape, dims: ParallelDims, m
                                   pp_group=dims.get_mesh("pp").get_group(), dp_rank=dims.dp_rank(rank),
                                   dp_size=dims.dp_size, tp_rank=coords.tp, autocast_dtype=autocast, loss_fn=loss_fn,
                                   cuda_graphs=options.cuda_graphs,
-                                  step_weights=StepWeights(parts, autocast) if job.parallel.pp_cast_once else None)
+                                  step_weights=StepWeights(parts, autocast)
+                                  if use_cast_once(job, dims, device, compute_dtype) else None)
         pipeline.timed_modules = [m for part in parts for m in timed_modules(part, spec, dims=dims, compiled=compiled)]
         return pipeline
     engine = ShardedEngine(parts[0], dp_rank=dims.dp_rank(rank), dp_size=dims.dp_size, reports_loss=coords.tp == 0,

@@ -18,6 +18,7 @@ import torch
 
 from meshrun.comm.mesh import ParallelDims
 from meshrun.config import MULTI_STAGE_SCHEDULES, ConfigError, JobConfig
+from meshrun.config_checks import tri_state
 from meshrun.models.shape import ModelShape
 from meshrun.models.spec import ModelSpec
 from meshrun.parallel.async_tp import check_async_tp
@@ -108,29 +109,47 @@ def check_layout(job: JobConfig, spec: ModelSpec, shape: ModelShape, dims: Paral
         check_cuda_graphs(device, compiled=compiled, supported=graphs_supported(dims, async_tp=job.parallel.async_tp),
                           layout=layout_name(dims))
     check_chunked_loss(job.train.loss, spec, dims=dims, local=is_local(dims))
-    if job.parallel.pp_cast_once:
+    if tri_state("parallel.pp_cast_once", job.parallel.pp_cast_once) == "true":
         check_cast_once(dims, fp32=compute_dtype in (None, torch.float32), float8=job.train.float8)
 
 
+def use_cast_once(job: JobConfig, dims: ParallelDims, device: torch.device, compute_dtype: torch.dtype | None) -> bool:
+    """parallel.pp_cast_once resolved for this run: true (check_layout has refused the layouts it cannot serve),
+    false, or auto: on where it can serve on a CUDA GPU, where it was measured faster."""
+    choice = tri_state("parallel.pp_cast_once", job.parallel.pp_cast_once)  # a JobConfig built in Python: True too
+    if choice != "auto":
+        return choice == "true"
+    return device.type == "cuda" and cast_once_refusal(dims, fp32=compute_dtype in (None, torch.float32),
+                                                       float8=job.train.float8) is None
+
+
 def check_cast_once(dims: ParallelDims, *, fp32: bool, float8: bool) -> None:
-    """Refuse parallel.pp_cast_once where its copies would not be used or their gradients would not be summed."""
+    """Refuse parallel.pp_cast_once=true where its copies would not be used or their gradients would not be summed."""
+    refusal = cast_once_refusal(dims, fp32=fp32, float8=float8)
+    if refusal:
+        raise ConfigError(refusal)
+
+
+def cast_once_refusal(dims: ParallelDims, *, fp32: bool, float8: bool) -> str | None:
+    """Why parallel.pp_cast_once cannot serve this layout (the error's text), or None where it can."""
     option = "parallel.pp_cast_once=true"
     if dims.pp == 1:
-        raise ConfigError(f"{option} applies to pipeline layouts (parallel.pp > 1), not {layout_name(dims)}, which runs "
-                          "each weight once per micro-batch without a pipeline's schedule; drop --parallel.pp_cast_once")
+        return (f"{option} applies to pipeline layouts (parallel.pp > 1), not {layout_name(dims)}, which runs each "
+                "weight once per micro-batch without a pipeline's schedule; drop --parallel.pp_cast_once")
     if fp32:
-        raise ConfigError(f"{option} copies weights for bf16 compute, and this run computes in fp32: set "
-                          "--train.dtype=bf16, or drop --parallel.pp_cast_once")
+        return (f"{option} copies weights for bf16 compute, and this run computes in fp32: set --train.dtype=bf16, "
+                "or drop --parallel.pp_cast_once")
     if uses_fsdp(dims):
-        raise ConfigError(f"{option}: FSDP2 already gives {layout_name(dims)} its parameters in bf16 (its "
-                          "mixed-precision policy); drop --parallel.pp_cast_once")
+        return (f"{option}: FSDP2 already gives {layout_name(dims)} its parameters in bf16 (its mixed-precision "
+                "policy); drop --parallel.pp_cast_once")
     if dims.pp_schedule == "interleavedzb":
-        raise ConfigError(f"{option}: parallel.pp_schedule=interleavedzb writes weight gradients outside autograd's "
-                          "accumulation, which the copies' gradients go through; set --parallel.pp_schedule="
-                          "interleaved1f1b, or drop --parallel.pp_cast_once")
+        return (f"{option}: parallel.pp_schedule=interleavedzb writes weight gradients outside autograd's "
+                "accumulation, which the copies' gradients go through; set --parallel.pp_schedule=interleaved1f1b, "
+                "or drop --parallel.pp_cast_once")
     if float8:
-        raise ConfigError(f"{option}: train.float8 layers cast their fp32 weights to float8 themselves; drop one of "
-                          "--train.float8 and --parallel.pp_cast_once")
+        return (f"{option}: train.float8 layers cast their fp32 weights to float8 themselves; drop one of "
+                "--train.float8 and --parallel.pp_cast_once")
+    return None
 
 
 def check_chunked_loss(loss: str, spec: ModelSpec, *, dims: ParallelDims, local: bool) -> None:

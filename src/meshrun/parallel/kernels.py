@@ -97,17 +97,18 @@ def select_attention(choice: str, device: torch.device) -> str:
 
 
 def describe_speed(job: JobConfig, device: torch.device, compute_dtype: torch.dtype | None, *,
-                   cuda_graphs: bool = False, fsdp: bool = False, graphs_off: str = "") -> str:
+                   cuda_graphs: bool = False, fsdp: bool = False, cast_once: bool = False, graphs_off: str = "") -> str:
     """The start-up header's line of performance choices, as resolved for this device (``cuda_graphs``: the
     engine's resolved train.cuda_graphs; ``fsdp``: FSDP2 holds the parameters, and its mixed precision, not
-    autocast, computes in bf16; ``graphs_off``: why train.cuda_graphs=auto left CUDA graphs off, from
+    autocast, computes in bf16; ``cast_once``: a pipeline's weights are cast once per step, the engine's resolved
+    parallel.pp_cast_once; ``graphs_off``: why train.cuda_graphs=auto left CUDA graphs off, from
     apply.graphs_left_off)."""
     t = job.train
     reduce = job.parallel.grad_reduce_dtype
     bf16 = f"bf16 parameters (FSDP2), {reduce} gradient reduction" if fsdp else "bf16 autocast"
     if reduce == "bf16" and not fsdp:
         bf16 += ", bf16 gradient all-reduce"
-    if job.parallel.pp_cast_once and not fsdp:
+    if cast_once and not fsdp:
         bf16 += ", weights cast once per step"
     precision = "float8 matmuls (torchao) + bf16" if t.float8 else (bf16 if compute_dtype == torch.bfloat16 else "fp32")
     compiled = "on with CUDA graphs" if cuda_graphs else "on"

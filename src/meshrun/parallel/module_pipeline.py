@@ -57,11 +57,12 @@ class PipelineOptions:
     """Stages per rank with interleaved1f1b, interleavedzb and loopedbfs (gpipe and 1f1b run one)."""
     loss_fn: LossFn | None = None
     """(last stage's output, targets) -> the mean loss of a micro-batch; None: cross-entropy over the last dim."""
-    cast_once: bool = False
+    cast_once: bool | None = None
     """With bf16 autocast (layout='pp', compute_dtype bf16): each stage's nn.Linear layers hold bf16 copies of their
     weights, made once per step() call, instead of casting the fp32 weights for every micro-batch, and each
     micro-batch's weight gradient is added straight into the fp32 ``.grad`` (autocast's arithmetic, bitwise; the
-    trainer's parallel.pp_cast_once, meshrun.parallel.step_weights)."""
+    trainer's parallel.pp_cast_once, meshrun.parallel.step_weights). None: on where it can serve on a CUDA GPU
+    (bf16 autocast, a schedule other than interleavedzb), as the trainer's default; True refuses the others."""
     first_stage: tuple[str, ...] | None = None
     """Dotted names of the modules before the blocks (None: those registered before them)."""
     last_stage: tuple[str, ...] | None = None
@@ -327,6 +328,8 @@ def prepare_pipeline(model: nn.Module, layout: str, *, device: torch.device, wor
     autocast_dtype = None if fp32 or uses_fsdp(dims) else compute_dtype
     if cast_once:
         check_session_cast_once(layout, dims, autocast_dtype)
+    elif cast_once is None:  # as parallel.pp_cast_once=auto: where it serves, on GPUs (measured there)
+        cast_once = (device.type == "cuda" and autocast_dtype is not None and dims.pp_schedule != "interleavedzb")
     engine = PipelineEngine(parts, ids, n_stages=dims.stages, schedule=dims.pp_schedule,
                             microbatches=dims.pp_microbatches, device=device, pp_group=dims.get_mesh("pp").get_group(),
                             dp_rank=dims.dp_rank(rank), dp_size=dims.dp_size, tp_rank=0,

@@ -35,6 +35,8 @@ class Plan:
     memory: list[dict] = field(default_factory=list)
     comm: list[dict] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    cast_once: bool = False
+    """parallel.pp_cast_once as the trainer on GPUs resolves it: the stages keep compute-dtype copies of their weights."""
 
     def node_of(self, rank: int) -> int:
         return rank // self.gpus_per_node
@@ -66,7 +68,7 @@ def build_plan(job: JobConfig, *, nodes: int, gpus_per_node: int, gpu_mem_gib: f
     import torch
 
     from meshrun.models.build import model_shape, model_spec
-    from meshrun.parallel.checks import check_layout, compute_dtype
+    from meshrun.parallel.checks import check_layout, compute_dtype, use_cast_once
 
     model, spec = model_shape(job), model_spec(job)
     if model.dim % model.n_heads:
@@ -77,12 +79,14 @@ def build_plan(job: JobConfig, *, nodes: int, gpus_per_node: int, gpu_mem_gib: f
     given, job = job.parallel, dataclasses.replace(job, parallel=parallel)
     dims = ParallelDims.from_config(job.parallel, world_size=world, gpus_per_node=gpus_per_node, model=model,
                                     spec=spec)
-    check_layout(job, spec, model, dims, device=torch.device("cuda"), compute_dtype=compute_dtype(job, "cuda"))
+    gpu = torch.device("cuda")
+    check_layout(job, spec, model, dims, device=gpu, compute_dtype=compute_dtype(job, "cuda"))
     batch = resolve_batch(job.train, dp_size=dims.dp_size, seq_len=model.seq_len)
     dims.resolve_pipeline_batch(batch.micro_batch * batch.grad_accum, seq_len=batch.seq_len)
     plan = Plan(nodes=nodes, gpus_per_node=gpus_per_node, world_size=world, model=model, spec=spec, dims=dims,
                 batch=batch, job=job,
-                data_parallel=note or data_parallel_line(given, dims, params=params))
+                data_parallel=note or data_parallel_line(given, dims, params=params),
+                cast_once=use_cast_once(job, dims, gpu, compute_dtype(job, "cuda")))
     plan.memory = [stage_memory(plan, s, dtype_bytes=dtype_bytes) for s in range(dims.pp)]
     plan.comm = communication(plan, dtype_bytes=dtype_bytes)
     plan.warnings = layout_warnings(plan, gpu_mem_gib=gpu_mem_gib)
@@ -190,7 +194,7 @@ def stage_memory(plan: Plan, pp_rank: int, *, dtype_bytes: int) -> dict[str, Any
     mats, norms = plan.spec.block_params(m)
     fsdp_working = 2 * (mats // d.tp + norms) * dtype_bytes if shard > 1 else 0  # 2 gathered blocks
     params = local * MASTER_BYTES + fsdp_working
-    if plan.job.parallel.pp_cast_once:  # the linear layers' compute-dtype copies: blocks' matrices and the head
+    if plan.cast_once:  # the linear layers' compute-dtype copies: blocks' matrices and the head
         head = plan.spec.edge_params(m, tied=False)[1][0] // d.tp if pp_rank == d.pp - 1 else 0
         params += (len(pipeline_rank_layers(plan, pp_rank)) * mats // d.tp + head) * dtype_bytes
     # FSDP keeps unsharded fp32 gradients between micro-batches while it skips the reduce-scatter (grad

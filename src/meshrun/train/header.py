@@ -57,6 +57,7 @@ def print_header(trainer: Trainer) -> None:
                   describe_speed(trainer.job, trainer.device, trainer.compute_dtype,
                                  cuda_graphs=getattr(trainer.engine, "cuda_graphs", False),
                                  fsdp=uses_fsdp(trainer.dims),
+                                 cast_once=getattr(trainer.engine, "step_weights", None) is not None,
                                  graphs_off=graphs_left_off(trainer.job, trainer.dims, trainer.device))]
     lines.append(describe_resume(trainer.resumed, run_dir=trainer.run_dir, moved_to=trainer.folder.moved_to,
                                  where=f"epoch {trainer.data.position.epoch}, {trainer.data.position.consumed:,} "
