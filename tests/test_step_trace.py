@@ -134,3 +134,24 @@ def test_a_run_folder_weighs_idle_time_against_its_unprofiled_steps(tmp_path, ca
     row = json.loads(capsys.readouterr().out)
     assert row["verdict"].startswith("host-bound: the GPU idled 32% of an unprofiled step")
     assert "profiler's own" not in row["verdict"]
+
+
+def test_kernels_the_host_queued_before_the_recorded_steps_are_left_out():
+    """A host that runs ahead of its GPU (CUDA graphs) starts the profiler while the GPU still runs the previous
+    step: the trace holds those kernels but not their launches, and they belong to no recorded step. A trace without
+    launch events counts every kernel."""
+    def launched(name, start, end, correlation):
+        return {**kernel(name, start, end), "args": {"correlation": correlation}}
+
+    launches = [{"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": ts, "dur": 5,
+                 "args": {"correlation": c}} for ts, c in ((10, 2), (120, 3))]
+    earlier = [launched("gemm", 0, 250, 1)]  # launched before the profiler started: no launch event
+    recorded = [launched("gemm", 300, 380, 2), launched("rms_norm", 400, 490, 3)]
+    marks = [{"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{i}", "ts": ts, "dur": 100}
+             for i, ts in ((7, 0), (8, 100))]  # the host's two recorded steps
+    t = step_time({"traceEvents": [*marks, *launches, *earlier, *recorded]})
+    assert t.steps == 2
+    assert t.span_ms == pytest.approx(0.095)  # 300-490, not 0-490
+    assert t.compute_ms == pytest.approx(0.085)  # 80 + 90 us over 2 steps
+    assert dict(t.top_kernels) == pytest.approx({"gemm": 0.04, "rms_norm": 0.045})
+    assert step_time(trace(*earlier, *recorded)).compute_ms == pytest.approx(0.21)  # no launches: 250 + 80 + 90

@@ -119,13 +119,38 @@ def read_trace(path: Path) -> dict[str, Any]:
         return json.load(f)
 
 
+LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")  # the host's launch calls (cudaLaunchKernel, cudaGraphLaunch)
+
+
+def recorded_kernels(events: list[dict[str, Any]]) -> tuple[int, list[dict[str, Any]]]:
+    """How many steps a trace recorded (its ``ProfilerStep#N`` marks), and the device events launched in them.
+
+    A host that runs ahead of its GPU (CUDA graphs, and any step without a host sync) starts the profiler while
+    the GPU still runs work it queued earlier. Those kernels are in the trace too, though their launches are not, and
+    counting them charged up to half as much again to each recorded step: a 124m DDP step as CUDA graphs read 46 ms
+    per step where its recorded launches ran 34. So a device event counts when the trace holds its launch (linked
+    by the profiler's ``correlation`` id), made within the recorded steps; every one counts in a trace without
+    launch events."""
+    marks = [e for e in events if e.get("cat") != "gpu_user_annotation"
+             and str(e.get("name", "")).startswith("ProfilerStep#")]
+    steps = len({e["name"] for e in marks}) or 1
+    device = [e for e in events if e.get("cat") in KERNEL_CATEGORIES]
+    launches = {e["args"]["correlation"]: e["ts"] for e in events
+                if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
+    if not launches:
+        return steps, device
+    start = min((e["ts"] for e in marks), default=float("-inf"))
+    end = max((e["ts"] + e["dur"] for e in marks), default=float("inf"))
+    return steps, [e for e in device if start <= launches.get(e.get("args", {}).get("correlation"), start - 1) <= end]
+
+
 def step_time(trace: dict[str, Any], path: str = "", *, top: int = 8) -> StepTime | None:
-    """The breakdown of one trace; None when it holds no device kernels (a CPU run)."""
+    """The breakdown of one trace over the kernels launched in its recorded steps (:func:`recorded_kernels`); None
+    when it holds no device kernels (a CPU run)."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
-    kernels = [e for e in events if e.get("cat") in KERNEL_CATEGORIES]
+    steps, kernels = recorded_kernels(events)
     if not kernels:
         return None
-    steps = len({e["name"] for e in events if str(e.get("name", "")).startswith("ProfilerStep#")}) or 1
     is_comm = [("nccl" in e["name"].lower()) for e in kernels]
     spans = [(e["ts"], e["ts"] + e["dur"]) for e in kernels]
     comm = [s for s, c in zip(spans, is_comm) if c]
