@@ -213,6 +213,25 @@ def test_session_refuses_the_option_without_bf16_autocast():
     check_session_cast_once("pp", dims, torch.bfloat16)
 
 
+def test_session_casts_once_by_default_where_it_can_serve_on_gpus():
+    """PipelineOptions(cast_once=None), the default, is on as the trainer's auto is: bf16 autocast on a CUDA GPU, any
+    schedule but interleavedzb; True is refused where it cannot serve, False stays off."""
+    from meshrun.parallel.module_pipeline import PipelineOptions, pipeline_dims, session_cast_once
+
+    dims = pipeline_dims("pp", PipelineOptions(), world_size=2, nodes=1, pp=0)
+    zero_bubble = pipeline_dims("pp", PipelineOptions(schedule="interleavedzb", microbatches=4), world_size=2, nodes=1,
+                                pp=0)
+    gpu, cpu, bf16 = torch.device("cuda"), torch.device("cpu"), torch.bfloat16
+    assert session_cast_once(None, "pp", dims, gpu, bf16)
+    assert not session_cast_once(None, "pp", dims, cpu, bf16)  # measured on GPUs only
+    assert not session_cast_once(None, "pp", dims, gpu, None)  # fp32, or FSDP2's own bf16 parameters
+    assert not session_cast_once(None, "pp", zero_bubble, gpu, bf16)
+    assert not session_cast_once(False, "pp", dims, gpu, bf16)
+    assert session_cast_once(True, "pp", dims, cpu, bf16)
+    with pytest.raises(ConfigError, match="this model computes in fp32"):
+        session_cast_once(True, "pp", dims, gpu, None)
+
+
 # ---- the first step of a bf16 pipeline -----------------------------------------------------------------------------
 
 def _first_step_grads(rank, world_size, run_dir, extra):

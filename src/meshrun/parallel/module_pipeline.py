@@ -326,10 +326,7 @@ def prepare_pipeline(model: nn.Module, layout: str, *, device: torch.device, wor
         return loss_fn(output, targets) * targets.numel()  # the engine divides by the step's target count
 
     autocast_dtype = None if fp32 or uses_fsdp(dims) else compute_dtype
-    if cast_once:
-        check_session_cast_once(layout, dims, autocast_dtype)
-    elif cast_once is None:  # as parallel.pp_cast_once=auto: where it serves, on GPUs (measured there)
-        cast_once = (device.type == "cuda" and autocast_dtype is not None and dims.pp_schedule != "interleavedzb")
+    cast_once = session_cast_once(cast_once, layout, dims, device, autocast_dtype)
     engine = PipelineEngine(parts, ids, n_stages=dims.stages, schedule=dims.pp_schedule,
                             microbatches=dims.pp_microbatches, device=device, pp_group=dims.get_mesh("pp").get_group(),
                             dp_rank=dims.dp_rank(rank), dp_size=dims.dp_size, tp_rank=0,
@@ -339,6 +336,18 @@ def prepare_pipeline(model: nn.Module, layout: str, *, device: torch.device, wor
     return (PipelinedModule(parts, engine, loss_fn=loss_fn, fingerprint=fingerprint),
             ModuleLayout(dims=dims, name=layout_name(dims), blocks=blocks, module=parts[0], compute_dtype=compute_dtype,
                          grad_reduce_dtype=grad_reduce_dtype, compiled=compiled, compile_mode=compile_mode))
+
+
+def session_cast_once(choice: bool | None, layout: str, dims: ParallelDims, device: torch.device,
+                      autocast_dtype: torch.dtype | None) -> bool:
+    """PipelineOptions.cast_once resolved: True (refused where it cannot serve), False, or None: on where it can
+    serve on a CUDA GPU, as the trainer's parallel.pp_cast_once=auto (measured there)."""
+    if choice:
+        check_session_cast_once(layout, dims, autocast_dtype)
+        return True
+    if choice is None:
+        return device.type == "cuda" and autocast_dtype is not None and dims.pp_schedule != "interleavedzb"
+    return False
 
 
 def check_session_cast_once(layout: str, dims: ParallelDims, autocast_dtype: torch.dtype | None) -> None:
