@@ -31,7 +31,9 @@ it finishes, then a table, and writes JSON.
 --launch-args takes `meshrun launch` options the same way, for every row (baseline and peers included), e.g.
 `--launch-args '--numa-binding node'`: every side is launched alike. --launch-variant NAME:OPTIONS adds a meshrun row
 per layout launched with more options, interleaved with the others, e.g. `--launch-variant 'excl:--numa-binding
-exclusive'` (each worker on CPU cores of its own) beside the defaults.
+exclusive'` (each worker on CPU cores of its own) beside the defaults. --env-variant NAME:VAR=VALUE[,VAR=VALUE]
+does the same with environment variables for that row's processes, e.g. `--env-variant ctas:NCCL_MIN_CTAS=32`
+(NCCL's settings, which have no meshrun option).
 Gradient clipping is set with --grad-clip only, so that it is equal on every side.
 
 Every row is timed alike: the tokens of the steps after the warm-up third of --steps over their wall time. The
@@ -146,6 +148,7 @@ class Plan:
     run_timeout: float = 1200.0  # seconds one run may take before it is stopped and becomes an error row
     launch_args: tuple[str, ...] = ()  # `meshrun launch` options for every row (baseline, peers and meshrun alike)
     launch_variants: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (name, more launch options): meshrun rows
+    env_variants: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()  # (name, environment): meshrun rows
 
 
 def launch(gpus: int, target: list[str], env: dict[str, str], timeout: float = 1200.0,
@@ -329,13 +332,16 @@ def run_case(case: Case, plan: Plan, env: dict[str, str]) -> Iterator[dict]:
             continue  # FSDP, TP, PP and CP need two GPUs or more
         for source, folder in [("", ""), *plan.sources]:
             src_env = source_env(env, folder) if folder else env
-            rows = [("", [], ()), *((name, o, ()) for name, o in variants_for(layout, plan.variants)),
-                    *((name, [], opts) for name, opts in plan.launch_variants)]
-            for name, overrides, launch_extra in rows:
+            rows = [("", [], (), ()), *((name, o, (), ()) for name, o in variants_for(layout, plan.variants)),
+                    *((name, [], opts, ()) for name, opts in plan.launch_variants),
+                    *((name, [], (), variables) for name, variables in plan.env_variants)]
+            for name, overrides, launch_extra, variables in rows:
                 impl = (f"meshrun-{layout}-{name}" if name else f"meshrun-{layout}") + (f"@{source}" if source else "")
                 tags[impl] = {"layout": layout, "setting": name or "defaults", "source": source,
-                              "same_workload": not any(o.startswith(WORKLOAD_OPTIONS) for o in overrides)}
-                jobs.append((impl, lambda i, o=[*plan.extra, *overrides], lay=layout, e=src_env, name=impl,
+                              "same_workload": not any(o.startswith(WORKLOAD_OPTIONS) for o in overrides),
+                              **({"env": dict(variables)} if variables else {})}
+                jobs.append((impl, lambda i, o=[*plan.extra, *overrides], lay=layout, e={**src_env, **dict(variables)},
+                             name=impl,
                              more=launch_extra: run_meshrun(case, lay, plan, e, o, launch_extra=more,
                                                             run_dir=kept_run_dir(plan, case, name, i)
                                                             if plan.keep_runs else None)))
@@ -506,6 +512,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--launch-variant", action="append", default=[], metavar="NAME:OPTIONS",
                    help="one more meshrun row per layout, meshrun-<layout>-NAME, launched with these `meshrun "
                         "launch` options as well (e.g. 'excl:--numa-binding exclusive'), interleaved with the others")
+    p.add_argument("--env-variant", action="append", default=[], metavar="NAME:VAR=VALUE[,VAR=VALUE]",
+                   help="one more meshrun row per layout, meshrun-<layout>-NAME, whose processes get these environment "
+                        "variables (e.g. 'ctas:NCCL_MIN_CTAS=32'), interleaved with the others")
     p.add_argument("--run-timeout", type=float, default=1200.0, metavar="SECONDS",
                    help="stop a run (all its processes) that takes longer and report it as an error row, so that "
                         "the rows after it still run (default 1200)")
@@ -537,6 +546,11 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         name, _, options = variant.partition(":")
         if not name or "/" in name or not options.strip():
             p.error(f"--launch-variant {variant!r}: expected NAME:OPTIONS, e.g. excl:'--numa-binding exclusive'")
+    for variant in args.env_variant:
+        name, _, variables = variant.partition(":")
+        pairs = [pair.partition("=") for pair in variables.split(",")]
+        if not name or "/" in name or not all(var.strip() and sep for var, sep, _ in pairs):
+            p.error(f"--env-variant {variant!r}: expected NAME:VAR=VALUE[,VAR=VALUE], e.g. ctas:NCCL_MIN_CTAS=32")
     for value in [*args.extra, *args.variant]:
         if "--train.grad_clip" in value:
             p.error(f"{value!r} sets --train.grad_clip for meshrun alone; use --grad-clip, which clips every side")
@@ -576,6 +590,9 @@ def make_plan(args: argparse.Namespace, device: str) -> tuple[Plan, list[str]]:
                 launch_args=tuple(x for value in args.launch_args for x in shlex.split(value)),
                 launch_variants=tuple((name, tuple(shlex.split(options))) for name, _, options
                                       in (v.partition(":") for v in args.launch_variant)),
+                env_variants=tuple((name, tuple((var.strip(), value) for var, _, value
+                                                in (pair.partition("=") for pair in variables.split(","))))
+                                   for name, _, variables in (v.partition(":") for v in args.env_variant)),
                 baseline_graphs=tuple(split(args.baseline_graphs) if args.baseline_graphs is not None
                                       else BASELINES if compiled else ["whole"]))
     return plan, skipped

@@ -140,6 +140,38 @@ def test_a_launch_variant_is_a_meshrun_row_launched_with_more_options(monkeypatc
                          "exclusive"]]
 
 
+def test_an_env_variant_is_a_meshrun_row_whose_processes_get_those_variables(monkeypatch):
+    plan, _ = tb.make_plan(tb.parse_args(["--peers", "", "--layouts", "ddp", "--no-baseline",
+                                          "--env-variant", "ctas:NCCL_MIN_CTAS=32,NCCL_PROTO=Simple"]),
+                           "NVIDIA H100 80GB HBM3")
+    assert plan.env_variants == (("ctas", (("NCCL_MIN_CTAS", "32"), ("NCCL_PROTO", "Simple"))),)
+    envs = []
+
+    class FakePopen:
+        def __init__(self, cmd, env=None, **kwargs):
+            envs.append({k: env.get(k) for k in ("NCCL_MIN_CTAS", "NCCL_PROTO", "KEPT")})
+            self.returncode, self.pid = 1, 0
+
+        def communicate(self, timeout=None):
+            return "", "failed on purpose"
+
+    monkeypatch.setattr(tb.subprocess, "Popen", FakePopen)
+    rows = list(tb.run_case(tb.Case("tiny", 2, 0.0), plan, {"KEPT": "1"}))
+    assert [r["impl"] for r in rows] == ["meshrun-ddp", "meshrun-ddp-ctas"]
+    assert rows[1]["setting"] == "ctas" and rows[1]["same_workload"]
+    assert rows[1]["env"] == {"NCCL_MIN_CTAS": "32", "NCCL_PROTO": "Simple"} and "env" not in rows[0]
+    assert envs == [{"NCCL_MIN_CTAS": None, "NCCL_PROTO": None, "KEPT": "1"},
+                    {"NCCL_MIN_CTAS": "32", "NCCL_PROTO": "Simple", "KEPT": "1"}]
+
+
+@pytest.mark.parametrize("value", ["ctas", "ctas:", ":NCCL_MIN_CTAS=32", "ctas:NCCL_MIN_CTAS", "ctas:=32",
+                                   "tp/ctas:NCCL_MIN_CTAS=32"])
+def test_a_malformed_env_variant_is_refused(value, capsys):
+    with pytest.raises(SystemExit):
+        tb.parse_args(["--env-variant", value])
+    assert f"--env-variant {value!r}: expected NAME:VAR=VALUE" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("value", ["excl", ":--numa-binding node", "excl:", "fsdp/excl:--numa-binding node"])
 def test_a_malformed_launch_variant_is_refused(value, capsys):
     with pytest.raises(SystemExit):
