@@ -84,6 +84,30 @@ def test_exposed_collectives_and_busy_kernels_get_their_own_verdicts():
     assert busy.verdict().startswith("compute-bound: kernels kept the GPU busy 95% of the span")
 
 
+def test_exposed_communication_is_split_by_collective_and_the_verdict_names_the_largest():
+    """Only the part of each collective that no compute kernel covers counts as exposed; the communication-bound
+    verdict then says what to try for that collective."""
+    t = step_time(trace(kernel("gemm", 0, 100), kernel("ncclDevKernel_AllGather_RING_LL", 50, 150),  # 50 exposed
+                        kernel("ncclDevKernel_SendRecv", 200, 400),  # 200 exposed
+                        kernel("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", 300, 350)))  # beside SendRecv
+    assert dict(t.exposed_by_collective) == pytest.approx({"send/receive": 0.1, "all-gather": 0.025,
+                                                           "reduce-scatter": 0.025})
+    assert t.exposed_by_collective[0][0] == "send/receive"
+    assert t.verdict().startswith("communication-bound: only collectives ran for 62% of the span; most of "
+                                  "it send/receive: the pipeline's stages wait for each other")
+    from meshrun.watch.step_trace import EXPOSED_HINTS, collective, describe_step_time
+
+    assert "exposed communication per step by collective: send/receive 0.10 ms, " in describe_step_time(t)
+    assert [collective(n) for n in ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "ncclKernel_AllGather_RING_LL_Sum",
+                                    "ncclDevKernel_ReduceScatter_Sum_f32", "ncclDevKernel_Broadcast_RING_LL",
+                                    "ncclDevKernel_Something")] == [
+        "all-reduce", "all-gather", "reduce-scatter", "broadcast", "other"]
+    tp = step_time(trace(kernel("gemm", 0, 100), kernel("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 100, 150)))
+    assert tp.verdict().endswith(EXPOSED_HINTS["all-reduce"]) and "fewer TP ranks" in tp.verdict()
+    hidden = step_time(trace(kernel("gemm", 0, 100), kernel("ncclDevKernel_AllReduce_Sum_f32", 10, 90)))
+    assert hidden.exposed_by_collective == [] and hidden.verdict().startswith("compute-bound")
+
+
 def test_a_cpu_trace_has_no_device_timeline():
     assert step_time({"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 9}]}) is None
 

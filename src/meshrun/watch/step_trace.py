@@ -22,6 +22,7 @@ an unprofiled step that the kernels do not fill counts as waiting for the host.
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import gzip
 import json
@@ -46,6 +47,28 @@ KERNEL_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
 """What a kernel's name says it is, the first match winning (lower-cased substrings; CUDA, cuBLAS, cuDNN, Triton and
 NCCL names as the torch profiler records them). A cast is a copy kernel; gradient accumulation an eager add."""
 OTHER_KIND = "other"
+COLLECTIVES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("all-reduce", ("allreduce",)),
+    ("all-gather", ("allgather",)),
+    ("reduce-scatter", ("reducescatter",)),
+    ("send/receive", ("sendrecv", "_send", "_recv")),
+    ("broadcast", ("broadcast",)),
+)
+"""Which collective an NCCL kernel runs, from its name (``ncclDevKernel_AllReduce_Sum_bf16_RING_LL``)."""
+EXPOSED_HINTS = {
+    "all-reduce": "DDP's gradient all-reduce overlaps backward when the compiled step is split at its buckets "
+                  "(parallel.ddp_graph=split, smaller parallel.ddp_bucket_mb); TP's activation all-reduces cannot overlap compute, so fewer TP ranks "
+                  "(more data parallelism) or sequence parallelism with parallel.async_tp move them off the step",
+    "all-gather": "FSDP2's all-gathers: larger units (parallel.fsdp_unit_blocks), gathered parameters kept for "
+                  "backward (parallel.fsdp_reshard_after_forward=false), or fewer shards (HSDP's "
+                  "parallel.dp_replicate)",
+    "reduce-scatter": "FSDP2's gradient reduce-scatters: larger units (parallel.fsdp_unit_blocks), or bf16 "
+                      "reduction (parallel.grad_reduce_dtype=bf16)",
+    "send/receive": "the pipeline's stages wait for each other (its bubble, or unequal stages): more micro-batches "
+                    "(parallel.pp_microbatches), stages cut by cost (parallel.pp_balance=cost), or an interleaved "
+                    "schedule (parallel.pp_schedule)",
+}
+"""What a step bound by that collective can try (``StepTime.verdict``)."""
 BOUND_SHARE = 0.10
 """Idle or exposed communication above this share of the span names the step host- or communication-bound."""
 
@@ -67,6 +90,9 @@ class StepTime:
     """The run's step time without the profiler (median of its logged intervals), when known."""
     by_kind: list[tuple[str, float]] = field(default_factory=list)
     """Kernel time per step (ms) by what the kernels are (:data:`KERNEL_KINDS`), the largest first."""
+    exposed_by_collective: list[tuple[str, float]] = field(default_factory=list)
+    """Exposed communication per step (ms) by collective (:data:`COLLECTIVES`), the largest first; two collectives
+    running at once, both exposed, count in each."""
 
     def verdict(self) -> str:
         busy = self.span_ms - self.idle_ms
@@ -80,8 +106,10 @@ class StepTime:
             text = (f"host-bound: the GPU idled {idle:.0%} of {where} waiting for work; less host time per step "
                     "helps (compile, CUDA graphs with train.cuda_graphs, fewer and larger kernels, no host syncs)")
         elif exposed >= BOUND_SHARE:
-            text = (f"communication-bound: only collectives ran for {exposed:.0%} of {where}; overlap them with "
-                    "compute (parallel.ddp_overlap, FSDP prefetch) or move fewer bytes")
+            top = self.exposed_by_collective[0][0] if self.exposed_by_collective else ""
+            hint = (f"most of it {top}: {EXPOSED_HINTS[top]}" if top in EXPOSED_HINTS
+                    else "overlap them with compute or move fewer bytes")
+            text = f"communication-bound: only collectives ran for {exposed:.0%} of {where}; {hint}"
         else:
             text = (f"compute-bound: kernels kept the GPU busy {1 - idle - exposed:.0%} of {where}; faster kernels "
                     "help (train.float8, train.loss=chunked, a larger micro-batch)")
@@ -97,6 +125,36 @@ def kernel_kind(name: str, cat: str = "kernel") -> str:
         return "copies and casts"
     lower = name.lower()
     return next((kind for kind, words in KERNEL_KINDS if any(word in lower for word in words)), OTHER_KIND)
+
+
+def collective(name: str) -> str:
+    """The :data:`COLLECTIVES` name of an NCCL kernel ('other' for one it does not name)."""
+    lower = name.lower()
+    return next((kind for kind, words in COLLECTIVES if any(word in lower for word in words)), OTHER_KIND)
+
+
+def merged(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """(start, end) intervals merged where they overlap or touch, in order."""
+    out: list[tuple[float, float]] = []
+    for start, stop in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], stop))
+        else:
+            out.append((start, stop))
+    return out
+
+
+def uncovered_us(intervals: Iterable[tuple[float, float]], cover: list[tuple[float, float]]) -> float:
+    """Total length of ``intervals`` (overlaps counted once) outside ``cover`` (merged, as :func:`merged` gives)."""
+    total, starts = 0.0, [start for start, _ in cover]
+    for start, stop in merged(intervals):
+        length = stop - start
+        for c_start, c_stop in cover[max(0, bisect.bisect_right(starts, start) - 1):]:
+            if c_start >= stop:
+                break
+            length -= max(0.0, min(stop, c_stop) - max(start, c_start))
+        total += length
+    return total
 
 
 def union_us(intervals: Iterable[tuple[float, float]]) -> float:
@@ -163,11 +221,19 @@ def step_time(trace: dict[str, Any], path: str = "", *, top: int = 8) -> StepTim
         by_name[e["name"]] += e["dur"]
         by_kind[kernel_kind(e["name"], e["cat"])] += e["dur"]
     per_step = 1e3 * steps  # microseconds of the whole trace -> milliseconds per step
+    covered = merged(compute)
+    by_collective: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
+    for e, s, c in zip(kernels, spans, is_comm):
+        if c:
+            by_collective[collective(e["name"])].append(s)
+    exposed = sorted(((name, uncovered_us(spans_of, covered) / per_step) for name, spans_of in by_collective.items()),
+                     key=lambda item: -item[1])
     return StepTime(path=path, steps=steps, span_ms=span_us / per_step, compute_ms=compute_us / per_step,
                     comm_ms=comm_us / per_step, exposed_comm_ms=(busy - compute_us) / per_step,
                     idle_ms=(span_us - busy) / per_step,
                     top_kernels=[(name, us / per_step) for name, us in by_name.most_common(top)],
-                    by_kind=[(kind, us / per_step) for kind, us in by_kind.most_common()])
+                    by_kind=[(kind, us / per_step) for kind, us in by_kind.most_common()],
+                    exposed_by_collective=[(name, ms) for name, ms in exposed if ms > 0])
 
 
 def describe_step_time(t: StepTime) -> str:
@@ -176,6 +242,9 @@ def describe_step_time(t: StepTime) -> str:
              f"{t.compute_ms:.2f} ms + exposed communication {t.exposed_comm_ms:.2f} ms + idle {t.idle_ms:.2f} ms "
              f"(communication {t.comm_ms:.2f} ms in all, {t.comm_ms - t.exposed_comm_ms:.2f} ms of it hidden "
              "behind compute)", t.verdict(),
+             *(["exposed communication per step by collective: "
+                + ", ".join(f"{name} {ms:.2f} ms" for name, ms in t.exposed_by_collective)]
+               if t.exposed_by_collective else []),
              "kernel time per step by kind (overlaps counted in each): "
              + ", ".join(f"{kind} {ms:.2f} ms" for kind, ms in t.by_kind),
              "kernels with the most time per step:"]
