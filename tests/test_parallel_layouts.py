@@ -194,6 +194,9 @@ TWO_RANKS = {
         "dp_replicate": 1, "pp": 2, "pp_microbatches": 4, "pp_schedule": "interleaved1f1b"}),
     "pp2_interleaved_zero_bubble": Layout(tied=False, grad_accum=1, n_layers=4, parallel={
         "dp_replicate": 1, "pp": 2, "pp_microbatches": 4, "pp_schedule": "interleavedzb"}),
+    # compiled blocks with their linear layers eager, so the zero-bubble schedule can split each backward
+    "pp2_interleaved_zero_bubble_compiled": Layout(tied=False, grad_accum=1, n_layers=4, parallel={
+        "dp_replicate": 1, "pp": 2, "pp_microbatches": 4, "pp_schedule": "interleavedzb"}, train={"compile": "true"}),
     "pp2_looped_bfs": Layout(tied=False, grad_accum=2, n_layers=4, parallel={
         "dp_replicate": 1, "pp": 2, "pp_microbatches": 0, "pp_schedule": "loopedbfs"}),
 }
@@ -383,10 +386,11 @@ def test_split_stage_keeps_original_names_and_owners():
     assert names == set(dict(whole.named_parameters()).keys())
 
 
-def test_zero_bubble_refuses_blocks_compiled_in_place():
+def test_zero_bubble_refuses_blocks_compiled_in_place_unless_their_matmuls_stay_eager():
     from types import SimpleNamespace
 
     from meshrun.config import ConfigError
+    from meshrun.parallel.apply import keep_matmuls_eager
     from meshrun.parallel.pipeline import check_split_backward
 
     plain, compiled = torch.nn.Sequential(torch.nn.Linear(2, 2)), torch.nn.Sequential(torch.nn.Linear(2, 2))
@@ -394,6 +398,47 @@ def test_zero_bubble_refuses_blocks_compiled_in_place():
     check_split_backward([SimpleNamespace(submod=plain)])
     with pytest.raises(ConfigError, match="parallel.pp_schedule=interleavedzb.*train.compile=false"):
         check_split_backward([SimpleNamespace(submod=compiled)])
+    split = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.GELU()))
+    keep_matmuls_eager(split[0])
+    split[0].compile()
+    check_split_backward([SimpleNamespace(submod=split)])
+
+
+def test_blocks_compiled_for_zero_bubble_leave_each_linear_weights_gradient_to_an_eager_matmul():
+    """keep_matmuls_eager: the compiled block's graphs end at its linear layers, so each linear weight's gradient
+    comes from an eager matmul node, which autograd can run for the weight alone (the zero-bubble weight pass); a
+    norm's weight, inside a graph, hangs off the compiled backward. Same outputs as the block run eagerly."""
+    from meshrun.models.gpt import Block, rope_cache
+    from meshrun.parallel.apply import keep_matmuls_eager
+
+    torch.manual_seed(0)
+    cfg = model_config(tied=False)
+    block = Block(cfg)
+    reference = Block(cfg)
+    reference.load_state_dict(block.state_dict())
+    keep_matmuls_eager(block)
+    torch._dynamo.reset()
+    block.compile(backend="aot_eager")
+    x, rope = torch.randn(2, SEQ, cfg.dim, requires_grad=True), rope_cache(SEQ, cfg.head_dim, cfg.rope_theta)
+    out = block(x, rope)
+    torch.testing.assert_close(out, reference(x, rope))
+    consumers: dict[object, set[str]] = {}  # each node -> the names of the nodes whose backward feeds it
+    todo, seen = [out.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for child, _ in node.next_functions:
+            if child is not None:
+                consumers.setdefault(child, set()).add(type(node).__name__)
+                todo.append(child)
+    by_param = {id(node.variable): names for node, names in consumers.items() if hasattr(node, "variable")}
+    linears = [m.weight for m in block.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 7
+    for weight in linears:
+        assert not any("Compiled" in name for name in by_param[id(weight)]), by_param[id(weight)]
+    assert any("Compiled" in name for name in by_param[id(block.attention_norm.weight)])
 
 
 def test_pipelines_untie_embeddings_only_when_split():

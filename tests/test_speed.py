@@ -267,6 +267,9 @@ def test_header_line_names_the_choices():
     fsdp_line = describe_speed(bf16, CPU, torch.bfloat16, fsdp=True)
     assert "| bf16 parameters (FSDP2), bf16 gradient reduction |" in fsdp_line
     assert "| bf16 autocast, bf16 gradient all-reduce |" in describe_speed(bf16, CPU, torch.bfloat16)
+    compiled = load_config(None, ["--train.compile=true"])
+    assert describe_speed(compiled, CPU, None, split_backward=True).startswith(
+        "speed: compile on, linear layers eager for the zero-bubble schedule (train.compile=true) |")
 
 
 def test_train_prints_the_speed_line_and_refuses_float8_on_cpu(tmp_path):

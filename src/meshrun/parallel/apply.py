@@ -43,8 +43,8 @@ from meshrun.parallel.async_tp import enable_async_tp
 from meshrun.parallel.float8 import convert_blocks_to_float8
 from meshrun.parallel.kernels import compile_enabled, inductor_mode, select_attention
 from meshrun.parallel.options import ParallelOptions, parallel_options
-from meshrun.parallel.pipeline import (PipelineEngine, bubble_fraction, effective_model_config, split_stage,
-                                      stage_ids)
+from meshrun.parallel.pipeline import (EAGER_MATMULS, PipelineEngine, bubble_fraction, effective_model_config,
+                                      split_stage, stage_ids)
 from meshrun.parallel.stage_cut import stage_ranges
 from meshrun.parallel.sharded import ShardedEngine
 from meshrun.parallel.step_weights import StepWeights
@@ -88,7 +88,7 @@ def build_engine(*, job: JobConfig, model_cfg: ModelShape, dims: ParallelDims, m
                              supported=graphs_supported(dims, async_tp=job.parallel.async_tp),
                              measured=graphs_measured(job, dims))
     options = parallel_options(job, compute_dtype=compute_dtype, compiled=compiled, device=device,
-                               cuda_graphs=graphs and not local)
+                               cuda_graphs=graphs and not local, split_backward=splits_backward(dims))
     if local:
         return _local_engine(job, spec, cfg, dims, device, rank=rank, autocast_dtype=None if fp32 else compute_dtype,
                              options=options, cuda_graphs=graphs)
@@ -180,6 +180,8 @@ def parallelize(part: nn.Module, structure: ModelStructure, dims: ParallelDims, 
     if options.compiled:
         mode = inductor_mode(options.compile_mode, options.cuda_graphs)  # CUDA graphs: block by block
         for block in blocks:
+            if options.split_backward:
+                keep_matmuls_eager(block)
             block.compile(mode=mode)  # in place: parameter names stay as they are (no "_orig_mod.")
         if dims.tp > 1:  # the TP styles' async collectives must not reach a compiled block as its input
             settle_async_outputs(part, compiled=blocks)
@@ -195,6 +197,30 @@ def parallelize(part: nn.Module, structure: ModelStructure, dims: ParallelDims, 
         apply_fsdp(part, dp_mesh, compute_dtype=options.compute_dtype, reshard_after_forward=reshard, blocks=blocks,
                    unit_blocks=per_unit, reduce_dtype=options.reduce_dtype)
         shared.restore(part, layout=layout, after="FSDP2", reshare=False)
+
+
+def splits_backward(dims: ParallelDims) -> bool:
+    """A pipeline whose schedule computes weight gradients apart from input gradients (zero bubble)."""
+    return dims.pp > 1 and dims.pp_schedule == "interleavedzb"
+
+
+def keep_matmuls_eager(block: nn.Module) -> None:
+    """Leave ``block``'s linear layers out of the graphs it is compiled into, so that a zero-bubble schedule can
+    split its backward. Such a schedule runs each micro-batch's backward in two passes: input gradients first, weight
+    gradients later, where the bubble would be. It relies on autograd computing only the gradients asked for, which
+    an eager matmul does (its input and weight gradients are two matmuls it runs apart) and a compiled graph's
+    backward does not (it computes all of its gradients at once, so the second pass would run it again). With the
+    linear layers eager, the graphs hold the element-wise work between them (norms, RoPE, attention, SwiGLU's
+    gating, residual adds), and only a norm's small weight gradient is recomputed in the weight pass."""
+    for module in block.modules():
+        if isinstance(module, nn.Linear):
+            module.forward = torch.compiler.disable(module.forward, recursive=True)
+    setattr(block, EAGER_MATMULS, True)
+    # the input pass keeps the graph for the weight pass (retain_graph=True), which compiled backwards that reuse
+    # ("donate") their saved buffers refuse: this process compiles without donated buffers
+    import torch._functorch.config as functorch_config
+
+    functorch_config.donated_buffer = False
 
 
 FSDP_ONE_UNIT_PARAMS = 350_000_000

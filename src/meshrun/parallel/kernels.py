@@ -97,12 +97,14 @@ def select_attention(choice: str, device: torch.device) -> str:
 
 
 def describe_speed(job: JobConfig, device: torch.device, compute_dtype: torch.dtype | None, *,
-                   cuda_graphs: bool = False, fsdp: bool = False, cast_once: bool = False, graphs_off: str = "") -> str:
+                   cuda_graphs: bool = False, fsdp: bool = False, cast_once: bool = False, graphs_off: str = "",
+                   split_backward: bool = False) -> str:
     """The start-up header's line of performance choices, as resolved for this device (``cuda_graphs``: the
     engine's resolved train.cuda_graphs; ``fsdp``: FSDP2 holds the parameters, and its mixed precision, not
     autocast, computes in bf16; ``cast_once``: a pipeline's weights are cast once per step, the engine's resolved
     parallel.pp_cast_once; ``graphs_off``: why train.cuda_graphs=auto left CUDA graphs off, from
-    apply.graphs_left_off)."""
+    apply.graphs_left_off; ``split_backward``: a zero-bubble schedule, for which compiled blocks keep their linear
+    layers eager)."""
     t = job.train
     reduce = job.parallel.grad_reduce_dtype
     bf16 = f"bf16 parameters (FSDP2), {reduce} gradient reduction" if fsdp else "bf16 autocast"
@@ -112,6 +114,8 @@ def describe_speed(job: JobConfig, device: torch.device, compute_dtype: torch.dt
         bf16 += ", weights cast once per step"
     precision = "float8 matmuls (torchao) + bf16" if t.float8 else (bf16 if compute_dtype == torch.bfloat16 else "fp32")
     compiled = "on with CUDA graphs" if cuda_graphs else "on"
+    if split_backward:
+        compiled += ", linear layers eager for the zero-bubble schedule"
     if t.compile_mode != "default":
         compiled += f", {t.compile_mode}"
     capability = cuda_capability(device)

@@ -234,12 +234,13 @@ def check_compile_mode(compile_mode: str, *, compile: bool) -> None:
 
 def session_options(layout: str, *, compute_dtype: torch.dtype | None, device: torch.device, compiled: bool,
                     activation_checkpoint: str, grad_reduce_dtype: str = "fp32",
-                    compile_mode: str = "default") -> ParallelOptions:
+                    compile_mode: str = "default", split_backward: bool = False) -> ParallelOptions:
     """parallelize's options for ``Session.prepare_model``: its arguments; the rest as ``meshrun train``'s defaults
-    (no sequence parallelism or float8, FSDP2 units of one block, 'auto' resharding)."""
+    (no sequence parallelism or float8, FSDP2 units of one block, 'auto' resharding). ``split_backward``: a
+    zero-bubble pipeline schedule runs."""
     return ParallelOptions(compute_dtype=compute_dtype, compiled=compiled, compile_mode=compile_mode,
                            activation_checkpoint=activation_checkpoint, device=device, layout=f"layout={layout!r}",
-                           reduce_dtype=session_reduce_dtype(grad_reduce_dtype))
+                           reduce_dtype=session_reduce_dtype(grad_reduce_dtype), split_backward=split_backward)
 
 
 def session_reduce_dtype(choice: str) -> torch.dtype:

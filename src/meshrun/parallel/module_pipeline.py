@@ -317,7 +317,7 @@ def prepare_pipeline(model: nn.Module, layout: str, *, device: torch.device, wor
     copy_from_rank0(model, parts, device)
     options = session_options(layout, compute_dtype=compute_dtype, device=device, compiled=compile,
                               compile_mode=compile_mode, activation_checkpoint=activation_checkpoint,
-                              grad_reduce_dtype=grad_reduce_dtype)
+                              grad_reduce_dtype=grad_reduce_dtype, split_backward=dims.pp_schedule == "interleavedzb")
     for part in parts:
         parallelize(part, spec, dims, options)
     fp32 = compute_dtype is None or compute_dtype == torch.float32

@@ -43,18 +43,23 @@ class ParallelOptions:
     """Where the parameters will live ('auto' resharding weighs them against this GPU's memory; None: unknown)."""
     layout: str = ""
     """How errors name the layout (e.g. "layout='fsdp'" for Session); '': the degrees' own name."""
+    split_backward: bool = False
+    """The pipeline schedule computes weight gradients apart from input gradients (interleavedzb): compiled blocks
+    keep their linear layers out of the graphs (see apply.keep_matmuls_eager)."""
 
 
 def parallel_options(job: JobConfig, *, compute_dtype: torch.dtype | None, compiled: bool = False,
-                     device: torch.device | None = None, cuda_graphs: bool = False) -> ParallelOptions:
-    """The trainer's options: its ``[parallel]`` and ``[train]`` choices, with the resolved dtype and compilation."""
+                     device: torch.device | None = None, cuda_graphs: bool = False,
+                     split_backward: bool = False) -> ParallelOptions:
+    """The trainer's options: its ``[parallel]`` and ``[train]`` choices, with the resolved dtype and compilation
+    (``split_backward``: a zero-bubble pipeline schedule runs)."""
     p = job.parallel
     return ParallelOptions(compute_dtype=compute_dtype, compiled=compiled, cuda_graphs=cuda_graphs and compiled,
                            compile_mode=job.train.compile_mode,
                            activation_checkpoint=p.activation_checkpoint, sequence_parallel=p.sequence_parallel,
                            float8=job.train.float8, reduce_dtype=reduce_dtype(p.grad_reduce_dtype),
                            fsdp_reshard_after_forward=p.fsdp_reshard_after_forward,
-                           fsdp_unit_blocks=p.fsdp_unit_blocks, device=device)
+                           fsdp_unit_blocks=p.fsdp_unit_blocks, device=device, split_backward=split_backward)
 
 
 def reduce_dtype(choice: str) -> torch.dtype:

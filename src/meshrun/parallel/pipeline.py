@@ -124,12 +124,19 @@ def build_schedule(stages: list, *, schedule: PipelineSchedule, microbatches: in
     return built
 
 
+EAGER_MATMULS = "_meshrun_eager_matmuls"
+"""Set on a block whose linear layers apply.keep_matmuls_eager left out of its compiled graphs."""
+
+
 def check_split_backward(stages: list) -> None:
     """Zero-bubble schedules run each backward as two passes (input gradients now, weight gradients later), which
     torch does not support for compiled modules; it only detects torch.compile(module) wrappers, not blocks
-    compiled in place (``module.compile()``, as meshrun does), so this checks those too."""
+    compiled in place (``module.compile()``, as meshrun does), so this checks those too. Blocks compiled with their
+    linear layers left out of the graphs (apply.keep_matmuls_eager, as parallelize does for these schedules) can
+    split: their weights' gradients come from eager matmuls."""
     for stage in stages:
-        if any(getattr(m, "_compiled_call_impl", None) is not None for m in stage.submod.modules()):
+        if any(getattr(m, "_compiled_call_impl", None) is not None and not getattr(m, EAGER_MATMULS, False)
+               for m in stage.submod.modules()):
             raise ConfigError("parallel.pp_schedule=interleavedzb splits each backward into input and weight "
                               "gradients, which torch does not support for compiled blocks; set --train.compile=false "
                               "or use --parallel.pp_schedule=interleaved1f1b")

@@ -7,7 +7,7 @@ import socket
 from typing import TYPE_CHECKING, Any
 
 from meshrun.models.spec import count_unique_params
-from meshrun.parallel.apply import describe_layout, graphs_left_off
+from meshrun.parallel.apply import describe_layout, graphs_left_off, splits_backward
 from meshrun.parallel.checks import uses_fsdp
 from meshrun.parallel.kernels import describe_speed
 from meshrun.train import runlog
@@ -58,6 +58,7 @@ def print_header(trainer: Trainer) -> None:
                                  cuda_graphs=getattr(trainer.engine, "cuda_graphs", False),
                                  fsdp=uses_fsdp(trainer.dims),
                                  cast_once=getattr(trainer.engine, "step_weights", None) is not None,
+                                 split_backward=splits_backward(trainer.dims),
                                  graphs_off=graphs_left_off(trainer.job, trainer.dims, trainer.device))]
     lines.append(describe_resume(trainer.resumed, run_dir=trainer.run_dir, moved_to=trainer.folder.moved_to,
                                  where=f"epoch {trainer.data.position.epoch}, {trainer.data.position.consumed:,} "
