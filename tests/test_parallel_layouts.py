@@ -194,7 +194,8 @@ TWO_RANKS = {
         "dp_replicate": 1, "pp": 2, "pp_microbatches": 4, "pp_schedule": "interleaved1f1b"}),
     "pp2_interleaved_zero_bubble": Layout(tied=False, grad_accum=1, n_layers=4, parallel={
         "dp_replicate": 1, "pp": 2, "pp_microbatches": 4, "pp_schedule": "interleavedzb"}),
-    # compiled blocks with their linear layers eager, so the zero-bubble schedule can split each backward
+    # compiled blocks with their weights eager (the linear layers, and on torch 2.8 the norms too), so the
+    # zero-bubble schedule can split each backward
     "pp2_interleaved_zero_bubble_compiled": Layout(tied=False, grad_accum=1, n_layers=4, parallel={
         "dp_replicate": 1, "pp": 2, "pp_microbatches": 4, "pp_schedule": "interleavedzb"}, train={"compile": "true"}),
     "pp2_looped_bfs": Layout(tied=False, grad_accum=2, n_layers=4, parallel={
@@ -386,11 +387,11 @@ def test_split_stage_keeps_original_names_and_owners():
     assert names == set(dict(whole.named_parameters()).keys())
 
 
-def test_zero_bubble_refuses_blocks_compiled_in_place_unless_their_matmuls_stay_eager():
+def test_zero_bubble_refuses_blocks_compiled_in_place_unless_their_weights_stay_eager():
     from types import SimpleNamespace
 
     from meshrun.config import ConfigError
-    from meshrun.parallel.apply import keep_matmuls_eager
+    from meshrun.parallel.apply import keep_weights_eager
     from meshrun.parallel.pipeline import check_split_backward
 
     plain, compiled = torch.nn.Sequential(torch.nn.Linear(2, 2)), torch.nn.Sequential(torch.nn.Linear(2, 2))
@@ -399,46 +400,117 @@ def test_zero_bubble_refuses_blocks_compiled_in_place_unless_their_matmuls_stay_
     with pytest.raises(ConfigError, match="parallel.pp_schedule=interleavedzb.*train.compile=false"):
         check_split_backward([SimpleNamespace(submod=compiled)])
     split = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.GELU()))
-    keep_matmuls_eager(split[0])
+    keep_weights_eager(split[0], only_linears=False)
     split[0].compile()
     check_split_backward([SimpleNamespace(submod=split)])
 
 
-def test_blocks_compiled_for_zero_bubble_leave_each_linear_weights_gradient_to_an_eager_matmul():
-    """keep_matmuls_eager: the compiled block's graphs end at its linear layers, so each linear weight's gradient
+def test_compiled_zero_bubble_keeps_norms_eager_on_a_torch_whose_weight_pass_cannot_run_a_graph_again(monkeypatch):
+    """The weight pass of torch's zero-bubble split must give each output of a node with several outputs (a compiled
+    graph's backward) its own saved gradient before a norm's weight may stay inside a graph. torch 2.8 asserted one
+    output; later versions summed them into the first (pytorch#170277). The probe says no to both; then blocks
+    prepared with only their linear layers eager are refused, naming torch, and parallelize keeps every weight
+    eager instead."""
+    import inspect
+    from types import SimpleNamespace
+
+    import torch.distributed.pipelining._backward as split
+    from torch.autograd.graph import GradientEdge
+
+    from meshrun.config import ConfigError
+    from meshrun.parallel.apply import keep_weights_eager
+    from meshrun.parallel.pipeline import check_split_backward, split_backward_routes_each_output
+
+    def summed_into_the_first(weights, param_groups, retain_graph=False):  # the code pytorch#175705 fixed
+        by_node = {split._get_grad_fn_or_grad_acc(w): w for w in weights}
+        for group in param_groups:
+            edges, grads = [], []
+            for grads_tuple, intermediate in zip(group["grads"], group["intermediates"]):
+                present = [g for g in grads_tuple if g is not None]
+                if present:
+                    edges.append(GradientEdge(intermediate, 0))
+                    grads.append(sum(present))
+            params = list(group["params"])
+            for node, dw in zip(params, torch.autograd.grad(edges, [GradientEdge(p, 0) for p in params],
+                                                           grad_outputs=grads, retain_graph=retain_graph)):
+                by_node[node].grad = dw
+
+    def one_output_only(weights, param_groups, retain_graph=False):  # torch 2.8
+        assert all(len(g) == 1 for group in param_groups for g in group["grads"])
+
+    def prepared(only_linears: bool) -> SimpleNamespace:
+        block = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.GELU()))
+        keep_weights_eager(block[0], only_linears=only_linears)
+        block[0].compile()
+        return SimpleNamespace(submod=block)
+
+    split_backward_routes_each_output.cache_clear()
+    try:
+        fixed = "GradientEdge(intermediate, i)" in inspect.getsource(split.stage_backward_weight)  # its edge per output
+        assert split_backward_routes_each_output() is fixed
+        for broken in (summed_into_the_first, one_output_only):
+            monkeypatch.setattr(split, "stage_backward_weight", broken)
+            split_backward_routes_each_output.cache_clear()
+            assert not split_backward_routes_each_output(), broken.__name__
+            with pytest.raises(ConfigError, match=r"interleavedzb: blocks compiled with only their linear layers "
+                                                  r"eager need torch's zero-bubble weight pass .* torch "):
+                check_split_backward([prepared(only_linears=True)])
+            check_split_backward([prepared(only_linears=False)])
+    finally:
+        split_backward_routes_each_output.cache_clear()
+
+
+def _graph_nodes(out: torch.Tensor) -> list:
+    """Every autograd node behind ``out``."""
+    nodes, todo, seen = [], [out.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        nodes.append(node)
+        todo.extend(child for child, _ in node.next_functions)
+    return nodes
+
+
+def _weight_consumers(out: torch.Tensor) -> dict[int, set[str]]:
+    """id(parameter) -> the names of the autograd nodes whose backward feeds the parameter's gradient."""
+    consumers: dict[int, set[str]] = {}
+    for node in _graph_nodes(out):
+        for child, _ in node.next_functions:
+            if hasattr(child, "variable"):
+                consumers.setdefault(id(child.variable), set()).add(type(node).__name__)
+    return consumers
+
+
+@pytest.mark.parametrize("only_linears", [True, False])
+def test_blocks_compiled_for_zero_bubble_leave_weight_gradients_to_eager_nodes(only_linears):
+    """keep_weights_eager: the compiled block's graphs end at its linear layers, so each linear weight's gradient
     comes from an eager matmul node, which autograd can run for the weight alone (the zero-bubble weight pass); a
-    norm's weight, inside a graph, hangs off the compiled backward. Same outputs as the block run eagerly."""
+    norm's weight hangs off a graph's backward with only_linears, off an eager node without. Same outputs as the
+    block run eagerly."""
     from meshrun.models.gpt import Block, rope_cache
-    from meshrun.parallel.apply import keep_matmuls_eager
+    from meshrun.parallel.apply import keep_weights_eager
 
     torch.manual_seed(0)
     cfg = model_config(tied=False)
     block = Block(cfg)
     reference = Block(cfg)
     reference.load_state_dict(block.state_dict())
-    keep_matmuls_eager(block)
+    keep_weights_eager(block, only_linears=only_linears)
     torch._dynamo.reset()
     block.compile(backend="aot_eager")
     x, rope = torch.randn(2, SEQ, cfg.dim, requires_grad=True), rope_cache(SEQ, cfg.head_dim, cfg.rope_theta)
     out = block(x, rope)
     torch.testing.assert_close(out, reference(x, rope))
-    consumers: dict[object, set[str]] = {}  # each node -> the names of the nodes whose backward feeds it
-    todo, seen = [out.grad_fn], set()
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        for child, _ in node.next_functions:
-            if child is not None:
-                consumers.setdefault(child, set()).add(type(node).__name__)
-                todo.append(child)
-    by_param = {id(node.variable): names for node, names in consumers.items() if hasattr(node, "variable")}
+    by_param = _weight_consumers(out)
     linears = [m.weight for m in block.modules() if isinstance(m, torch.nn.Linear)]
     assert len(linears) == 7
     for weight in linears:
         assert not any("Compiled" in name for name in by_param[id(weight)]), by_param[id(weight)]
-    assert any("Compiled" in name for name in by_param[id(block.attention_norm.weight)])
+    norm = by_param[id(block.attention_norm.weight)]
+    assert any("Compiled" in name for name in norm) is only_linears, norm
+    assert any("Compiled" in type(n).__name__ for n in _graph_nodes(out)), "the block compiled nothing"
 
 
 def test_pipelines_untie_embeddings_only_when_split():

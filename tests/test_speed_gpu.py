@@ -163,7 +163,7 @@ def test_pipeline_weights_cast_once_per_step_train_like_casts_per_micro_batch(tm
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_zero_bubble_with_compiled_blocks_trains_like_uncompiled_blocks(tmp_path):
     """interleavedzb on PP 2 (2 stages per rank, 4 micro-batches): compiled, each block keeps its linear layers eager
-    so the schedule can run their weight gradients apart (apply.keep_matmuls_eager); a weight gradient lost or
+    so the schedule can run their weight gradients apart (apply.keep_weights_eager); a weight gradient lost or
     counted twice between the input and weight passes would show in the losses or the gradient norm."""
     _runs_match(tmp_path, "PP 2 interleavedzb", ("--parallel.pp=2", "--parallel.dp_replicate=1",
                                                  "--parallel.pp_schedule=interleavedzb", "--train.grad_accum=4",

@@ -43,8 +43,8 @@ from meshrun.parallel.async_tp import enable_async_tp
 from meshrun.parallel.float8 import convert_blocks_to_float8
 from meshrun.parallel.kernels import compile_enabled, inductor_mode, select_attention
 from meshrun.parallel.options import ParallelOptions, parallel_options
-from meshrun.parallel.pipeline import (EAGER_MATMULS, PipelineEngine, bubble_fraction, effective_model_config,
-                                      split_stage, stage_ids)
+from meshrun.parallel.pipeline import (EAGER_WEIGHTS, PipelineEngine, bubble_fraction, effective_model_config,
+                                      split_backward_routes_each_output, split_stage, stage_ids)
 from meshrun.parallel.stage_cut import stage_ranges
 from meshrun.parallel.sharded import ShardedEngine
 from meshrun.parallel.step_weights import StepWeights
@@ -181,7 +181,7 @@ def parallelize(part: nn.Module, structure: ModelStructure, dims: ParallelDims, 
         mode = inductor_mode(options.compile_mode, options.cuda_graphs)  # CUDA graphs: block by block
         for block in blocks:
             if options.split_backward:
-                keep_matmuls_eager(block)
+                keep_weights_eager(block, only_linears=split_backward_routes_each_output())
             block.compile(mode=mode)  # in place: parameter names stay as they are (no "_orig_mod.")
         if dims.tp > 1:  # the TP styles' async collectives must not reach a compiled block as its input
             settle_async_outputs(part, compiled=blocks)
@@ -204,18 +204,22 @@ def splits_backward(dims: ParallelDims) -> bool:
     return dims.pp > 1 and dims.pp_schedule == "interleavedzb"
 
 
-def keep_matmuls_eager(block: nn.Module) -> None:
-    """Leave ``block``'s linear layers out of the graphs it is compiled into, so that a zero-bubble schedule can
-    split its backward. Such a schedule runs each micro-batch's backward in two passes: input gradients first, weight
-    gradients later, where the bubble would be. It relies on autograd computing only the gradients asked for, which
-    an eager matmul does (its input and weight gradients are two matmuls it runs apart) and a compiled graph's
-    backward does not (it computes all of its gradients at once, so the second pass would run it again). With the
-    linear layers eager, the graphs hold the element-wise work between them (norms, RoPE, attention, SwiGLU's
-    gating, residual adds), and only a norm's small weight gradient is recomputed in the weight pass."""
+def keep_weights_eager(block: nn.Module, *, only_linears: bool) -> None:
+    """Leave the modules that hold ``block``'s weights out of the graphs it is compiled into, so that a zero-bubble
+    schedule can split its backward. Such a schedule runs each micro-batch's backward in two passes: input gradients
+    first, weight gradients later, where the bubble would be. It relies on autograd computing only the gradients
+    asked for, which an eager matmul does (its input and weight gradients are two matmuls it runs apart) and a
+    compiled graph's backward does not (it computes all of its gradients at once, so the weight pass runs it again).
+
+    ``only_linears``: only the linear layers stay eager; the graphs hold the rest (norms, RoPE, attention, SwiGLU's
+    gating, residual adds), and the weight pass recomputes a norm's small weight gradient in its graph. That needs a
+    torch whose weight pass routes each output of a compiled graph (pipeline.split_backward_routes_each_output);
+    with an older one every module that holds parameters (norms too) stays eager, so no graph holds a weight."""
     for module in block.modules():
-        if isinstance(module, nn.Linear):
+        holds_weights = next(module.parameters(recurse=False), None) is not None
+        if isinstance(module, nn.Linear) or (holds_weights and not only_linears):
             module.forward = torch.compiler.disable(module.forward, recursive=True)
-    setattr(block, EAGER_MATMULS, True)
+    setattr(block, EAGER_WEIGHTS, "linears" if only_linears else "all")
     # the input pass keeps the graph for the weight pass (retain_graph=True), which compiled backwards that reuse
     # ("donate") their saved buffers refuse: this process compiles without donated buffers
     import torch._functorch.config as functorch_config

@@ -45,7 +45,7 @@ class ParallelOptions:
     """How errors name the layout (e.g. "layout='fsdp'" for Session); '': the degrees' own name."""
     split_backward: bool = False
     """The pipeline schedule computes weight gradients apart from input gradients (interleavedzb): compiled blocks
-    keep their linear layers out of the graphs (see apply.keep_matmuls_eager)."""
+    keep their weights out of the graphs (see apply.keep_weights_eager)."""
 
 
 def parallel_options(job: JobConfig, *, compute_dtype: torch.dtype | None, compiled: bool = False,

@@ -22,6 +22,7 @@ the global batch), exactly as without pipelining.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import math
 from contextlib import nullcontext
@@ -124,19 +125,65 @@ def build_schedule(stages: list, *, schedule: PipelineSchedule, microbatches: in
     return built
 
 
-EAGER_MATMULS = "_meshrun_eager_matmuls"
-"""Set on a block whose linear layers apply.keep_matmuls_eager left out of its compiled graphs."""
+EAGER_WEIGHTS = "_meshrun_eager_weights"
+"""Set on a block whose weights apply.keep_weights_eager left out of its compiled graphs: "linears" (only the linear
+layers' weights) or "all"."""
+
+
+@functools.cache
+def split_backward_routes_each_output() -> bool:
+    """Whether this torch's zero-bubble weight pass routes the saved gradients of a node with several outputs to
+    each output. A compiled graph's backward is such a node. torch 2.8 refused it (an assertion), later versions
+    summed the gradients into the first output (wrong weight gradients, pytorch#170277), and the fix (pytorch
+    #175705) routes each. Probed on a two-output function against plain autograd, on CPU, once per process."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    class TwoOutputs(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, w):
+            ctx.save_for_backward(a, w)
+            return a * w, a * w * 2
+
+        @staticmethod
+        def backward(ctx, g1, g2):
+            a, w = ctx.saved_tensors
+            total = g1 + 2 * g2
+            return total * w, (total * a).sum(0)
+
+    def loss_of(x, w):
+        first, second = TwoOutputs.apply(x, w)
+        return (first * torch.tensor([1.0, -1.0])).sum() + (second * torch.tensor([3.0, 0.5])).sum()
+
+    w = nn.Parameter(torch.tensor([0.5, -2.0]))
+    x = torch.tensor([[1.0, 2.0], [3.0, -1.0]], requires_grad=True)
+    expected = torch.autograd.grad(loss_of(x, w), w)[0]
+    try:
+        with torch.enable_grad():
+            _, groups = stage_backward_input([loss_of(x, w)], None, [x], iter([w]))
+            stage_backward_weight(iter([w]), groups)
+    except (AssertionError, RuntimeError):
+        return False
+    return w.grad is not None and torch.allclose(w.grad, expected)
 
 
 def check_split_backward(stages: list) -> None:
     """Zero-bubble schedules run each backward as two passes (input gradients now, weight gradients later), which
     torch does not support for compiled modules; it only detects torch.compile(module) wrappers, not blocks
     compiled in place (``module.compile()``, as meshrun does), so this checks those too. Blocks compiled with their
-    linear layers left out of the graphs (apply.keep_matmuls_eager, as parallelize does for these schedules) can
-    split: their weights' gradients come from eager matmuls."""
+    weights left out of the graphs (apply.keep_weights_eager, as parallelize does for these schedules) can split:
+    their weights' gradients come from eager matmuls, or with "linears" from graphs that this torch's weight pass
+    can run again (:func:`split_backward_routes_each_output`)."""
     for stage in stages:
-        if any(getattr(m, "_compiled_call_impl", None) is not None and not getattr(m, EAGER_MATMULS, False)
-               for m in stage.submod.modules()):
+        modules = list(stage.submod.modules())
+        if (any(getattr(m, EAGER_WEIGHTS, "") == "linears" for m in modules)
+                and not split_backward_routes_each_output()):
+            raise ConfigError(f"parallel.pp_schedule=interleavedzb: blocks compiled with only their linear layers "
+                              f"eager need torch's zero-bubble weight pass to handle a compiled graph's several "
+                              f"outputs, which torch {torch.__version__} does not (pytorch#170277, fixed in "
+                              "pytorch#175705); compile them with every weight eager "
+                              "(apply.keep_weights_eager(block, only_linears=False)), or set --train.compile=false")
+        if any(getattr(m, "_compiled_call_impl", None) is not None and not getattr(m, EAGER_WEIGHTS, "")
+               for m in modules):
             raise ConfigError("parallel.pp_schedule=interleavedzb splits each backward into input and weight "
                               "gradients, which torch does not support for compiled blocks; set --train.compile=false "
                               "or use --parallel.pp_schedule=interleaved1f1b")
