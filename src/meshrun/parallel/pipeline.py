@@ -161,7 +161,7 @@ def split_backward_routes_each_output() -> bool:
         with torch.enable_grad():
             _, groups = stage_backward_input([loss_of(x, w)], None, [x], iter([w]))
             stage_backward_weight(iter([w]), groups)
-    except (AssertionError, RuntimeError):
+    except (AssertionError, RuntimeError, TypeError):  # TypeError: a torch whose split functions changed shape
         return False
     return w.grad is not None and torch.allclose(w.grad, expected)
 
