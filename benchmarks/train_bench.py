@@ -340,8 +340,8 @@ def run_case(case: Case, plan: Plan, env: dict[str, str]) -> Iterator[dict]:
                 tags[impl] = {"layout": layout, "setting": name or "defaults", "source": source,
                               "same_workload": not any(o.startswith(WORKLOAD_OPTIONS) for o in overrides),
                               **({"env": dict(variables)} if variables else {})}
-                jobs.append((impl, lambda i, o=[*plan.extra, *overrides], lay=layout, e={**src_env, **dict(variables)},
-                             name=impl,
+                row_env = {**src_env, **dict(variables)}
+                jobs.append((impl, lambda i, o=[*plan.extra, *overrides], lay=layout, e=row_env, name=impl,
                              more=launch_extra: run_meshrun(case, lay, plan, e, o, launch_extra=more,
                                                             run_dir=kept_run_dir(plan, case, name, i)
                                                             if plan.keep_runs else None)))
@@ -527,6 +527,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def env_pairs(variables: str) -> tuple[tuple[str, str | None], ...]:
+    """``VAR=VALUE[,VAR=VALUE]`` of --env-variant as (VAR, VALUE) pairs; VALUE None where the '=' is missing."""
+    pairs = (pair.partition("=") for pair in variables.split(","))
+    return tuple((var.strip(), value if sep else None) for var, sep, value in pairs)
+
+
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuses, naming the value given, what would otherwise fail in the middle of a long run."""
     for option, given, known in (("--sizes", args.sizes, MICRO), ("--layouts", args.layouts, LAYOUTS),
@@ -548,8 +554,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(f"--launch-variant {variant!r}: expected NAME:OPTIONS, e.g. excl:'--numa-binding exclusive'")
     for variant in args.env_variant:
         name, _, variables = variant.partition(":")
-        pairs = [pair.partition("=") for pair in variables.split(",")]
-        if not name or "/" in name or not all(var.strip() and sep for var, sep, _ in pairs):
+        if not name or "/" in name or not all(var and value is not None for var, value in env_pairs(variables)):
             p.error(f"--env-variant {variant!r}: expected NAME:VAR=VALUE[,VAR=VALUE], e.g. ctas:NCCL_MIN_CTAS=32")
     for value in [*args.extra, *args.variant]:
         if "--train.grad_clip" in value:
@@ -590,8 +595,7 @@ def make_plan(args: argparse.Namespace, device: str) -> tuple[Plan, list[str]]:
                 launch_args=tuple(x for value in args.launch_args for x in shlex.split(value)),
                 launch_variants=tuple((name, tuple(shlex.split(options))) for name, _, options
                                       in (v.partition(":") for v in args.launch_variant)),
-                env_variants=tuple((name, tuple((var.strip(), value) for var, _, value
-                                                in (pair.partition("=") for pair in variables.split(","))))
+                env_variants=tuple((name, env_pairs(variables))
                                    for name, _, variables in (v.partition(":") for v in args.env_variant)),
                 baseline_graphs=tuple(split(args.baseline_graphs) if args.baseline_graphs is not None
                                       else BASELINES if compiled else ["whole"]))

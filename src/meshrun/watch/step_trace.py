@@ -22,7 +22,6 @@ an unprofiled step that the kernels do not fill counts as waiting for the host.
 from __future__ import annotations
 
 import argparse
-import bisect
 import collections
 import gzip
 import json
@@ -57,8 +56,9 @@ COLLECTIVES: tuple[tuple[str, tuple[str, ...]], ...] = (
 """Which collective an NCCL kernel runs, from its name (``ncclDevKernel_AllReduce_Sum_bf16_RING_LL``)."""
 EXPOSED_HINTS = {
     "all-reduce": "DDP's gradient all-reduce overlaps backward when the compiled step is split at its buckets "
-                  "(parallel.ddp_graph=split, smaller parallel.ddp_bucket_mb); TP's activation all-reduces cannot overlap compute, so fewer TP ranks "
-                  "(more data parallelism) or sequence parallelism with parallel.async_tp move them off the step",
+                  "(parallel.ddp_graph=split, smaller parallel.ddp_bucket_mb); TP's activation all-reduces cannot "
+                  "overlap compute, so fewer TP ranks (more data parallelism) or sequence parallelism with "
+                  "parallel.async_tp move them off the step",
     "all-gather": "FSDP2's all-gathers: larger units (parallel.fsdp_unit_blocks), gathered parameters kept for "
                   "backward (parallel.fsdp_reshard_after_forward=false), or fewer shards (HSDP's "
                   "parallel.dp_replicate)",
@@ -119,42 +119,20 @@ class StepTime:
         return text
 
 
+def _first_match(name: str, table: tuple[tuple[str, tuple[str, ...]], ...]) -> str:
+    """The first entry of ``table`` with a word in ``name`` (lower-cased), or :data:`OTHER_KIND`."""
+    lower = name.lower()
+    return next((kind for kind, words in table if any(word in lower for word in words)), OTHER_KIND)
+
+
 def kernel_kind(name: str, cat: str = "kernel") -> str:
     """The :data:`KERNEL_KINDS` name of one device event (a memcpy or memset event is a copy whatever its name)."""
-    if cat in ("gpu_memcpy", "gpu_memset"):
-        return "copies and casts"
-    lower = name.lower()
-    return next((kind for kind, words in KERNEL_KINDS if any(word in lower for word in words)), OTHER_KIND)
+    return "copies and casts" if cat in ("gpu_memcpy", "gpu_memset") else _first_match(name, KERNEL_KINDS)
 
 
 def collective(name: str) -> str:
     """The :data:`COLLECTIVES` name of an NCCL kernel ('other' for one it does not name)."""
-    lower = name.lower()
-    return next((kind for kind, words in COLLECTIVES if any(word in lower for word in words)), OTHER_KIND)
-
-
-def merged(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
-    """(start, end) intervals merged where they overlap or touch, in order."""
-    out: list[tuple[float, float]] = []
-    for start, stop in sorted(intervals):
-        if out and start <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], stop))
-        else:
-            out.append((start, stop))
-    return out
-
-
-def uncovered_us(intervals: Iterable[tuple[float, float]], cover: list[tuple[float, float]]) -> float:
-    """Total length of ``intervals`` (overlaps counted once) outside ``cover`` (merged, as :func:`merged` gives)."""
-    total, starts = 0.0, [start for start, _ in cover]
-    for start, stop in merged(intervals):
-        length = stop - start
-        for c_start, c_stop in cover[max(0, bisect.bisect_right(starts, start) - 1):]:
-            if c_start >= stop:
-                break
-            length -= max(0.0, min(stop, c_stop) - max(start, c_start))
-        total += length
-    return total
+    return _first_match(name, COLLECTIVES)
 
 
 def union_us(intervals: Iterable[tuple[float, float]]) -> float:
@@ -221,13 +199,13 @@ def step_time(trace: dict[str, Any], path: str = "", *, top: int = 8) -> StepTim
         by_name[e["name"]] += e["dur"]
         by_kind[kernel_kind(e["name"], e["cat"])] += e["dur"]
     per_step = 1e3 * steps  # microseconds of the whole trace -> milliseconds per step
-    covered = merged(compute)
     by_collective: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
     for e, s, c in zip(kernels, spans, is_comm):
         if c:
             by_collective[collective(e["name"])].append(s)
-    exposed = sorted(((name, uncovered_us(spans_of, covered) / per_step) for name, spans_of in by_collective.items()),
-                     key=lambda item: -item[1])
+    # a collective's exposed time: what its kernels cover beyond the compute kernels' cover
+    exposed = sorted(((name, (union_us([*spans_of, *compute]) - compute_us) / per_step)
+                      for name, spans_of in by_collective.items()), key=lambda item: -item[1])
     return StepTime(path=path, steps=steps, span_ms=span_us / per_step, compute_ms=compute_us / per_step,
                     comm_ms=comm_us / per_step, exposed_comm_ms=(busy - compute_us) / per_step,
                     idle_ms=(span_us - busy) / per_step,
