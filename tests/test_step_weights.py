@@ -20,7 +20,7 @@ from meshrun.models.gpt import Block, gpt_config, rope_cache
 from meshrun.models.spec import get_model_spec
 from meshrun.parallel.checks import check_cast_once, check_layout, use_cast_once
 from meshrun.parallel.kernels import describe_speed
-from meshrun.parallel.step_weights import StepWeights
+from meshrun.parallel.step_weights import StepWeights, add_all, compiled_adder, grad_adder
 
 
 def _micro_batches(block: nn.Module, weights: StepWeights | None, inputs: list[torch.Tensor], rope) -> None:
@@ -31,8 +31,12 @@ def _micro_batches(block: nn.Module, weights: StepWeights | None, inputs: list[t
             block(x, rope).float().square().mean().backward()
 
 
-@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_a_blocks_gradients_over_micro_batches_are_bitwise_autocasts(compiled):
+@pytest.mark.parametrize("compiled,adder", [
+    (False, "each"), (False, "batched"), pytest.param(True, "each", marks=pytest.mark.slow),
+    pytest.param(True, "compiled", marks=pytest.mark.slow)])
+def test_a_blocks_gradients_over_micro_batches_are_bitwise_autocasts(compiled, adder):
+    """adder: each gradient added as its hook fires (CPU, eager); all of a backward pass's added when it ends, eagerly
+    or compiled (what a compiled model on a GPU does)."""
     torch.manual_seed(0)
     cfg = gpt_config("tiny")
     block = Block(cfg)
@@ -41,7 +45,8 @@ def test_a_blocks_gradients_over_micro_batches_are_bitwise_autocasts(compiled):
     if compiled:
         block.compile()
         reference.compile()
-    weights = StepWeights([block], torch.bfloat16)
+    add = {"each": None, "batched": add_all, "compiled": compiled_adder()}[adder]
+    weights = StepWeights([block], torch.bfloat16, add=add)
     assert len(weights) == 7, "wq, wk, wv, wo, w1, w2, w3: the norms' weights stay fp32 (autocast runs them in fp32)"
     for step in range(3):
         inputs = [torch.randn(2, 16, cfg.dim) for _ in range(4)]
@@ -51,6 +56,7 @@ def test_a_blocks_gradients_over_micro_batches_are_bitwise_autocasts(compiled):
             assert param.dtype == torch.float32 and param.grad.dtype == torch.float32, name
             assert torch.equal(param.grad, ref.grad), f"step {step}: {name}"
         assert all(copy.grad is None for *_, copy in weights.slots), "each micro-batch's gradient was handed on"
+        assert not weights.pending, "every backward pass added its gradients before it returned"
         with torch.no_grad():  # an optimizer step on the fp32 parameters: the next step's copies must follow it
             for param, ref in zip(block.parameters(), reference.parameters()):
                 param -= 0.5 * param.grad
@@ -135,20 +141,23 @@ COMMON = ("--data.max_bytes=100000", "--train.global_batch=8", "--train.micro_ba
           "--health.check_versions=false")
 
 
-def _pipeline_worker(rank, world_size, run_dir, extra):
+def _pipeline_worker(rank, world_size, run_dir, extra, batched=False):
     from test_resume import job
     from meshrun.train.trainer import Trainer
 
     trainer = Trainer(job(run_dir, steps=6, extra=(*COMMON, *extra)))
-    held, backwards = trainer.engine.step_weights, []
+    held, backwards, batches = trainer.engine.step_weights, [], []
     if held is not None:  # count the micro-batches whose gradients reached one copy
         held.slots[0][3].register_post_accumulate_grad_hook(lambda copy: backwards.append(1))
+    if batched:  # as a compiled model on a GPU adds them (grad_adder), eagerly: each backward pass's in one call
+        held.add = lambda accumulators, grads: (batches.append(len(grads)), add_all(accumulators, grads))
     try:
         result = trainer.fit()
         weights = {name: tensor.clone() for name, tensor in trainer.engine.model_parts[0].state_dict().items()}
     finally:
         trainer.close()
-    return result.losses, result.val_loss, weights, len(backwards) if held is not None else None
+    return result.losses, result.val_loss, weights, len(backwards) if held is not None else None, batches, \
+        len(held) if held is not None else 0
 
 
 @pytest.mark.slow
@@ -165,6 +174,25 @@ def test_pipeline_runs_train_bitwise_like_per_micro_batch_casts(tmp_path, schedu
         for name, tensor in plain[rank][2].items():
             assert once[rank][2][name].dtype == torch.float32, name
             assert torch.equal(once[rank][2][name], tensor), f"rank {rank}: {name}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved1f1b"])
+def test_gradients_added_once_per_backward_pass_train_bitwise_alike(tmp_path, schedule):
+    """Each micro-batch's gradients kept until the stage's backward pass ends, then added in one call (what
+    grad_adder does for compiled models on GPUs), inside torch.distributed.pipelining's schedules."""
+    extra = (f"--parallel.pp_schedule={schedule}", "--parallel.pp_cast_once=true")
+    each = run_distributed(_pipeline_worker, 2, tmp_path / "each", extra)
+    batched = run_distributed(_pipeline_worker, 2, tmp_path / "batched", extra, True)
+    stages = 2 if schedule == "interleaved1f1b" else 1  # stages per rank, each with a backward pass of its own
+    for rank in range(2):
+        assert each[rank][4] == [], "without an adder each gradient is added as it arrives"
+        copies = batched[rank][5]
+        # 6 steps x 3 micro-batches after the first (whose gradients are cast, not added) x the rank's stages
+        assert len(batched[rank][4]) == 6 * 3 * stages and sum(batched[rank][4]) == 6 * 3 * copies, batched[rank][4]
+        for name, tensor in each[rank][2].items():
+            assert torch.equal(batched[rank][2][name], tensor), f"rank {rank}: {name}"
+    assert batched[1][0] == each[1][0] and batched[1][1] == each[1][1]
 
 
 # ---- through Session: a user's model (tests/mlp_lm.py) pipelined over 2 gloo ranks ----------------------------------
@@ -273,3 +301,18 @@ def test_a_weight_two_layers_share_gets_one_copy_and_both_gradients():
     with torch.autocast("cpu", torch.bfloat16):
         reference(x).float().sum().backward()
     assert torch.equal(first.weight.grad, reference[0].weight.grad)
+
+
+def test_compiled_models_on_gpus_add_a_backward_passs_gradients_in_one_compiled_call():
+    """grad_adder: on a GPU with the model compiled, the mixed-dtype additions run as compiled kernels after each
+    backward pass (eager torch adds fp32 += bf16 in an unvectorised kernel there); elsewhere each is added eagerly as
+    it arrives."""
+    assert callable(grad_adder(compiled=True, device=torch.device("cuda")))
+    assert grad_adder(compiled=False, device=torch.device("cuda")) is None
+    assert grad_adder(compiled=True, device=torch.device("cpu")) is None
+    cfg, calls = gpt_config("tiny"), []
+    block = Block(cfg)
+    weights = StepWeights([block], torch.bfloat16, add=lambda a, g: (calls.append(len(g)), add_all(a, g)))
+    rope = rope_cache(cfg.seq_len, cfg.head_dim, cfg.rope_theta)
+    _micro_batches(block, weights, [torch.randn(2, 16, cfg.dim) for _ in range(3)], rope)
+    assert calls == [7, 7], "the first micro-batch's gradients are cast; each later one's added in one call"

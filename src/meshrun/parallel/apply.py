@@ -47,7 +47,7 @@ from meshrun.parallel.pipeline import (EAGER_WEIGHTS, PipelineEngine, bubble_fra
                                       split_backward_routes_each_output, split_stage, stage_ids)
 from meshrun.parallel.stage_cut import stage_ranges
 from meshrun.parallel.sharded import ShardedEngine
-from meshrun.parallel.step_weights import StepWeights
+from meshrun.parallel.step_weights import StepWeights, grad_adder
 from meshrun.parallel.tied import TP_FIX, find_shared
 from meshrun.parallel.tp import apply_tp, settle_async_outputs
 
@@ -105,7 +105,8 @@ def build_engine(*, job: JobConfig, model_cfg: ModelShape, dims: ParallelDims, m
                                   pp_group=dims.get_mesh("pp").get_group(), dp_rank=dims.dp_rank(rank),
                                   dp_size=dims.dp_size, tp_rank=coords.tp, autocast_dtype=autocast, loss_fn=loss_fn,
                                   cuda_graphs=options.cuda_graphs,
-                                  step_weights=StepWeights(parts, autocast)
+                                  step_weights=StepWeights(parts, autocast,
+                                                           add=grad_adder(compiled=compiled, device=device))
                                   if use_cast_once(job, dims, device, compute_dtype) else None)
         pipeline.timed_modules = [m for part in parts for m in timed_modules(part, spec, dims=dims, compiled=compiled)]
         return pipeline

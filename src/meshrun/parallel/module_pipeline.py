@@ -39,7 +39,7 @@ from meshrun.parallel.kernels import inductor_mode
 from meshrun.parallel.module import (ModuleLayout, check_compile_mode, find_blocks, layout_dims,
                                      resolve_compute_dtype, session_options)
 from meshrun.parallel.pipeline import layer_ranges
-from meshrun.parallel.step_weights import StepWeights
+from meshrun.parallel.step_weights import StepWeights, grad_adder
 from meshrun.parallel.tied import find_shared
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -331,7 +331,9 @@ def prepare_pipeline(model: nn.Module, layout: str, *, device: torch.device, wor
                             microbatches=dims.pp_microbatches, device=device, pp_group=dims.get_mesh("pp").get_group(),
                             dp_rank=dims.dp_rank(rank), dp_size=dims.dp_size, tp_rank=0,
                             autocast_dtype=autocast_dtype, loss_fn=summed_loss,
-                            step_weights=StepWeights(parts, autocast_dtype) if cast_once else None)
+                            step_weights=StepWeights(parts, autocast_dtype,
+                                                     add=grad_adder(compiled=compile, device=device))
+                            if cast_once else None)
     compiled = sum(len(spec.block_modules(part)) for part in parts) if compile else 0
     return (PipelinedModule(parts, engine, loss_fn=loss_fn, fingerprint=fingerprint),
             ModuleLayout(dims=dims, name=layout_name(dims), blocks=blocks, module=parts[0], compute_dtype=compute_dtype,

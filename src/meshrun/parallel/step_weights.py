@@ -16,13 +16,19 @@ parameters again: the optimizer, gradient clipping, checkpoints and state dicts 
 
 The copies are persistent tensors updated in place, so CUDA graphs, which take parameters as fixed inputs, keep
 replaying the same addresses. Other parameters (norms, embeddings) are left alone: autocast runs those ops in fp32.
+
+Adding a bf16 gradient into an fp32 one runs, in eager torch on a GPU, in an unvectorised mixed-dtype kernel: on 2
+H200s (1b, PP 2, 8 micro-batches) 14.7 ms of a 254 ms step on the first stage. Where the blocks are compiled on a
+GPU, the hook instead keeps each micro-batch's gradients until that backward pass ends and then adds them all in one
+compiled call (:func:`compiled_adder`: inductor's vectorised kernels, launched by one wrapper). The sums are the same
+fp32 additions in the same order per tensor, so the values are bitwise those of the eager adds.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 from functools import partial
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -30,21 +36,40 @@ from torch import nn
 COPIED_MODULES: tuple[type[nn.Module], ...] = (nn.Linear,)
 """The modules whose parameters get copies: those autocast casts to bf16 on every call."""
 
+GradAdder = Callable[[list[torch.Tensor], list[torch.Tensor]], None]
+"""Adds each tensor of the second list into the one at the same place in the first, in place."""
 
-def _add_into(master: torch.Tensor, copy: torch.Tensor) -> None:
-    """The copy's post-accumulate hook: its gradient (this micro-batch's) into the fp32 parameter's, then dropped."""
-    grad, copy.grad = copy.grad, None
-    if master.grad is None:
-        master.grad = grad.to(master.dtype)
-    else:
-        master.grad.add_(grad)
+
+def add_all(accumulators: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    """``accumulators[i] += grads[i]`` for every i, in place (fp32 += bf16)."""
+    torch._foreach_add_(accumulators, grads)
+
+
+def compiled_adder() -> GradAdder:
+    """:func:`add_all` compiled: one graph per list of shapes (one per pipeline stage), each addition a vectorised
+    kernel, all launched by one call. (A model whose layers do not all get a gradient in every micro-batch gives
+    lists of varying shapes; past dynamo's recompile limit those run eagerly, with the same sums.)"""
+    return torch.compile(add_all, dynamic=False)
+
+
+def grad_adder(*, compiled: bool, device: torch.device) -> GradAdder | None:
+    """How :class:`StepWeights` adds a micro-batch's gradients: compiled, after each backward pass, where the model
+    is compiled on a GPU; None (each one as it arrives, eagerly) elsewhere, where a compilation would cost more
+    than the eager adds (CPU)."""
+    return compiled_adder() if compiled and device.type == "cuda" else None
 
 
 class StepWeights:
-    """The compute-dtype copies of ``parts``' linear layers' parameters, and the swap that puts them in place."""
+    """The compute-dtype copies of ``parts``' linear layers' parameters, and the swap that puts them in place.
 
-    def __init__(self, parts: Sequence[nn.Module], dtype: torch.dtype):
+    ``add``: how each micro-batch's gradients reach the fp32 ones after the first (the first is cast): None adds
+    each as its hook fires; a :data:`GradAdder` gets them all at the end of that backward pass, in one call."""
+
+    def __init__(self, parts: Sequence[nn.Module], dtype: torch.dtype, *, add: GradAdder | None = None):
         self.dtype = dtype
+        self.add = add
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """(fp32 gradient, this micro-batch's gradient) to add when the backward pass running now ends."""
         self.slots: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = []
         """(module, name, fp32 parameter, copy) for each place a copied parameter is held."""
         self.pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
@@ -60,13 +85,31 @@ class StepWeights:
                     if id(param) not in copies:
                         copy = nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
                         if param.requires_grad:
-                            copy.register_post_accumulate_grad_hook(partial(_add_into, param))
+                            copy.register_post_accumulate_grad_hook(partial(self._handed_on, param))
                         copies[id(param)] = copy
                         self.pairs.append((param, copy))
                     self.slots.append((module, name, param, copies[id(param)]))
 
     def __len__(self) -> int:
         return len(self.slots)
+
+    def _handed_on(self, master: torch.Tensor, copy: torch.Tensor) -> None:
+        """The copy's post-accumulate hook: its gradient (this micro-batch's) into the fp32 parameter's, then dropped
+        from the copy."""
+        grad, copy.grad = copy.grad, None
+        if master.grad is None:
+            master.grad = grad.to(master.dtype)
+        elif self.add is None:
+            master.grad.add_(grad)
+        else:
+            if not self.pending:  # the first of this backward pass: add them all when it ends
+                torch.autograd.Variable._execution_engine.queue_callback(self._flush)
+            self.pending.append((master.grad, grad))
+
+    def _flush(self) -> None:
+        accumulators, grads = [a for a, _ in self.pending], [g for _, g in self.pending]
+        self.pending.clear()
+        self.add(accumulators, grads)
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -79,6 +122,7 @@ class StepWeights:
         """Refresh the copies and let the layers hold them until the block ends (one optimizer step's forwards and
         backwards, or an evaluation)."""
         self.refresh()
+        self.pending.clear()  # left by a backward pass that raised before it ended
         for module, name, _, copy in self.slots:
             module._parameters[name] = copy
         try:

@@ -194,12 +194,16 @@ def stage_memory(plan: Plan, pp_rank: int, *, dtype_bytes: int) -> dict[str, Any
     mats, norms = plan.spec.block_params(m)
     fsdp_working = 2 * (mats // d.tp + norms) * dtype_bytes if shard > 1 else 0  # 2 gathered blocks
     params = local * MASTER_BYTES + fsdp_working
+    copies = 0
     if plan.cast_once:  # the linear layers' compute-dtype copies: blocks' matrices and the head
         head = plan.spec.edge_params(m, tied=False)[1][0] // d.tp if pp_rank == d.pp - 1 else 0
-        params += (len(pipeline_rank_layers(plan, pp_rank)) * mats // d.tp + head) * dtype_bytes
+        copies = (len(pipeline_rank_layers(plan, pp_rank)) * mats // d.tp + head) * dtype_bytes
+        params += copies
     # FSDP keeps unsharded fp32 gradients between micro-batches while it skips the reduce-scatter (grad
     # accumulation, and every pipeline step, which runs several micro-batches)
     grads = (per_tp if shard > 1 and (b.grad_accum > 1 or d.pp > 1) else local) * GRAD_BYTES
+    if plan.job.train.compile != "false":  # compiled on a GPU, a micro-batch's gradients of the copies are added
+        grads += copies  # together when its backward pass ends (meshrun.parallel.step_weights.grad_adder)
     optimizer = local * ADAM_STATE_BYTES
     samples = b.micro_batch if d.pp == 1 else b.micro_batch * b.grad_accum / d.pp_microbatches
     tokens = samples * m.seq_len / d.cp  # context parallelism: each GPU holds T/cp positions of every sequence
