@@ -179,3 +179,26 @@ def test_kernels_the_host_queued_before_the_recorded_steps_are_left_out():
     assert t.compute_ms == pytest.approx(0.085)  # 80 + 90 us over 2 steps
     assert dict(t.top_kernels) == pytest.approx({"gemm": 0.04, "rms_norm": 0.045})
     assert step_time(trace(*earlier, *recorded)).compute_ms == pytest.approx(0.21)  # no launches: 250 + 80 + 90
+
+
+def test_ranks_of_one_recording_with_uneven_compute_are_named(tmp_path, capsys):
+    """Rank 0 computes 200 us per step, rank 1 100 us and rank 2 190 us: rank 0 sets the pace, 100% more than rank 1.
+    Ranks within 5% of each other are not called uneven, nor are traces of different recordings."""
+    folder = tmp_path / "run" / "profile"
+    folder.mkdir(parents=True)
+    for rank, busy in ((0, 400), (1, 200), (2, 380)):
+        (folder / f"rank_{rank:05d}.json").write_text(json.dumps(trace(kernel("gemm", 0, busy))))
+    assert main([str(tmp_path / "run")]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "uneven ranks: rank 0 computes 0.2 ms per step, 100% more than rank 1 (0.1 ms)" in out
+    assert "the cut is in whole blocks" in out
+
+    for rank in (1, 2):  # 195 us per step: within 3% of rank 0's
+        (folder / f"rank_{rank:05d}.json").write_text(json.dumps(trace(kernel("gemm", 0, 390))))
+    assert main([str(tmp_path / "run")]) == 0
+    assert "uneven" not in capsys.readouterr().out
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "rank_00001.json").write_text(json.dumps(trace(kernel("gemm", 0, 100))))
+    assert main([str(folder / "rank_00000.json"), str(other / "rank_00001.json")]) == 0
+    assert "uneven" not in capsys.readouterr().out

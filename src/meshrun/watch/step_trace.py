@@ -13,6 +13,10 @@ The largest of idle and exposed communication names what bounds the step (``verd
 on two H100s with DDP spent 20% of its recorded span idle: the host launched the forward's kernels more slowly than
 the GPU ran them.
 
+Given the traces of several ranks of one recording (``run.profile_ranks=all``), it also compares their compute: the
+ranks of a step wait for the busiest one, so a rank that computes much more than the others is what the others'
+waits are made of (a pipeline stage with more blocks, or a slower GPU).
+
 The profiler slows the host itself, most where a step launches many small ops: a 1b FSDP step on two H100s took
 165 ms under it, 48 ms of them idle, and 117 ms without it, its kernels' busy time. Given a run folder, the
 verdict therefore weighs the idle time against the run's unprofiled steps (``metrics.jsonl``): only the part of
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import re
 import gzip
 import json
 import statistics
@@ -71,6 +76,8 @@ EXPOSED_HINTS = {
 """What a step bound by that collective can try (``StepTime.verdict``)."""
 BOUND_SHARE = 0.10
 """Idle or exposed communication above this share of the span names the step host- or communication-bound."""
+UNEVEN_COMPUTE = 0.05
+"""Ranks of one recording whose compute per step differs by more than this share are called uneven."""
 
 
 @dataclass(frozen=True)
@@ -299,6 +306,39 @@ def trace_files(paths: list[str]) -> list[Path]:
     return found
 
 
+def trace_rank(path: str) -> int | None:
+    """The rank a trace file's name gives (``rank_00003.json`` -> 3), or None."""
+    found = re.search(r"rank_(\d+)\.json", Path(path).name)
+    return int(found.group(1)) if found else None
+
+
+def uneven_compute(rows: list[StepTime]) -> list[str]:
+    """A line for each recording (traces in one folder, from two ranks or more) whose ranks' compute per step differs
+    by more than :data:`UNEVEN_COMPUTE`: the busiest rank sets the step's pace, and the others wait for it."""
+    folders: dict[str, list[tuple[int, StepTime]]] = collections.defaultdict(list)
+    for t in rows:
+        rank = trace_rank(t.path)
+        if rank is not None:
+            folders[str(Path(t.path).parent)].append((rank, t))
+    lines = []
+    for folder, ranks in folders.items():
+        if len(ranks) < 2:
+            continue
+        (low_rank, low), (high_rank, high) = (min(ranks, key=lambda r: r[1].compute_ms),
+                                              max(ranks, key=lambda r: r[1].compute_ms))
+        if high.compute_ms <= (1 + UNEVEN_COMPUTE) * max(low.compute_ms, 1e-9):
+            continue
+        extra = high.compute_ms / max(low.compute_ms, 1e-9) - 1
+        lines.append(
+            f"{folder}: uneven ranks: rank {high_rank} computes {high.compute_ms:.1f} ms per step, {extra:.0%} more "
+            f"than rank {low_rank} ({low.compute_ms:.1f} ms), and the other ranks wait for it within each step. In a "
+            "pipeline its stages hold more work: the cut is in whole blocks (parallel.pp_balance=cost, the default, "
+            "evens the estimated FLOPs; =blocks evens the block counts), so a block count that splits more evenly "
+            "over the stages helps; where every rank runs the same kernels (data parallelism), a slower GPU "
+            "(clocks, power, temperature: meshrun doctor) or uneven batches")
+    return lines
+
+
 def render_table(rows: list[StepTime]):
     from rich.table import Table
 
@@ -344,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
         console = Console(width=None if sys.stdout.isatty() else 160)
         if rows:
             console.print(render_table(rows))
+        for line in uneven_compute(rows):
+            console.print(line, markup=False)
         for t in rows if args.kernels else []:
             console.print(f"\n{t.path}\n{describe_step_time(t)}", markup=False)
     for f in cpu_only:
