@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import argparse
 import collections
-import re
 import gzip
 import json
+import re
 import statistics
 import sys
 from dataclasses import asdict, dataclass, field, replace
