@@ -15,8 +15,8 @@ For each case (model size x number of GPUs x gradient-clipping value) it runs, a
   - with --session, the baseline's GPT through meshrun's `Session.prepare_model` (benchmarks/session_gpt.py, as
     docs/api.md shows: a user's own model) per layout given (ddp, fsdp).
 Every row reports tokens/s per GPU, MFU, peak memory, vs_baseline (its tokens/s over the faster baseline row of its
-case) and vs_best_peer (over the fastest of the baseline rows and the peers of its case). Prints a line per run as
-it finishes, then a table, and writes JSON.
+case), vs_best_peer (over the fastest of the baseline rows and the peers of its case) and wall_s (the run's wall
+time, start-up and compilation included). Prints a line per run as it finishes, then a table, and writes JSON.
 
     PYTHONPATH=src python3 benchmarks/train_bench.py --sizes 124m --gpus 1,2 --grad-clip 0,1 --json out.json
     PYTHONPATH=src python3 benchmarks/train_bench.py --sizes 124m --gpus 2 --peers '' \\
@@ -58,6 +58,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -348,7 +349,9 @@ def run_case(case: Case, plan: Plan, env: dict[str, str]) -> Iterator[dict]:
     runs: dict[str, list[dict]] = {impl: [] for impl, _ in jobs}
     for i in range(plan.repeat):
         for impl, job in jobs:
-            runs[impl].append(job(i + 1))
+            started = time.monotonic()
+            result = job(i + 1)
+            runs[impl].append({**result, "wall_s": round(time.monotonic() - started, 1)})  # start-up and compile in
             # each run as it finishes: a call cut off by its time limit still shows the runs it finished
             print(json.dumps({"impl": impl, "repeat": i + 1, **runs[impl][-1]}), flush=True)
     for impl, _ in jobs:

@@ -330,8 +330,11 @@ def test_each_run_is_printed_as_it_finishes(monkeypatch, capsys):
     next(tb.run_case(tb.Case("tiny", 2, 0.0), plan, {}))
     lines = capsys.readouterr().out.splitlines()
     # the baseline's run is printed before meshrun's starts (a call cut off by its limit keeps what finished)
-    assert lines == ['{"impl": "baseline-ddp", "repeat": 1, "tokens_per_s_per_gpu": 1.0}', "meshrun ran",
-                     '{"impl": "meshrun-ddp", "repeat": 1, "tokens_per_s_per_gpu": 2.0}']
+    assert lines[1] == "meshrun ran" and len(lines) == 3, lines
+    first, last = json.loads(lines[0]), json.loads(lines[2])
+    assert (first["impl"], first["repeat"], first["tokens_per_s_per_gpu"]) == ("baseline-ddp", 1, 1.0)
+    assert (last["impl"], last["repeat"], last["tokens_per_s_per_gpu"]) == ("meshrun-ddp", 1, 2.0)
+    assert first["wall_s"] >= 0 and last["wall_s"] >= 0
 
 
 def test_repeated_runs_report_the_median_run_and_its_spread():
@@ -454,6 +457,7 @@ def test_cpu_run_has_a_row_per_case_and_ratios_to_its_baseline(tmp_path):
         for clip in (0.0, 1.0):
             base, mesh = rows[("baseline-ddp", gpus, clip)], rows[("meshrun-ddp", gpus, clip)]
             assert mesh["tokens_per_s_per_gpu"] > 0 and mesh["device"] == "cpu"
+            assert 0 < base["wall_s"] < 400 and 0 < mesh["wall_s"] < 400, "each run's wall time, to plan GPU calls"
             assert mesh["vs_baseline"] == pytest.approx(mesh["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"])
     kept = sorted(p.name for p in (tmp_path / "runs").iterdir())  # --keep-runs: each meshrun run's folder
     assert kept == [f"meshrun-ddp_tiny_{g}gpu_clip{c}_r1" for g in (1, 2) for c in (0, 1)], kept
