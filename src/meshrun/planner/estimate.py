@@ -37,6 +37,8 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
     cast_once: bool = False
     """parallel.pp_cast_once as the trainer on GPUs resolves it: the stages keep compute-dtype copies of their weights."""
+    compiled: bool = True
+    """train.compile as the trainer on GPUs resolves it."""
 
     def node_of(self, rank: int) -> int:
         return rank // self.gpus_per_node
@@ -69,6 +71,7 @@ def build_plan(job: JobConfig, *, nodes: int, gpus_per_node: int, gpu_mem_gib: f
 
     from meshrun.models.build import model_shape, model_spec
     from meshrun.parallel.checks import check_layout, compute_dtype, use_cast_once
+    from meshrun.parallel.kernels import compile_enabled
 
     model, spec = model_shape(job), model_spec(job)
     if model.dim % model.n_heads:
@@ -86,7 +89,8 @@ def build_plan(job: JobConfig, *, nodes: int, gpus_per_node: int, gpu_mem_gib: f
     plan = Plan(nodes=nodes, gpus_per_node=gpus_per_node, world_size=world, model=model, spec=spec, dims=dims,
                 batch=batch, job=job,
                 data_parallel=note or data_parallel_line(given, dims, params=params),
-                cast_once=use_cast_once(job, dims, gpu, compute_dtype(job, "cuda")))
+                cast_once=use_cast_once(job, dims, gpu, compute_dtype(job, "cuda")),
+                compiled=compile_enabled(job.train.compile, gpu))
     plan.memory = [stage_memory(plan, s, dtype_bytes=dtype_bytes) for s in range(dims.pp)]
     plan.comm = communication(plan, dtype_bytes=dtype_bytes)
     plan.warnings = layout_warnings(plan, gpu_mem_gib=gpu_mem_gib)
@@ -202,8 +206,8 @@ def stage_memory(plan: Plan, pp_rank: int, *, dtype_bytes: int) -> dict[str, Any
     # FSDP keeps unsharded fp32 gradients between micro-batches while it skips the reduce-scatter (grad
     # accumulation, and every pipeline step, which runs several micro-batches)
     grads = (per_tp if shard > 1 and (b.grad_accum > 1 or d.pp > 1) else local) * GRAD_BYTES
-    if plan.job.train.compile != "false":  # compiled on a GPU, a micro-batch's gradients of the copies are added
-        grads += copies  # together when its backward pass ends (meshrun.parallel.step_weights.grad_adder)
+    if plan.compiled:  # compiled on a GPU, a micro-batch's gradients of the copies are added together when its
+        grads += copies  # backward pass ends (meshrun.parallel.step_weights.grad_adder)
     optimizer = local * ADAM_STATE_BYTES
     samples = b.micro_batch if d.pp == 1 else b.micro_batch * b.grad_accum / d.pp_microbatches
     tokens = samples * m.seq_len / d.cp  # context parallelism: each GPU holds T/cp positions of every sequence

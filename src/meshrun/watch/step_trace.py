@@ -327,9 +327,9 @@ def uneven_compute(rows: list[StepTime]) -> list[str]:
             continue
         (low_rank, low), (high_rank, high) = (min(ranks, key=lambda r: r[1].compute_ms),
                                               max(ranks, key=lambda r: r[1].compute_ms))
-        if high.compute_ms <= (1 + UNEVEN_COMPUTE) * max(low.compute_ms, 1e-9):
-            continue
         extra = high.compute_ms / max(low.compute_ms, 1e-9) - 1
+        if extra <= UNEVEN_COMPUTE:
+            continue
         lines.append(
             f"{folder}: uneven ranks: rank {high_rank} computes {high.compute_ms:.1f} ms per step, {extra:.0%} more "
             f"than rank {low_rank} ({low.compute_ms:.1f} ms), and the other ranks wait for it within each step. In a "
