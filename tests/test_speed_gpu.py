@@ -137,6 +137,17 @@ def test_tp_blocks_as_cuda_graphs_train_like_launched_kernels_and_exit(tmp_path)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_tp_with_reordered_collectives_trains_like_inductors_order(tmp_path):
+    """parallel.comm_reorder (on by default for TP on GPUs): inductor moves TP's all-reduces and their waits around
+    independent compute inside each compiled block (as CUDA graphs, 2 micro-batches per step); a wait moved past a
+    use of its result would show in the losses or the gradient norm."""
+    _runs_match(tmp_path, "TP 2", ("--parallel.tp=2", "--parallel.dp_replicate=1", "--model.tie_embeddings=false",
+                                   "--train.grad_accum=2"),
+                ("inductor's order", "--parallel.comm_reorder=false"),
+                ("reordered", "--parallel.comm_reorder=true"), gpus=2)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_pipeline_blocks_as_cuda_graphs_train_like_launched_kernels(tmp_path, schedule):
     """PP 2 (4 micro-batches per step) records each compiled block of a stage as a CUDA graph, the pipeline's sends

@@ -398,7 +398,8 @@ def test_tune_adds_each_layouts_documented_settings_and_tags_meshrun_rows(monkey
     rows = list(tb.run_case(tb.Case("tiny", 2, 0.0), plan, {}))
     tp = [r for r in rows if r.get("layout") == "tp"]
     assert [(r["impl"], r["setting"]) for r in tp] == [("meshrun-tp", "defaults"), ("meshrun-tp-sp", "sp"),
-                                                       ("meshrun-tp-launched", "launched")]
+                                                       ("meshrun-tp-launched", "launched"),
+                                                       ("meshrun-tp-inductor-order", "inductor-order")]
     assert "layout" not in rows[0] and rows[0]["impl"] == "baseline-ddp"  # references carry no tags
 
 

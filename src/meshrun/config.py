@@ -173,11 +173,24 @@ class ParallelConfig:
     runs each backward whole (not interleavedzb), without float8. auto: on for those layouts on CUDA GPUs (1b, PP 2
     on 2 H200s: 1.027x the per-micro-batch casts, 1 GiB less memory), off elsewhere; true refuses the layouts it
     cannot serve; false casts per micro-batch."""
+    pp_p2p_channels: int = 0
+    """NCCL channels for the pipeline's sends and receives (NCCL_MAX_P2P_NCHANNELS, set for the training processes
+    before their process groups exist). Fewer channels take fewer of the GPU's SMs from the matmuls they run beside:
+    interleaved1f1b posts its receives early, and they run beside compute for much of the step. 0 (auto): 4 on CUDA
+    GPUs for the schedules that run several stages per rank (1b, PP 2, interleaved1f1b on 2 H200s: 1.032x NCCL's
+    own choice), NCCL's own choice otherwise, and a NCCL_MAX_P2P_NCHANNELS already in the environment is kept; a
+    number sets it for every schedule. Gloo ignores it."""
     sequence_parallel: bool = False
     """Shard norms and dropout along the sequence in TP regions."""
     async_tp: bool = False
     """Overlap TP's all-gathers and reduce-scatters with the matmuls they feed (inductor micro-pipelining over
     symmetric memory); needs parallel.sequence_parallel, compiled blocks and CUDA GPUs."""
+    comm_reorder: str = "auto"
+    """Let inductor reorder each compiled graph that holds collectives so that they run beside compute that does not
+    need their result: TP's all-reduce of a block's input gradient beside the weight gradients (torch's
+    reorder_compute_for_overlap, sink_waits and raise_comms passes). auto: on for TP with compiled blocks on CUDA
+    GPUs without async TP (1b, TP 2 on 2 H200s: 1.012x and 1.029x in two calls), off elsewhere; true: wherever the
+    run compiles (graphs without collectives are left as they were); false: inductor's own order."""
     data_parallel: DataParallelMode = "auto"
     """How the default pure data-parallel layout runs (dp_replicate=-1 with dp_shard=1): ddp (every rank keeps the
     whole model and optimizer), fsdp (FSDP2 shards parameters, gradients and optimizer state over the ranks), or

@@ -149,6 +149,7 @@ def _check_choices(job: JobConfig) -> None:
     job.train.compile = tri_state("train.compile", job.train.compile)
     job.train.cuda_graphs = tri_state("train.cuda_graphs", job.train.cuda_graphs)
     job.parallel.pp_cast_once = tri_state("parallel.pp_cast_once", job.parallel.pp_cast_once)
+    job.parallel.comm_reorder = tri_state("parallel.comm_reorder", job.parallel.comm_reorder)
     check_choice("parallel.ddp_graph", job.parallel.ddp_graph, DDP_GRAPH_MODES)
     check_choice("parallel.grad_reduce_dtype", job.parallel.grad_reduce_dtype, REDUCE_DTYPES)
     job.parallel.fsdp_reshard_after_forward = tri_state("parallel.fsdp_reshard_after_forward",
@@ -174,6 +175,9 @@ def validate_job(job: JobConfig) -> None:
     if job.parallel.async_tp and not job.parallel.sequence_parallel:
         raise ConfigError("parallel.async_tp=true overlaps the all-gathers and reduce-scatters of sequence "
                           "parallelism; add --parallel.sequence_parallel=true")
+    if job.parallel.pp_p2p_channels < 0:
+        raise ConfigError(f"parallel.pp_p2p_channels must be >= 0 (NCCL channels for the pipeline's sends and "
+                          f"receives; 0: auto), got {job.parallel.pp_p2p_channels}")
     if job.parallel.fsdp_unit_blocks < 0:
         raise ConfigError(f"parallel.fsdp_unit_blocks must be >= 0 (blocks per FSDP2 unit; 0: auto), got "
                           f"{job.parallel.fsdp_unit_blocks}")

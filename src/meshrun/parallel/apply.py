@@ -35,11 +35,13 @@ from meshrun.models.shape import ModelShape
 from meshrun.models.spec import ModelSpec, ModelStructure
 from meshrun.parallel.activation_checkpoint import apply_activation_checkpointing
 from meshrun.parallel.checks import (check_chunked_loss, check_cuda_graphs, check_layout, graphs_supported, is_local,
-                                    layout_name, several_stages_per_rank, use_cast_once, uses_fsdp)
+                                    layout_name, several_stages_per_rank, use_cast_once, use_comm_reorder,
+                                    uses_fsdp)
 from meshrun.parallel.context_parallel import SequenceShards
 from meshrun.parallel.data_parallel import apply_ddp, apply_fsdp, fsdp_units
 from meshrun.parallel.engine import Engine, LocalEngine, LossStep, loss_function
 from meshrun.parallel.async_tp import enable_async_tp
+from meshrun.parallel.comm_overlap import enable_comm_reorder
 from meshrun.parallel.float8 import convert_blocks_to_float8
 from meshrun.parallel.kernels import compile_enabled, inductor_mode, select_attention
 from meshrun.parallel.options import ParallelOptions, parallel_options
@@ -83,6 +85,8 @@ def build_engine(*, job: JobConfig, model_cfg: ModelShape, dims: ParallelDims, m
     compiled = compile_enabled(job.train.compile, device)
     if job.parallel.async_tp:
         enable_async_tp(dims.get_mesh("tp"))
+    if use_comm_reorder(job, dims, device):
+        enable_comm_reorder()
     local = is_local(dims)
     graphs = use_cuda_graphs(job.train.cuda_graphs, device, compiled=compiled,
                              supported=graphs_supported(dims, async_tp=job.parallel.async_tp),

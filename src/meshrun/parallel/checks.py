@@ -109,8 +109,40 @@ def check_layout(job: JobConfig, spec: ModelSpec, shape: ModelShape, dims: Paral
         check_cuda_graphs(device, compiled=compiled, supported=graphs_supported(dims, async_tp=job.parallel.async_tp),
                           layout=layout_name(dims))
     check_chunked_loss(job.train.loss, spec, dims=dims, local=is_local(dims))
+    if tri_state("parallel.comm_reorder", job.parallel.comm_reorder) == "true" and not compiled:
+        raise ConfigError(f"parallel.comm_reorder=true reorders the compiled graphs, and train.compile="
+                          f"{job.train.compile} leaves compilation off on {device.type}: set --train.compile=true, "
+                          "or drop --parallel.comm_reorder")
+    if job.parallel.pp_p2p_channels and dims.pp == 1:
+        raise ConfigError(f"parallel.pp_p2p_channels={job.parallel.pp_p2p_channels} sets NCCL's channels for a "
+                          f"pipeline's sends and receives, and {layout_name(dims)} has no pipeline (parallel.pp=1): "
+                          "drop --parallel.pp_p2p_channels")
     if tri_state("parallel.pp_cast_once", job.parallel.pp_cast_once) == "true":
         check_cast_once(dims, fp32=compute_dtype in (None, torch.float32), float8=job.train.float8)
+
+
+def use_comm_reorder(job: JobConfig, dims: ParallelDims, device: torch.device) -> bool:
+    """parallel.comm_reorder resolved for this run: true where the run compiles (check_layout has refused the rest),
+    false, or auto: on for TP with compiled blocks on CUDA GPUs without async TP (its own pass rewrites those
+    collectives), where it was measured faster."""
+    choice = tri_state("parallel.comm_reorder", job.parallel.comm_reorder)
+    if choice != "auto":
+        return choice == "true"
+    return (device.type == "cuda" and dims.tp > 1 and not job.parallel.async_tp
+            and compile_enabled(job.train.compile, device))
+
+
+AUTO_P2P_CHANNELS = 4
+"""parallel.pp_p2p_channels=auto for interleaved schedules: on 2 H200s (1b, PP 2, interleaved1f1b, 2 repeats each,
+one call) 67,208 tokens/s per GPU against 65,142 with NCCL's own choice."""
+
+
+def p2p_channels(job: JobConfig, dims: ParallelDims, *, cuda: bool) -> int:
+    """parallel.pp_p2p_channels resolved: the number given, or under auto 4 for schedules that run several stages
+    per rank on CUDA GPUs (their early receives run beside compute), 0 (NCCL's own choice) otherwise."""
+    if job.parallel.pp_p2p_channels:
+        return job.parallel.pp_p2p_channels
+    return AUTO_P2P_CHANNELS if cuda and several_stages_per_rank(dims) else 0
 
 
 def use_cast_once(job: JobConfig, dims: ParallelDims, device: torch.device, compute_dtype: torch.dtype | None) -> bool:

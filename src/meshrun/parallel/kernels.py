@@ -98,13 +98,14 @@ def select_attention(choice: str, device: torch.device) -> str:
 
 def describe_speed(job: JobConfig, device: torch.device, compute_dtype: torch.dtype | None, *,
                    cuda_graphs: bool = False, fsdp: bool = False, cast_once: bool = False, graphs_off: str = "",
-                   split_backward: bool = False) -> str:
+                   split_backward: bool = False, comm_reorder: bool = False, p2p_channels: str = "") -> str:
     """The start-up header's line of performance choices, as resolved for this device (``cuda_graphs``: the
     engine's resolved train.cuda_graphs; ``fsdp``: FSDP2 holds the parameters, and its mixed precision, not
     autocast, computes in bf16; ``cast_once``: a pipeline's weights are cast once per step, the engine's resolved
     parallel.pp_cast_once; ``graphs_off``: why train.cuda_graphs=auto left CUDA graphs off, from
     apply.graphs_left_off; ``split_backward``: a zero-bubble schedule, for which compiled blocks keep their linear
-    layers eager)."""
+    layers eager; ``comm_reorder``: the resolved parallel.comm_reorder; ``p2p_channels``: NCCL's channel cap for a
+    pipeline's sends and receives, where one is set)."""
     t = job.train
     reduce = job.parallel.grad_reduce_dtype
     bf16 = f"bf16 parameters (FSDP2), {reduce} gradient reduction" if fsdp else "bf16 autocast"
@@ -118,6 +119,8 @@ def describe_speed(job: JobConfig, device: torch.device, compute_dtype: torch.dt
         compiled += ", linear layers eager for the zero-bubble schedule"
     if t.compile_mode != "default":
         compiled += f", {t.compile_mode}"
+    if comm_reorder:
+        compiled += ", collectives reordered beside compute"
     capability = cuda_capability(device)
     old = f"compute capability {capability[0]}.{capability[1]}" if capability else ""
     if precision == "fp32" and t.dtype == "auto" and capability and capability < BF16_MIN_CAPABILITY:
@@ -130,5 +133,6 @@ def describe_speed(job: JobConfig, device: torch.device, compute_dtype: torch.dt
     parts = [f"compile {compiled if compile_enabled(t.compile, device) else 'off'} ({compile_note})",
              precision, f"attention {resolve_attention(t.attention, device)}",
              "fused AdamW" if t.fused_optimizer and device.type == "cuda" else "AdamW (for-each)",
-             f"grad clip {t.grad_clip:g}" if t.grad_clip else "no grad clip"]
+             f"grad clip {t.grad_clip:g}" if t.grad_clip else "no grad clip",
+             *([f"pipeline sends and receives on at most {p2p_channels} NCCL channels"] if p2p_channels else [])]
     return "speed: " + " | ".join(parts)

@@ -28,7 +28,8 @@ from meshrun.models.shape import ModelShape
 from meshrun.models.spec import ModelSpec
 from meshrun.rng import seed_rank_streams
 from meshrun.parallel.apply import build_engine
-from meshrun.parallel.checks import compute_dtype
+from meshrun.parallel.checks import compute_dtype, p2p_channels
+from meshrun.parallel.comm_overlap import set_p2p_channels
 from meshrun.parallel.engine import Engine
 from meshrun.parallel.grad_norm import clip_divisor
 from meshrun.ckpt.preemption import signal_label
@@ -90,6 +91,8 @@ class Trainer:
             use_deterministic_algorithms()
         if self.env.is_distributed and torch.cuda.is_available():
             enable_flight_recorder(os.environ, run_dir=self.run_dir)  # NCCL reads these at group creation
+            set_p2p_channels(os.environ, p2p_channels(job, self.dims, cuda=job.dist.device != "cpu"),
+                             explicit=job.parallel.pp_p2p_channels > 0)
         self.ctx: DistContext = init_distributed(self.env, job.dist)
         self.device = self.ctx.device
         self.folder = RunFolder(job, self.env, path=self.run_dir)  # nothing written into it until the run proceeds
