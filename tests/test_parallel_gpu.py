@@ -55,6 +55,12 @@ BF16 = {
     # them), stages cut by cost, compiled blocks
     "pp2_defaults_compile": Layout(tied=False, grad_accum=2, parallel={"dp_replicate": 1, "pp": 2},
                                    train={"compile": "true"}),
+    # interleaved 1F1B (2 stages per rank, 4 layers), compiled, weights cast once per step: before it becomes the
+    # pipeline default on GPUs (1.027x 1F1B on 2 H200s, docs/benchmarks.md round 14)
+    "pp2_interleaved_compile": Layout(tied=False, grad_accum=2, n_layers=4,
+                                      parallel={"dp_replicate": 1, "pp": 2, "pp_schedule": "interleaved1f1b",
+                                                "pp_microbatches": 4},
+                                      train={"compile": "true"}),
     "cp2_compile_selective": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 1, "cp": 2,
                                                                        "activation_checkpoint": "selective"},
                                     train={"compile": "true"}),
@@ -83,7 +89,9 @@ def _nccl_worker(rank: int, world_size: int, layouts: dict, initials: dict, dtyp
 
 @pytest.fixture(scope="module")
 def references():
-    return {(tied, 2): reference_run(tied, 2, torch.device("cuda", 0)) for tied in (True, False)}
+    # the 2-layer models (tied or not), and the untied 4-layer one for the schedules with 2 stages per rank
+    return {(tied, layers): reference_run(tied, layers, torch.device("cuda", 0))
+            for tied, layers in ((True, 2), (False, 2), (False, 4))}
 
 
 def _spawn(layouts, references, dtype_name, world: int = 2):

@@ -106,7 +106,8 @@ class Session:
         ``compile_mode="max-autotune"`` (with ``compile=True``) has inductor benchmark each matmul shape against its
         Triton templates, as ``--train.compile_mode`` does: minutes more of compilation, for a step that is at times
         faster (1b FSDP2: 1.4-3.9% faster on 2 H200s, 1.3% slower on 2 H100s; 124m DDP and 1b TP level;
-        docs/performance.md).
+        docs/performance.md). With TP and ``compile=True`` on a CUDA GPU inductor reorders the collectives inside the
+        compiled blocks beside independent compute (meshrun train's parallel.comm_reorder=auto; process-wide).
         ``grad_reduce_dtype="bf16"`` sums gradients across data-parallel ranks in bf16 (DDP, FSDP2, HSDP; half the
         bytes of the default fp32; on one NVLink node it was not faster, see docs/performance.md).
         ``cuda_graphs=True`` (with ``compile=True``, layout ddp or one process, on a CUDA GPU) records the compiled

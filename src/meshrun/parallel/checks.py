@@ -128,8 +128,14 @@ def use_comm_reorder(job: JobConfig, dims: ParallelDims, device: torch.device) -
     choice = tri_state("parallel.comm_reorder", job.parallel.comm_reorder)
     if choice != "auto":
         return choice == "true"
-    return (device.type == "cuda" and dims.tp > 1 and not job.parallel.async_tp
-            and compile_enabled(job.train.compile, device))
+    return reorders_by_default(dims, device, compiled=compile_enabled(job.train.compile, device),
+                               async_tp=job.parallel.async_tp)
+
+
+def reorders_by_default(dims: ParallelDims, device: torch.device, *, compiled: bool, async_tp: bool = False) -> bool:
+    """Where inductor's reordering of collectives is on by default (meshrun train's parallel.comm_reorder=auto, and
+    Session.prepare_model): TP with compiled blocks on CUDA GPUs, without async TP."""
+    return device.type == "cuda" and dims.tp > 1 and compiled and not async_tp
 
 
 AUTO_P2P_CHANNELS = 4

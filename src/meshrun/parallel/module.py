@@ -158,6 +158,8 @@ def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world
 
     Collective: every rank must call it (it builds the mesh and broadcasts rank 0's weights)."""
     from meshrun.parallel.apply import ddp_bucket_mb, layout_name, parallelize, uses_fsdp
+    from meshrun.parallel.checks import reorders_by_default
+    from meshrun.parallel.comm_overlap import enable_comm_reorder
     from meshrun.parallel.data_parallel import apply_ddp
 
     check_compile_mode(compile_mode, compile=compile)
@@ -195,6 +197,8 @@ def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world
         model.compile(mode=inductor_mode(compile_mode, cuda_graphs))
         if dims.dp_replicate > 1:  # one node: one graph each way, unless recorded (see parallel.ddp_graph)
             torch._dynamo.config.optimize_ddp = nodes > 1 or cuda_graphs
+    if reorders_by_default(dims, device, compiled=compile):
+        enable_comm_reorder()  # as meshrun train's parallel.comm_reorder=auto: TP's all-reduces beside compute
     compiled = 1 if whole_graph else compile_unblocked(model, structure, compile_mode) if compile else 0
     trained = model
     if dims.dp_replicate > 1 and not uses_fsdp(dims):
