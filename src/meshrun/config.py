@@ -189,8 +189,8 @@ class ParallelConfig:
     """Let inductor reorder each compiled graph that holds collectives so that they run beside compute that does not
     need their result: TP's all-reduce of a block's input gradient beside the weight gradients (torch's
     reorder_compute_for_overlap, sink_waits and raise_comms passes). auto: on for TP with compiled blocks on CUDA
-    GPUs without async TP (1b, TP 2 on 2 H200s: 1.012x and 1.029x in two calls), off elsewhere; true: wherever the
-    run compiles (graphs without collectives are left as they were); false: inductor's own order."""
+    GPUs without async TP (1b, TP 2 on 2 H200s: 1.012-1.029x in three calls), off elsewhere; true: wherever the run
+    compiles (graphs without collectives are left as they were); false: inductor's own order."""
     data_parallel: DataParallelMode = "auto"
     """How the default pure data-parallel layout runs (dp_replicate=-1 with dp_shard=1): ddp (every rank keeps the
     whole model and optimizer), fsdp (FSDP2 shards parameters, gradients and optimizer state over the ranks), or
