@@ -61,9 +61,10 @@ COLLECTIVES: tuple[tuple[str, tuple[str, ...]], ...] = (
 """Which collective an NCCL kernel runs, from its name (``ncclDevKernel_AllReduce_Sum_bf16_RING_LL``)."""
 EXPOSED_HINTS = {
     "all-reduce": "DDP's gradient all-reduce overlaps backward when the compiled step is split at its buckets "
-                  "(parallel.ddp_graph=split, smaller parallel.ddp_bucket_mb); TP's activation all-reduces cannot "
-                  "overlap compute, so fewer TP ranks (more data parallelism) or sequence parallelism with "
-                  "parallel.async_tp move them off the step",
+                  "(parallel.ddp_graph=split, smaller parallel.ddp_bucket_mb); TP's backward all-reduces run beside "
+                  "the weight gradients where inductor reorders the compiled blocks (parallel.comm_reorder, on by "
+                  "default for TP on GPUs), its forward ones beside nothing, so fewer TP ranks (more data "
+                  "parallelism) or sequence parallelism with parallel.async_tp move them off the step",
     "all-gather": "FSDP2's all-gathers: larger units (parallel.fsdp_unit_blocks), gathered parameters kept for "
                   "backward (parallel.fsdp_reshard_after_forward=false), or fewer shards (HSDP's "
                   "parallel.dp_replicate)",
@@ -72,7 +73,8 @@ EXPOSED_HINTS = {
     "send/receive": "the pipeline's stages wait for each other (its bubble, or unequal stages): more micro-batches "
                     "(parallel.pp_microbatches), stages cut by cost (parallel.pp_balance=cost), or an interleaved "
                     "schedule (parallel.pp_schedule=interleaved1f1b: a smaller bubble, but more sends and receives, "
-                    "whose kernels share the GPU with compute; 0.99x of 1f1b for the 1b model on 2 H200s)",
+                    "whose kernels share the GPU with compute; held to 4 NCCL channels, parallel.pp_p2p_channels' "
+                    "default for it, 1.027x of 1f1b for the 1b model on 2 H200s, 0.99x with NCCL's own count)",
 }
 """What a step bound by that collective can try (``StepTime.verdict``)."""
 BOUND_SHARE = 0.10
