@@ -146,8 +146,9 @@ def test_choice_lists_are_defined_once_and_shared():
     from meshrun.planner import parse_args
 
     hints = typing.get_type_hints(c.ParallelConfig)
-    assert typing.get_args(hints["pp_schedule"]) == c.PIPELINE_SCHEDULES == ("gpipe", "1f1b", "interleaved1f1b",
-                                                                             "interleavedzb", "loopedbfs")
+    assert typing.get_args(hints["pp_schedule"]) == c.PIPELINE_SCHEDULES == ("auto", "gpipe", "1f1b",
+                                                                             "interleaved1f1b", "interleavedzb",
+                                                                             "loopedbfs")
     assert typing.get_args(hints["pp_balance"]) == c.PIPELINE_BALANCES == ("cost", "blocks")
     assert set(c.MULTI_STAGE_SCHEDULES) < set(c.PIPELINE_SCHEDULES)
     assert typing.get_args(hints["activation_checkpoint"]) == c.ACTIVATION_CHECKPOINT_MODES

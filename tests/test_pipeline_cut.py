@@ -56,7 +56,7 @@ def test_the_layout_line_names_the_cut_and_the_option_restores_the_even_cut():
 def test_plan_shows_the_cut(capsys):
     from meshrun.planner.cli import main as plan_main
 
-    assert plan_main(["--model", "1b", "--pp", "2", "--gpus-per-node", "2"]) == 0
+    assert plan_main(["--model", "1b", "--pp", "2", "--gpus-per-node", "2", "--pp-schedule", "1f1b"]) == 0
     out = capsys.readouterr().out
     assert "stages cut by cost" in out and "blocks 10+8" in out
 

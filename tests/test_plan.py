@@ -58,12 +58,13 @@ def test_bubble_of_4_stages_and_32_microbatches(capsys):
 
 def test_a_large_bubble_gets_advice_that_keeps_micro_batches_large():
     small = make_plan("--nodes", "1", "--gpus-per-node", "4", "--model", "1b", "--pp", "4", "--dp-replicate", "1",
-                      "--micro-batch", "8")  # 8 samples of 2048 tokens: 4 micro-batches of 4096, bubble 75%
+                      "--micro-batch", "8", "--pp-schedule", "1f1b")  # 4 micro-batches of 4096 tokens: bubble 75%
     assert small.dims.pp_microbatches == 4
     assert any(w.startswith("pipeline bubble 75% with 4 micro-batches of 4096 tokens: more samples per step "
                             "(--train.grad_accum)") for w in small.warnings), small.warnings
     large = make_plan("--nodes", "1", "--gpus-per-node", "4", "--model", "1b", "--pp", "4", "--dp-replicate", "1",
-                      "--micro-batch", "8", "--pp-microbatches", "4", "--model.seq_len=8192")  # 16384 tokens each
+                      "--micro-batch", "8", "--pp-microbatches", "4", "--model.seq_len=8192",
+                      "--pp-schedule", "1f1b")  # 16384 tokens each
     assert any(w.startswith("pipeline bubble 75%: raise --pp-microbatches (now 4, 16384 tokens each)")
                for w in large.warnings), large.warnings
 

@@ -4,6 +4,7 @@ and test_train_gpu.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -153,9 +154,10 @@ def test_cuda_graphs_auto_is_on_exactly_where_true_is_accepted():
 
 def test_cuda_graphs_auto_only_for_steps_gpu_tests_ran_as_graphs():
     def measured(*args, **degrees):
-        dims = ParallelDims.from_config(ParallelConfig(**{"dp_replicate": 1} | degrees), world_size=4,
-                                        gpus_per_node=4)
-        return graphs_measured(load_config(None, list(args)), dims)
+        job = load_config(None, list(args))  # the dims from the job's own [parallel], as the trainer builds them
+        dims = ParallelDims.from_config(dataclasses.replace(job.parallel, **{"dp_replicate": 1} | degrees),
+                                        world_size=4, gpus_per_node=4)
+        return graphs_measured(job, dims)
 
     assert measured(dp_replicate=4) and measured(tp=4) and measured(pp=2, dp_replicate=2)
     assert measured(pp=4)  # 1F1B of 4 stages: its 4-GPU test passed (4 H100s, 2026-11-28)

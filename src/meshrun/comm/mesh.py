@@ -100,6 +100,8 @@ class ParallelDims:
         if parallel.pp_schedule not in PIPELINE_SCHEDULES:
             raise ConfigError(f"parallel.pp_schedule={parallel.pp_schedule!r} is not one of "
                               f"{', '.join(PIPELINE_SCHEDULES)}")
+        if parallel.pp_schedule == "auto":  # unresolved (a plan resolves it: meshrun.comm.schedule_choice): 1F1B
+            parallel = dataclasses.replace(parallel, pp_schedule="1f1b")
         interleaved = parallel.pp_schedule in MULTI_STAGE_SCHEDULES
         virtual = parallel.pp_virtual_stages if interleaved and degrees["pp"] > 1 else 1
         if virtual < 1:

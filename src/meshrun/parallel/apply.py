@@ -310,7 +310,7 @@ wrongly and are refused (checks.several_stages_per_rank)."""
 def untested_as_graphs(job: JobConfig, dims: ParallelDims) -> list[str]:
     """What in this step GPU tests have not run as CUDA graphs: the chunked loss, float8, TP's sequence parallelism,
     PP beyond GRAPH_TESTED_PP, and TP with PP other than 2 stages of 1F1B (the combination its 4-GPU test ran)."""
-    schedule = job.parallel.pp_schedule
+    schedule = dims.pp_schedule  # resolved (parallel.pp_schedule=auto)
     return [what for what, applies in (
         ("train.loss=chunked", job.train.loss != "full"),
         ("train.float8", job.train.float8),

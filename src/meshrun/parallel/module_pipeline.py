@@ -161,9 +161,9 @@ def pipeline_dims(layout: str, options: PipelineOptions, *, world_size: int, nod
     if dims.pp < 2:
         raise ConfigError(f"layout={layout!r} with pp={dims.pp} has no pipeline; pass pp=2 or more, or use "
                           "layout='ddp' / 'fsdp'")
-    if options.schedule not in PIPELINE_SCHEDULES:
+    if options.schedule not in PIPELINE_SCHEDULES or options.schedule == "auto":
         raise ConfigError(f"PipelineOptions.schedule={options.schedule!r} is not one of "
-                          f"{', '.join(PIPELINE_SCHEDULES)}")
+                          f"{', '.join(s for s in PIPELINE_SCHEDULES if s != 'auto')}")
     interleaved = options.schedule in MULTI_STAGE_SCHEDULES
     if interleaved and options.virtual_stages < 2:
         raise ConfigError(f"PipelineOptions.virtual_stages={options.virtual_stages}: {options.schedule} runs 2 or "

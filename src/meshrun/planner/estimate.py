@@ -9,6 +9,7 @@ from typing import Any
 
 from meshrun.config import BatchPlan, ConfigError, JobConfig, ParallelConfig, resolve_batch
 from meshrun.comm.mesh import FLAT_DIMS, FSDP_AUTO_PARAMS, MESH_DIMS, ParallelDims, choose_data_parallel
+from meshrun.comm.schedule_choice import choose_pp_schedule
 from meshrun.models.shape import ModelShape
 from meshrun.models.spec import ModelSpec
 from meshrun.parallel.stage_cut import PIPELINE_MICROBATCH_TOKENS
@@ -79,13 +80,26 @@ def build_plan(job: JobConfig, *, nodes: int, gpus_per_node: int, gpu_mem_gib: f
     world = nodes * gpus_per_node
     params = spec.count_params(model)
     parallel, note = choose_data_parallel(job.parallel, params=params, on_gpu=True)  # as the trainer on GPUs
-    given, job = job.parallel, dataclasses.replace(job, parallel=parallel)
-    dims = ParallelDims.from_config(job.parallel, world_size=world, gpus_per_node=gpus_per_node, model=model,
-                                    spec=spec)
+    given = job.parallel
+    chosen, auto_note = choose_pp_schedule(parallel, n_layers=model.n_layers, on_gpu=True,
+                                           cuda_graphs=job.train.cuda_graphs)
     gpu = torch.device("cuda")
-    check_layout(job, spec, model, dims, device=gpu, compute_dtype=compute_dtype(job, "cuda"))
-    batch = resolve_batch(job.train, dp_size=dims.dp_size, seq_len=model.seq_len)
-    dims.resolve_pipeline_batch(batch.micro_batch * batch.grad_accum, seq_len=batch.seq_len)
+
+    def layout(parallel: ParallelConfig) -> tuple[JobConfig, ParallelDims, BatchPlan]:
+        planned = dataclasses.replace(job, parallel=parallel)
+        dims = ParallelDims.from_config(parallel, world_size=world, gpus_per_node=gpus_per_node, model=model,
+                                        spec=spec)
+        check_layout(planned, spec, model, dims, device=gpu, compute_dtype=compute_dtype(planned, "cuda"))
+        batch = resolve_batch(planned.train, dp_size=dims.dp_size, seq_len=model.seq_len)
+        dims.resolve_pipeline_batch(batch.micro_batch * batch.grad_accum, seq_len=batch.seq_len)
+        return planned, dims, batch
+
+    try:
+        job, dims, batch = layout(chosen)
+    except ConfigError:
+        if not auto_note:
+            raise
+        job, dims, batch = layout(dataclasses.replace(parallel, pp_schedule="1f1b"))  # as RunPlan.resolve falls back
     plan = Plan(nodes=nodes, gpus_per_node=gpus_per_node, world_size=world, model=model, spec=spec, dims=dims,
                 batch=batch, job=job,
                 data_parallel=note or data_parallel_line(given, dims, params=params),

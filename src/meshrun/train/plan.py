@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshrun.comm.mesh import ParallelDims, choose_data_parallel
+from meshrun.comm.schedule_choice import choose_pp_schedule
 from meshrun.comm.process_group import choose_device, wants_cuda
-from meshrun.config import BatchPlan, JobConfig, TrainConfig, resolve_batch
+from meshrun.config import BatchPlan, ConfigError, JobConfig, TrainConfig, resolve_batch
 from meshrun.env import ProcessPlacement
 from meshrun.models.build import model_shape, model_spec, resolved_model
 from meshrun.models.shape import ModelShape
@@ -69,6 +70,21 @@ class RunPlan:
         shape = model_shape(job, vocab_size)
         parallel, note = choose_data_parallel(job.parallel, params=spec.count_params(shape),
                                               on_gpu=wants_cuda(job.dist))
+        auto, schedule_note = choose_pp_schedule(parallel, n_layers=shape.n_layers, on_gpu=wants_cuda(job.dist),
+                                                 cuda_graphs=job.train.cuda_graphs)
+        try:
+            return cls._resolved(job, auto, " | ".join(n for n in (note, schedule_note) if n), spec=spec,
+                                 shape=shape, env=env)
+        except ConfigError:
+            if not schedule_note:
+                raise
+            # the step's samples do not split into micro-batches the interleaved schedule takes: 1F1B, as before auto
+            return cls._resolved(job, dataclasses.replace(parallel, pp_schedule="1f1b"), note, spec=spec,
+                                 shape=shape, env=env)
+
+    @classmethod
+    def _resolved(cls, job: JobConfig, parallel, note: str, *, spec: ModelSpec, shape: ModelShape,
+                  env: ProcessPlacement) -> RunPlan:
         job = dataclasses.replace(job, model=resolved_model(job.model, shape), parallel=parallel,
                                   checkpoint=dataclasses.replace(job.checkpoint, dir=group_checkpoint_dir(job)))
         dims = ParallelDims.from_config(parallel, world_size=env.world_size, gpus_per_node=env.local_world_size,
