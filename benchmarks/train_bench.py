@@ -69,7 +69,7 @@ LAYOUTS = {  # meshrun overrides for a layout on G GPUs
     "ddp": [],
     "fsdp": ["--parallel.dp_shard=-1", "--parallel.dp_replicate=1"],
     "tp": ["--parallel.tp=-1", "--parallel.dp_replicate=1", "--model.tie_embeddings=false"],
-    "pp": ["--parallel.pp=-1", "--parallel.dp_replicate=1", "--parallel.pp_schedule=1f1b"],
+    "pp": ["--parallel.pp=-1", "--parallel.dp_replicate=1"],
     "cp": ["--parallel.cp=-1", "--parallel.dp_replicate=1"],  # FSDP over the cp ranks, as torchtitan
 }
 TUNE = {  # --tune: the documented settings each layout's defaults choose between (docs/performance.md), one row each
@@ -84,6 +84,7 @@ TUNE = {  # --tune: the documented settings each layout's defaults choose betwee
     "tp": {"sp": "--parallel.sequence_parallel=true", "launched": "--train.cuda_graphs=false",
            "inductor-order": "--parallel.comm_reorder=false"},
     "pp": {"mb4": "--parallel.pp_microbatches=4", "mb16": "--parallel.pp_microbatches=16",
+           "1f1b": "--parallel.pp_schedule=1f1b",
            "interleaved": "--parallel.pp_schedule=interleaved1f1b", "gpipe": "--parallel.pp_schedule=gpipe",
            "even": "--parallel.pp_balance=blocks", "launched": "--train.cuda_graphs=false"},
 }  # cp: none yet (its one speed setting, activation checkpointing, trades speed for memory)

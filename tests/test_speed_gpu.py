@@ -161,12 +161,12 @@ def test_pipeline_blocks_as_cuda_graphs_train_like_launched_kernels(tmp_path, sc
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_pipeline_weights_cast_once_per_step_train_like_casts_per_micro_batch(tmp_path):
-    """parallel.pp_cast_once on PP 2 (1F1B, 4 micro-batches, the blocks as CUDA graphs by default): the linear layers
+    """parallel.pp_cast_once on PP 2 (1F1B, asked for, 4 micro-batches, the blocks as CUDA graphs by default): the linear layers
     hold bf16 copies refreshed in place once per step, the graphs' fixed inputs. On CPU it trains bitwise like
     autocast's casts (tests/test_step_weights.py); here a copy left stale by a graph, or a gradient lost between the
     copy and the fp32 parameter, would show in the losses or the gradient norm."""
-    _runs_match(tmp_path, "PP 2 1f1b", ("--parallel.pp=2", "--parallel.dp_replicate=1", "--train.grad_accum=4",
-                                        "--parallel.pp_microbatches=4"),
+    _runs_match(tmp_path, "PP 2 1f1b", ("--parallel.pp=2", "--parallel.dp_replicate=1", "--parallel.pp_schedule=1f1b",
+                                        "--train.grad_accum=4", "--parallel.pp_microbatches=4"),
                 ("casts per micro-batch", "--parallel.pp_cast_once=false"),
                 ("cast once per step", "--parallel.pp_cast_once=true"), gpus=2)
 

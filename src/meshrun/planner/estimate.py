@@ -81,7 +81,7 @@ def build_plan(job: JobConfig, *, nodes: int, gpus_per_node: int, gpu_mem_gib: f
     params = spec.count_params(model)
     parallel, note = choose_data_parallel(job.parallel, params=params, on_gpu=True)  # as the trainer on GPUs
     given = job.parallel
-    chosen, auto_note = choose_pp_schedule(parallel, n_layers=model.n_layers, on_gpu=True,
+    chosen, auto_note = choose_pp_schedule(parallel, n_layers=model.n_layers, on_gpu=True, world_size=world,
                                            cuda_graphs=job.train.cuda_graphs)
     gpu = torch.device("cuda")
 

@@ -71,7 +71,7 @@ class RunPlan:
         parallel, note = choose_data_parallel(job.parallel, params=spec.count_params(shape),
                                               on_gpu=wants_cuda(job.dist))
         auto, schedule_note = choose_pp_schedule(parallel, n_layers=shape.n_layers, on_gpu=wants_cuda(job.dist),
-                                                 cuda_graphs=job.train.cuda_graphs)
+                                                 world_size=env.world_size, cuda_graphs=job.train.cuda_graphs)
         try:
             return cls._resolved(job, auto, " | ".join(n for n in (note, schedule_note) if n), spec=spec,
                                  shape=shape, env=env)

@@ -72,9 +72,10 @@ EXPOSED_HINTS = {
                       "reduction (parallel.grad_reduce_dtype=bf16)",
     "send/receive": "the pipeline's stages wait for each other (its bubble, or unequal stages): more micro-batches "
                     "(parallel.pp_microbatches), stages cut by cost (parallel.pp_balance=cost), or an interleaved "
-                    "schedule (parallel.pp_schedule=interleaved1f1b: a smaller bubble, but more sends and receives, "
-                    "whose kernels share the GPU with compute; held to 4 NCCL channels, parallel.pp_p2p_channels' "
-                    "default for it, 1.027x of 1f1b for the 1b model on 2 H200s, 0.99x with NCCL's own count)",
+                    "schedule (parallel.pp_schedule=interleaved1f1b, auto's choice for a pipeline alone on GPUs: a "
+                    "smaller bubble, but more sends and receives, whose kernels share the GPU with compute; held to 4 "
+                    "NCCL channels, parallel.pp_p2p_channels' default for it, 1.024-1.027x of 1f1b for the 1b model "
+                    "on 2 H200s, 0.99x with NCCL's own count)",
 }
 """What a step bound by that collective can try (``StepTime.verdict``)."""
 BOUND_SHARE = 0.10
