@@ -51,12 +51,12 @@ BF16 = {
                           train={"compile": "true"}),
     "pp2_gpipe": Layout(tied=False, grad_accum=1, parallel={"dp_replicate": 1, "pp": 2, "pp_schedule": "gpipe",
                                                             "pp_microbatches": 4}),
-    # the pipeline defaults: micro-batches from the batch (2 here: no micro-batch reaches 4096 tokens, so pp of
-    # them), stages cut by cost, compiled blocks
+    # the pipeline defaults with 1F1B (what the trainer runs where interleaved 1F1B does not fit): micro-batches
+    # from the batch (2 here: no micro-batch reaches 4096 tokens, so pp of them), stages cut by cost, compiled blocks
     "pp2_defaults_compile": Layout(tied=False, grad_accum=2, parallel={"dp_replicate": 1, "pp": 2},
                                    train={"compile": "true"}),
-    # interleaved 1F1B (2 stages per rank, 4 layers), compiled, weights cast once per step: before it becomes the
-    # pipeline default on GPUs (1.027x 1F1B on 2 H200s, docs/benchmarks.md round 14)
+    # interleaved 1F1B (2 stages per rank, 4 layers), compiled, weights cast once per step: the trainer's pipeline
+    # default on GPUs since it passed here (1.024x 1F1B on 2 H200s, docs/benchmarks.md round 15)
     "pp2_interleaved_compile": Layout(tied=False, grad_accum=2, n_layers=4,
                                       parallel={"dp_replicate": 1, "pp": 2, "pp_schedule": "interleaved1f1b",
                                                 "pp_microbatches": 4},
