@@ -10,8 +10,9 @@ from meshrun.config import ConfigError, ParallelConfig
 
 AUTO_SCHEDULE_GPU = "interleaved1f1b"
 """On 2 H200s (1b, PP 2, 8 micro-batches, 2026-11-28) interleaved 1F1B with its sends held to 4 NCCL channels
-(parallel.pp_p2p_channels=auto) ran 67,208 tokens/s per GPU against 65,452 for 1F1B in the same call (1.027x):
-its bubble is 1/17 of the step against 1/9, and it runs without CUDA graphs."""
+(parallel.pp_p2p_channels=auto) ran 67,208 tokens/s per GPU against 65,452 for 1F1B in the same call (1.027x); as
+the default, 67,208 against 65,633 for 1F1B and 70,641 for FSDP2 (0.951x; docs/benchmarks.md round 15): its bubble
+is 1/17 of the step against 1/9, and it runs without CUDA graphs."""
 
 
 def choose_pp_schedule(parallel: ParallelConfig, *, n_layers: int, on_gpu: bool, world_size: int,
