@@ -4,6 +4,7 @@ The Python API (see docs/api.md):
   Session                     the pieces for your own script: layouts (DDP, FSDP2, HSDP, TP, PP), sharded batches,
                               exact metrics, checkpoints, health
   PipelineOptions             schedule, micro-batches and loss of Session.prepare_model(layout="pp")
+  LocalShardAdamW             torch's AdamW stepping FSDP2/TP (DTensor) parameters on their local shards
   ModelSpec, register_model   the model contract: register your model for meshrun train / plan / --dry-run
   ModelShape                  the resolved transformer shape a ModelSpec builds from
   Trainer, load_config        the reference training job, from Python
@@ -17,6 +18,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Session": "meshrun.session",
     "PipelineOptions": "meshrun.parallel.module_pipeline",
+    "LocalShardAdamW": "meshrun.parallel.local_adamw",
     "Trainer": "meshrun.train.trainer",
     "ModelSpec": "meshrun.models.spec",
     "register_model": "meshrun.models.spec",

@@ -32,6 +32,7 @@ from meshrun.parallel.checks import compute_dtype, p2p_channels
 from meshrun.parallel.comm_overlap import set_p2p_channels
 from meshrun.parallel.engine import Engine
 from meshrun.parallel.grad_norm import clip_divisor
+from meshrun.parallel.local_adamw import LocalShardAdamW
 from meshrun.ckpt.preemption import signal_label
 from meshrun.ckpt.state import TrainProgress
 from meshrun.diag.fingerprint import check_consistency
@@ -223,9 +224,10 @@ class Trainer:
         no_decay = [p for p in params if p.ndim < 2]
         t = self.job.train
         fused = t.fused_optimizer and self.device.type == "cuda"
-        return torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
-                                  {"params": no_decay, "weight_decay": 0.0}],
-                                 lr=t.lr, betas=(t.beta1, t.beta2), fused=fused or None)
+        # torch's AdamW, stepping FSDP2's and TP's DTensor parameters on their local shards (parallel/local_adamw.py)
+        return LocalShardAdamW([{"params": decay, "weight_decay": t.weight_decay},
+                                {"params": no_decay, "weight_decay": 0.0}],
+                               lr=t.lr, betas=(t.beta1, t.beta2), fused=fused or None)
 
     def build_replicas(self) -> ReplicaGroups | None:
         """replicas.groups: this group's torchft manager (train/replicas.py); None without replica groups."""

@@ -1,0 +1,65 @@
+"""torch's AdamW stepping each DTensor parameter on its local shard.
+
+FSDP2 and TP hold their parameters, gradients and AdamW moments as DTensors. torch's AdamW then runs its update
+through DTensor's dispatch: for each call over the parameter list it unwraps every DTensor, propagates shardings and
+wraps the results again, host work that grows with the number of parameters while the kernel itself only ever reads
+local shards (the update is element-wise). With ``fused=True`` that dispatch also leaks on some torch releases: one
+``DTensorSpec`` per parameter per step, from the scalar step and learning-rate tensors
+(pytorch/pytorch#188174, reported on torch 2.10 and 2.11; host memory grew by tens of GB over 100k steps).
+
+``LocalShardAdamW`` is torch.optim.AdamW: the same state (built by AdamW's own ``_init_group``, so state dicts,
+checkpoints and schedulers see no difference) and the same functional ``adam`` call, given the local shards. Where a
+gradient's placements differ from its parameter's (a Partial gradient that DTensor would reduce first), or they sit
+on different meshes, the step is torch's own through DTensor. The result is bitwise torch's
+(tests/test_local_adamw.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.optim.adam import adam
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def _same_layout(param: torch.Tensor) -> bool:
+    """The gradient is laid out like its parameter (and so like the moments built with zeros_like)."""
+    grad = param.grad
+    if not isinstance(param, DTensor) and not isinstance(grad, DTensor):
+        return True
+    if not (isinstance(param, DTensor) and isinstance(grad, DTensor)):
+        return False
+    return param._spec.mesh == grad._spec.mesh and param._spec.placements == grad._spec.placements
+
+
+class LocalShardAdamW(torch.optim.AdamW):
+    """torch.optim.AdamW whose update runs on the local shards of DTensor parameters (module docstring)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if any(not _same_layout(p) for group in self.param_groups for p in group["params"] if p.grad is not None):
+            return super().step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params: list[torch.Tensor] = []
+            grads: list[torch.Tensor] = []
+            exp_avgs: list[torch.Tensor] = []
+            exp_avg_sqs: list[torch.Tensor] = []
+            max_exp_avg_sqs: list[torch.Tensor] = []
+            state_steps: list[torch.Tensor] = []
+            beta1, beta2 = group["betas"]
+            has_complex = self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps)
+            adam([_local(t) for t in params], [_local(t) for t in grads], [_local(t) for t in exp_avgs],
+                 [_local(t) for t in exp_avg_sqs], [_local(t) for t in max_exp_avg_sqs], state_steps,
+                 amsgrad=group["amsgrad"], has_complex=has_complex, beta1=beta1, beta2=beta2, lr=group["lr"],
+                 weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+                 foreach=group["foreach"], capturable=group["capturable"], differentiable=group["differentiable"],
+                 fused=group["fused"], grad_scale=getattr(self, "grad_scale", None),
+                 found_inf=getattr(self, "found_inf", None), decoupled_weight_decay=group["decoupled_weight_decay"])
+        return loss
