@@ -20,6 +20,11 @@ def _pair(params_a, params_b, **kwargs):
             LocalShardAdamW(groups(params_b), lr=1e-2, betas=(0.9, 0.95), **kwargs))
 
 
+def _twin_params():
+    params_a = [nn.Parameter(torch.randn(8, 4)), nn.Parameter(torch.randn(4))]
+    return params_a, [nn.Parameter(p.detach().clone()) for p in params_a]
+
+
 def _local(t):
     from torch.distributed.tensor import DTensor
     return t._local_tensor if isinstance(t, DTensor) else t
@@ -59,8 +64,7 @@ def dtensor_ops():
 @pytest.mark.parametrize("fused", [True, False])
 def test_plain_tensors_step_like_torchs_adamw_and_share_its_state_dict(fused):
     torch.manual_seed(0)
-    params_a = [nn.Parameter(torch.randn(8, 4)), nn.Parameter(torch.randn(4))]
-    params_b = [nn.Parameter(p.detach().clone()) for p in params_a]
+    params_a, params_b = _twin_params()
     opt_a, opt_b = _pair(params_a, params_b, fused=fused)
     for step in range(3):
         for a, b in zip(params_a, params_b):
@@ -75,6 +79,23 @@ def test_plain_tensors_step_like_torchs_adamw_and_share_its_state_dict(fused):
     reloaded = torch.optim.AdamW([{"params": params_a[:-1]}, {"params": params_a[-1:]}], fused=fused)
     reloaded.load_state_dict(opt_b.state_dict())  # the same state layout as torch's AdamW
     assert reloaded.state_dict()["state"].keys() == opt_a.state_dict()["state"].keys()
+
+
+def test_a_closure_makes_the_gradients_before_the_step_as_in_torch():
+    torch.manual_seed(0)
+    params_a, params_b = _twin_params()
+    opt_a, opt_b = _pair(params_a, params_b)
+    for _ in range(3):
+        losses = []
+        for opt, params in ((opt_a, params_a), (opt_b, params_b)):
+            def closure(opt=opt, params=params):
+                opt.zero_grad(set_to_none=True)  # no gradient until the closure runs
+                loss = sum((q ** 2).sum() for q in params)
+                loss.backward()
+                return loss
+            losses.append(opt.step(closure))
+        assert torch.equal(losses[0], losses[1])
+    _assert_same(opt_a, opt_b, params_a, params_b)
 
 
 def _fsdp_worker(rank: int, world_size: int, device_type: str = "cpu") -> dict:

@@ -10,7 +10,7 @@ local shards (the update is element-wise). With ``fused=True`` that dispatch als
 ``LocalShardAdamW`` is torch.optim.AdamW: the same state (built by AdamW's own ``_init_group``, so state dicts,
 checkpoints and schedulers see no difference) and the same functional ``adam`` call, given the local shards. Where a
 gradient's placements differ from its parameter's (a Partial gradient that DTensor would reduce first), or they sit
-on different meshes, the step is torch's own through DTensor. The result is bitwise torch's
+on different meshes, and for ``differentiable=True``, the step is torch's own through DTensor. The result is bitwise torch's
 (tests/test_local_adamw.py).
 """
 
@@ -40,12 +40,14 @@ class LocalShardAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        if any(not _same_layout(p) for group in self.param_groups for p in group["params"] if p.grad is not None):
-            return super().step(closure)
         loss = None
-        if closure is not None:
+        if closure is not None:  # first: the closure makes the gradients whose layout decides the path
             with torch.enable_grad():
                 loss = closure()
+        if any(group["differentiable"] or not all(_same_layout(p) for p in group["params"] if p.grad is not None)
+               for group in self.param_groups):
+            super().step()  # torch's own step, through DTensor (and with autograd for differentiable=True)
+            return loss
         for group in self.param_groups:
             params: list[torch.Tensor] = []
             grads: list[torch.Tensor] = []
