@@ -155,10 +155,13 @@ def _fsdp_worker(rank: int, world_size: int, device_type: str = "cpu") -> dict:
         local = torch.full(a.shape, float(rank + 1))
         a.grad = DTensor.from_local(local, mesh, [Partial()], run_check=False)
         b.grad = DTensor.from_local(local.clone(), mesh, [Partial()], run_check=False)
-    opt_a.step()
+    hook_calls = []
+    opt_b.register_step_post_hook(lambda *_: hook_calls.append(1))
+    opt_a.step()  # torch has wrapped AdamW's step with its hook runner by now (opt_a is one)
     with dtensor_ops() as partial_ops:
         opt_b.step()
     _assert_same(opt_a, opt_b, params_a, params_b)
+    out["partial_hook_calls"] = len(hook_calls)
     out["partial_ops"] = partial_ops
     if device_type == "cuda":
         dist.destroy_process_group()
@@ -184,3 +187,4 @@ def test_fsdp2_shards_step_locally_like_torchs_adamw_on_two_ranks(device_type):
             # torch's fused AdamW over DTensors left one per parameter per step on torch 2.10 and 2.11)
             assert ran["specs"][1:] == [0, 0, 0], ran["specs"]
         assert any("adam" in op for op in result["partial_ops"]), "a Partial gradient goes through DTensor"
+        assert result["partial_hook_calls"] == 1, "the step's hooks run once on torch's path too"

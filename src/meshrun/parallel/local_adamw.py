@@ -35,6 +35,15 @@ def _same_layout(param: torch.Tensor) -> bool:
     return param._spec.mesh == grad._spec.mesh and param._spec.placements == grad._spec.placements
 
 
+def _torch_step(optimizer: torch.optim.AdamW) -> None:
+    """AdamW's own step without its hooks: torch wraps ``step`` of each optimizer class it builds to run the step
+    hooks, so AdamW's may already be wrapped, and this step's own wrapper has run them once."""
+    step = torch.optim.AdamW.step
+    while getattr(step, "hooked", False) and hasattr(step, "__wrapped__"):
+        step = step.__wrapped__
+    step(optimizer)
+
+
 class LocalShardAdamW(torch.optim.AdamW):
     """torch.optim.AdamW whose update runs on the local shards of DTensor parameters (module docstring)."""
 
@@ -46,7 +55,7 @@ class LocalShardAdamW(torch.optim.AdamW):
                 loss = closure()
         if any(group["differentiable"] or not all(_same_layout(p) for p in group["params"] if p.grad is not None)
                for group in self.param_groups):
-            super().step()  # torch's own step, through DTensor (and with autograd for differentiable=True)
+            _torch_step(self)  # torch's own step, through DTensor (and with autograd for differentiable=True)
             return loss
         for group in self.param_groups:
             params: list[torch.Tensor] = []
