@@ -22,7 +22,7 @@ from meshrun.config import BatchPlan, ConfigError, JobConfig
 from meshrun.data.corpus import Corpus, load_corpus
 from meshrun.data.loader import StepBatches, eval_batches
 from meshrun.data.sampler import TokenWindows
-from meshrun.comm.process_group import DistContext, init_distributed, set_mesh_timeouts
+from meshrun.comm.process_group import DistContext, init_distributed, set_mesh_timeouts, wants_cuda
 from meshrun.env import ProcessPlacement
 from meshrun.models.shape import ModelShape
 from meshrun.models.spec import ModelSpec
@@ -92,7 +92,7 @@ class Trainer:
             use_deterministic_algorithms()
         if self.env.is_distributed and torch.cuda.is_available():
             enable_flight_recorder(os.environ, run_dir=self.run_dir)  # NCCL reads these at group creation
-            set_p2p_channels(os.environ, p2p_channels(job, self.dims, cuda=job.dist.device != "cpu"),
+            set_p2p_channels(os.environ, p2p_channels(job, self.dims, cuda=wants_cuda(job.dist)),
                              explicit=job.parallel.pp_p2p_channels > 0)
         self.ctx: DistContext = init_distributed(self.env, job.dist)
         self.device = self.ctx.device
