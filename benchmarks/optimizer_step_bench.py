@@ -10,12 +10,15 @@ It builds meshrun's GPT of that size, shards it with FSDP2 (one unit per block, 
 models), gives every parameter a gradient, and times ``--steps`` optimizer steps of each implementation, alternating
 them ``--repeat`` times. Per row it prints the host time of ``step()`` (its Python and dispatch work, measured
 without waiting for the device) and the wall time of a step with the device synchronised after it, as the median and
-min-max over the repeats. Rank 0 prints one JSON line per implementation.
+min-max over the repeats, and the ``DTensorSpec`` objects each step leaves alive (pytorch/pytorch#188174: torch's fused
+AdamW over DTensors leaves one per parameter per step on torch 2.10 and 2.11). Rank 0 prints one JSON line per
+implementation.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -36,6 +39,20 @@ def timed(optimizer, steps: int, device: torch.device) -> tuple[float, float]:
         host += time.perf_counter() - before
     sync()
     return host / steps * 1e3, (time.perf_counter() - start) / steps * 1e3
+
+
+def specs_left_per_step(optimizer, steps: int) -> float:
+    """DTensorSpec objects alive after ``steps`` more steps, per step (0 when a step frees what it made)."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    def alive() -> int:
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if isinstance(o, DTensorSpec))
+
+    before = alive()
+    for _ in range(steps):
+        optimizer.step()
+    return (alive() - before) / steps
 
 
 def main() -> None:
@@ -87,11 +104,14 @@ def main() -> None:
             host, wall = timed(optimizer, args.steps, device)
             rows[name]["host"].append(host)
             rows[name]["wall"].append(wall)
+    for name, (_, optimizer) in models.items():
+        rows[name]["specs"] = specs_left_per_step(optimizer, args.steps)
     if rank == 0:
         device_name = torch.cuda.get_device_name(device) if cuda else "cpu"
         for name, row in rows.items():
             out = {"impl": name, "size": args.size, "n_layers": args.n_layers or None, "ranks": dist.get_world_size(), "device": device_name,
-                   "kernel": row["kernel"], "param_tensors": row["tensors"], "torch": torch.__version__}
+                   "kernel": row["kernel"], "param_tensors": row["tensors"], "torch": torch.__version__,
+                   "dtensor_specs_left_per_step": row["specs"]}
             for key in ("host", "wall"):
                 out[f"{key}_ms"] = round(statistics.median(row[key]), 3)
                 out[f"{key}_ms_min_max"] = [round(min(row[key]), 3), round(max(row[key]), 3)]

@@ -171,13 +171,15 @@ def _fsdp_worker(rank: int, world_size: int, device_type: str = "cpu") -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("device_type", [
     "cpu",
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2,
-                                                                     reason="needs 2 CUDA GPUs")]),
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                     reason="needs a CUDA GPU")]),
 ])
-def test_fsdp2_shards_step_locally_like_torchs_adamw_on_two_ranks(device_type):
+def test_fsdp2_shards_step_locally_like_torchs_adamw(device_type):
     from dist_utils import run_distributed
 
-    for result in run_distributed(_fsdp_worker, 2, device_type, init_pg=device_type == "cpu"):
+    # two ranks; on a machine with one GPU, FSDP2 over a mesh of one (its parameters are DTensors all the same)
+    world_size = 2 if device_type == "cpu" else min(2, torch.cuda.device_count())
+    for result in run_distributed(_fsdp_worker, world_size, device_type, init_pg=device_type == "cpu"):
         for kind in ("fused", "foreach", "for-loop"):
             ran = result[kind]
             # torch's AdamW dispatches its update through DTensor; this one hands the kernels the local shards

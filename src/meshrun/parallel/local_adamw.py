@@ -5,7 +5,8 @@ through DTensor's dispatch: for each call over the parameter list it unwraps eve
 wraps the results again, host work that grows with the number of parameters while the kernel itself only ever reads
 local shards (the update is element-wise). With ``fused=True`` that dispatch also leaks on some torch releases: one
 ``DTensorSpec`` per parameter per step, from the scalar step and learning-rate tensors
-(pytorch/pytorch#188174, reported on torch 2.10 and 2.11; host memory grew by tens of GB over 100k steps).
+(pytorch/pytorch#188174, reported on torch 2.10 and 2.11; host memory grew by tens of GB over 100k steps; on one
+H200 with torch 2.11 the 1b model's 164 parameters left 164 a step, ``benchmarks/optimizer_step_bench.py``).
 
 ``LocalShardAdamW`` is torch.optim.AdamW: the same state (built by AdamW's own ``_init_group``, so state dicts,
 checkpoints and schedulers see no difference) and the same functional ``adam`` call, given the local shards. Where a
