@@ -70,6 +70,15 @@ BF16 = {
                                        train={"compile": "true"}),
     "fsdp2_bf16_reduce": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 1, "dp_shard": 2,
                                                                    "grad_reduce_dtype": "bf16"}),
+    # the hidden state between blocks in bf16 (train.residual_dtype), compiled, with each layout's CUDA graphs
+    "ddp2_bf16_stream_compile": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 2},
+                                       train={"compile": "true", "residual_dtype": "bf16"}),
+    "tp2_bf16_stream_compile": Layout(tied=True, grad_accum=1, parallel={"dp_replicate": 1, "tp": 2},
+                                      train={"compile": "true", "residual_dtype": "bf16"}),
+    "pp2_interleaved_bf16_stream_compile": Layout(tied=False, grad_accum=2, n_layers=4,
+                                                  parallel={"dp_replicate": 1, "pp": 2,
+                                                            "pp_schedule": "interleaved1f1b", "pp_microbatches": 4},
+                                                  train={"compile": "true", "residual_dtype": "bf16"}),
 }
 
 

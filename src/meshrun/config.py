@@ -21,8 +21,8 @@ from meshrun.config_checks import (  # noqa: F401 - re-exported: `from meshrun.c
     DEVICE_KINDS, DataFormat, DataParallelMode, DdpGraphMode, DeviceKind, HANG_ACTIONS, HangAction, LOSS_MODES,
     LR_SCHEDULES, LossMode, LrSchedule, MULTI_STAGE_SCHEDULES, MULTIPLE_OF_PP_SCHEDULES, NONFINITE_MODES,
     NonfiniteMode, PIPELINE_BALANCES, PIPELINE_SCHEDULES, PROGRESS_MODES, PipelineBalance, PipelineSchedule,
-    ProgressMode, REDUCE_DTYPES, ReduceDtype, TOKEN_DTYPES, TRACKERS, TRAIN_DTYPES, TokenDtype, TrackerName,
-    TrainDtype, resolve_batch, validate_job)
+    ProgressMode, REDUCE_DTYPES, RESIDUAL_DTYPES, ReduceDtype, ResidualDtype, TOKEN_DTYPES, TRACKERS, TRAIN_DTYPES,
+    TokenDtype, TrackerName, TrainDtype, resolve_batch, validate_job)
 from meshrun.config_load import join_overrides, load_config, set_option, to_toml  # noqa: F401 - re-exported
 from meshrun.models.shape import ModelShape
 
@@ -100,6 +100,12 @@ class TrainConfig:
     dtype: TrainDtype = "auto"
     """Compute dtype: auto (bf16 on GPUs of compute capability 8.0 and newer; fp32 on older GPUs, which have no bf16
     matmuls, and on CPU), fp32 or bf16."""
+    residual_dtype: ResidualDtype = "fp32"
+    """The dtype of the hidden state between blocks (the residual stream) when bf16 autocast runs (one process, DDP,
+    TP, PP): fp32 (autocast leaves the embedding's output and the sums after each block in the parameters' fp32) or
+    bf16 (each block's input is cast to bf16, so the stream, its gradient and a pipeline's sends are bf16: half the
+    bytes for the norms and additions between the matmuls, as torchtitan and Megatron-LM run). Needs bf16 compute.
+    FSDP2 computes with bf16 parameters and keeps the stream in bf16 either way."""
     compile: str = "auto"
     """torch.compile the model: auto (on for CUDA GPUs of compute capability 7.0 and newer, which Triton supports;
     off on older GPUs and on CPU, where compiling costs more than it saves), true or false."""

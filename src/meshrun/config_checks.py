@@ -33,6 +33,7 @@ HangAction = Literal["exit", "report"]
 ProgressMode = Literal["auto", "bar", "lines"]
 DdpGraphMode = Literal["auto", "split", "whole"]
 ReduceDtype = Literal["fp32", "bf16"]
+ResidualDtype = Literal["fp32", "bf16"]
 LrSchedule = Literal["cosine", "wsd"]
 TrackerName = Literal["none", "tensorboard", "wandb", "mlflow"]
 
@@ -54,6 +55,7 @@ ACTIVATION_CHECKPOINT_MODES: tuple[str, ...] = get_args(ActivationCheckpointMode
 BACKENDS: tuple[str, ...] = get_args(Backend)
 DDP_GRAPH_MODES: tuple[str, ...] = get_args(DdpGraphMode)
 REDUCE_DTYPES: tuple[str, ...] = get_args(ReduceDtype)
+RESIDUAL_DTYPES: tuple[str, ...] = get_args(ResidualDtype)
 DEVICE_KINDS: tuple[str, ...] = get_args(DeviceKind)
 HANG_ACTIONS: tuple[str, ...] = get_args(HangAction)
 PROGRESS_MODES: tuple[str, ...] = get_args(ProgressMode)
@@ -143,6 +145,7 @@ def _check_choices(job: JobConfig) -> None:
                  ACTIVATION_CHECKPOINT_MODES)
     check_choice("train.attention", job.train.attention, ATTENTION_BACKENDS)
     check_choice("train.loss", job.train.loss, LOSS_MODES)
+    check_choice("train.residual_dtype", job.train.residual_dtype, RESIDUAL_DTYPES)
     check_choice("train.compile_mode", job.train.compile_mode, COMPILE_MODES)
     check_choice("train.nonfinite", job.train.nonfinite, NONFINITE_MODES)
     check_choice("train.lr_schedule", job.train.lr_schedule, LR_SCHEDULES)

@@ -182,6 +182,8 @@ def parallelize(part: nn.Module, structure: ModelStructure, dims: ParallelDims, 
     if options.float8:
         convert_blocks_to_float8(part, fsdp=uses_fsdp(dims), blocks_attr=structure.blocks)
     apply_activation_checkpointing(part, options.activation_checkpoint, blocks=blocks)
+    if options.residual_in_compute_dtype:
+        cast_block_inputs(blocks)
     if options.compiled:
         mode = inductor_mode(options.compile_mode, options.cuda_graphs)  # CUDA graphs: block by block
         for block in blocks:
@@ -202,6 +204,26 @@ def parallelize(part: nn.Module, structure: ModelStructure, dims: ParallelDims, 
         apply_fsdp(part, dp_mesh, compute_dtype=options.compute_dtype, reshard_after_forward=reshard, blocks=blocks,
                    unit_blocks=per_unit, reduce_dtype=options.reduce_dtype)
         shared.restore(part, layout=layout, after="FSDP2", reshare=False)
+
+
+def cast_block_inputs(blocks: list[nn.Module]) -> None:
+    """train.residual_dtype=bf16: under autocast each block's first input (the hidden state between blocks) is cast to
+    the autocast dtype before the block runs. Autocast computes the matmuls in bf16 but leaves the embedding's output
+    and the residual additions in the parameters' fp32; cast once at the first block, the stream stays bf16 (a bf16
+    input plus a bf16 branch), and so do its gradient and a pipeline stage's sends and receives. The first block's
+    cast does the work; at the others the input is already bf16 and the hook changes nothing. Without autocast (fp32
+    compute, FSDP2's bf16 parameters) it changes nothing either. Traced into compiled blocks (no graph break)."""
+    for block in blocks:
+        block.register_forward_pre_hook(_cast_to_autocast_dtype)
+
+
+def _cast_to_autocast_dtype(module: nn.Module, args: tuple):
+    x = args[0] if args else None
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        if x.dtype != dtype:
+            return (x.to(dtype), *args[1:])
+    return None
 
 
 def splits_backward(dims: ParallelDims) -> bool:

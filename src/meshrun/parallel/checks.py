@@ -117,6 +117,10 @@ def check_layout(job: JobConfig, spec: ModelSpec, shape: ModelShape, dims: Paral
         raise ConfigError(f"parallel.pp_p2p_channels={job.parallel.pp_p2p_channels} sets NCCL's channels for a "
                           f"pipeline's sends and receives, and {layout_name(dims)} has no pipeline (parallel.pp=1): "
                           "drop --parallel.pp_p2p_channels")
+    if job.train.residual_dtype == "bf16" and compute_dtype in (None, torch.float32):
+        raise ConfigError(f"train.residual_dtype=bf16 keeps the hidden state between blocks in bf16 under bf16 "
+                          f"autocast, and this run computes in fp32 (train.dtype={job.train.dtype} on "
+                          f"{device.type}): set --train.dtype=bf16, or drop --train.residual_dtype")
     if tri_state("parallel.pp_cast_once", job.parallel.pp_cast_once) == "true":
         check_cast_once(dims, fp32=compute_dtype in (None, torch.float32), float8=job.train.float8)
 

@@ -113,6 +113,8 @@ def describe_speed(job: JobConfig, device: torch.device, compute_dtype: torch.dt
         bf16 += ", bf16 gradient all-reduce"
     if cast_once and not fsdp:
         bf16 += ", weights cast once per step"
+    if t.residual_dtype == "bf16" and not fsdp:
+        bf16 += ", residual stream in bf16"
     precision = "float8 matmuls (torchao) + bf16" if t.float8 else (bf16 if compute_dtype == torch.bfloat16 else "fp32")
     compiled = "on with CUDA graphs" if cuda_graphs else "on"
     if split_backward:

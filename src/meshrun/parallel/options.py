@@ -46,6 +46,9 @@ class ParallelOptions:
     split_backward: bool = False
     """The pipeline schedule computes weight gradients apart from input gradients (interleavedzb): compiled blocks
     keep their weights out of the graphs (see apply.keep_weights_eager)."""
+    residual_in_compute_dtype: bool = False
+    """Under autocast, cast each block's input (the residual stream) to the autocast dtype (train.residual_dtype=bf16;
+    see apply.cast_block_inputs)."""
 
 
 def parallel_options(job: JobConfig, *, compute_dtype: torch.dtype | None, compiled: bool = False,
@@ -59,7 +62,8 @@ def parallel_options(job: JobConfig, *, compute_dtype: torch.dtype | None, compi
                            activation_checkpoint=p.activation_checkpoint, sequence_parallel=p.sequence_parallel,
                            float8=job.train.float8, reduce_dtype=reduce_dtype(p.grad_reduce_dtype),
                            fsdp_reshard_after_forward=p.fsdp_reshard_after_forward,
-                           fsdp_unit_blocks=p.fsdp_unit_blocks, device=device, split_backward=split_backward)
+                           fsdp_unit_blocks=p.fsdp_unit_blocks, device=device, split_backward=split_backward,
+                           residual_in_compute_dtype=job.train.residual_dtype == "bf16")
 
 
 def reduce_dtype(choice: str) -> torch.dtype:
