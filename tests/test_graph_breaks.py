@@ -28,7 +28,7 @@ LAYOUTS = {
 }
 
 
-def _worker(rank: int, world_size: int, name: str) -> dict:
+def _worker(rank: int, world_size: int, name: str, bf16_stream: bool = False) -> dict:
     counter = CompileCounterWithBackend("eager")
     compile_ = torch.compile
 
@@ -41,7 +41,10 @@ def _worker(rank: int, world_size: int, name: str) -> dict:
     try:
         torch._dynamo.reset()
         grad_accum = 2 if name == "pp2" else 1
-        _, engine = build(model_config(tied=False), LAYOUTS[name], grad_accum=grad_accum, train={"compile": "true"})
+        # bf16_stream: bf16 autocast with train.residual_dtype=bf16, whose cast of each block's input is traced too
+        extra = {"dtype": "bf16", "residual_dtype": "bf16"} if bf16_stream else {}
+        _, engine = build(model_config(tied=False), LAYOUTS[name], grad_accum=grad_accum,
+                          train={"compile": "true", **extra}, compute_dtype=torch.bfloat16 if bf16_stream else None)
         losses = train(engine, grad_accum=grad_accum)["losses"]
     finally:
         torch.compile = compile_
@@ -54,6 +57,13 @@ def test_compiled_blocks_and_losses_trace_as_whole_graphs(name):
     results = run_distributed(_worker, 2, name)
     for rank, result in enumerate(results):
         # at least one graph per rank: something was compiled (fullgraph=True would have raised on a break)
+        assert result["graphs"] >= 1, (name, rank, result)
+        assert all(torch.isfinite(torch.tensor(result["losses"]))), (name, rank, result)
+
+
+@pytest.mark.parametrize("name", ["ddp2", "tp2", "pp2"])
+def test_the_bf16_residual_streams_cast_traces_into_the_same_whole_graphs(name):
+    for rank, result in enumerate(run_distributed(_worker, 2, name, True)):
         assert result["graphs"] >= 1, (name, rank, result)
         assert all(torch.isfinite(torch.tensor(result["losses"]))), (name, rank, result)
 
