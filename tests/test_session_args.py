@@ -36,3 +36,25 @@ def test_step_batches_names_its_own_arguments():
         session.step_batches(data, micro_batch=32)
     assert session.step_batches(data, micro_batch=4, global_batch=16).grad_accum == 4
     session.close()
+
+
+def test_residual_dtype_casts_each_blocks_input_under_the_loops_autocast_and_refuses_other_values():
+    from mlp_lm import MLPLM
+
+    seen = {}
+    for residual in ("fp32", "bf16"):
+        session = Session(seed=0)
+        model = session.prepare_model(MLPLM(), residual_dtype=residual)
+        dtypes = seen[residual] = []
+        for block in model.blocks:
+            block.register_forward_hook(lambda m, args, out: dtypes.append((args[0].dtype, out.dtype)))
+        with torch.autocast("cpu", torch.bfloat16):  # the user's loop autocasts
+            model(torch.randint(0, 64, (2, 16))).float().mean().backward()
+        assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+        session.close()
+    assert seen["fp32"] == [(torch.float32, torch.float32)] * 3  # autocast alone leaves the stream in fp32
+    assert seen["bf16"] == [(torch.bfloat16, torch.bfloat16)] * 3
+    session = Session(seed=0)
+    with pytest.raises(ConfigError, match=r"^residual_dtype='fp16': choose one of fp32, bf16"):
+        session.prepare_model(MLPLM(), residual_dtype="fp16")
+    session.close()

@@ -43,7 +43,7 @@ from meshrun.data.loader import StepBatches
 from meshrun.comm.process_group import init_distributed, shutdown
 from meshrun.env import ProcessPlacement
 from meshrun.parallel.module import (ModuleLayout, check_layout_word, check_session_graphs, prepare_module,
-                                     session_reduce_dtype)
+                                     session_reduce_dtype, session_residual)
 from meshrun.parallel.module_pipeline import PipelinedModule, PipelineOptions, prepare_pipeline
 from meshrun.rng import seed_rank_streams
 from meshrun.ckpt.session import SessionCheckpoints, model_fingerprint
@@ -96,7 +96,7 @@ class Session:
                       pipeline: PipelineOptions | None = None, activation_checkpoint: str = "none",
                       compute_dtype: torch.dtype | str | None = "auto",
                       compile: bool = False, compile_mode: str = "default", grad_reduce_dtype: str = "fp32",
-                      cuda_graphs: bool = False) -> nn.Module | PipelinedModule:
+                      cuda_graphs: bool = False, residual_dtype: str = "fp32") -> nn.Module | PipelinedModule:
         """Apply ``layout`` (ddp, fsdp, hsdp, tp, tp+fsdp, pp, pp+fsdp) on this rank's device; see
         meshrun.parallel.module and, for pp, meshrun.parallel.module_pipeline.
 
@@ -117,6 +117,10 @@ class Session:
         step's micro-batches (gradient accumulation stays correct); evaluation in between is fine. The next step's
         replay overwrites the model's outputs of this one: ``.item()`` or ``.clone()`` what you keep past
         ``optimizer.step()``.
+        ``residual_dtype="bf16"`` casts each block's first input (the hidden state between blocks) to the autocast
+        dtype while your loop autocasts, so the stream between the blocks, its gradient and a pipeline's sends stay
+        bf16, as ``meshrun train``'s ``--train.residual_dtype=bf16`` (not measured on GPUs yet; docs/performance.md);
+        without autocast it changes nothing.
         Rank 0 prints one line saying what was applied.
 
         FSDP2 shards each repeated block (``blocks``, a dotted path, or detected), then the root; TP follows
@@ -125,6 +129,7 @@ class Session:
         loss). Every rank starts from rank 0's weights. Per-rank random streams (seed + rank) are set afterwards,
         for dropout and augmentation. Collective."""
         session_reduce_dtype(grad_reduce_dtype)  # refused before any collective
+        session_residual(residual_dtype)
         check_layout_word(layout)  # in one process too, where any layout runs as one: not only at scale
         if layout.startswith("pp"):
             if cuda_graphs:
@@ -136,7 +141,7 @@ class Session:
                 model, layout, device=self.device, world_size=self.world_size, nodes=self.env.num_nodes, pp=pp,
                 blocks=blocks, options=pipeline, activation_checkpoint=activation_checkpoint,
                 compute_dtype=compute_dtype, compile=compile, compile_mode=compile_mode,
-                grad_reduce_dtype=grad_reduce_dtype)
+                grad_reduce_dtype=grad_reduce_dtype, residual_dtype=residual_dtype)
         else:
             if pp or pipeline is not None:
                 raise ConfigError(f"pp={pp} / pipeline= need layout='pp' or 'pp+fsdp', not {layout!r}")
@@ -144,7 +149,8 @@ class Session:
                 model, layout if self.world_size > 1 else "none", device=self.device, world_size=self.world_size,
                 nodes=self.env.num_nodes, tp=tp, dp_replicate=dp_replicate, blocks=blocks, tp_plan=tp_plan,
                 activation_checkpoint=activation_checkpoint, compute_dtype=compute_dtype, compile=compile,
-                compile_mode=compile_mode, grad_reduce_dtype=grad_reduce_dtype, cuda_graphs=cuda_graphs)
+                compile_mode=compile_mode, grad_reduce_dtype=grad_reduce_dtype, cuda_graphs=cuda_graphs,
+                residual_dtype=residual_dtype)
             if cuda_graphs and self._graph_steps is None:
                 self._graph_steps = replay_generation_per_optimizer_step()
         self.print(self.layout.describe(self.device, compute_dtype))

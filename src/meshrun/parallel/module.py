@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshrun.config import COMPILE_MODES, REDUCE_DTYPES, ConfigError
+from meshrun.config import COMPILE_MODES, REDUCE_DTYPES, RESIDUAL_DTYPES, ConfigError
 from meshrun.comm.mesh import ParallelDims
 from meshrun.models.spec import ModelStructure
 from meshrun.parallel.kernels import bf16_by_default, inductor_mode
@@ -60,6 +60,8 @@ class ModuleLayout:
     """Inductor's mode for them: default or max-autotune (prepare_model(compile_mode=...))."""
     cuda_graphs: bool = False
     """The compiled model is recorded as CUDA graphs (prepare_model(cuda_graphs=True))."""
+    residual_dtype: str = "fp32"
+    """'bf16': each block's input is cast to the autocast dtype under autocast (prepare_model(residual_dtype=...))."""
     note: str = ""
     """A start-up note when the layout ran as something else than its name says (hsdp on one node is FSDP)."""
 
@@ -71,6 +73,8 @@ class ModuleLayout:
         compiled += f" ({self.compile_mode})" if self.compiled and self.compile_mode != "default" else ""
         compiled += ", recorded as CUDA graphs" if self.cuda_graphs else ""
         reduce = "; gradients summed in bf16" if self.grad_reduce_dtype == "bf16" and self.dims.dp_size > 1 else ""
+        if self.residual_dtype == "bf16":
+            reduce += "; each block's input cast to the autocast dtype under autocast (residual_dtype='bf16')"
         return (f"meshrun: prepare_model: {self.name} over {self.dims.world_size} rank(s) on {device.type}; "
                 f"compute {dtype} (compute_dtype={choice!r}{how}){reduce}; {compiled}")
 
@@ -146,7 +150,7 @@ def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world
                    tp_plan: Mapping[str, Any] | None = None, activation_checkpoint: str = "none",
                    compute_dtype: torch.dtype | str | None = None,
                    compile: bool = False, compile_mode: str = "default", grad_reduce_dtype: str = "fp32",
-                   cuda_graphs: bool = False) -> tuple[nn.Module, ModuleLayout]:
+                   cuda_graphs: bool = False, residual_dtype: str = "fp32") -> tuple[nn.Module, ModuleLayout]:
     """Apply ``layout`` to ``model`` (in place where possible); returns (the module to train, what was done).
     ``compute_dtype``: see :func:`resolve_compute_dtype`; ``compile``: compile the blocks before FSDP2 or TP wraps
     them, or, for DDP and one process, the whole model, in inductor's ``compile_mode`` (see
@@ -154,7 +158,8 @@ def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world
     FSDP2 and HSDP sum gradients in across ranks (meshrun train's parallel.grad_reduce_dtype); ``cuda_graphs``:
     record that whole compiled model as CUDA graphs (inductor's reduce-overhead), DDP split at 100 MiB gradient
     buckets as meshrun train's defaults do (see :func:`check_session_graphs`; the caller marks a new replay
-    generation per optimizer step).
+    generation per optimizer step); ``residual_dtype``: 'bf16' casts each block's input to the autocast dtype
+    when the caller's loop autocasts (meshrun train's train.residual_dtype; see :func:`session_residual`).
 
     Collective: every rank must call it (it builds the mesh and broadcasts rank 0's weights)."""
     from meshrun.parallel.apply import ddp_bucket_mb, layout_name, parallelize, uses_fsdp
@@ -190,7 +195,7 @@ def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world
     whole_graph = compile and keeps_whole
     options = session_options(layout, compute_dtype=compute_dtype, device=device, compiled=compile and not whole_graph,
                               compile_mode=compile_mode, activation_checkpoint=activation_checkpoint,
-                              grad_reduce_dtype=grad_reduce_dtype)
+                              grad_reduce_dtype=grad_reduce_dtype, residual_dtype=residual_dtype)
     parallelize(model, structure, dims, options)
     if whole_graph:
         # in place: parameter names keep no "_orig_mod."; with cuda_graphs, inductor's reduce-overhead
@@ -207,7 +212,7 @@ def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world
         shared.restore(model, layout=f"layout={layout!r}", after="DDP", reshare=False)
     return trained, ModuleLayout(dims=dims, name=layout_name(dims), blocks=blocks, module=model,
                                  compute_dtype=compute_dtype, grad_reduce_dtype=grad_reduce_dtype, compiled=compiled,
-                                 compile_mode=compile_mode, cuda_graphs=cuda_graphs,
+                                 compile_mode=compile_mode, cuda_graphs=cuda_graphs, residual_dtype=residual_dtype,
                                  note=layout_note(layout, dims, nodes=nodes))
 
 
@@ -238,13 +243,25 @@ def check_compile_mode(compile_mode: str, *, compile: bool) -> None:
 
 def session_options(layout: str, *, compute_dtype: torch.dtype | None, device: torch.device, compiled: bool,
                     activation_checkpoint: str, grad_reduce_dtype: str = "fp32",
-                    compile_mode: str = "default", split_backward: bool = False) -> ParallelOptions:
+                    compile_mode: str = "default", split_backward: bool = False,
+                    residual_dtype: str = "fp32") -> ParallelOptions:
     """parallelize's options for ``Session.prepare_model``: its arguments; the rest as ``meshrun train``'s defaults
     (no sequence parallelism or float8, FSDP2 units of one block, 'auto' resharding). ``split_backward``: a
     zero-bubble pipeline schedule runs."""
     return ParallelOptions(compute_dtype=compute_dtype, compiled=compiled, compile_mode=compile_mode,
                            activation_checkpoint=activation_checkpoint, device=device, layout=f"layout={layout!r}",
-                           reduce_dtype=session_reduce_dtype(grad_reduce_dtype), split_backward=split_backward)
+                           reduce_dtype=session_reduce_dtype(grad_reduce_dtype), split_backward=split_backward,
+                           residual_in_compute_dtype=session_residual(residual_dtype))
+
+
+def session_residual(choice: str) -> bool:
+    """``residual_dtype`` of ``Session.prepare_model``: 'fp32' (the default: autocast leaves the hidden state between
+    blocks in the parameters' dtype) or 'bf16' (each block's first input is cast to the autocast dtype while the
+    loop autocasts, so the stream between blocks stays bf16; without autocast nothing changes). Refuses the rest."""
+    if choice not in RESIDUAL_DTYPES:
+        raise ConfigError(f"residual_dtype={choice!r}: choose one of {', '.join(RESIDUAL_DTYPES)} (the dtype of the "
+                          "hidden state between blocks under autocast)")
+    return choice == "bf16"
 
 
 def session_reduce_dtype(choice: str) -> torch.dtype:

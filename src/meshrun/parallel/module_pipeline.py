@@ -37,7 +37,7 @@ from meshrun.config import (MULTI_STAGE_SCHEDULES, MULTIPLE_OF_PP_SCHEDULES, PIP
 from meshrun.models.spec import ModelStructure
 from meshrun.parallel.kernels import inductor_mode
 from meshrun.parallel.module import (ModuleLayout, check_compile_mode, find_blocks, layout_dims,
-                                     resolve_compute_dtype, session_options)
+                                     resolve_compute_dtype, session_options, session_residual)
 from meshrun.parallel.pipeline import layer_ranges
 from meshrun.parallel.step_weights import StepWeights, grad_adder
 from meshrun.parallel.tied import find_shared
@@ -283,15 +283,17 @@ def prepare_pipeline(model: nn.Module, layout: str, *, device: torch.device, wor
                      pp: int = 0, blocks: str | None = None, options: PipelineOptions | None = None,
                      activation_checkpoint: str = "none", compute_dtype: torch.dtype | str | None = None,
                      compile: bool = False, compile_mode: str = "default",
-                     grad_reduce_dtype: str = "fp32") -> tuple[PipelinedModule, ModuleLayout]:
+                     grad_reduce_dtype: str = "fp32",
+                     residual_dtype: str = "fp32") -> tuple[PipelinedModule, ModuleLayout]:
     """Cut ``model`` into pipeline stages and build this rank's (see the module docstring). In one process the
-    whole model runs in ``step``. ``compute_dtype``, ``compile``, ``compile_mode`` and ``grad_reduce_dtype`` as for
-    meshrun.parallel.module.prepare_module.
+    whole model runs in ``step``. ``compute_dtype``, ``compile``, ``compile_mode``, ``grad_reduce_dtype`` and
+    ``residual_dtype`` as for meshrun.parallel.module.prepare_module.
     Collective: every rank must call it (mesh, weight broadcast)."""
-    from meshrun.parallel.apply import layout_name, parallelize, uses_fsdp
+    from meshrun.parallel.apply import cast_block_inputs, layout_name, parallelize, uses_fsdp
     from meshrun.parallel.pipeline import PipelineEngine, split_stage, stage_ids
 
     check_compile_mode(compile_mode, compile=compile)
+    cast_inputs = session_residual(residual_dtype)  # refused before any collective
     options = options or PipelineOptions()
     loss_fn = options.loss_fn or mean_cross_entropy
     cast_once = options.cast_once
@@ -300,10 +302,12 @@ def prepare_pipeline(model: nn.Module, layout: str, *, device: torch.device, wor
     if world_size == 1:
         model = model.to(device)
         dims = layout_dims("none", world_size=1)
+        if cast_inputs and blocks:
+            cast_block_inputs(ModelStructure(blocks=blocks).block_modules(model))
         compiled = compile_blocks(model, blocks, compile_mode) if compile else 0
         return (PipelinedModule([model], None, loss_fn=loss_fn, fingerprint=fingerprint),
                 ModuleLayout(dims=dims, name=layout_name(dims), blocks=blocks, module=model, compiled=compiled,
-                             compile_mode=compile_mode))
+                             compile_mode=compile_mode, residual_dtype=residual_dtype))
     dims = pipeline_dims(layout, options, world_size=world_size, nodes=nodes, pp=pp)
     compute_dtype = resolve_compute_dtype(compute_dtype, dims, device)
     spec = stage_spec(model, blocks, options, dims=dims, layout=layout)
@@ -317,7 +321,8 @@ def prepare_pipeline(model: nn.Module, layout: str, *, device: torch.device, wor
     copy_from_rank0(model, parts, device)
     options = session_options(layout, compute_dtype=compute_dtype, device=device, compiled=compile,
                               compile_mode=compile_mode, activation_checkpoint=activation_checkpoint,
-                              grad_reduce_dtype=grad_reduce_dtype, split_backward=dims.pp_schedule == "interleavedzb")
+                              grad_reduce_dtype=grad_reduce_dtype, split_backward=dims.pp_schedule == "interleavedzb",
+                              residual_dtype=residual_dtype)
     for part in parts:
         parallelize(part, spec, dims, options)
     fp32 = compute_dtype is None or compute_dtype == torch.float32
@@ -337,7 +342,8 @@ def prepare_pipeline(model: nn.Module, layout: str, *, device: torch.device, wor
     compiled = sum(len(spec.block_modules(part)) for part in parts) if compile else 0
     return (PipelinedModule(parts, engine, loss_fn=loss_fn, fingerprint=fingerprint),
             ModuleLayout(dims=dims, name=layout_name(dims), blocks=blocks, module=parts[0], compute_dtype=compute_dtype,
-                         grad_reduce_dtype=grad_reduce_dtype, compiled=compiled, compile_mode=compile_mode))
+                         grad_reduce_dtype=grad_reduce_dtype, compiled=compiled, compile_mode=compile_mode,
+                         residual_dtype=residual_dtype))
 
 
 def session_cast_once(choice: bool | None, layout: str, dims: ParallelDims, device: torch.device,
