@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
+from meshrun.comm.mesh import ParallelDims
 from meshrun.config import ConfigError, load_config
 from meshrun.models.gpt import GPT, SIZES
 from meshrun.models.gpt_spec import GPT_SPEC
@@ -76,8 +77,6 @@ def test_without_autocast_the_hook_changes_nothing():
 
 def test_it_needs_bf16_compute_and_the_speed_line_says_so():
     job = load_config(None, ["--model.name=tiny", "--train.residual_dtype=bf16"])
-    from meshrun.comm.mesh import ParallelDims
-
     dims = ParallelDims.from_config(job.parallel, world_size=1)
     with pytest.raises(ConfigError, match="set --train.dtype=bf16, or drop --train.residual_dtype") as error:
         check_layout(job, GPT_SPEC, SIZES["tiny"], dims, device=torch.device("cpu"), compute_dtype=None)

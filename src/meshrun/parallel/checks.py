@@ -90,14 +90,14 @@ def check_layout(job: JobConfig, spec: ModelSpec, shape: ModelShape, dims: Paral
     ``device`` (its type is what matters: ``torch.device('cuda')`` before a GPU is chosen)."""
     dims.validate_model(effective_model_config(shape, pp=dims.pp), spec)
     compiled = compile_enabled(job.train.compile, device)
+    fp32 = compute_dtype in (None, torch.float32)
     if job.train.compile_mode != "default" and not compiled:
         raise ConfigError(f"train.compile_mode={job.train.compile_mode} needs compilation, which "
                           f"train.compile={job.train.compile} leaves off on {device.type}: set --train.compile=true "
                           "or drop --train.compile_mode")
     if job.train.float8:
         check_float8(device, tp=dims.tp)
-    check_context_parallel(cp=dims.cp, device=device, spec=spec, attention=job.train.attention,
-                           fp32=compute_dtype in (None, torch.float32))
+    check_context_parallel(cp=dims.cp, device=device, spec=spec, attention=job.train.attention, fp32=fp32)
     if job.parallel.async_tp:
         check_async_tp(device, tp=dims.tp, compiled=compiled)
     if job.train.cuda_graphs == "true":
@@ -117,12 +117,12 @@ def check_layout(job: JobConfig, spec: ModelSpec, shape: ModelShape, dims: Paral
         raise ConfigError(f"parallel.pp_p2p_channels={job.parallel.pp_p2p_channels} sets NCCL's channels for a "
                           f"pipeline's sends and receives, and {layout_name(dims)} has no pipeline (parallel.pp=1): "
                           "drop --parallel.pp_p2p_channels")
-    if job.train.residual_dtype == "bf16" and compute_dtype in (None, torch.float32):
+    if job.train.residual_dtype == "bf16" and fp32:
         raise ConfigError(f"train.residual_dtype=bf16 keeps the hidden state between blocks in bf16 under bf16 "
                           f"autocast, and this run computes in fp32 (train.dtype={job.train.dtype} on "
                           f"{device.type}): set --train.dtype=bf16, or drop --train.residual_dtype")
     if tri_state("parallel.pp_cast_once", job.parallel.pp_cast_once) == "true":
-        check_cast_once(dims, fp32=compute_dtype in (None, torch.float32), float8=job.train.float8)
+        check_cast_once(dims, fp32=fp32, float8=job.train.float8)
 
 
 def use_comm_reorder(job: JobConfig, dims: ParallelDims, device: torch.device) -> bool:
