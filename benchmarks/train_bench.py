@@ -89,8 +89,10 @@ TUNE = {  # --tune: the documented settings each layout's defaults choose betwee
            "even": "--parallel.pp_balance=blocks", "launched": "--train.cuda_graphs=false"},
 }  # cp: none yet (its one speed setting, activation checkpointing, trades speed for memory)
 TUNE_COMPILED = {"autotune": "--train.compile_mode=max-autotune"}  # every layout, when the run compiles
-BF16_STREAM = {"bf16-stream": "--train.residual_dtype=bf16"}  # the hidden state between blocks in bf16 under autocast
-TUNE_BF16 = {"pp": {"casts": "--parallel.pp_cast_once=false"} | BF16_STREAM, "ddp": BF16_STREAM, "tp": BF16_STREAM}
+# the hidden state between blocks under autocast: bf16 by default for DDP, fp32 by default for TP and pipelines
+BF16_STREAM = {"bf16-stream": "--train.residual_dtype=bf16"}
+TUNE_BF16 = {"pp": {"casts": "--parallel.pp_cast_once=false"} | BF16_STREAM,
+             "ddp": {"fp32-stream": "--train.residual_dtype=fp32"}, "tp": BF16_STREAM}
 # with bf16 compute (GPUs, or --extra --train.dtype=bf16): a pipeline's weights cast per micro-batch, against the
 # default's once per step on GPUs; the residual stream in bf16 where autocast runs (not FSDP2: bf16 there already)
 DEFAULTS_WITHIN = 0.03  # the defaults should be within 3% of the best setting --tune finds

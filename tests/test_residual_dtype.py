@@ -1,4 +1,4 @@
-"""train.residual_dtype=bf16: under bf16 autocast the hidden state between blocks stays bf16 (CPU, bf16 autocast).
+"""train.residual_dtype (auto: bf16 for one process and DDP in bf16 compute): under bf16 autocast the hidden state between blocks stays bf16 (CPU, bf16 autocast).
 
 A forward pre-hook casts each block's input to the autocast dtype, so the first block's input (the embedding's fp32
 output) becomes bf16 and every block after it reads and returns bf16. Checked on one model (the dtypes each block
@@ -23,7 +23,7 @@ from meshrun.config import ConfigError, load_config
 from meshrun.models.gpt import GPT, SIZES
 from meshrun.models.gpt_spec import GPT_SPEC
 from meshrun.parallel.apply import cast_block_inputs
-from meshrun.parallel.checks import check_layout
+from meshrun.parallel.checks import bf16_stream, check_layout
 from meshrun.parallel.engine import LocalEngine
 from meshrun.parallel.kernels import describe_speed
 from test_parallel_layouts import build, load_full, model_config, train
@@ -82,9 +82,33 @@ def test_it_needs_bf16_compute_and_the_speed_line_says_so():
         check_layout(job, GPT_SPEC, SIZES["tiny"], dims, device=torch.device("cpu"), compute_dtype=None)
     assert str(error.value).startswith("train.residual_dtype=bf16")
     check_layout(job, GPT_SPEC, SIZES["tiny"], dims, device=torch.device("cpu"), compute_dtype=torch.bfloat16)
-    assert "bf16 autocast, residual stream in bf16" in describe_speed(job, torch.device("cpu"), torch.bfloat16)
+    line = describe_speed(job, torch.device("cpu"), torch.bfloat16, residual_bf16=bf16_stream(job, dims, torch.bfloat16))
+    assert "bf16 autocast, residual stream in bf16" in line
+    assert "residual stream" not in describe_speed(job, torch.device("cpu"), torch.bfloat16)
     with pytest.raises(ConfigError, match="train.residual_dtype"):
         load_config(None, ["--train.residual_dtype=fp16"])
+
+
+@pytest.mark.parametrize("degrees, extra, expected", [
+    ({}, [], True),  # one process in bf16: auto casts
+    ({"dp_replicate": 2}, [], True),  # DDP
+    ({"dp_replicate": 1, "tp": 2}, [], False),  # TP: not measured on GPUs yet
+    ({"dp_replicate": 1, "pp": 2}, [], False),  # a pipeline: likewise
+    ({"dp_replicate": 1, "dp_shard": 2}, [], False),  # FSDP2's bf16 parameters keep the stream bf16 anyway
+    ({}, ["--train.float8=true"], False),  # float8 with the bf16 stream: not measured
+    ({"dp_replicate": 1, "tp": 2}, ["--train.residual_dtype=bf16"], True),  # asked for: on
+    ({}, ["--train.residual_dtype=fp32"], False),  # asked for: off
+])
+def test_auto_casts_for_one_process_and_ddp_in_bf16_only(degrees, extra, expected):
+    job = load_config(None, ["--model.name=tiny", "--train.dtype=bf16", *extra,
+                             *(f"--parallel.{k}={v}" for k, v in degrees.items())])
+    if not any(e.startswith("--train.residual_dtype") for e in extra):
+        assert job.train.residual_dtype == "auto"  # the default
+    world = max(1, degrees.get("dp_replicate", 1)) * degrees.get("tp", 1) * degrees.get("pp", 1) \
+        * degrees.get("dp_shard", 1)
+    dims = ParallelDims.from_config(job.parallel, world_size=world)
+    assert bf16_stream(job, dims, torch.bfloat16) is expected
+    assert bf16_stream(job, dims, None) is (expected and job.train.residual_dtype == "bf16")  # fp32: auto is off
 
 
 LAYOUTS = {

@@ -100,12 +100,14 @@ class TrainConfig:
     dtype: TrainDtype = "auto"
     """Compute dtype: auto (bf16 on GPUs of compute capability 8.0 and newer; fp32 on older GPUs, which have no bf16
     matmuls, and on CPU), fp32 or bf16."""
-    residual_dtype: ResidualDtype = "fp32"
+    residual_dtype: ResidualDtype = "auto"
     """The dtype of the hidden state between blocks (the residual stream) when bf16 autocast runs (one process, DDP,
     TP, PP): fp32 (autocast leaves the embedding's output and the sums after each block in the parameters' fp32) or
     bf16 (each block's input is cast to bf16, so the stream, its gradient and a pipeline's sends are bf16: half the
-    bytes for the norms and additions between the matmuls, as torchtitan and Megatron-LM run). Needs bf16 compute.
-    FSDP2 computes with bf16 parameters and keeps the stream in bf16 either way."""
+    bytes for the norms and additions between the matmuls, as torchtitan and Megatron-LM run; needs bf16 compute).
+    auto: bf16 for one process and DDP computing in bf16 (1.03-1.06x on one H200), fp32 for TP and pipelines (not
+    yet measured on GPUs) and for fp32 compute. FSDP2 computes with bf16 parameters and keeps the stream in bf16
+    either way."""
     compile: str = "auto"
     """torch.compile the model: auto (on for CUDA GPUs of compute capability 7.0 and newer, which Triton supports;
     off on older GPUs and on CPU, where compiling costs more than it saves), true or false."""

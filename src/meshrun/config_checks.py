@@ -33,7 +33,7 @@ HangAction = Literal["exit", "report"]
 ProgressMode = Literal["auto", "bar", "lines"]
 DdpGraphMode = Literal["auto", "split", "whole"]
 ReduceDtype = Literal["fp32", "bf16"]
-ResidualDtype = Literal["fp32", "bf16"]
+ResidualDtype = Literal["auto", "fp32", "bf16"]
 LrSchedule = Literal["cosine", "wsd"]
 TrackerName = Literal["none", "tensorboard", "wandb", "mlflow"]
 

@@ -50,7 +50,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # fp32 under autocast (its fp32 op list)
+        # in the weight's dtype: fp32 under autocast whether the stream between blocks is fp32 or bf16
+        # (train.residual_dtype; CPU autocast would otherwise normalise a bf16 input in bf16)
+        out = F.rms_norm(x.to(self.weight.dtype), (x.shape[-1],), self.weight, self.eps)
         if torch.is_autocast_enabled(x.device.type):
             # the projections that read it would cast it anyway: returned in the autocast dtype, its gradient stays
             # in that dtype too, so TP's all-reduce of it at the block's input moves half the bytes

@@ -34,9 +34,9 @@ from meshrun.models.build import model_spec
 from meshrun.models.shape import ModelShape
 from meshrun.models.spec import ModelSpec, ModelStructure
 from meshrun.parallel.activation_checkpoint import apply_activation_checkpointing
-from meshrun.parallel.checks import (check_chunked_loss, check_cuda_graphs, check_layout, graphs_supported, is_local,
-                                    layout_name, several_stages_per_rank, use_cast_once, use_comm_reorder,
-                                    uses_fsdp)
+from meshrun.parallel.checks import (bf16_stream, check_chunked_loss, check_cuda_graphs, check_layout,
+                                    graphs_supported, is_local, layout_name, several_stages_per_rank, use_cast_once,
+                                    use_comm_reorder, uses_fsdp)
 from meshrun.parallel.context_parallel import SequenceShards
 from meshrun.parallel.data_parallel import apply_ddp, apply_fsdp, fsdp_units
 from meshrun.parallel.engine import Engine, LocalEngine, LossStep, loss_function
@@ -92,7 +92,8 @@ def build_engine(*, job: JobConfig, model_cfg: ModelShape, dims: ParallelDims, m
                              supported=graphs_supported(dims, async_tp=job.parallel.async_tp),
                              measured=graphs_measured(job, dims))
     options = parallel_options(job, compute_dtype=compute_dtype, compiled=compiled, device=device,
-                               cuda_graphs=graphs and not local, split_backward=splits_backward(dims))
+                               cuda_graphs=graphs and not local, split_backward=splits_backward(dims),
+                               residual_bf16=bf16_stream(job, dims, compute_dtype))
     if local:
         return _local_engine(job, spec, cfg, dims, device, rank=rank, autocast_dtype=None if fp32 else compute_dtype,
                              options=options, cuda_graphs=graphs)

@@ -98,14 +98,15 @@ def select_attention(choice: str, device: torch.device) -> str:
 
 def describe_speed(job: JobConfig, device: torch.device, compute_dtype: torch.dtype | None, *,
                    cuda_graphs: bool = False, fsdp: bool = False, cast_once: bool = False, graphs_off: str = "",
-                   split_backward: bool = False, comm_reorder: bool = False, p2p_channels: str = "") -> str:
+                   split_backward: bool = False, comm_reorder: bool = False, p2p_channels: str = "",
+                   residual_bf16: bool = False) -> str:
     """The start-up header's line of performance choices, as resolved for this device (``cuda_graphs``: the
     engine's resolved train.cuda_graphs; ``fsdp``: FSDP2 holds the parameters, and its mixed precision, not
     autocast, computes in bf16; ``cast_once``: a pipeline's weights are cast once per step, the engine's resolved
     parallel.pp_cast_once; ``graphs_off``: why train.cuda_graphs=auto left CUDA graphs off, from
     apply.graphs_left_off; ``split_backward``: a zero-bubble schedule, for which compiled blocks keep their linear
     layers eager; ``comm_reorder``: the resolved parallel.comm_reorder; ``p2p_channels``: NCCL's channel cap for a
-    pipeline's sends and receives, where one is set)."""
+    pipeline's sends and receives, where one is set; ``residual_bf16``: the resolved train.residual_dtype)."""
     t = job.train
     reduce = job.parallel.grad_reduce_dtype
     bf16 = f"bf16 parameters (FSDP2), {reduce} gradient reduction" if fsdp else "bf16 autocast"
@@ -113,7 +114,7 @@ def describe_speed(job: JobConfig, device: torch.device, compute_dtype: torch.dt
         bf16 += ", bf16 gradient all-reduce"
     if cast_once and not fsdp:
         bf16 += ", weights cast once per step"
-    if t.residual_dtype == "bf16" and not fsdp:
+    if residual_bf16 and not fsdp:
         bf16 += ", residual stream in bf16"
     precision = "float8 matmuls (torchao) + bf16" if t.float8 else (bf16 if compute_dtype == torch.bfloat16 else "fp32")
     compiled = "on with CUDA graphs" if cuda_graphs else "on"

@@ -254,13 +254,17 @@ def session_options(layout: str, *, compute_dtype: torch.dtype | None, device: t
                            residual_in_compute_dtype=session_residual(residual_dtype))
 
 
+# Session takes the dtype itself: your loop, not meshrun, decides where autocast runs ('auto' is meshrun train's)
+SESSION_RESIDUAL_DTYPES = tuple(d for d in RESIDUAL_DTYPES if d != "auto")
+
+
 def session_residual(choice: str) -> bool:
     """``residual_dtype`` of ``Session.prepare_model``: 'fp32' (the default: autocast leaves the hidden state between
     blocks in the parameters' dtype) or 'bf16' (each block's first input is cast to the autocast dtype while the
     loop autocasts, so the stream between blocks stays bf16; without autocast nothing changes). Refuses the rest."""
-    if choice not in RESIDUAL_DTYPES:
-        raise ConfigError(f"residual_dtype={choice!r}: choose one of {', '.join(RESIDUAL_DTYPES)} (the dtype of the "
-                          "hidden state between blocks under autocast)")
+    if choice not in SESSION_RESIDUAL_DTYPES:
+        raise ConfigError(f"residual_dtype={choice!r}: choose one of {', '.join(SESSION_RESIDUAL_DTYPES)} (the dtype "
+                          "of the hidden state between blocks under autocast)")
     return choice == "bf16"
 
 

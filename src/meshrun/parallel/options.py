@@ -53,9 +53,10 @@ class ParallelOptions:
 
 def parallel_options(job: JobConfig, *, compute_dtype: torch.dtype | None, compiled: bool = False,
                      device: torch.device | None = None, cuda_graphs: bool = False,
-                     split_backward: bool = False) -> ParallelOptions:
+                     split_backward: bool = False, residual_bf16: bool = False) -> ParallelOptions:
     """The trainer's options: its ``[parallel]`` and ``[train]`` choices, with the resolved dtype and compilation
-    (``split_backward``: a zero-bubble pipeline schedule runs)."""
+    (``split_backward``: a zero-bubble pipeline schedule runs; ``residual_bf16``: train.residual_dtype as
+    checks.bf16_stream resolves it)."""
     p = job.parallel
     return ParallelOptions(compute_dtype=compute_dtype, compiled=compiled, cuda_graphs=cuda_graphs and compiled,
                            compile_mode=job.train.compile_mode,
@@ -63,7 +64,7 @@ def parallel_options(job: JobConfig, *, compute_dtype: torch.dtype | None, compi
                            float8=job.train.float8, reduce_dtype=reduce_dtype(p.grad_reduce_dtype),
                            fsdp_reshard_after_forward=p.fsdp_reshard_after_forward,
                            fsdp_unit_blocks=p.fsdp_unit_blocks, device=device, split_backward=split_backward,
-                           residual_in_compute_dtype=job.train.residual_dtype == "bf16")
+                           residual_in_compute_dtype=residual_bf16)
 
 
 def reduce_dtype(choice: str) -> torch.dtype:
