@@ -4,7 +4,8 @@
 FSDP2 wraps it; on GPUs FSDP2 computes in bf16 and reduces gradients in fp32 by default), fused AdamW, the user's
 own bf16 autocast and `clip_grad_norm_` when --grad-clip is set. `--cuda-graphs` adds `cuda_graphs=True` (the
 compiled model recorded as CUDA graphs, DDP only), `--compile-mode max-autotune` adds
-`compile_mode="max-autotune"`. Same model, tokens, arguments and JSON line as benchmarks/baseline_ddp_gpt.py;
+`compile_mode="max-autotune"`, `--residual-dtype bf16` adds `residual_dtype="bf16"` (each block's input cast to
+bf16 under the loop's autocast, as meshrun train's default for DDP). Same model, tokens, arguments and JSON line as benchmarks/baseline_ddp_gpt.py;
 --layout picks ddp or fsdp. Launch with torchrun or meshrun launch:
 
     meshrun launch --standalone --nproc-per-node 2 benchmarks/session_gpt.py --size 1b --layout fsdp
@@ -26,6 +27,8 @@ def main() -> None:
         p.add_argument("--cuda-graphs", action="store_true", help="prepare_model(cuda_graphs=True): ddp, compiled")
         p.add_argument("--compile-mode", default="default", choices=("default", "max-autotune"),
                        help="prepare_model(compile_mode=...), with compile")
+        p.add_argument("--residual-dtype", default="fp32", choices=("fp32", "bf16"),
+                       help="prepare_model(residual_dtype=...): the hidden state between blocks under autocast")
 
     args = bench_args(__doc__, extra=extra)
     session = meshrun.Session(seed=SEED)
@@ -33,7 +36,8 @@ def main() -> None:
     model = build_model(args)
     n_params = sum(p.numel() for p in model.parameters())
     model = session.prepare_model(model, layout=args.layout, compile=args.compile, cuda_graphs=args.cuda_graphs,
-                                  compile_mode=args.compile_mode if args.compile else "default")
+                                  compile_mode=args.compile_mode if args.compile else "default",
+                                  residual_dtype=args.residual_dtype)
     opt = adamw(model, session.device)
     inputs, targets = random_batch(args, session.rank, session.device)
 
@@ -50,7 +54,8 @@ def main() -> None:
     elapsed, loss = time_steps(step, args, session.device)
     if session.rank == 0:
         impl = (f"session-{args.layout}" + ("-graphs" if args.cuda_graphs else "")
-                + ("-autotune" if args.compile_mode == "max-autotune" else ""))
+                + ("-autotune" if args.compile_mode == "max-autotune" else "")
+                + ("-bf16-stream" if args.residual_dtype == "bf16" else ""))
         report(impl, args, world=session.world_size,
                n_params=n_params, elapsed=elapsed, loss=loss, device=session.device)
     session.close()

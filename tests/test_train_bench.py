@@ -249,6 +249,26 @@ def test_session_fsdp_autotune_row_passes_the_compile_mode_and_needs_two_gpus(mo
     assert calls == [(("--layout", "fsdp", "--compile-mode", "max-autotune"), 2)]
 
 
+def test_session_ddp_row_with_the_bf16_stream_passes_graphs_and_the_residual_dtype(monkeypatch):
+    plan, _ = tb.make_plan(tb.parse_args(["--session", "ddp-graphs-bf16-stream", "--peers", "", "--no-baseline",
+                                          "--layouts", ""]), "cpu")
+    assert [s.impl for s in plan.session] == ["session-ddp-graphs-bf16-stream"]
+    calls = []
+    monkeypatch.setattr(tb, "run_script", lambda script, case, plan, env: calls.append((script.args, case.gpus)) or {})
+    list(tb.run_case(tb.Case("tiny", 1, 0.0), plan, {}))
+    assert calls == [(("--layout", "ddp", "--cuda-graphs", "--residual-dtype", "bf16"), 1)]
+
+
+@pytest.mark.slow
+def test_session_script_names_its_row_by_the_residual_dtype_on_one_cpu_process():
+    proc = subprocess.run([sys.executable, "benchmarks/session_gpt.py", "--size", "tiny", "--micro-batch", "2",
+                           "--seq", "32", "--steps", "3", "--warmup", "1", "--no-compile", "--residual-dtype", "bf16"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+    assert result["impl"] == "session-ddp-bf16-stream" and result["tokens_per_s_per_gpu"] > 0
+
+
 @pytest.mark.slow
 def test_session_script_trains_the_baseline_model_with_fsdp_on_two_cpu_processes():
     proc = subprocess.run([sys.executable, "-m", "meshrun", "launch", "--standalone", "--nproc-per-node=2",
