@@ -238,25 +238,25 @@ def test_session_rows_run_the_session_script_per_layout_and_fsdp_only_on_several
     assert not {"session-ddp", "session-fsdp"} & tb.REFERENCES, "Session rows are meshrun's, not references"
 
 
-def test_session_fsdp_autotune_row_passes_the_compile_mode_and_needs_two_gpus(monkeypatch):
-    plan, _ = tb.make_plan(tb.parse_args(["--session", "fsdp-autotune", "--peers", "", "--no-baseline",
-                                          "--layouts", ""]), "cpu")
-    assert [s.impl for s in plan.session] == ["session-fsdp-autotune"]
+def _session_row_calls(monkeypatch, row: str) -> list[tuple[tuple[str, ...], int]]:
+    """(script arguments, GPUs) of each run of Session row ``row`` on 1 and then 2 GPUs."""
+    plan, _ = tb.make_plan(tb.parse_args(["--session", row, "--peers", "", "--no-baseline", "--layouts", ""]), "cpu")
+    assert [s.impl for s in plan.session] == [f"session-{row}"]
     calls = []
     monkeypatch.setattr(tb, "run_script", lambda script, case, plan, env: calls.append((script.args, case.gpus)) or {})
     for gpus in (1, 2):
         list(tb.run_case(tb.Case("tiny", gpus, 0.0), plan, {}))
-    assert calls == [(("--layout", "fsdp", "--compile-mode", "max-autotune"), 2)]
+    return calls
+
+
+def test_session_fsdp_autotune_row_passes_the_compile_mode_and_needs_two_gpus(monkeypatch):
+    assert _session_row_calls(monkeypatch, "fsdp-autotune") == [(("--layout", "fsdp", "--compile-mode",
+                                                                   "max-autotune"), 2)]
 
 
 def test_session_ddp_row_with_the_bf16_stream_passes_graphs_and_the_residual_dtype(monkeypatch):
-    plan, _ = tb.make_plan(tb.parse_args(["--session", "ddp-graphs-bf16-stream", "--peers", "", "--no-baseline",
-                                          "--layouts", ""]), "cpu")
-    assert [s.impl for s in plan.session] == ["session-ddp-graphs-bf16-stream"]
-    calls = []
-    monkeypatch.setattr(tb, "run_script", lambda script, case, plan, env: calls.append((script.args, case.gpus)) or {})
-    list(tb.run_case(tb.Case("tiny", 1, 0.0), plan, {}))
-    assert calls == [(("--layout", "ddp", "--cuda-graphs", "--residual-dtype", "bf16"), 1)]
+    args = ("--layout", "ddp", "--cuda-graphs", "--residual-dtype", "bf16")
+    assert _session_row_calls(monkeypatch, "ddp-graphs-bf16-stream") == [(args, 1), (args, 2)]
 
 
 @pytest.mark.slow
