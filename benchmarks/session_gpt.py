@@ -5,8 +5,8 @@ FSDP2 wraps it; on GPUs FSDP2 computes in bf16 and reduces gradients in fp32 by 
 own bf16 autocast and `clip_grad_norm_` when --grad-clip is set. `--cuda-graphs` adds `cuda_graphs=True` (the
 compiled model recorded as CUDA graphs, DDP only), `--compile-mode max-autotune` adds
 `compile_mode="max-autotune"`, `--residual-dtype bf16` adds `residual_dtype="bf16"` (each block's input cast to
-bf16 under the loop's autocast, as meshrun train's default for DDP). Same model, tokens, arguments and JSON line as benchmarks/baseline_ddp_gpt.py;
---layout picks ddp or fsdp. Launch with torchrun or meshrun launch:
+bf16 under the loop's autocast, as meshrun train's default for DDP). Same model, tokens, arguments and JSON line as
+benchmarks/baseline_ddp_gpt.py; --layout picks ddp or fsdp. Launch with torchrun or meshrun launch:
 
     meshrun launch --standalone --nproc-per-node 2 benchmarks/session_gpt.py --size 1b --layout fsdp
 

@@ -1,4 +1,5 @@
-"""train.residual_dtype (auto: bf16 for one process and DDP in bf16 compute): under bf16 autocast the hidden state between blocks stays bf16 (CPU, bf16 autocast).
+"""train.residual_dtype: with bf16 under bf16 autocast the hidden state between blocks stays bf16 (CPU, bf16
+autocast); auto, the default, chooses bf16 for one process and DDP computing in bf16.
 
 A forward pre-hook casts each block's input to the autocast dtype, so the first block's input (the embedding's fp32
 output) becomes bf16 and every block after it reads and returns bf16. Checked on one model (the dtypes each block
@@ -12,6 +13,7 @@ by nothing: the setting takes effect and trains alike.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -82,8 +84,9 @@ def test_it_needs_bf16_compute_and_the_speed_line_says_so():
         check_layout(job, GPT_SPEC, SIZES["tiny"], dims, device=torch.device("cpu"), compute_dtype=None)
     assert str(error.value).startswith("train.residual_dtype=bf16")
     check_layout(job, GPT_SPEC, SIZES["tiny"], dims, device=torch.device("cpu"), compute_dtype=torch.bfloat16)
-    line = describe_speed(job, torch.device("cpu"), torch.bfloat16, residual_bf16=bf16_stream(job, dims, torch.bfloat16))
-    assert "bf16 autocast, residual stream in bf16" in line
+    on = bf16_stream(job, dims, torch.bfloat16)
+    assert "bf16 autocast, residual stream in bf16" in describe_speed(job, torch.device("cpu"), torch.bfloat16,
+                                                                      residual_bf16=on)
     assert "residual stream" not in describe_speed(job, torch.device("cpu"), torch.bfloat16)
     with pytest.raises(ConfigError, match="train.residual_dtype"):
         load_config(None, ["--train.residual_dtype=fp16"])
@@ -104,9 +107,7 @@ def test_auto_casts_for_one_process_and_ddp_in_bf16_only(degrees, extra, expecte
                              *(f"--parallel.{k}={v}" for k, v in degrees.items())])
     if not any(e.startswith("--train.residual_dtype") for e in extra):
         assert job.train.residual_dtype == "auto"  # the default
-    world = max(1, degrees.get("dp_replicate", 1)) * degrees.get("tp", 1) * degrees.get("pp", 1) \
-        * degrees.get("dp_shard", 1)
-    dims = ParallelDims.from_config(job.parallel, world_size=world)
+    dims = ParallelDims.from_config(job.parallel, world_size=math.prod(degrees.values()))
     assert bf16_stream(job, dims, torch.bfloat16) is expected
     assert bf16_stream(job, dims, None) is (expected and job.train.residual_dtype == "bf16")  # fp32: auto is off
 

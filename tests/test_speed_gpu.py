@@ -106,9 +106,10 @@ def test_cuda_graphs_train_like_launched_kernels_over_200_steps(tmp_path):
 
 
 def test_bf16_residual_stream_tracks_the_fp32_stream_over_200_steps(tmp_path):
-    """train.residual_dtype=bf16 (auto's choice for one process) rounds the hidden state between blocks to bf16 (the matmuls already run in bf16):
-    every loss from step 100 on within 2% of the fp32 stream's at lr 1e-3 (the tolerance of two bf16 runs, as
-    above), compiled as the defaults run it (one graph, CUDA graphs); a cast that cut the gradient would not train."""
+    """train.residual_dtype=bf16 (auto's choice for one process) rounds the hidden state between blocks to bf16 (the
+    matmuls already run in bf16): every loss from step 100 on within 2% of the fp32 stream's at lr 1e-3 (the
+    tolerance of two bf16 runs, as above), compiled as the defaults run it (one graph, CUDA graphs); a cast that cut
+    the gradient would not train."""
     fp32 = _train(tmp_path / "fp32", "--train.lr=1e-3", "--train.residual_dtype=fp32")
     bf16 = _train(tmp_path / "bf16", "--train.lr=1e-3", "--train.residual_dtype=bf16")  # the default here (auto)
     pairs = [(round(a, 4), round(b, 4)) for a, b in zip(fp32, bf16)]
