@@ -166,3 +166,23 @@ def test_ddp_tp_and_a_pipeline_track_one_process_with_a_bf16_stream():
                 assert got["val"] == pytest.approx(ref["val"], abs=LOSS_ATOL), (name, residual)
         apart = [abs(a - b) for a, b in zip(results[0][(name, "bf16")]["losses"], results[0][(name, "fp32")]["losses"])]
         assert 0 < max(apart) < SETTINGS_APART, (name, apart)
+
+
+def test_a_bf16_run_casts_between_blocks_by_default_and_its_start_up_line_says_so(tmp_path, capsys):
+    """End to end through the trainer (one CPU process, train.dtype=bf16, residual_dtype left at auto): every block
+    reads and returns bf16 in a training step, and the header's speed line names the bf16 stream."""
+    from meshrun.train.trainer import Trainer
+
+    job = load_config(None, ["--model.name=tiny", "--train.dtype=bf16", "--train.steps=1", f"--run.dir={tmp_path}",
+                             "--health.check_versions=false"])
+    trainer = Trainer(job)
+    try:
+        seen = []
+        for part in trainer.engine.model_parts:
+            for block in part.layers.values():
+                block.register_forward_hook(lambda module, args, out: seen.append((args[0].dtype, out.dtype)))
+        trainer.train_step()
+    finally:
+        trainer.close()
+    assert seen and set(seen) == {(torch.bfloat16, torch.bfloat16)}, seen
+    assert "bf16 autocast, residual stream in bf16" in capsys.readouterr().out
