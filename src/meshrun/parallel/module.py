@@ -72,11 +72,11 @@ class ModuleLayout:
         compiled = f"{self.compiled} module(s) compiled" if self.compiled else "not compiled (compile=True compiles)"
         compiled += f" ({self.compile_mode})" if self.compiled and self.compile_mode != "default" else ""
         compiled += ", recorded as CUDA graphs" if self.cuda_graphs else ""
-        reduce = "; gradients summed in bf16" if self.grad_reduce_dtype == "bf16" and self.dims.dp_size > 1 else ""
+        notes = "; gradients summed in bf16" if self.grad_reduce_dtype == "bf16" and self.dims.dp_size > 1 else ""
         if self.residual_dtype == "bf16":
-            reduce += "; each block's input cast to the autocast dtype under autocast (residual_dtype='bf16')"
+            notes += "; each block's input cast to the autocast dtype under autocast (residual_dtype='bf16')"
         return (f"meshrun: prepare_model: {self.name} over {self.dims.world_size} rank(s) on {device.type}; "
-                f"compute {dtype} (compute_dtype={choice!r}{how}){reduce}; {compiled}")
+                f"compute {dtype} (compute_dtype={choice!r}{how}){notes}; {compiled}")
 
 
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
