@@ -23,6 +23,7 @@ TrainDtype = Literal["auto", "fp32", "bf16"]
 LossMode = Literal["full", "chunked"]
 CompileMode = Literal["default", "max-autotune"]
 AttentionBackend = Literal["auto", "cudnn", "flash", "efficient", "math", "default"]
+CrossEntropyKernel = Literal["auto", "triton", "torch"]
 PipelineSchedule = Literal["auto", "gpipe", "1f1b", "interleaved1f1b", "interleavedzb", "loopedbfs"]
 PipelineBalance = Literal["cost", "blocks"]
 DataParallelMode = Literal["auto", "ddp", "fsdp"]
@@ -44,6 +45,7 @@ TRAIN_DTYPES: tuple[str, ...] = get_args(TrainDtype)
 LOSS_MODES: tuple[str, ...] = get_args(LossMode)
 COMPILE_MODES: tuple[str, ...] = get_args(CompileMode)
 ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
+CROSS_ENTROPY_KERNELS: tuple[str, ...] = get_args(CrossEntropyKernel)
 PIPELINE_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
 PIPELINE_BALANCES: tuple[str, ...] = get_args(PipelineBalance)
 MULTI_STAGE_SCHEDULES: tuple[str, ...] = ("interleaved1f1b", "interleavedzb", "loopedbfs")
@@ -144,6 +146,7 @@ def _check_choices(job: JobConfig) -> None:
     check_choice("parallel.activation_checkpoint", job.parallel.activation_checkpoint,
                  ACTIVATION_CHECKPOINT_MODES)
     check_choice("train.attention", job.train.attention, ATTENTION_BACKENDS)
+    check_choice("train.cross_entropy", job.train.cross_entropy, CROSS_ENTROPY_KERNELS)
     check_choice("train.loss", job.train.loss, LOSS_MODES)
     check_choice("train.residual_dtype", job.train.residual_dtype, RESIDUAL_DTYPES)
     check_choice("train.compile_mode", job.train.compile_mode, COMPILE_MODES)

@@ -43,7 +43,7 @@ from meshrun.parallel.engine import Engine, LocalEngine, LossStep, loss_function
 from meshrun.parallel.async_tp import enable_async_tp
 from meshrun.parallel.comm_overlap import enable_comm_reorder
 from meshrun.parallel.float8 import convert_blocks_to_float8
-from meshrun.parallel.kernels import compile_enabled, inductor_mode, select_attention
+from meshrun.parallel.kernels import compile_enabled, inductor_mode, select_attention, select_cross_entropy
 from meshrun.parallel.options import ParallelOptions, parallel_options
 from meshrun.parallel.pipeline import (EAGER_WEIGHTS, PipelineEngine, bubble_fraction, effective_model_config,
                                       split_backward_routes_each_output, split_stage, stage_ids)
@@ -81,6 +81,7 @@ def build_engine(*, job: JobConfig, model_cfg: ModelShape, dims: ParallelDims, m
     rank = mesh.get_rank() if mesh is not None else 0
     log.info("layout: %s", describe_layout(dims))
     log.info("attention kernel: %s", select_attention(job.train.attention, device))
+    log.info("cross-entropy kernels: %s", select_cross_entropy(job.train.cross_entropy, device))
     fp32 = compute_dtype is None or compute_dtype == torch.float32
     compiled = compile_enabled(job.train.compile, device)
     if job.parallel.async_tp:

@@ -37,6 +37,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from meshrun.models.spec import ModelStructure
+from meshrun.parallel import triton_ce
 from meshrun.parallel.chunked_loss import chunked_token_loss_sum
 from meshrun.parallel.vocab_loss import sharded_loss_function
 
@@ -44,7 +45,10 @@ Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs (B, T) int64, targets (B, T
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum of per-token cross-entropy, in fp32. logits (B, T, V), targets (B, T)."""
+    """Sum of per-token cross-entropy, in fp32. logits (B, T, V), targets (B, T). On CUDA GPUs meshrun's Triton
+    kernels by default (train.cross_entropy, parallel/triton_ce.py), torch's otherwise."""
+    if triton_ce.in_use(logits):
+        return triton_ce.cross_entropy_sum(logits, targets)
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), reduction="sum")
 
 

@@ -96,6 +96,34 @@ def select_attention(choice: str, device: torch.device) -> str:
     return chosen
 
 
+def resolve_cross_entropy(choice: str, device: torch.device) -> str:
+    """The loss kernels ``train.cross_entropy=choice`` means on ``device``: 'triton' (meshrun's, parallel/triton_ce.py)
+    on CUDA GPUs that Triton supports, 'torch' elsewhere; an explicit 'triton' where it cannot run is an error."""
+    from meshrun.parallel import triton_ce
+
+    capability = cuda_capability(device)
+    runs = (device.type == "cuda" and triton_ce.available()
+            and (capability is None or capability >= TRITON_MIN_CAPABILITY))
+    if choice == "triton" and not runs:
+        where = (f"this run is on {device}" if device.type != "cuda" else "the triton package is not installed"
+                 if not triton_ce.available() else "Triton needs compute capability 7.0")
+        raise ConfigError(f"train.cross_entropy=triton needs a CUDA GPU with Triton; {where}. "
+                          "Use --train.cross_entropy=auto (or torch)")
+    if choice == "auto":
+        return "triton" if runs else "torch"
+    return choice
+
+
+def select_cross_entropy(choice: str, device: torch.device) -> str:
+    """Make the training loss (engine.token_loss_sum) use the chosen kernels in this process, before the first
+    compile traces it; returns what was chosen."""
+    from meshrun.parallel import triton_ce
+
+    chosen = resolve_cross_entropy(choice, device)
+    triton_ce.use(chosen == "triton")
+    return chosen
+
+
 def describe_speed(job: JobConfig, device: torch.device, compute_dtype: torch.dtype | None, *,
                    cuda_graphs: bool = False, fsdp: bool = False, cast_once: bool = False, graphs_off: str = "",
                    split_backward: bool = False, comm_reorder: bool = False, p2p_channels: str = "",
@@ -135,6 +163,7 @@ def describe_speed(job: JobConfig, device: torch.device, compute_dtype: torch.dt
         compile_note += f"; CUDA graphs off: {graphs_off}"
     parts = [f"compile {compiled if compile_enabled(t.compile, device) else 'off'} ({compile_note})",
              precision, f"attention {resolve_attention(t.attention, device)}",
+             f"cross-entropy {resolve_cross_entropy(t.cross_entropy, device)}",
              "fused AdamW" if t.fused_optimizer and device.type == "cuda" else "AdamW (for-each)",
              f"grad clip {t.grad_clip:g}" if t.grad_clip else "no grad clip",
              *([f"pipeline sends and receives on at most {p2p_channels} NCCL channels"] if p2p_channels else [])]
