@@ -93,10 +93,12 @@ def test_triton_kernel_in_the_interpreter_equals_f_cross_entropy():
 
 
 def test_auto_picks_triton_on_cuda_only_and_triton_elsewhere_is_refused():
-    assert resolve_cross_entropy("auto", torch.device("cpu")) == "torch"
-    assert resolve_cross_entropy("torch", torch.device("cpu")) == "torch"
-    with pytest.raises(ConfigError, match=r"^train.cross_entropy=triton needs a CUDA GPU .*this run is on cpu"):
-        resolve_cross_entropy("triton", torch.device("cpu"))
+    cpu = torch.device("cpu")
+    assert resolve_cross_entropy("auto", cpu, compiled=True) == "torch"
+    assert resolve_cross_entropy("torch", cpu, compiled=False) == "torch"
+    with pytest.raises(ConfigError, match=r"^train.cross_entropy=triton needs a compiled step on a CUDA GPU .*this "
+                                          r"run is on cpu\. Use --train.cross_entropy=auto"):
+        resolve_cross_entropy("triton", cpu, compiled=True)
     with pytest.raises(ConfigError, match="train.cross_entropy"):
         load_config(None, ["--train.cross_entropy=liger"])
     job = load_config(None, [])
@@ -104,12 +106,12 @@ def test_auto_picks_triton_on_cuda_only_and_triton_elsewhere_is_refused():
     assert "| cross-entropy torch |" in describe_speed(job, torch.device("cpu"), None)
 
 
-def test_the_engine_loss_takes_the_kernels_only_for_cuda_tensors():
-    """Selected, the training loss still runs torch's cross-entropy on CPU tensors (and on DTensors)."""
+def test_the_engine_loss_takes_the_kernels_only_for_cuda_tensors_in_a_compiled_step():
+    """Selected, the training loss still runs torch's cross-entropy on CPU tensors, on DTensors and run eagerly."""
     logits, targets = _case(16, 64)
     logits, targets = logits.view(2, 8, 64), targets.view(2, 8)  # (B, T, V)
     try:
-        select_cross_entropy("auto", torch.device("cpu"))
+        select_cross_entropy("auto", torch.device("cpu"), compiled=True)
         assert not triton_ce._IN_USE[0]
         triton_ce.use(True)
         assert not triton_ce.in_use(logits)
@@ -143,3 +145,25 @@ def test_kernels_on_a_gpu_equal_f_cross_entropy(dtype, v, mode, _):
     assert grad.dtype == dtype
     torch.testing.assert_close(grad.float(), ref_grad.float(), rtol=0, atol=2 * step)
     assert grad[::7].abs().max() == 0
+
+
+@pytest.mark.parametrize("_", [pytest.param(None, marks=needs_gpu)])
+def test_the_engine_loss_takes_the_kernel_in_a_compiled_step_on_a_gpu(_):
+    """Selected, a compiled step's loss traces meshrun's operator (dynamo's graph holds it); run eagerly it does not."""
+    logits, targets = _case(64, 1000, device="cuda")
+    logits, targets = logits.view(2, 32, 1000), targets.view(2, 32)
+    graphs = []
+
+    def record(gm, _inputs):
+        graphs.append(str(gm.graph))
+        return gm.forward
+
+    try:
+        select_cross_entropy("auto", torch.device("cuda"), compiled=True)
+        assert triton_ce._IN_USE[0] and not triton_ce.in_use(logits)  # eager: torch's
+        torch._dynamo.reset()
+        loss = torch.compile(token_loss_sum, backend=record, fullgraph=True)(logits, targets)
+        assert "meshrun.cross_entropy_rows" in graphs[0], graphs[0]
+        torch.testing.assert_close(loss, _reference(logits, targets)[0], rtol=1e-5, atol=1e-3)
+    finally:
+        triton_ce.use(False)

@@ -147,10 +147,10 @@ class TrainConfig:
     """Attention kernel: auto (cuDNN first on Hopper and newer GPUs, else torch's order), cudnn, flash, efficient,
     math, or default (torch's own order)."""
     cross_entropy: CrossEntropyKernel = "auto"
-    """The loss's kernels: auto (on CUDA GPUs meshrun's Triton kernel for the forward, one read of the logits at 4.0
-    TB/s against 1.5 for inductor's on an H200, 1.017x on the 124m step; torch's cross-entropy on CPU), triton (CUDA
-    GPUs only) or torch (F.cross_entropy, compiled with the model where it is). TP's loss on vocabulary shards
-    keeps its own."""
+    """The loss's kernels: auto (in a compiled step on CUDA GPUs meshrun's Triton kernel for the forward, one read of
+    the logits at 4.0 TB/s against 1.5 for inductor's on an H200, 1.017x on the 124m step; torch's cross-entropy on
+    CPU, without compile and in evaluations), triton (a compiled step on a CUDA GPU) or torch (F.cross_entropy,
+    compiled with the model where it is). TP's loss on vocabulary shards keeps its own."""
 
 
 @dataclass

@@ -81,9 +81,9 @@ def build_engine(*, job: JobConfig, model_cfg: ModelShape, dims: ParallelDims, m
     rank = mesh.get_rank() if mesh is not None else 0
     log.info("layout: %s", describe_layout(dims))
     log.info("attention kernel: %s", select_attention(job.train.attention, device))
-    log.info("cross-entropy kernels: %s", select_cross_entropy(job.train.cross_entropy, device))
     fp32 = compute_dtype is None or compute_dtype == torch.float32
     compiled = compile_enabled(job.train.compile, device)
+    log.info("cross-entropy kernels: %s", select_cross_entropy(job.train.cross_entropy, device, compiled=compiled))
     if job.parallel.async_tp:
         enable_async_tp(dims.get_mesh("tp"))
     if use_comm_reorder(job, dims, device):

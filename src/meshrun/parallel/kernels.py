@@ -96,30 +96,34 @@ def select_attention(choice: str, device: torch.device) -> str:
     return chosen
 
 
-def resolve_cross_entropy(choice: str, device: torch.device) -> str:
+def resolve_cross_entropy(choice: str, device: torch.device, *, compiled: bool) -> str:
     """The loss kernels ``train.cross_entropy=choice`` means on ``device``: 'triton' (meshrun's, parallel/triton_ce.py)
-    on CUDA GPUs that Triton supports, 'torch' elsewhere; an explicit 'triton' where it cannot run is an error."""
+    where the step is compiled (``compiled``) on CUDA GPUs that Triton supports, 'torch' elsewhere; an explicit
+    'triton' where it cannot run is an error."""
     from meshrun.parallel import triton_ce
 
     capability = cuda_capability(device)
-    runs = (device.type == "cuda" and triton_ce.available()
-            and (capability is None or capability >= TRITON_MIN_CAPABILITY))
-    if choice == "triton" and not runs:
-        where = (f"this run is on {device}" if device.type != "cuda" else "the triton package is not installed"
-                 if not triton_ce.available() else "Triton needs compute capability 7.0")
-        raise ConfigError(f"train.cross_entropy=triton needs a CUDA GPU with Triton; {where}. "
-                          "Use --train.cross_entropy=auto (or torch)")
+    if choice == "triton":
+        why = (f"this run is on {device}" if device.type != "cuda" else "the triton package is not installed"
+               if not triton_ce.available() else "Triton needs compute capability 7.0"
+               if capability is not None and capability < TRITON_MIN_CAPABILITY else
+               "it runs inside the compiled step, and train.compile is off" if not compiled else "")
+        if why:
+            raise ConfigError(f"train.cross_entropy=triton needs a compiled step on a CUDA GPU with Triton; {why}. "
+                              "Use --train.cross_entropy=auto (or torch)")
     if choice == "auto":
+        runs = (compiled and device.type == "cuda" and triton_ce.available()
+                and (capability is None or capability >= TRITON_MIN_CAPABILITY))
         return "triton" if runs else "torch"
     return choice
 
 
-def select_cross_entropy(choice: str, device: torch.device) -> str:
+def select_cross_entropy(choice: str, device: torch.device, *, compiled: bool) -> str:
     """Make the training loss (engine.token_loss_sum) use the chosen kernels in this process, before the first
     compile traces it; returns what was chosen."""
     from meshrun.parallel import triton_ce
 
-    chosen = resolve_cross_entropy(choice, device)
+    chosen = resolve_cross_entropy(choice, device, compiled=compiled)
     triton_ce.use(chosen == "triton")
     return chosen
 
@@ -161,9 +165,10 @@ def describe_speed(job: JobConfig, device: torch.device, compute_dtype: torch.dt
         compile_note += f": Triton needs 7.0, this GPU has {old}"
     if graphs_off and not cuda_graphs:
         compile_note += f"; CUDA graphs off: {graphs_off}"
-    parts = [f"compile {compiled if compile_enabled(t.compile, device) else 'off'} ({compile_note})",
+    compiled_step = compile_enabled(t.compile, device)
+    parts = [f"compile {compiled if compiled_step else 'off'} ({compile_note})",
              precision, f"attention {resolve_attention(t.attention, device)}",
-             f"cross-entropy {resolve_cross_entropy(t.cross_entropy, device)}",
+             f"cross-entropy {resolve_cross_entropy(t.cross_entropy, device, compiled=compiled_step)}",
              "fused AdamW" if t.fused_optimizer and device.type == "cuda" else "AdamW (for-each)",
              f"grad clip {t.grad_clip:g}" if t.grad_clip else "no grad clip",
              *([f"pipeline sends and receives on at most {p2p_channels} NCCL channels"] if p2p_channels else [])]

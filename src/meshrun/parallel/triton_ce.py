@@ -31,6 +31,9 @@ except ImportError:  # CPU-only installs: the operators fall back to torch
     triton = None
 
 IGNORE_INDEX = -100
+FORWARD = {"BLOCK": 4096, "num_warps": 4}
+"""The forward kernel's sizes: one program per row, ``BLOCK`` logits per iteration of its loop (the fastest of 4 to
+32 warps and blocks of 1,024 to 16,384 on an H200 for 124m's logits)."""
 _IN_USE = [False]
 """Whether engine.token_loss_sum runs these kernels on CUDA tensors (train.cross_entropy,
 kernels.select_cross_entropy)."""
@@ -47,14 +50,16 @@ def use(enabled: bool) -> None:
 
 
 def in_use(logits: torch.Tensor) -> bool:
-    """The training loss of ``logits`` runs here: chosen, on a CUDA GPU, and a plain tensor (a DTensor's loss keeps
-    torch's, whose ops DTensor knows how to shard)."""
+    """The training loss of ``logits`` runs here: chosen, traced by torch.compile (run eagerly, the backward's
+    element-wise ops would each write an N x V tensor: an evaluation's loss, or a step with compile off, keeps
+    torch's), on a CUDA GPU, and a plain tensor (a DTensor's loss keeps torch's, whose ops DTensor shards)."""
     from torch.distributed.tensor import DTensor
 
-    return _IN_USE[0] and logits.is_cuda and not isinstance(logits, DTensor)
-FORWARD = {"BLOCK": 4096, "num_warps": 4}
-"""The forward kernel's sizes: one program per row, ``BLOCK`` logits per iteration of its loop (the fastest of 4 to
-32 warps and blocks of 1,024 to 16,384 on an H200 for 124m's logits)."""
+    return (_IN_USE[0] and torch.compiler.is_compiling() and logits.is_cuda
+            and not isinstance(logits, DTensor))
+
+
+
 
 if triton is not None:
     @triton.jit
@@ -72,7 +77,8 @@ if triton is not None:
         lse = m + tl.log(s)
         y = tl.load(y_ptr + row)
         valid = y != ignore_index
-        x_y = tl.load(x_row + tl.where(valid, y, 0)).to(tl.float32)
+        # a target outside [0, V) is not checked (F.cross_entropy's device assertion is): clamped, it reads its own row
+        x_y = tl.load(x_row + tl.minimum(tl.maximum(tl.where(valid, y, 0), 0), n_cols - 1)).to(tl.float32)
         tl.store(loss_ptr + row, tl.where(valid, lse - x_y, 0.0))
         tl.store(lse_ptr + row, lse)
 
@@ -129,7 +135,9 @@ cross_entropy_rows.register_autograd(_backward, setup_context=_setup_context)
 
 
 def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """``F.cross_entropy(logits.float(), targets, reduction="sum")`` for logits (..., V), targets (...)."""
+    """``F.cross_entropy(logits.float(), targets, reduction="sum")`` for logits (..., V), targets (...) in [0, V) or
+    ``ignore_index``. Other targets are not checked on GPUs (meshrun's batcher checks every batch's tokens against
+    model.vocab_size)."""
     rows = logits.reshape(-1, logits.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
