@@ -103,7 +103,10 @@ def test_auto_picks_triton_on_cuda_only_and_triton_elsewhere_is_refused():
         load_config(None, ["--train.cross_entropy=liger"])
     job = load_config(None, [])
     assert job.train.cross_entropy == "auto"
-    assert "| cross-entropy torch |" in describe_speed(job, torch.device("cpu"), None)
+    assert "| cross-entropy torch |" in describe_speed(job, cpu, None)
+    assert "| cross-entropy on vocabulary shards (TP) |" in describe_speed(job, cpu, None, vocab_sharded=True)
+    chunked = load_config(None, ["--train.loss=chunked"])
+    assert "| cross-entropy chunked with the head |" in describe_speed(chunked, cpu, None)
 
 
 def test_the_engine_loss_takes_the_kernels_only_for_cuda_tensors_in_a_compiled_step():

@@ -45,8 +45,8 @@ Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs (B, T) int64, targets (B, T
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum of per-token cross-entropy, in fp32. logits (B, T, V), targets (B, T). On CUDA GPUs meshrun's Triton
-    kernels by default (train.cross_entropy, parallel/triton_ce.py), torch's otherwise."""
+    """Sum of per-token cross-entropy, in fp32. logits (B, T, V), targets (B, T). In a compiled step on CUDA GPUs
+    meshrun's Triton kernel computes the forward by default (train.cross_entropy, parallel/triton_ce.py)."""
     if triton_ce.in_use(logits):
         return triton_ce.cross_entropy_sum(logits, targets)
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), reduction="sum")

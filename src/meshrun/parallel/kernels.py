@@ -96,25 +96,30 @@ def select_attention(choice: str, device: torch.device) -> str:
     return chosen
 
 
+def _triton_loss_blocked(device: torch.device, *, compiled: bool) -> str:
+    """Why meshrun's cross-entropy kernel cannot run here ('' where it can)."""
+    from meshrun.parallel import triton_ce
+
+    capability = cuda_capability(device)
+    if device.type != "cuda":
+        return f"this run is on {device}"
+    if not triton_ce.available():
+        return "the triton package is not installed"
+    if capability is not None and capability < TRITON_MIN_CAPABILITY:
+        return f"Triton needs compute capability 7.0, this GPU has {capability[0]}.{capability[1]}"
+    return "" if compiled else "it runs inside the compiled step, and train.compile is off"
+
+
 def resolve_cross_entropy(choice: str, device: torch.device, *, compiled: bool) -> str:
     """The loss kernels ``train.cross_entropy=choice`` means on ``device``: 'triton' (meshrun's, parallel/triton_ce.py)
     where the step is compiled (``compiled``) on CUDA GPUs that Triton supports, 'torch' elsewhere; an explicit
     'triton' where it cannot run is an error."""
-    from meshrun.parallel import triton_ce
-
-    capability = cuda_capability(device)
-    if choice == "triton":
-        why = (f"this run is on {device}" if device.type != "cuda" else "the triton package is not installed"
-               if not triton_ce.available() else "Triton needs compute capability 7.0"
-               if capability is not None and capability < TRITON_MIN_CAPABILITY else
-               "it runs inside the compiled step, and train.compile is off" if not compiled else "")
-        if why:
-            raise ConfigError(f"train.cross_entropy=triton needs a compiled step on a CUDA GPU with Triton; {why}. "
-                              "Use --train.cross_entropy=auto (or torch)")
+    blocked = _triton_loss_blocked(device, compiled=compiled)
+    if choice == "triton" and blocked:
+        raise ConfigError(f"train.cross_entropy=triton needs a compiled step on a CUDA GPU with Triton; {blocked}. "
+                          "Use --train.cross_entropy=auto (or torch)")
     if choice == "auto":
-        runs = (compiled and device.type == "cuda" and triton_ce.available()
-                and (capability is None or capability >= TRITON_MIN_CAPABILITY))
-        return "triton" if runs else "torch"
+        return "torch" if blocked else "triton"
     return choice
 
 
@@ -131,14 +136,15 @@ def select_cross_entropy(choice: str, device: torch.device, *, compiled: bool) -
 def describe_speed(job: JobConfig, device: torch.device, compute_dtype: torch.dtype | None, *,
                    cuda_graphs: bool = False, fsdp: bool = False, cast_once: bool = False, graphs_off: str = "",
                    split_backward: bool = False, comm_reorder: bool = False, p2p_channels: str = "",
-                   residual_bf16: bool = False) -> str:
+                   residual_bf16: bool = False, vocab_sharded: bool = False) -> str:
     """The start-up header's line of performance choices, as resolved for this device (``cuda_graphs``: the
     engine's resolved train.cuda_graphs; ``fsdp``: FSDP2 holds the parameters, and its mixed precision, not
     autocast, computes in bf16; ``cast_once``: a pipeline's weights are cast once per step, the engine's resolved
     parallel.pp_cast_once; ``graphs_off``: why train.cuda_graphs=auto left CUDA graphs off, from
     apply.graphs_left_off; ``split_backward``: a zero-bubble schedule, for which compiled blocks keep their linear
     layers eager; ``comm_reorder``: the resolved parallel.comm_reorder; ``p2p_channels``: NCCL's channel cap for a
-    pipeline's sends and receives, where one is set; ``residual_bf16``: the resolved train.residual_dtype)."""
+    pipeline's sends and receives, where one is set; ``residual_bf16``: the resolved train.residual_dtype;
+    ``vocab_sharded``: TP computes the loss on each rank's vocabulary shard, apply.use_loss_parallel)."""
     t = job.train
     reduce = job.parallel.grad_reduce_dtype
     bf16 = f"bf16 parameters (FSDP2), {reduce} gradient reduction" if fsdp else "bf16 autocast"
@@ -166,9 +172,11 @@ def describe_speed(job: JobConfig, device: torch.device, compute_dtype: torch.dt
     if graphs_off and not cuda_graphs:
         compile_note += f"; CUDA graphs off: {graphs_off}"
     compiled_step = compile_enabled(t.compile, device)
+    loss = ("on vocabulary shards (TP)" if vocab_sharded else "chunked with the head" if t.loss == "chunked"
+            else resolve_cross_entropy(t.cross_entropy, device, compiled=compiled_step))
     parts = [f"compile {compiled if compiled_step else 'off'} ({compile_note})",
              precision, f"attention {resolve_attention(t.attention, device)}",
-             f"cross-entropy {resolve_cross_entropy(t.cross_entropy, device, compiled=compiled_step)}",
+             f"cross-entropy {loss}",
              "fused AdamW" if t.fused_optimizer and device.type == "cuda" else "AdamW (for-each)",
              f"grad clip {t.grad_clip:g}" if t.grad_clip else "no grad clip",
              *([f"pipeline sends and receives on at most {p2p_channels} NCCL channels"] if p2p_channels else [])]
