@@ -66,7 +66,8 @@ def test_torch_path_equals_f_cross_entropy(compiled):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                    reason="triton is not installed (torch's CPU builds do not depend on it; the test extra adds it)")
+                    reason="triton is not installed (torch's CPU builds do not depend on it; the test extra adds it on "
+                           "Linux x86-64)")
 def test_triton_kernel_in_the_interpreter_equals_f_cross_entropy():
     """The forward kernel, run by Triton's interpreter on CPU tensors with 256-wide blocks over a 1000-word
     vocabulary (the last block masked), against torch's log-sum-exp and cross-entropy in fp32."""
