@@ -10,8 +10,8 @@ For each case (model size x number of GPUs x gradient-clipping value) it runs, a
     layout only); with --src, all of
     those again from another copy of meshrun (an older checkout's src), to compare two versions of the code;
   - with --tune, one more meshrun row per layout for each documented setting its defaults choose between (TUNE,
-    TUNE_COMPILED when compiling, TUNE_BF16 with bf16 compute, TUNE_CUDA on GPUs), and a line per layout saying whether the defaults are within 3% of the
-    fastest of them;
+    TUNE_COMPILED when compiling, TUNE_BF16 with bf16 compute, TUNE_CUDA on GPUs), and a line per layout saying
+    whether the defaults are within 3% of the fastest of them;
   - with --session, the baseline's GPT through meshrun's `Session.prepare_model` (benchmarks/session_gpt.py, as
     docs/api.md shows: a user's own model) per layout given (ddp, fsdp).
 Every row reports tokens/s per GPU, MFU, peak memory, vs_baseline (its tokens/s over the faster baseline row of its
@@ -95,10 +95,10 @@ TUNE_BF16 = {"pp": {"casts": "--parallel.pp_cast_once=false"} | BF16_STREAM,
              "ddp": {"fp32-stream": "--train.residual_dtype=fp32"}, "tp": BF16_STREAM}
 # with bf16 compute (GPUs, or --extra --train.dtype=bf16): a pipeline's weights cast per micro-batch, against the
 # default's once per step on GPUs; the residual stream in bf16 where autocast runs (not FSDP2: bf16 there already)
-CE_TORCH = {"ce-torch": "--train.cross_entropy=torch"}
-TUNE_CUDA = {"ddp": CE_TORCH, "fsdp": CE_TORCH, "pp": CE_TORCH}
 # on CUDA GPUs: torch's cross-entropy against meshrun's Triton kernel (train.cross_entropy=auto); TP's loss on
 # vocabulary shards has its own
+CE_TORCH = {"ce-torch": "--train.cross_entropy=torch"}
+TUNE_CUDA = {"ddp": CE_TORCH, "fsdp": CE_TORCH, "pp": CE_TORCH}
 DEFAULTS_WITHIN = 0.03  # the defaults should be within 3% of the best setting --tune finds
 WORKLOAD_OPTIONS = ("--model.", "--train.micro_batch", "--train.grad_accum", "--train.global_batch")
 """Overrides that change what a step trains (the model or the samples per step): a variant with one of them is a
@@ -516,8 +516,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="one more row per layout for each documented setting its defaults choose between (ddp "
                         "graphs and buckets, DDP or FSDP2 for the data-parallel layout, FSDP units and resharding, TP "
                         "sequence parallelism, PP micro-batches, schedule and cut, CUDA graphs off, torch's "
-                        "cross-entropy), and say whether "
-                        "the defaults are within 3%% of the best")
+                        "cross-entropy), and say whether the defaults are within 3%% of the best")
     p.add_argument("--src", action="append", default=[], metavar="NAME:FOLDER",
                    help="meshrun rows again with the meshrun package in FOLDER (e.g. an older checkout's src), "
                         "named meshrun-<layout>@NAME, interleaved with this checkout's")

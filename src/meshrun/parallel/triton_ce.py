@@ -22,7 +22,10 @@ The forward is a ``torch.library.triton_op`` operator, so ``torch.compile`` trac
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.library import triton_op, wrap_triton
+
+from meshrun.parallel.vocab_loss import IGNORE_INDEX
 
 try:
     import triton
@@ -30,7 +33,6 @@ try:
 except ImportError:  # CPU-only installs: the operators fall back to torch
     triton = None
 
-IGNORE_INDEX = -100
 FORWARD = {"BLOCK": 4096, "num_warps": 4}
 """The forward kernel's sizes: one program per row, ``BLOCK`` logits per iteration of its loop (the fastest of 4 to
 32 warps and blocks of 1,024 to 16,384 on an H200 for 124m's logits)."""
@@ -53,8 +55,6 @@ def in_use(logits: torch.Tensor) -> bool:
     """The training loss of ``logits`` runs here: chosen, traced by torch.compile (run eagerly, the backward's
     element-wise ops would each write an N x V tensor: an evaluation's loss, or a step with compile off, keeps
     torch's), on a CUDA GPU, and a plain tensor (a DTensor's loss keeps torch's, whose ops DTensor shards)."""
-    from torch.distributed.tensor import DTensor
-
     return (_IN_USE[0] and torch.compiler.is_compiling() and logits.is_cuda
             and not isinstance(logits, DTensor))
 
