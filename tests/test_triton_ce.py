@@ -39,18 +39,18 @@ def _case(n: int, v: int, *, dtype=torch.bfloat16, device="cpu", seed=0):
     return logits, targets
 
 
-def _reference(logits, targets, grad=0.7):
-    x = logits.detach().requires_grad_()
-    loss = F.cross_entropy(x.flatten(0, -2).float(), targets.flatten(), reduction="sum")
-    loss.backward(torch.tensor(grad, device=x.device))
-    return loss.detach(), x.grad
-
-
 def _ours(fn, logits, targets, grad=0.7):
+    """``fn``'s loss of the logits, and their gradient when the loss's incoming gradient is ``grad``."""
     x = logits.detach().requires_grad_()
     loss = fn(x, targets)
     loss.backward(torch.tensor(grad, device=x.device))
     return loss.detach(), x.grad
+
+
+def _reference(logits, targets, grad=0.7):
+    """The same for fp32 F.cross_entropy."""
+    return _ours(lambda x, y: F.cross_entropy(x.flatten(0, -2).float(), y.flatten(), reduction="sum"), logits, targets,
+                 grad)
 
 
 @pytest.mark.parametrize("compiled", [False, True])

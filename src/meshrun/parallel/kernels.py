@@ -100,11 +100,11 @@ def _triton_loss_blocked(device: torch.device, *, compiled: bool) -> str:
     """Why meshrun's cross-entropy kernel cannot run here ('' where it can)."""
     from meshrun.parallel import triton_ce
 
-    capability = cuda_capability(device)
     if device.type != "cuda":
         return f"this run is on {device}"
     if not triton_ce.available():
         return "the triton package is not installed"
+    capability = cuda_capability(device)
     if capability is not None and capability < TRITON_MIN_CAPABILITY:
         return f"Triton needs compute capability 7.0, this GPU has {capability[0]}.{capability[1]}"
     return "" if compiled else "it runs inside the compiled step, and train.compile is off"

@@ -59,8 +59,6 @@ def in_use(logits: torch.Tensor) -> bool:
             and not isinstance(logits, DTensor))
 
 
-
-
 if triton is not None:
     @triton.jit
     def _forward_kernel(x_ptr, x_stride, y_ptr, loss_ptr, lse_ptr, n_cols, ignore_index, BLOCK: tl.constexpr):
