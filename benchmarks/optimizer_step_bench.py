@@ -82,7 +82,10 @@ def main() -> None:
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     rows = {}
     models = {}
-    for name, cls in (("torch-adamw", torch.optim.AdamW), ("meshrun-local-shard-adamw", LocalShardAdamW)):
+    impls = [("torch-adamw", torch.optim.AdamW, {}), ("meshrun-local-shard-adamw", LocalShardAdamW, {})]
+    if cuda and args.kernel in ("auto", "fused"):  # the trainer's default on GPUs: the Triton kernel on the shards
+        impls.append(("meshrun-triton-adamw", LocalShardAdamW, {"triton": True}))
+    for name, cls, extra in impls:
         torch.manual_seed(0)
         with torch.device(device):
             model = GPT(gpt_config(args.size, n_layers=args.n_layers))
@@ -95,7 +98,8 @@ def main() -> None:
         kernel = args.kernel if args.kernel != "auto" else "fused" if cuda else "foreach"
         kind = {kernel: True}
         optimizer = cls([{"params": [q for q in params if q.ndim >= 2], "weight_decay": 0.1},
-                         {"params": [q for q in params if q.ndim < 2], "weight_decay": 0.0}], lr=1e-4, **kind)
+                         {"params": [q for q in params if q.ndim < 2], "weight_decay": 0.0}], lr=1e-4, **kind,
+                        **extra)
         timed(optimizer, 3, device)  # state built, kernels warm
         models[name] = (model, optimizer)
         rows[name] = {"host": [], "wall": [], "tensors": len(params), "kernel": kernel}
@@ -112,6 +116,8 @@ def main() -> None:
             out = {"impl": name, "size": args.size, "n_layers": args.n_layers or None, "ranks": dist.get_world_size(), "device": device_name,
                    "kernel": row["kernel"], "param_tensors": row["tensors"], "torch": torch.__version__,
                    "dtensor_specs_left_per_step": row["specs"]}
+            if name == "meshrun-triton-adamw":  # 0: the kernel could not take the shards; torch's fused one ran
+                out["triton_group_steps"] = models[name][1].triton_steps
             for key in ("host", "wall"):
                 out[f"{key}_ms"] = round(statistics.median(row[key]), 3)
                 out[f"{key}_ms_min_max"] = [round(min(row[key]), 3), round(max(row[key]), 3)]

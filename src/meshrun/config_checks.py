@@ -24,6 +24,7 @@ LossMode = Literal["full", "chunked"]
 CompileMode = Literal["default", "max-autotune"]
 AttentionBackend = Literal["auto", "cudnn", "flash", "efficient", "math", "default"]
 CrossEntropyKernel = Literal["auto", "triton", "torch"]
+AdamWKernel = Literal["auto", "triton", "torch"]
 PipelineSchedule = Literal["auto", "gpipe", "1f1b", "interleaved1f1b", "interleavedzb", "loopedbfs"]
 PipelineBalance = Literal["cost", "blocks"]
 DataParallelMode = Literal["auto", "ddp", "fsdp"]
@@ -46,6 +47,7 @@ LOSS_MODES: tuple[str, ...] = get_args(LossMode)
 COMPILE_MODES: tuple[str, ...] = get_args(CompileMode)
 ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
 CROSS_ENTROPY_KERNELS: tuple[str, ...] = get_args(CrossEntropyKernel)
+ADAMW_KERNELS: tuple[str, ...] = get_args(AdamWKernel)
 PIPELINE_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
 PIPELINE_BALANCES: tuple[str, ...] = get_args(PipelineBalance)
 MULTI_STAGE_SCHEDULES: tuple[str, ...] = ("interleaved1f1b", "interleavedzb", "loopedbfs")
@@ -147,6 +149,7 @@ def _check_choices(job: JobConfig) -> None:
                  ACTIVATION_CHECKPOINT_MODES)
     check_choice("train.attention", job.train.attention, ATTENTION_BACKENDS)
     check_choice("train.cross_entropy", job.train.cross_entropy, CROSS_ENTROPY_KERNELS)
+    check_choice("train.adamw_kernel", job.train.adamw_kernel, ADAMW_KERNELS)
     check_choice("train.loss", job.train.loss, LOSS_MODES)
     check_choice("train.residual_dtype", job.train.residual_dtype, RESIDUAL_DTYPES)
     check_choice("train.compile_mode", job.train.compile_mode, COMPILE_MODES)

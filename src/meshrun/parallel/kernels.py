@@ -133,6 +133,33 @@ def select_cross_entropy(choice: str, device: torch.device, *, compiled: bool) -
     return chosen
 
 
+def resolve_adamw_kernel(job: JobConfig, device: torch.device) -> str:
+    """The AdamW kernel this run steps with: 'triton' (meshrun's, parallel/triton_adamw.py) for
+    train.adamw_kernel=auto on CUDA GPUs that Triton supports, 'torch' (torch's fused AdamW) elsewhere on GPUs,
+    'foreach' with train.fused_optimizer=false or on CPU; an explicit 'triton' where it cannot run is an error."""
+    from meshrun.parallel import triton_adamw
+
+    t = job.train
+    fused = t.fused_optimizer and device.type == "cuda"
+    blocked = ""
+    if not t.fused_optimizer:
+        blocked = "train.fused_optimizer is false"
+    elif device.type != "cuda":
+        blocked = f"this run is on {device}"
+    elif not triton_adamw.available():
+        blocked = "the triton package is not installed"
+    else:
+        capability = cuda_capability(device)
+        if capability is not None and capability < TRITON_MIN_CAPABILITY:
+            blocked = f"Triton needs compute capability 7.0, this GPU has {capability[0]}.{capability[1]}"
+    if t.adamw_kernel == "triton" and blocked:
+        raise ConfigError(f"train.adamw_kernel=triton runs the fused AdamW on a CUDA GPU with Triton; {blocked}. "
+                          "Use --train.adamw_kernel=auto (or torch)")
+    if not fused:
+        return "foreach"
+    return "torch" if blocked or t.adamw_kernel == "torch" else "triton"
+
+
 def describe_speed(job: JobConfig, device: torch.device, compute_dtype: torch.dtype | None, *,
                    cuda_graphs: bool = False, fsdp: bool = False, cast_once: bool = False, graphs_off: str = "",
                    split_backward: bool = False, comm_reorder: bool = False, p2p_channels: str = "",
@@ -177,7 +204,8 @@ def describe_speed(job: JobConfig, device: torch.device, compute_dtype: torch.dt
     parts = [f"compile {compiled if compiled_step else 'off'} ({compile_note})",
              precision, f"attention {resolve_attention(t.attention, device)}",
              f"cross-entropy {loss}",
-             "fused AdamW" if t.fused_optimizer and device.type == "cuda" else "AdamW (for-each)",
+             {"triton": "fused AdamW (Triton)", "torch": "fused AdamW (torch)",
+              "foreach": "AdamW (for-each)"}[resolve_adamw_kernel(job, device)],
              f"grad clip {t.grad_clip:g}" if t.grad_clip else "no grad clip",
              *([f"pipeline sends and receives on at most {p2p_channels} NCCL channels"] if p2p_channels else [])]
     return "speed: " + " | ".join(parts)

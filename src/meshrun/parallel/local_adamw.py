@@ -13,6 +13,12 @@ checkpoints and schedulers see no difference) and the same functional ``adam`` c
 gradient's placements differ from its parameter's (a Partial gradient that DTensor would reduce first), or they sit
 on different meshes, and for ``differentiable=True``, the step is torch's own through DTensor. The result is bitwise torch's
 (tests/test_local_adamw.py).
+
+``triton=True`` (the trainer's default on CUDA GPUs, train.adamw_kernel) runs a fused group's update through
+meshrun's Triton kernel instead of torch's (parallel/triton_adamw.py): the same arithmetic in one launch over all
+local tensors, which reads a clipped gradient divided by ``grad_scale`` without writing it back (torch's fused kernel
+stores the divided gradient). Groups the kernel cannot take (amsgrad, a tensor learning rate, other dtypes or
+devices) keep torch's kernel.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam
+
+from meshrun.parallel import triton_adamw
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -46,7 +54,15 @@ def _torch_step(optimizer: torch.optim.AdamW) -> None:
 
 
 class LocalShardAdamW(torch.optim.AdamW):
-    """torch.optim.AdamW whose update runs on the local shards of DTensor parameters (module docstring)."""
+    """torch.optim.AdamW whose update runs on the local shards of DTensor parameters (module docstring).
+
+    ``triton``: fused groups step through meshrun's Triton kernel where it can take their tensors."""
+
+    def __init__(self, params, *args, triton: bool = False, **kwargs):
+        super().__init__(params, *args, **kwargs)
+        self.triton = triton
+        self.triton_steps = 0
+        """Group steps the Triton kernel ran (tests and the start-up check read it)."""
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -67,6 +83,8 @@ class LocalShardAdamW(torch.optim.AdamW):
             state_steps: list[torch.Tensor] = []
             beta1, beta2 = group["betas"]
             has_complex = self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps)
+            if self._triton_step(group, params, grads, exp_avgs, exp_avg_sqs, state_steps, has_complex):
+                continue
             adam([_local(t) for t in params], [_local(t) for t in grads], [_local(t) for t in exp_avgs],
                  [_local(t) for t in exp_avg_sqs], [_local(t) for t in max_exp_avg_sqs], state_steps,
                  amsgrad=group["amsgrad"], has_complex=has_complex, beta1=beta1, beta2=beta2, lr=group["lr"],
@@ -75,3 +93,19 @@ class LocalShardAdamW(torch.optim.AdamW):
                  fused=group["fused"], grad_scale=getattr(self, "grad_scale", None),
                  found_inf=getattr(self, "found_inf", None), decoupled_weight_decay=group["decoupled_weight_decay"])
         return loss
+
+    def _triton_step(self, group, params, grads, exp_avgs, exp_avg_sqs, state_steps, has_complex: bool) -> bool:
+        """This group's update through the Triton kernel, where it can take it; False: run torch's."""
+        if not (self.triton and group["fused"] and not group["amsgrad"] and not has_complex
+                and not group["differentiable"] and not isinstance(group["lr"], torch.Tensor)
+                and group.get("decoupled_weight_decay", True)):
+            return False
+        local = [[_local(t) for t in tensors] for tensors in (params, grads, exp_avgs, exp_avg_sqs)]
+        if not triton_adamw.supports(*local, state_steps):
+            return False
+        beta1, beta2 = group["betas"]
+        triton_adamw.adamw_(*local, state_steps, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                            weight_decay=group["weight_decay"], maximize=group["maximize"],
+                            grad_scale=getattr(self, "grad_scale", None), found_inf=getattr(self, "found_inf", None))
+        self.triton_steps += 1
+        return True

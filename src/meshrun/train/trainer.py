@@ -32,6 +32,7 @@ from meshrun.parallel.checks import compute_dtype, p2p_channels
 from meshrun.parallel.comm_overlap import set_p2p_channels
 from meshrun.parallel.engine import Engine
 from meshrun.parallel.grad_norm import clip_divisor
+from meshrun.parallel.kernels import resolve_adamw_kernel
 from meshrun.parallel.local_adamw import LocalShardAdamW
 from meshrun.ckpt.preemption import signal_label
 from meshrun.ckpt.state import TrainProgress
@@ -223,11 +224,13 @@ class Trainer:
         decay = [p for p in params if p.ndim >= 2]  # matrices and embeddings; not norms or biases
         no_decay = [p for p in params if p.ndim < 2]
         t = self.job.train
-        fused = t.fused_optimizer and self.device.type == "cuda"
-        # torch's AdamW, stepping FSDP2's and TP's DTensor parameters on their local shards (parallel/local_adamw.py)
+        kernel = resolve_adamw_kernel(self.job, self.device)
+        # torch's AdamW, stepping FSDP2's and TP's DTensor parameters on their local shards (parallel/local_adamw.py),
+        # its fused update by default through meshrun's Triton kernel (parallel/triton_adamw.py)
         return LocalShardAdamW([{"params": decay, "weight_decay": t.weight_decay},
                                 {"params": no_decay, "weight_decay": 0.0}],
-                               lr=t.lr, betas=(t.beta1, t.beta2), fused=fused or None)
+                               lr=t.lr, betas=(t.beta1, t.beta2), fused=kernel != "foreach" or None,
+                               triton=kernel == "triton")
 
     def build_replicas(self) -> ReplicaGroups | None:
         """replicas.groups: this group's torchft manager (train/replicas.py); None without replica groups."""
@@ -282,6 +285,9 @@ class Trainer:
             grad_norm = self.engine.clip_grad_norm(clip) if clip else None
         if grad_norm is None or self.guard.allow_step(self.step + 1, grad_norm, loss_sum, self.optimizer):
             self.optimizer.step()
+            if first and self.optimizer.triton and not self.optimizer.triton_steps:
+                log.warning("train.adamw_kernel: meshrun's Triton AdamW could not take these parameters (not "
+                            "contiguous, 16-byte aligned fp32 tensors on one GPU); torch's fused AdamW steps them")
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.progress.step = self.replicas.step if self.replicas is not None else self.progress.step + 1

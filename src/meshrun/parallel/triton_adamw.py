@@ -1,0 +1,169 @@
+"""AdamW's update over many parameter tensors as one Triton kernel launch.
+
+torch's fused AdamW walks the parameter list in chunks (``multi_tensor_apply``: tens of launches a step, each a few
+thousand blocks of 65,536 elements). The update is element-wise and bound by memory: each fp32 element reads its
+parameter, gradient and two moments and writes three of them back, 28 bytes. On one H200 the 1b model's step
+(1.03B parameters) took 10.0 ms of a 110 ms training step in torch's kernel, about 3.1 TB/s.
+
+:func:`adamw_` does the same arithmetic in one launch over all tensors: a table of each tensor's addresses and a
+table of (tensor, offset) per block of ``BLOCK`` elements, which the kernel reads to find its data. The tables of
+addresses are rebuilt each step (gradients may be new tensors); the block table is kept while the shapes stay.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+BLOCK = 1024
+"""Elements per program: on an H200, 1,024 with 4 warps ran the 1b model's update fastest of 1,024 to 8,192 with 4
+to 16 warps (6.9 ms, 4.2 TB/s; larger blocks spill registers)."""
+NUM_WARPS = 4
+
+
+def available() -> bool:
+    return triton is not None
+
+
+if triton is not None:
+    @triton.jit
+    def _update(param_ptr, grad_ptr, avg_ptr, sq_ptr, offs, n, lr_decay, beta1, beta2, eps, step_size, bc2_sqrt,
+                inv_scale, MASKED: tl.constexpr, MAXIMIZE: tl.constexpr):
+        if MASKED:
+            mask = offs < n
+            p = tl.load(param_ptr + offs, mask=mask)
+            g = tl.load(grad_ptr + offs, mask=mask).to(tl.float32)
+            m = tl.load(avg_ptr + offs, mask=mask)
+            v = tl.load(sq_ptr + offs, mask=mask)
+        else:
+            p = tl.load(param_ptr + offs)
+            g = tl.load(grad_ptr + offs).to(tl.float32)
+            m = tl.load(avg_ptr + offs)
+            v = tl.load(sq_ptr + offs)
+        g = g * inv_scale
+        if MAXIMIZE:
+            g = -g
+        p = p - lr_decay * p
+        m = beta1 * m + (1.0 - beta1) * g
+        v = beta2 * v + (1.0 - beta2) * g * g
+        denom = tl.sqrt(v) / bc2_sqrt + eps
+        p = p - step_size * m / denom
+        if MASKED:
+            tl.store(param_ptr + offs, p, mask=mask)
+            tl.store(avg_ptr + offs, m, mask=mask)
+            tl.store(sq_ptr + offs, v, mask=mask)
+        else:
+            tl.store(param_ptr + offs, p)
+            tl.store(avg_ptr + offs, m)
+            tl.store(sq_ptr + offs, v)
+
+    @triton.jit
+    def _adamw_kernel(block_tensor, block_start, addresses, numels, n_tensors, grad_scale_ptr, found_inf_ptr,
+                      step_sizes, bc2_sqrts, lr, beta1, beta2, eps, weight_decay,
+                      GRAD_DTYPE: tl.constexpr, BLOCK: tl.constexpr, HAS_SCALE: tl.constexpr,
+                      HAS_INF: tl.constexpr, MAXIMIZE: tl.constexpr):
+        if HAS_INF:
+            if tl.load(found_inf_ptr) != 0:  # a non-finite gradient somewhere: no update (torch's fused skips too)
+                return
+        pid = tl.program_id(0)
+        t = tl.load(block_tensor + pid)
+        start = tl.multiple_of(tl.load(block_start + pid), BLOCK)
+        n = tl.load(numels + t)
+        # the tensors' addresses are 16-byte aligned (adamw_ checks), which lets the loads be vectorised
+        param_ptr = tl.multiple_of(tl.load(addresses + t), 16).to(tl.pointer_type(tl.float32))
+        grad_ptr = tl.multiple_of(tl.load(addresses + n_tensors + t), 16).to(tl.pointer_type(GRAD_DTYPE))
+        avg_ptr = tl.multiple_of(tl.load(addresses + 2 * n_tensors + t), 16).to(tl.pointer_type(tl.float32))
+        sq_ptr = tl.multiple_of(tl.load(addresses + 3 * n_tensors + t), 16).to(tl.pointer_type(tl.float32))
+        step_size = tl.load(step_sizes + t)
+        bc2_sqrt = tl.load(bc2_sqrts + t)
+        lr_decay = lr * weight_decay
+        inv_scale = 1.0
+        if HAS_SCALE:
+            inv_scale = 1.0 / tl.load(grad_scale_ptr).to(tl.float32)
+        offs = start + tl.arange(0, BLOCK)
+        if start + BLOCK <= n:
+            _update(param_ptr, grad_ptr, avg_ptr, sq_ptr, offs, n, lr_decay, beta1, beta2, eps, step_size, bc2_sqrt,
+                    inv_scale, MASKED=False, MAXIMIZE=MAXIMIZE)
+        else:
+            _update(param_ptr, grad_ptr, avg_ptr, sq_ptr, offs, n, lr_decay, beta1, beta2, eps, step_size, bc2_sqrt,
+                    inv_scale, MASKED=True, MAXIMIZE=MAXIMIZE)
+
+
+_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _block_tables(numels: tuple[int, ...], device: torch.device, block: int):
+    """(tensor index, first element) of each block, and each tensor's length, on ``device``; kept per shape list."""
+    key = (numels, device, block)
+    if key not in _TABLES:
+        if len(_TABLES) > 64:  # shapes that keep changing (not the trainer's): do not grow without bound
+            _TABLES.clear()
+        tensors, starts = [], []
+        for i, n in enumerate(numels):
+            count = (n + block - 1) // block
+            tensors.extend([i] * count)
+            starts.extend(range(0, count * block, block))
+        _TABLES[key] = (torch.tensor(tensors, dtype=torch.int32, device=device),
+                        torch.tensor(starts, dtype=torch.int64, device=device),
+                        torch.tensor(numels, dtype=torch.int64, device=device))
+    return _TABLES[key]
+
+
+def supports(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
+             exp_avg_sqs: Sequence[torch.Tensor], state_steps: Sequence[torch.Tensor]) -> bool:
+    """The kernel can take these tensors: Triton imported; contiguous, 16-byte aligned fp32 parameters and moments on
+    one CUDA device, gradients laid out alike in fp32 or bf16 (one dtype), fp32 step counts on that device."""
+    if triton is None or not params:
+        return False
+    device = params[0].device
+    interpreting = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter runs kernels on CPU tensors
+    if (device.type != "cuda" and not interpreting) or grads[0].dtype not in (torch.float32, torch.bfloat16):
+        return False
+    for p, g, m, v, s in zip(params, grads, exp_avgs, exp_avg_sqs, state_steps):
+        for x in (p, m, v):
+            if x.dtype != torch.float32 or x.device != device or not x.is_contiguous() or x.data_ptr() % 16:
+                return False
+        if (g.dtype != grads[0].dtype or g.device != device or not g.is_contiguous() or g.data_ptr() % 16
+                or g.shape != p.shape or s.device != device or s.dtype != torch.float32 or s.numel() != 1):
+            return False
+    return True
+
+
+def adamw_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
+           exp_avg_sqs: Sequence[torch.Tensor], state_steps: Sequence[torch.Tensor], *, lr: float, beta1: float,
+           beta2: float, eps: float, weight_decay: float, maximize: bool = False,
+           grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
+           block: int = BLOCK, num_warps: int = NUM_WARPS) -> None:
+    """torch's fused AdamW step (``torch._fused_adamw_``) in one launch, in place, on tensors :func:`supports` takes:
+    the step counts are incremented first (and taken back where ``found_inf`` is 1, which leaves everything else
+    as it was), each gradient is divided by ``grad_scale`` as it is read. Unlike torch's fused kernel, the
+    gradients are not written back divided by ``grad_scale``: they are left as they were."""
+    if not params:
+        return
+    device = params[0].device
+    torch._foreach_add_(state_steps, 1)
+    if found_inf is not None:
+        torch._foreach_sub_(state_steps, [found_inf] * len(state_steps))
+    block_tensor, block_start, numels = _block_tables(tuple(p.numel() for p in params), device, block)
+    pointers = [t.data_ptr() for group in (params, grads, exp_avgs, exp_avg_sqs) for t in group]
+    addresses = torch.tensor(pointers, dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+    # torch's fused AdamW: the bias corrections in double precision from each tensor's own step count
+    steps = torch.stack([s.reshape(()) for s in state_steps]).double()
+    step_sizes = (lr / (1 - beta1 ** steps)).float()
+    bc2_sqrts = (1 - beta2 ** steps).sqrt().float()
+    unused = block_start  # any tensor: the flags below keep the kernel from reading it
+    _adamw_kernel[(block_tensor.numel(),)](
+        block_tensor, block_start, addresses, numels, len(params),
+        grad_scale if grad_scale is not None else unused, found_inf if found_inf is not None else unused,
+        step_sizes, bc2_sqrts,
+        float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
+        GRAD_DTYPE=tl.bfloat16 if grads[0].dtype == torch.bfloat16 else tl.float32, BLOCK=block,
+        HAS_SCALE=grad_scale is not None, HAS_INF=found_inf is not None, MAXIMIZE=maximize, num_warps=num_warps)
