@@ -79,7 +79,8 @@ def _run_interpreted(script: str) -> None:
                     reason="triton is not installed (torch's CPU builds do not depend on it; the test extra adds it on "
                            "Linux x86-64)")
 def test_kernel_in_the_interpreter_steps_like_torchs_fused_adamw():
-    """Shapes of 1 to 2,500 elements (the last block of most of them masked), fp32 gradients, and bf16 ones where torch lets an fp32 parameter hold them (2.10 and newer)."""
+    """Shapes of 1 to 2,500 elements (the last block of most of them masked), fp32 gradients, and bf16 ones where
+    torch lets an fp32 parameter hold them (2.10 and newer)."""
     _run_interpreted("""
         shapes = [(33, 7), (2500,), (3, 1025), (1024,), (1,)]
         compare("cpu", shapes)
@@ -105,7 +106,8 @@ def test_auto_picks_the_kernel_on_cuda_only_and_triton_elsewhere_is_refused():
     assert resolve_adamw_kernel(job, torch.device("cpu")) == "foreach"
     assert "AdamW (for-each)" in describe_speed(job, torch.device("cpu"), None)
     job = load_config(None, ["--train.adamw_kernel=triton"])
-    with pytest.raises(ConfigError, match=r"^train.adamw_kernel=triton .*this run is on cpu.*--train.adamw_kernel=auto"):
+    refused = r"^train.adamw_kernel=triton .*this run is on cpu.*--train.adamw_kernel=auto"
+    with pytest.raises(ConfigError, match=refused):
         resolve_adamw_kernel(job, torch.device("cpu"))
     job = load_config(None, ["--train.adamw_kernel=triton", "--train.fused_optimizer=false"])
     with pytest.raises(ConfigError, match="train.fused_optimizer is false"):
