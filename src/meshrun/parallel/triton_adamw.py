@@ -73,7 +73,7 @@ if triton is not None:
     def _adamw_kernel(block_tensor, block_start, addresses, numels, n_tensors, grad_scale_ptr, found_inf_ptr,
                       step_sizes, bc2_sqrts, lr, beta1, beta2, eps, weight_decay,
                       GRAD_DTYPE: tl.constexpr, BLOCK: tl.constexpr, HAS_SCALE: tl.constexpr,
-                      HAS_INF: tl.constexpr, MAXIMIZE: tl.constexpr):
+                      HAS_INF: tl.constexpr, MAXIMIZE: tl.constexpr, ALIGNED: tl.constexpr):
         if HAS_INF:
             if tl.load(found_inf_ptr) != 0:  # a non-finite gradient somewhere: no update (torch's fused skips too)
                 return
@@ -81,11 +81,19 @@ if triton is not None:
         t = tl.load(block_tensor + pid)
         start = tl.multiple_of(tl.load(block_start + pid), BLOCK)
         n = tl.load(numels + t)
-        # the tensors' addresses are 16-byte aligned (adamw_ checks), which lets the loads be vectorised
-        param_ptr = tl.multiple_of(tl.load(addresses + t), 16).to(tl.pointer_type(tl.float32))
-        grad_ptr = tl.multiple_of(tl.load(addresses + n_tensors + t), 16).to(tl.pointer_type(GRAD_DTYPE))
-        avg_ptr = tl.multiple_of(tl.load(addresses + 2 * n_tensors + t), 16).to(tl.pointer_type(tl.float32))
-        sq_ptr = tl.multiple_of(tl.load(addresses + 3 * n_tensors + t), 16).to(tl.pointer_type(tl.float32))
+        param_addr = tl.load(addresses + t)
+        grad_addr = tl.load(addresses + n_tensors + t)
+        avg_addr = tl.load(addresses + 2 * n_tensors + t)
+        sq_addr = tl.load(addresses + 3 * n_tensors + t)
+        if ALIGNED:  # every address 16-byte aligned (adamw_ checks): the loads can be vectorised
+            param_addr = tl.multiple_of(param_addr, 16)
+            grad_addr = tl.multiple_of(grad_addr, 16)
+            avg_addr = tl.multiple_of(avg_addr, 16)
+            sq_addr = tl.multiple_of(sq_addr, 16)
+        param_ptr = param_addr.to(tl.pointer_type(tl.float32))
+        grad_ptr = grad_addr.to(tl.pointer_type(GRAD_DTYPE))
+        avg_ptr = avg_addr.to(tl.pointer_type(tl.float32))
+        sq_ptr = sq_addr.to(tl.pointer_type(tl.float32))
         step_size = tl.load(step_sizes + t)
         bc2_sqrt = tl.load(bc2_sqrts + t)
         lr_decay = lr * weight_decay
@@ -123,8 +131,8 @@ def _block_tables(numels: tuple[int, ...], device: torch.device, block: int):
 
 def supports(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
              exp_avg_sqs: Sequence[torch.Tensor], state_steps: Sequence[torch.Tensor]) -> bool:
-    """The kernel can take these tensors: Triton imported; contiguous, 16-byte aligned fp32 parameters and moments on
-    one CUDA device, gradients laid out alike in fp32 or bf16 (one dtype), fp32 step counts on that device."""
+    """The kernel can take these tensors: Triton imported; contiguous fp32 parameters and moments on one CUDA device,
+    gradients laid out alike in fp32 or bf16 (one dtype), fp32 step counts on that device."""
     if triton is None or not params:
         return False
     device = params[0].device
@@ -133,10 +141,9 @@ def supports(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_
         return False
     for p, g, m, v, s in zip(params, grads, exp_avgs, exp_avg_sqs, state_steps):
         for x in (p, m, v):
-            if x.dtype != torch.float32 or x.device != device or not x.is_contiguous() or x.data_ptr() % 16:
+            if x.dtype != torch.float32 or x.device != device or not x.is_contiguous():
                 return False
-        if (g.dtype != grads[0].dtype or g.device != device or not g.is_contiguous() or g.data_ptr() % 16
-                or g.shape != p.shape or s.device != device or s.dtype != torch.float32 or s.numel() != 1):
+        if (g.dtype != grads[0].dtype or g.device != device or not g.is_contiguous() or g.shape != p.shape or s.device != device or s.dtype != torch.float32 or s.numel() != 1):
             return False
     return True
 
@@ -158,6 +165,9 @@ def adamw_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_av
         torch._foreach_sub_(state_steps, [found_inf] * len(state_steps))
     block_tensor, block_start, numels = _block_tables(tuple(p.numel() for p in params), device, block)
     pointers = [t.data_ptr() for group in (params, grads, exp_avgs, exp_avg_sqs) for t in group]
+    # FSDP2's gradient shards are views into one reduce-scatter buffer, packed without padding: a shard whose
+    # predecessor's length is not a multiple of 4 starts unaligned, and then no load may assume alignment
+    aligned = not any(pointer % 16 for pointer in pointers)
     addresses = torch.tensor(pointers, dtype=torch.int64, pin_memory=device.type == "cuda")
     addresses = addresses.to(device, non_blocking=True)
     # torch's fused AdamW: the bias corrections in double precision from each tensor's own step count
@@ -171,4 +181,5 @@ def adamw_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_av
         step_sizes, bc2_sqrts,
         float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
         GRAD_DTYPE=tl.bfloat16 if grads[0].dtype == torch.bfloat16 else tl.float32, BLOCK=block,
-        HAS_SCALE=grad_scale is not None, HAS_INF=found_inf is not None, MAXIMIZE=maximize, num_warps=num_warps)
+        HAS_SCALE=grad_scale is not None, HAS_INF=found_inf is not None, MAXIMIZE=maximize, ALIGNED=aligned,
+        num_warps=num_warps)
