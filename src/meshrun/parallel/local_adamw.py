@@ -17,8 +17,8 @@ on different meshes, and for ``differentiable=True``, the step is torch's own th
 ``triton=True`` (the trainer's default on CUDA GPUs, train.adamw_kernel) runs a fused group's update through
 meshrun's Triton kernel instead of torch's (parallel/triton_adamw.py): the same arithmetic in one launch over all
 local tensors, which reads a clipped gradient divided by ``grad_scale`` without writing it back (torch's fused kernel
-stores the divided gradient). Groups the kernel cannot take (amsgrad, a tensor learning rate, other dtypes or
-devices) keep torch's kernel.
+stores the divided gradient). Groups the kernel cannot take (amsgrad, a tensor learning rate, ``capturable=True``
+for a step recorded as a CUDA graph, other dtypes or devices) keep torch's kernel.
 """
 
 from __future__ import annotations
@@ -97,7 +97,8 @@ class LocalShardAdamW(torch.optim.AdamW):
     def _triton_step(self, group, params, grads, exp_avgs, exp_avg_sqs, state_steps, has_complex: bool) -> bool:
         """This group's update through the Triton kernel, where it can take it; False: run torch's."""
         if not (self.triton and group["fused"] and not group["amsgrad"] and not has_complex
-                and not group["differentiable"] and not isinstance(group["lr"], torch.Tensor)
+                and not group["differentiable"] and not group["capturable"]  # graphs would keep stale addresses
+                and not isinstance(group["lr"], torch.Tensor)
                 and group.get("decoupled_weight_decay", True)):
             return False
         local = [[_local(t) for t in tensors] for tensors in (params, grads, exp_avgs, exp_avg_sqs)]
