@@ -96,8 +96,8 @@ def select_attention(choice: str, device: torch.device) -> str:
     return chosen
 
 
-def _triton_loss_blocked(device: torch.device, *, compiled: bool) -> str:
-    """Why meshrun's cross-entropy kernel cannot run here ('' where it can)."""
+def _triton_blocked(device: torch.device) -> str:
+    """Why meshrun's Triton kernels cannot run on ``device`` ('' where they can)."""
     from meshrun.parallel import triton_ce
 
     if device.type != "cuda":
@@ -107,7 +107,14 @@ def _triton_loss_blocked(device: torch.device, *, compiled: bool) -> str:
     capability = cuda_capability(device)
     if capability is not None and capability < TRITON_MIN_CAPABILITY:
         return f"Triton needs compute capability 7.0, this GPU has {capability[0]}.{capability[1]}"
-    return "" if compiled else "it runs inside the compiled step, and train.compile is off"
+    return ""
+
+
+def _triton_loss_blocked(device: torch.device, *, compiled: bool) -> str:
+    """Why meshrun's cross-entropy kernel cannot run here ('' where it can)."""
+    if not compiled:
+        return _triton_blocked(device) or "it runs inside the compiled step, and train.compile is off"
+    return _triton_blocked(device)
 
 
 def resolve_cross_entropy(choice: str, device: torch.device, *, compiled: bool) -> str:
@@ -137,25 +144,12 @@ def resolve_adamw_kernel(job: JobConfig, device: torch.device) -> str:
     """The AdamW kernel this run steps with: 'triton' (meshrun's, parallel/triton_adamw.py) for
     train.adamw_kernel=auto on CUDA GPUs that Triton supports, 'torch' (torch's fused AdamW) elsewhere on GPUs,
     'foreach' with train.fused_optimizer=false or on CPU; an explicit 'triton' where it cannot run is an error."""
-    from meshrun.parallel import triton_adamw
-
     t = job.train
-    fused = t.fused_optimizer and device.type == "cuda"
-    blocked = ""
-    if not t.fused_optimizer:
-        blocked = "train.fused_optimizer is false"
-    elif device.type != "cuda":
-        blocked = f"this run is on {device}"
-    elif not triton_adamw.available():
-        blocked = "the triton package is not installed"
-    else:
-        capability = cuda_capability(device)
-        if capability is not None and capability < TRITON_MIN_CAPABILITY:
-            blocked = f"Triton needs compute capability 7.0, this GPU has {capability[0]}.{capability[1]}"
+    blocked = _triton_blocked(device) if t.fused_optimizer else "train.fused_optimizer is false"
     if t.adamw_kernel == "triton" and blocked:
         raise ConfigError(f"train.adamw_kernel=triton runs the fused AdamW on a CUDA GPU with Triton; {blocked}. "
                           "Use --train.adamw_kernel=auto (or torch)")
-    if not fused:
+    if not (t.fused_optimizer and device.type == "cuda"):
         return "foreach"
     return "torch" if blocked or t.adamw_kernel == "torch" else "triton"
 

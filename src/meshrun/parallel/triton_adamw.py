@@ -33,10 +33,6 @@ registers)."""
 NUM_WARPS = 4
 
 
-def available() -> bool:
-    return triton is not None
-
-
 if triton is not None:
     @triton.jit
     def _update(param_ptr, grad_ptr, avg_ptr, sq_ptr, offs, n, lr_decay, beta1, beta2, eps, step_size, bc2_sqrt,

@@ -287,7 +287,7 @@ class Trainer:
             self.optimizer.step()
             if first and self.optimizer.triton and not self.optimizer.triton_steps:
                 log.warning("train.adamw_kernel: meshrun's Triton AdamW could not take these parameters (not "
-                            "contiguous, 16-byte aligned fp32 tensors on one GPU); torch's fused AdamW steps them")
+                            "contiguous fp32 tensors on one GPU); torch's fused AdamW steps them")
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.progress.step = self.replicas.step if self.replicas is not None else self.progress.step + 1
