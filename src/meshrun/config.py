@@ -144,6 +144,16 @@ class TrainConfig:
     """The fused AdamW's kernel: auto (on CUDA GPUs with Triton meshrun's, one launch over all parameters that
     leaves the gradients unwritten, where torch's fused kernel writes the clipped gradients back: the 1b training
     step ran 1.020x torch's on an H200; torch's elsewhere), triton, or torch (torch's fused AdamW)."""
+    weight_copies: str = "auto"
+    """One process computing in bf16: the linear layers hold bf16 copies of their weights, which meshrun's Triton
+    AdamW writes as it updates the fp32 weights, so no step casts the weights (autocast casts each weight in every
+    forward pass, a read of 4 bytes and a write of 2 per parameter), and with one micro-batch a step (no gradient
+    accumulation) their gradients stay bf16 (no cast of them to fp32, 2 bytes less for the optimizer to read; torch
+    2.10 and newer). The arithmetic is autocast's: the same bf16 weights in the matmuls, the gradients' same values.
+    A weight shared with an embedding keeps autocast's cast. auto: on for one process on CUDA GPUs with the Triton
+    AdamW (train.adamw_kernel; on one H200 the 1b step ran 1.026x and the 124m step 1.027x autocast's casts, at the
+    same peak memory); true refuses the layouts it cannot serve (DDP and the other multi-process layouts,
+    fp32 compute, float8, replica groups; pipelines have parallel.pp_cast_once); false: autocast casts."""
     loss: LossMode = "full"
     """full (the logits of the whole micro-batch at once) or chunked (the output head and cross-entropy a few
     thousand tokens at a time: the B x T x V logits never exist whole; one process and DDP)."""

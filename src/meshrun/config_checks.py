@@ -158,6 +158,7 @@ def _check_choices(job: JobConfig) -> None:
     job.train.compile = tri_state("train.compile", job.train.compile)
     job.train.cuda_graphs = tri_state("train.cuda_graphs", job.train.cuda_graphs)
     job.parallel.pp_cast_once = tri_state("parallel.pp_cast_once", job.parallel.pp_cast_once)
+    job.train.weight_copies = tri_state("train.weight_copies", job.train.weight_copies)
     job.parallel.comm_reorder = tri_state("parallel.comm_reorder", job.parallel.comm_reorder)
     check_choice("parallel.ddp_graph", job.parallel.ddp_graph, DDP_GRAPH_MODES)
     check_choice("parallel.grad_reduce_dtype", job.parallel.grad_reduce_dtype, REDUCE_DTYPES)

@@ -36,14 +36,15 @@ from meshrun.models.spec import ModelSpec, ModelStructure
 from meshrun.parallel.activation_checkpoint import apply_activation_checkpointing
 from meshrun.parallel.checks import (bf16_stream, check_chunked_loss, check_cuda_graphs, check_layout,
                                     graphs_supported, is_local, layout_name, several_stages_per_rank, use_cast_once,
-                                    use_comm_reorder, uses_fsdp)
+                                    use_comm_reorder, use_weight_copies, uses_fsdp)
 from meshrun.parallel.context_parallel import SequenceShards
 from meshrun.parallel.data_parallel import apply_ddp, apply_fsdp, fsdp_units
 from meshrun.parallel.engine import Engine, LocalEngine, LossStep, loss_function
 from meshrun.parallel.async_tp import enable_async_tp
 from meshrun.parallel.comm_overlap import enable_comm_reorder
 from meshrun.parallel.float8 import convert_blocks_to_float8
-from meshrun.parallel.kernels import compile_enabled, inductor_mode, select_attention, select_cross_entropy
+from meshrun.parallel.kernels import (compile_enabled, inductor_mode, resolve_adamw_kernel, select_attention,
+                                     select_cross_entropy)
 from meshrun.parallel.options import ParallelOptions, parallel_options
 from meshrun.parallel.pipeline import (EAGER_WEIGHTS, PipelineEngine, bubble_fraction, effective_model_config,
                                       split_backward_routes_each_output, split_stage, stage_ids)
@@ -430,5 +431,10 @@ def _local_engine(job: JobConfig, spec: ModelSpec, cfg: ModelShape, dims: Parall
                          reduce_dtype=options.reduce_dtype)
     if overlap:
         step = torch.compile(step, mode=mode)  # dynamo's DDP optimizer splits the graph at bucket boundaries
+    copies = None
+    if autocast_dtype is not None and use_weight_copies(job, dims, device, autocast_dtype):
+        # with one micro-batch a step the gradients stay bf16 where the Triton AdamW reads them
+        copies = StepWeights([model], autocast_dtype,
+                             grads_in_dtype=resolve_adamw_kernel(job, device) == "triton")
     return LocalEngine(model, step=step, autocast_dtype=autocast_dtype, dp_rank=dims.dp_rank(rank),
-                       dp_size=dims.dp_size, cuda_graphs=cuda_graphs)
+                       dp_size=dims.dp_size, cuda_graphs=cuda_graphs, step_weights=copies)

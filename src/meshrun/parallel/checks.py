@@ -135,6 +135,10 @@ def check_layout(job: JobConfig, spec: ModelSpec, shape: ModelShape, dims: Paral
                           f"{device.type}): set --train.dtype=bf16, or drop --train.residual_dtype")
     if tri_state("parallel.pp_cast_once", job.parallel.pp_cast_once) == "true":
         check_cast_once(dims, fp32=fp32, float8=job.train.float8)
+    if tri_state("train.weight_copies", job.train.weight_copies) == "true":
+        refusal = weight_copies_refusal(job, dims, fp32=fp32)
+        if refusal:
+            raise ConfigError(refusal)
 
 
 def use_comm_reorder(job: JobConfig, dims: ParallelDims, device: torch.device) -> bool:
@@ -175,6 +179,39 @@ def use_cast_once(job: JobConfig, dims: ParallelDims, device: torch.device, comp
         return choice == "true"
     return device.type == "cuda" and cast_once_refusal(dims, fp32=compute_dtype in (None, torch.float32),
                                                        float8=job.train.float8) is None
+
+
+def use_weight_copies(job: JobConfig, dims: ParallelDims, device: torch.device,
+                      compute_dtype: torch.dtype | None) -> bool:
+    """train.weight_copies resolved for this run: true (check_layout has refused the layouts it cannot serve),
+    false, or auto: on for one process on CUDA GPUs where meshrun's Triton AdamW writes the copies (measured
+    faster there; with torch's AdamW the copies would be cast once a step, as autocast casts them)."""
+    from meshrun.parallel.kernels import resolve_adamw_kernel  # kernels imports this module
+    choice = tri_state("train.weight_copies", job.train.weight_copies)
+    if choice != "auto":
+        return choice == "true"
+    return (device.type == "cuda" and resolve_adamw_kernel(job, device) == "triton"
+            and weight_copies_refusal(job, dims, fp32=compute_dtype in (None, torch.float32)) is None)
+
+
+def weight_copies_refusal(job: JobConfig, dims: ParallelDims, *, fp32: bool) -> str | None:
+    """Why train.weight_copies cannot serve this run (the error's text), or None where it can."""
+    option = "train.weight_copies=true"
+    if dims.world_size > 1:
+        fix = ("parallel.pp_cast_once gives a pipeline's stages such copies" if dims.pp > 1 else
+               "DDP's gradient buckets and FSDP2's sharding follow the parameters themselves")
+        return (f"{option} runs in one process, not for {layout_name(dims)} over {dims.world_size} ranks ({fix}); "
+                "drop --train.weight_copies")
+    if fp32:
+        return (f"{option} copies weights for bf16 compute, and this run computes in fp32: set --train.dtype=bf16, "
+                "or drop --train.weight_copies")
+    if job.train.float8:
+        return (f"{option}: train.float8 layers cast their fp32 weights to float8 themselves; drop one of "
+                "--train.float8 and --train.weight_copies")
+    if job.replicas.groups:
+        return (f"{option}: replica groups (replicas.groups) average the fp32 gradients across groups; drop "
+                "--train.weight_copies")
+    return None
 
 
 def check_cast_once(dims: ParallelDims, *, fp32: bool, float8: bool) -> None:

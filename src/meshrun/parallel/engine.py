@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 from meshrun.models.spec import ModelStructure
 from meshrun.parallel import triton_ce
 from meshrun.parallel.chunked_loss import chunked_token_loss_sum
+from meshrun.parallel.step_weights import StepWeights
 from meshrun.parallel.vocab_loss import sharded_loss_function
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs (B, T) int64, targets (B, T) int64)
@@ -161,8 +162,11 @@ class LocalEngine:
     """
 
     def __init__(self, model: nn.Module, *, step: nn.Module | None = None, autocast_dtype: torch.dtype | None = None,
-                 dp_rank: int = 0, dp_size: int = 1, cuda_graphs: bool = False):
+                 dp_rank: int = 0, dp_size: int = 1, cuda_graphs: bool = False,
+                 step_weights: StepWeights | None = None):
         self.model = model
+        self.step_weights = step_weights
+        """train.weight_copies: the linear layers hold compute-dtype copies of their weights during each step."""
         self.cuda_graphs = cuda_graphs
         """The step is compiled with CUDA graphs: each optimizer step starts a new replay generation."""
         self.step = step if step is not None else LossStep(model, autocast_dtype)
@@ -181,14 +185,17 @@ class LocalEngine:
         loss_sum = torch.zeros((), dtype=torch.float32, device=batches[0][0].device)
         tokens = 0
         new_replay_generation(self.cuda_graphs)
-        for i, (inputs, targets) in enumerate(batches):
-            last = i == len(batches) - 1
-            sync = contextlib.nullcontext() if last or not hasattr(self.step, "no_sync") else self.step.no_sync()
-            with sync:
-                summed = self.step(inputs, targets)
-                (summed / (targets.numel() * len(batches))).backward()
-            loss_sum += summed.detach()
-            tokens += targets.numel()
+        held = (self.step_weights.held(micro_batches=len(batches)) if self.step_weights is not None
+                else contextlib.nullcontext())
+        with held:
+            for i, (inputs, targets) in enumerate(batches):
+                last = i == len(batches) - 1
+                sync = contextlib.nullcontext() if last or not hasattr(self.step, "no_sync") else self.step.no_sync()
+                with sync:
+                    summed = self.step(inputs, targets)
+                    (summed / (targets.numel() * len(batches))).backward()
+                loss_sum += summed.detach()
+                tokens += targets.numel()
         return loss_sum, count_tensor(tokens, loss_sum.device)
 
     @torch.no_grad()
@@ -200,6 +207,21 @@ class LocalEngine:
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip to ``max_norm`` and return the norm before clipping; ``inf`` returns the norm without touching the
         gradients (one read of them, not a read and a write)."""
-        if math.isinf(max_norm):
-            return torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
-        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        total = fp32_norm(grads)
+        if not math.isinf(max_norm):
+            torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), max_norm, total)
+        return total
+
+
+def fp32_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of ``grads`` as fp32, summed in fp32 (torch's ``get_total_norm`` would round the norm of bf16
+    gradients, which train.weight_copies leaves in bf16, to bf16, 3 significant digits)."""
+    if not grads:
+        return torch.zeros(())
+    by_dtype: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for grad in grads:
+        by_dtype.setdefault((grad.device, grad.dtype), []).append(grad)
+    norms = [norm for (device, _), group in by_dtype.items()
+             for norm in torch._foreach_norm(group, 2.0, dtype=torch.float32)]
+    return torch.linalg.vector_norm(torch.stack(norms))

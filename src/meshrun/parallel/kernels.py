@@ -157,7 +157,7 @@ def resolve_adamw_kernel(job: JobConfig, device: torch.device) -> str:
 def describe_speed(job: JobConfig, device: torch.device, compute_dtype: torch.dtype | None, *,
                    cuda_graphs: bool = False, fsdp: bool = False, cast_once: bool = False, graphs_off: str = "",
                    split_backward: bool = False, comm_reorder: bool = False, p2p_channels: str = "",
-                   residual_bf16: bool = False, vocab_sharded: bool = False) -> str:
+                   residual_bf16: bool = False, vocab_sharded: bool = False, weight_copies: str = "") -> str:
     """The start-up header's line of performance choices, as resolved for this device (``cuda_graphs``: the
     engine's resolved train.cuda_graphs; ``fsdp``: FSDP2 holds the parameters, and its mixed precision, not
     autocast, computes in bf16; ``cast_once``: a pipeline's weights are cast once per step, the engine's resolved
@@ -165,7 +165,9 @@ def describe_speed(job: JobConfig, device: torch.device, compute_dtype: torch.dt
     apply.graphs_left_off; ``split_backward``: a zero-bubble schedule, for which compiled blocks keep their linear
     layers eager; ``comm_reorder``: the resolved parallel.comm_reorder; ``p2p_channels``: NCCL's channel cap for a
     pipeline's sends and receives, where one is set; ``residual_bf16``: the resolved train.residual_dtype;
-    ``vocab_sharded``: TP computes the loss on each rank's vocabulary shard, apply.use_loss_parallel)."""
+    ``vocab_sharded``: TP computes the loss on each rank's vocabulary shard, apply.use_loss_parallel;
+    ``weight_copies``: how one process's linear layers hold bf16 copies of their weights (train.weight_copies),
+    from StepWeights.describe, or empty)."""
     t = job.train
     reduce = job.parallel.grad_reduce_dtype
     bf16 = f"bf16 parameters (FSDP2), {reduce} gradient reduction" if fsdp else "bf16 autocast"
@@ -173,6 +175,8 @@ def describe_speed(job: JobConfig, device: torch.device, compute_dtype: torch.dt
         bf16 += ", bf16 gradient all-reduce"
     if cast_once and not fsdp:
         bf16 += ", weights cast once per step"
+    if weight_copies and not fsdp:
+        bf16 += f", {weight_copies}"
     if residual_bf16 and not fsdp:
         bf16 += ", residual stream in bf16"
     precision = "float8 matmuls (torchao) + bf16" if t.float8 else (bf16 if compute_dtype == torch.bfloat16 else "fp32")

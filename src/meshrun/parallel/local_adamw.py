@@ -18,7 +18,9 @@ on different meshes, and for ``differentiable=True``, the step is torch's own th
 meshrun's Triton kernel instead of torch's (parallel/triton_adamw.py): the same arithmetic in one launch over all
 local tensors, which reads a clipped gradient divided by ``grad_scale`` without writing it back (torch's fused kernel
 stores the divided gradient). Groups the kernel cannot take (amsgrad, a tensor learning rate, ``capturable=True``
-for a step recorded as a CUDA graph, other dtypes or devices) keep torch's kernel.
+for a step recorded as a CUDA graph, other dtypes or devices) keep torch's kernel. Given ``copies`` (the linear
+layers' bf16 copies, parallel/step_weights.py) the kernel writes each copy as it updates its parameter, and bf16
+gradients (which one process's copies leave) are read as they are; torch's kernel gets them cast to fp32.
 """
 
 from __future__ import annotations
@@ -27,7 +29,10 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam
 
+from torch.autograd.graph import increment_version
+
 from meshrun.parallel import triton_adamw
+from meshrun.parallel.step_weights import StepWeights
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -58,11 +63,14 @@ class LocalShardAdamW(torch.optim.AdamW):
 
     ``triton``: fused groups step through meshrun's Triton kernel where it can take their tensors."""
 
-    def __init__(self, params, *args, triton: bool = False, **kwargs):
+    def __init__(self, params, *args, triton: bool = False, copies: StepWeights | None = None, **kwargs):
         super().__init__(params, *args, **kwargs)
         self.triton = triton
         self.triton_steps = 0
         """Group steps the Triton kernel ran (tests and the start-up check read it)."""
+        self.copies = copies
+        """The linear layers' compute-dtype copies of their weights (parallel/step_weights.py): the Triton kernel
+        writes each one as it updates its parameter, so the next step need not cast the weights again."""
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -85,6 +93,8 @@ class LocalShardAdamW(torch.optim.AdamW):
             has_complex = self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps)
             if self._triton_step(group, params, grads, exp_avgs, exp_avg_sqs, state_steps, has_complex):
                 continue
+            # torch's kernels take a gradient in its parameter's dtype only (a weight copy's may be bf16)
+            grads = [g.to(p.dtype) if g.dtype != p.dtype else g for p, g in zip(params, grads)]
             adam([_local(t) for t in params], [_local(t) for t in grads], [_local(t) for t in exp_avgs],
                  [_local(t) for t in exp_avg_sqs], [_local(t) for t in max_exp_avg_sqs], state_steps,
                  amsgrad=group["amsgrad"], has_complex=has_complex, beta1=beta1, beta2=beta2, lr=group["lr"],
@@ -102,11 +112,23 @@ class LocalShardAdamW(torch.optim.AdamW):
                 and group.get("decoupled_weight_decay", True)):
             return False
         local = [[_local(t) for t in tensors] for tensors in (params, grads, exp_avgs, exp_avg_sqs)]
-        if not triton_adamw.supports(*local, state_steps):
+        copies = [self.copies.copy_of(p) for p in params] if self.copies is not None else None
+        # one launch per gradient dtype (the weight copies' gradients may be bf16 beside fp32 ones)
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, grad in enumerate(local[1]):
+            by_dtype.setdefault(grad.dtype, []).append(i)
+        launches = [([[tensors[i] for i in index] for tensors in local], [state_steps[i] for i in index],
+                     [copies[i] for i in index] if copies is not None else None) for index in by_dtype.values()]
+        if not all(triton_adamw.supports(*tensors, steps, these) for tensors, steps, these in launches):
             return False
         beta1, beta2 = group["betas"]
-        triton_adamw.adamw_(*local, state_steps, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                            weight_decay=group["weight_decay"], maximize=group["maximize"],
-                            grad_scale=getattr(self, "grad_scale", None), found_inf=getattr(self, "found_inf", None))
+        for tensors, steps, these in launches:
+            triton_adamw.adamw_(*tensors, steps, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                                weight_decay=group["weight_decay"], maximize=group["maximize"],
+                                grad_scale=getattr(self, "grad_scale", None),
+                                found_inf=getattr(self, "found_inf", None), copies=these)
+        increment_version(params)  # the kernel wrote them in place, where autograd does not see it
+        if self.copies is not None:
+            self.copies.written(params)
         self.triton_steps += 1
         return True

@@ -1,4 +1,4 @@
-"""Linear layers' weights cast to the compute dtype once per optimizer step (``parallel.pp_cast_once``).
+"""Linear layers' weights held as compute-dtype copies for a step (``parallel.pp_cast_once``, ``train.weight_copies``).
 
 Under bf16 autocast every linear layer casts its fp32 weight to bf16 each time it runs, and autograd casts the
 weight's gradient back to fp32 and adds it into ``.grad``. A pipeline stage runs each of its blocks once per
@@ -16,6 +16,17 @@ parameters again: the optimizer, gradient clipping, checkpoints and state dicts 
 
 The copies are persistent tensors updated in place, so CUDA graphs, which take parameters as fixed inputs, keep
 replaying the same addresses. Other parameters (norms, embeddings) are left alone: autocast runs those ops in fp32.
+
+A copy is cast again only where its fp32 parameter changed since the copy was last made: each parameter's version
+counter (which every in-place change bumps: torch's optimizers, a checkpoint loaded) and address are compared with
+those seen then. meshrun's Triton AdamW writes each copy as it updates the parameter (parallel/triton_adamw.py, 2
+bytes written where a cast reads 4 and writes 2) and says so (:meth:`StepWeights.written`), so then no step casts.
+
+In one process (``train.weight_copies``, measured on the 1b model on one H200: 1.026x autocast's casts) a step of
+one micro-batch can also leave each copy's gradient in bf16 (``grads_in_dtype``; torch 2.10 and newer let an fp32
+parameter hold it, ``Tensor.grad_dtype``): no cast of it to fp32, and the optimizer reads 2 bytes of it, not 4.
+Steps of several micro-batches add their gradients in fp32 as above. A weight that an embedding shares (tied
+embeddings) gets no copy: its other use would add an fp32 gradient to the copy's.
 
 Adding a bf16 gradient into an fp32 one runs, in eager torch on a GPU, in an unvectorised mixed-dtype kernel: on 2
 H200s (1b, PP 2, 8 micro-batches) 14.7 ms of a 254 ms step on the first stage. Where the blocks are compiled on a
@@ -65,7 +76,8 @@ class StepWeights:
     ``add``: how each micro-batch's gradients reach the fp32 ones after the first (the first is cast): None adds
     each as its hook fires; a :data:`GradAdder` gets them all at the end of that backward pass, in one call."""
 
-    def __init__(self, parts: Sequence[nn.Module], dtype: torch.dtype, *, add: GradAdder | None = None):
+    def __init__(self, parts: Sequence[nn.Module], dtype: torch.dtype, *, add: GradAdder | None = None,
+                 grads_in_dtype: bool = False):
         self.dtype = dtype
         self.add = add
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -74,21 +86,35 @@ class StepWeights:
         """(module, name, fp32 parameter, copy) for each place a copied parameter is held."""
         self.pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
         """(fp32 parameter, copy), once each."""
-        copies: dict[int, nn.Parameter] = {}  # a weight two layers share gets one copy, which both hold
+        self.copies: dict[int, nn.Parameter] = {}
+        """id(fp32 parameter) -> its copy. A weight two linear layers share gets one copy, which both hold."""
+        self.synced: dict[int, tuple[int, int]] = {}
+        """id(fp32 parameter) -> (its version counter, its address) when its copy last equalled it."""
+        self.grads_in_dtype = grads_in_dtype and hasattr(torch.Tensor, "grad_dtype")
+        """A step of one micro-batch may leave each gradient in the copy's dtype (:meth:`held`): torch 2.10 and
+        newer let an fp32 parameter hold it (``Tensor.grad_dtype``)."""
+        self.keep_grads = False
+        """This step's gradients stay in the copies' dtype (one micro-batch, ``grads_in_dtype``)."""
+        self.casts = 0
+        """Copies :meth:`refresh` has cast from their fp32 parameters (tests read it)."""
+        elsewhere = {id(p) for part in parts for module in part.modules() if not isinstance(module, COPIED_MODULES)
+                     for p in module.parameters(recurse=False)}
         for part in parts:
             for module in part.modules():
                 if not isinstance(module, COPIED_MODULES):
                     continue
                 for name, param in module.named_parameters(recurse=False):
-                    if not param.is_floating_point() or param.dtype == dtype:
-                        continue
-                    if id(param) not in copies:
+                    if not param.is_floating_point() or param.dtype == dtype or id(param) in elsewhere:
+                        continue  # a weight an embedding shares reaches autocast's cast there anyway
+                    if id(param) not in self.copies:
                         copy = nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
                         if param.requires_grad:
                             copy.register_post_accumulate_grad_hook(partial(self._handed_on, param))
-                        copies[id(param)] = copy
+                            if self.grads_in_dtype:
+                                param.grad_dtype = None  # it may hold the copy's bf16 gradient
+                        self.copies[id(param)] = copy
                         self.pairs.append((param, copy))
-                    self.slots.append((module, name, param, copies[id(param)]))
+                    self.slots.append((module, name, param, self.copies[id(param)]))
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -98,7 +124,7 @@ class StepWeights:
         from the copy."""
         grad, copy.grad = copy.grad, None
         if master.grad is None:
-            master.grad = grad.to(master.dtype)
+            master.grad = grad if self.keep_grads else grad.to(master.dtype)
         elif self.add is None:
             master.grad.add_(grad)
         else:
@@ -111,18 +137,44 @@ class StepWeights:
         self.pending.clear()
         self.add(accumulators, grads)
 
+    def describe(self, *, written: bool, micro_batches: int) -> str:
+        """For the start-up speed line: who makes the copies (``written``: the optimizer's kernel), and whether a
+        step of ``micro_batches`` keeps the gradients bf16."""
+        text = "bf16 weight copies " + ("written by the AdamW kernel" if written else "cast once per step")
+        return text + (" and bf16 weight gradients" if self.grads_in_dtype and micro_batches == 1 else "")
+
+    def copy_of(self, param: torch.Tensor) -> torch.Tensor | None:
+        """``param``'s copy, or None where it has none."""
+        return self.copies.get(id(param))
+
+    def written(self, params: Sequence[torch.Tensor]) -> None:
+        """The optimizer has written these parameters' copies as it updated them (parallel/triton_adamw.py) and
+        counted the update in their version counters: the next :meth:`held` need not copy them again."""
+        for param in params:
+            if id(param) in self.copies:
+                self.synced[id(param)] = (param._version, param.data_ptr())
+
     @torch.no_grad()
     def refresh(self) -> None:
-        """Copy the fp32 parameters (as the optimizer or a checkpoint left them) into the copies, in place."""
+        """Copy the fp32 parameters into the copies, in place: those changed since their copy was last made or
+        written (by an optimizer step that did not write it, a checkpoint loaded, any in-place change, which
+        counts in the parameter's version counter)."""
         for param, copy in self.pairs:
-            copy.copy_(param)
+            now = (param._version, param.data_ptr())
+            if self.synced.get(id(param)) != now:
+                copy.copy_(param)
+                self.synced[id(param)] = now
+                self.casts += 1
 
     @contextmanager
-    def held(self) -> Iterator[None]:
+    def held(self, *, micro_batches: int = 0) -> Iterator[None]:
         """Refresh the copies and let the layers hold them until the block ends (one optimizer step's forwards and
-        backwards, or an evaluation)."""
+        backwards, or an evaluation). A step of ``micro_batches`` 1 leaves each copied weight's gradient in the
+        compute dtype where ``grads_in_dtype`` allows it: no cast of it to fp32, and the optimizer reads 2 bytes
+        of it instead of 4. Several micro-batches add their gradients in fp32."""
         self.refresh()
         self.pending.clear()  # left by a backward pass that raised before it ended
+        self.keep_grads = self.grads_in_dtype and micro_batches == 1
         for module, name, _, copy in self.slots:
             module._parameters[name] = copy
         try:

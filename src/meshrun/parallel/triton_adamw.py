@@ -11,6 +11,10 @@ table of (tensor, offset) per block of ``BLOCK`` elements, which the kernel read
 gradients as they were. The table of addresses is rebuilt each step (gradients may be new tensors); the block table
 is kept while the shapes stay. On the H200 the 1b training step ran 1.020x torch's fused AdamW with it
 (docs/benchmarks.md, round 20).
+
+Given bf16 copies of the parameters (the linear layers' weights that the forward pass reads, train.weight_copies),
+it also writes each updated parameter rounded to bf16 into its copy, so no separate cast reads the fp32 weights
+again before the next forward pass (1.026x on the 1b step, round 21).
 """
 
 from __future__ import annotations
@@ -35,8 +39,19 @@ NUM_WARPS = 4
 
 if triton is not None:
     @triton.jit
-    def _update(param_ptr, grad_ptr, avg_ptr, sq_ptr, offs, n, lr_decay, beta1, beta2, eps, step_size, bc2_sqrt,
-                inv_scale, MASKED: tl.constexpr, MAXIMIZE: tl.constexpr):
+    def _round_bf16(x):
+        """fp32 to bf16 rounded to nearest, ties to even, NaN kept NaN: torch's rounding (c10's
+        round_to_nearest_even), in integer operations, which every backend runs alike (Triton's interpreter
+        truncates a plain cast)."""
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = (bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16
+        rounded = tl.where(x != x, 0x7FC0, rounded)
+        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+    @triton.jit
+    def _update(param_ptr, grad_ptr, avg_ptr, sq_ptr, copy_ptr, write_copy, offs, n, lr_decay, beta1, beta2, eps,
+                step_size, bc2_sqrt, inv_scale, MASKED: tl.constexpr, MAXIMIZE: tl.constexpr,
+                HAS_COPIES: tl.constexpr, COPY_BF16: tl.constexpr):
         if MASKED:
             mask = offs < n
             p = tl.load(param_ptr + offs, mask=mask)
@@ -64,12 +79,20 @@ if triton is not None:
             tl.store(param_ptr + offs, p)
             tl.store(avg_ptr + offs, m)
             tl.store(sq_ptr + offs, v)
+        if HAS_COPIES:
+            if write_copy:  # the parameter's compute-dtype copy, rounded as torch's .to() rounds
+                c = _round_bf16(p) if COPY_BF16 else p.to(tl.float16)
+                if MASKED:
+                    tl.store(copy_ptr + offs, c, mask=mask)
+                else:
+                    tl.store(copy_ptr + offs, c)
 
     @triton.jit
     def _adamw_kernel(block_tensor, block_start, addresses, numels, n_tensors, grad_scale_ptr, found_inf_ptr,
                       step_sizes, bc2_sqrts, lr, beta1, beta2, eps, weight_decay,
                       GRAD_DTYPE: tl.constexpr, BLOCK: tl.constexpr, HAS_SCALE: tl.constexpr,
-                      HAS_INF: tl.constexpr, MAXIMIZE: tl.constexpr, ALIGNED: tl.constexpr):
+                      HAS_INF: tl.constexpr, MAXIMIZE: tl.constexpr, ALIGNED: tl.constexpr,
+                      HAS_COPIES: tl.constexpr, COPY_DTYPE: tl.constexpr):
         if HAS_INF:
             if tl.load(found_inf_ptr) != 0:  # a non-finite gradient somewhere: no update (torch's fused skips too)
                 return
@@ -81,15 +104,21 @@ if triton is not None:
         grad_addr = tl.load(addresses + n_tensors + t)
         avg_addr = tl.load(addresses + 2 * n_tensors + t)
         sq_addr = tl.load(addresses + 3 * n_tensors + t)
+        copy_addr = sq_addr  # unused without copies
+        if HAS_COPIES:
+            copy_addr = tl.load(addresses + 4 * n_tensors + t)  # 0: this tensor has no copy
+        write_copy = copy_addr != 0
         if ALIGNED:  # every address 16-byte aligned (adamw_ checks): the loads can be vectorised
             param_addr = tl.multiple_of(param_addr, 16)
             grad_addr = tl.multiple_of(grad_addr, 16)
             avg_addr = tl.multiple_of(avg_addr, 16)
             sq_addr = tl.multiple_of(sq_addr, 16)
+            copy_addr = tl.multiple_of(copy_addr, 16)
         param_ptr = param_addr.to(tl.pointer_type(tl.float32))
         grad_ptr = grad_addr.to(tl.pointer_type(GRAD_DTYPE))
         avg_ptr = avg_addr.to(tl.pointer_type(tl.float32))
         sq_ptr = sq_addr.to(tl.pointer_type(tl.float32))
+        copy_ptr = copy_addr.to(tl.pointer_type(COPY_DTYPE))
         step_size = tl.load(step_sizes + t)
         bc2_sqrt = tl.load(bc2_sqrts + t)
         lr_decay = lr * weight_decay
@@ -98,11 +127,13 @@ if triton is not None:
             inv_scale = 1.0 / tl.load(grad_scale_ptr).to(tl.float32)
         offs = start + tl.arange(0, BLOCK)
         if start + BLOCK <= n:
-            _update(param_ptr, grad_ptr, avg_ptr, sq_ptr, offs, n, lr_decay, beta1, beta2, eps, step_size, bc2_sqrt,
-                    inv_scale, MASKED=False, MAXIMIZE=MAXIMIZE)
+            _update(param_ptr, grad_ptr, avg_ptr, sq_ptr, copy_ptr, write_copy, offs, n, lr_decay, beta1, beta2, eps,
+                    step_size, bc2_sqrt, inv_scale, MASKED=False, MAXIMIZE=MAXIMIZE, HAS_COPIES=HAS_COPIES,
+                    COPY_BF16=COPY_DTYPE == tl.bfloat16)
         else:
-            _update(param_ptr, grad_ptr, avg_ptr, sq_ptr, offs, n, lr_decay, beta1, beta2, eps, step_size, bc2_sqrt,
-                    inv_scale, MASKED=True, MAXIMIZE=MAXIMIZE)
+            _update(param_ptr, grad_ptr, avg_ptr, sq_ptr, copy_ptr, write_copy, offs, n, lr_decay, beta1, beta2, eps,
+                    step_size, bc2_sqrt, inv_scale, MASKED=True, MAXIMIZE=MAXIMIZE, HAS_COPIES=HAS_COPIES,
+                    COPY_BF16=COPY_DTYPE == tl.bfloat16)
 
 
 _TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -126,9 +157,11 @@ def _block_tables(numels: tuple[int, ...], device: torch.device, block: int):
 
 
 def supports(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
-             exp_avg_sqs: Sequence[torch.Tensor], state_steps: Sequence[torch.Tensor]) -> bool:
+             exp_avg_sqs: Sequence[torch.Tensor], state_steps: Sequence[torch.Tensor],
+             copies: Sequence[torch.Tensor | None] | None = None) -> bool:
     """The kernel can take these tensors: Triton imported; contiguous fp32 parameters and moments on one CUDA device,
-    gradients laid out alike in fp32 or bf16 (one dtype), fp32 step counts on that device."""
+    gradients laid out alike in fp32 or bf16 (one dtype), fp32 step counts on that device; ``copies`` (None, or per
+    parameter None or a contiguous tensor of its shape on that device, all of one 16-bit dtype)."""
     if triton is None or not params:
         return False
     device = params[0].device
@@ -139,20 +172,28 @@ def supports(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_
         for x in (p, m, v):
             if x.dtype != torch.float32 or x.device != device or not x.is_contiguous():
                 return False
-        if (g.dtype != grads[0].dtype or g.device != device or not g.is_contiguous() or g.shape != p.shape or s.device != device or s.dtype != torch.float32 or s.numel() != 1):
+        if (g.dtype != grads[0].dtype or g.device != device or not g.is_contiguous() or g.shape != p.shape
+                or s.device != device or s.dtype != torch.float32 or s.numel() != 1):
             return False
-    return True
+    present = [(p, c) for p, c in zip(params, copies or ()) if c is not None]
+    return all(c.dtype == present[0][1].dtype and c.dtype in (torch.bfloat16, torch.float16) and c.device == device
+               and c.is_contiguous() and c.shape == p.shape for p, c in present)
 
 
 def adamw_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
            exp_avg_sqs: Sequence[torch.Tensor], state_steps: Sequence[torch.Tensor], *, lr: float, beta1: float,
            beta2: float, eps: float, weight_decay: float, maximize: bool = False,
            grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
-           block: int = BLOCK, num_warps: int = NUM_WARPS) -> None:
+           copies: Sequence[torch.Tensor | None] | None = None, block: int = BLOCK,
+           num_warps: int = NUM_WARPS) -> None:
     """torch's fused AdamW step (``torch._fused_adamw_``) in one launch, in place, on tensors :func:`supports` takes:
     the step counts are incremented first (and taken back where ``found_inf`` is 1, which leaves everything else
     as it was), each gradient is divided by ``grad_scale`` as it is read. Unlike torch's fused kernel, the
-    gradients are not written back divided by ``grad_scale``: they are left as they were."""
+    gradients are not written back divided by ``grad_scale``: they are left as they were.
+
+    ``copies``: for each parameter None or a 16-bit tensor of its shape, which gets the updated parameter rounded to
+    its dtype (the linear layers' bf16 copies that the forward pass reads, parallel/step_weights.py): 2 bytes
+    written per element where a separate cast would read 4 and write 2."""
     if not params:
         return
     device = params[0].device
@@ -161,6 +202,9 @@ def adamw_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_av
         torch._foreach_sub_(state_steps, [found_inf] * len(state_steps))
     block_tensor, block_start, numels = _block_tables(tuple(p.numel() for p in params), device, block)
     pointers = [t.data_ptr() for group in (params, grads, exp_avgs, exp_avg_sqs) for t in group]
+    present = [c for c in copies or () if c is not None]
+    if present:
+        pointers += [c.data_ptr() if c is not None else 0 for c in copies]
     # FSDP2's gradient shards are views into one reduce-scatter buffer, packed without padding: a shard whose
     # predecessor's length is not a multiple of 4 starts unaligned, and then no load may assume alignment
     aligned = not any(pointer % 16 for pointer in pointers)
@@ -178,4 +222,5 @@ def adamw_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_av
         float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
         GRAD_DTYPE=tl.bfloat16 if grads[0].dtype == torch.bfloat16 else tl.float32, BLOCK=block,
         HAS_SCALE=grad_scale is not None, HAS_INF=found_inf is not None, MAXIMIZE=maximize, ALIGNED=aligned,
-        num_warps=num_warps)
+        HAS_COPIES=bool(present), COPY_DTYPE=tl.float16 if present and present[0].dtype == torch.float16
+        else tl.bfloat16, num_warps=num_warps)

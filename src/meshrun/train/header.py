@@ -55,11 +55,15 @@ def print_header(trainer: Trainer) -> None:
         f"config: {trainer.run_dir / 'config.toml'}",
         *([trainer.replicas.describe()] if trainer.replicas is not None else []),
     ]
+    copies = getattr(trainer.engine, "step_weights", None)
     lines[1:1] = [f"layout: {describe_layout(trainer.dims)}", *([trainer.layout_note] if trainer.layout_note else []),
                   describe_speed(trainer.job, trainer.device, trainer.compute_dtype,
                                  cuda_graphs=getattr(trainer.engine, "cuda_graphs", False),
                                  fsdp=uses_fsdp(trainer.dims),
-                                 cast_once=getattr(trainer.engine, "step_weights", None) is not None,
+                                 cast_once=copies is not None and trainer.dims.pp > 1,
+                                 weight_copies=copies.describe(written=trainer.optimizer.triton,
+                                                               micro_batches=b.grad_accum)
+                                 if copies is not None and trainer.dims.pp == 1 else "",
                                  split_backward=splits_backward(trainer.dims),
                                  comm_reorder=use_comm_reorder(trainer.job, trainer.dims, trainer.device),
                                  p2p_channels=os.environ.get(P2P_VAR, "")

@@ -230,7 +230,7 @@ class Trainer:
         return LocalShardAdamW([{"params": decay, "weight_decay": t.weight_decay},
                                 {"params": no_decay, "weight_decay": 0.0}],
                                lr=t.lr, betas=(t.beta1, t.beta2), fused=kernel != "foreach" or None,
-                               triton=kernel == "triton")
+                               triton=kernel == "triton", copies=getattr(self.engine, "step_weights", None))
 
     def build_replicas(self) -> ReplicaGroups | None:
         """replicas.groups: this group's torchft manager (train/replicas.py); None without replica groups."""
