@@ -119,10 +119,10 @@ def test_bf16_residual_stream_tracks_the_fp32_stream_over_200_steps(tmp_path):
     assert max(abs(b - a) / a for a, b in zip(fp32[9:], bf16[9:])) < 0.02, pairs
 
 
-def _first_five_steps(tmp_path: Path, torchs: str, ours: str) -> list[tuple[float, float, float, float]]:
+def _first_five_steps(tmp_path: Path, torchs: str, ours: str, *common: str) -> list[tuple[float, float, float, float]]:
     """(torch's loss, ours, torch's gradient norm, ours) at steps 1-5 of two runs from the same weights and batches,
-    one with each option."""
-    first = [_records(tmp_path / f"short{i}", "--train.steps=5", "--train.log_every=1", option)
+    one with each option (and both with ``common``)."""
+    first = [_records(tmp_path / f"short{i}", "--train.steps=5", "--train.log_every=1", *common, option)
              for i, option in enumerate((torchs, ours))]
     pairs = [(a["loss"], b["loss"], a["grad_norm"], b["grad_norm"]) for a, b in zip(*first)]
     print(f"({torchs}, {ours}) loss and gradient norm, steps 1-5:", pairs)
@@ -173,6 +173,18 @@ def test_weight_copies_train_like_autocasts_casts(tmp_path):
     assert all(abs(b / a - 1) < 1e-3 and abs(gb / ga - 1) < 1e-3 for a, b, ga, gb in pairs), pairs
     _runs_match(tmp_path, "weight copies", (), ("autocast's casts", "--train.weight_copies=false"),
                 ("bf16 copies", "--train.weight_copies=true"), gpus=1)
+
+
+@pytest.mark.parametrize("common", [
+    ("--train.grad_accum=2",),  # fp32 gradients: added over the micro-batches
+    ("--model.tie_embeddings=false", "--train.loss=chunked", "--parallel.activation_checkpoint=full"),
+    ("--train.cuda_graphs=false",)], ids=["accumulation", "untied-chunked-recomputed", "launched"])
+def test_weight_copies_step_like_autocasts_casts_in_other_settings(tmp_path, common):
+    """The copies under gradient accumulation, with an output head of its own (copied), the chunked loss and
+    recomputed blocks, and without CUDA graphs: the first five steps' losses and gradient norms within 1e-3 of the
+    same run without copies."""
+    pairs = _first_five_steps(tmp_path, "--train.weight_copies=false", "--train.weight_copies=true", *common)
+    assert all(abs(b / a - 1) < 1e-3 and abs(gb / ga - 1) < 1e-3 for a, b, ga, gb in pairs), pairs
 
 
 def _blocks_as_graphs_match_launched(tmp_path: Path, name: str, *layout: str, gpus: int = 2) -> None:

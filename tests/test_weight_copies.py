@@ -53,15 +53,18 @@ def _run(run_dir: Path, *extra: str):
     return result.losses, result.val_loss, weights, copies
 
 
-@pytest.mark.parametrize("grad_accum", [1, 2])
-def test_the_trainer_trains_bitwise_like_autocasts_casts(tmp_path, grad_accum):
-    accum = f"--train.grad_accum={grad_accum}"
-    plain = _run(tmp_path / "plain", accum, "--train.weight_copies=false")
-    copied = _run(tmp_path / "copied", accum, "--train.weight_copies=true")
+@pytest.mark.parametrize("extra", [
+    ("--train.grad_accum=1",), ("--train.grad_accum=2",),
+    # an output head of its own (copied too), its loss chunk by chunk, the blocks recomputed in backward
+    ("--model.tie_embeddings=false", "--train.loss=chunked", "--parallel.activation_checkpoint=full")])
+def test_the_trainer_trains_bitwise_like_autocasts_casts(tmp_path, extra):
+    plain = _run(tmp_path / "plain", *extra, "--train.weight_copies=false")
+    copied = _run(tmp_path / "copied", *extra, "--train.weight_copies=true")
     assert plain[3] is None and copied[3] is not None
-    # the 7 matrices in each of 2 blocks; the output head shares the embedding's weight: no copy
-    assert len(copied[3].pairs) == 14
-    assert copied[3].casts == 6 * 14, "torch's AdamW changes every weight: each step casts each copy once"
+    # the 7 matrices in each of 2 blocks; an output head that shares the embedding's weight gets no copy
+    copies = 14 if "--model.tie_embeddings=false" not in extra else 15
+    assert len(copied[3].pairs) == copies
+    assert copied[3].casts == 6 * copies, "torch's AdamW changes every weight: each step casts each copy once"
     assert len(copied[0]) == 6 and copied[0] == plain[0], (plain[0], copied[0])
     assert copied[1] is not None and copied[1] == plain[1], "evaluation"
     for name, tensor in plain[2].items():

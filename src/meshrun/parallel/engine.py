@@ -222,6 +222,5 @@ def fp32_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     by_dtype: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for grad in grads:
         by_dtype.setdefault((grad.device, grad.dtype), []).append(grad)
-    norms = [norm for (device, _), group in by_dtype.items()
-             for norm in torch._foreach_norm(group, 2.0, dtype=torch.float32)]
+    norms = [norm for group in by_dtype.values() for norm in torch._foreach_norm(group, 2.0, dtype=torch.float32)]
     return torch.linalg.vector_norm(torch.stack(norms))

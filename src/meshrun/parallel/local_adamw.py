@@ -26,10 +26,9 @@ gradients (which one process's copies leave) are read as they are; torch's kerne
 from __future__ import annotations
 
 import torch
+from torch.autograd.graph import increment_version
 from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam
-
-from torch.autograd.graph import increment_version
 
 from meshrun.parallel import triton_adamw
 from meshrun.parallel.step_weights import StepWeights
