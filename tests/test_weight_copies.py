@@ -153,6 +153,27 @@ def test_the_kernel_writes_the_copies_and_reads_bf16_gradients_bitwise_like_auto
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 
 
+@pytest.mark.skipif(not hasattr(torch.Tensor, "grad_dtype"),
+                    reason=f"torch {torch.__version__} lets no fp32 parameter hold a bf16 gradient (2.10 and newer)")
+def test_torchs_adamw_steps_bf16_gradients_like_their_fp32_values():
+    """A group the Triton kernel does not take (here: no kernel on CPU) goes to torch's AdamW, whose kernels take a
+    gradient in its parameter's dtype only: LocalShardAdamW casts the copies' bf16 gradients for it."""
+    from meshrun.parallel.local_adamw import LocalShardAdamW
+
+    torch.manual_seed(0)
+    start, grad = torch.randn(5, 3), torch.randn(5, 3).bfloat16()
+    runs = []
+    for dtype in (torch.float32, torch.bfloat16):
+        param = torch.nn.Parameter(start.clone())
+        param.grad_dtype = None
+        optimizer = LocalShardAdamW([param], lr=1e-2, triton=True)
+        for _ in range(2):
+            param.grad = grad.to(dtype)
+            optimizer.step()
+        runs.append(param)
+    assert torch.equal(runs[0], runs[1])
+
+
 def _dims(*overrides: str, world_size: int = 1) -> ParallelDims:
     job = load_config(None, ["--model.name=tiny", *overrides])
     return ParallelDims.from_config(job.parallel, world_size=world_size, model=gpt_config("tiny", n_layers=4),
