@@ -136,7 +136,8 @@ class TrainConfig:
     eval_samples: int = 256
     """Validation samples per evaluation over all ranks together (0 = the whole validation split)."""
     log_every: int = 10
-    """Print and record metrics every N steps."""
+    """Print and record metrics every N steps. Reading them back waits for the GPU; in one process the record is
+    written after the next step is queued, so the GPU never runs dry for it (train/log_step.py)."""
     fused_optimizer: bool = True
     """Use a fused AdamW kernel (one pass over each parameter) where the device has one (train.adamw_kernel);
     false: torch's for-each AdamW."""

@@ -49,12 +49,17 @@ class SumMetrics:
         for name, value in values.items():
             self.sums[self.names.index(name)] += value
 
-    def reduce(self, group: dist.ProcessGroup | None = None) -> dict[str, float]:
+    def take(self, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        """The sums over every rank as a device tensor, and zero for the next interval: no host sync (the
+        all-reduce is queued, not waited for). Collective: every rank."""
         totals = self.sums.clone()
         if dist.is_initialized():
             dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=group)  # collective: every rank
         self.sums.zero_()
-        return dict(zip(self.names, totals.tolist()))  # note: CPU-GPU sync point
+        return totals
+
+    def reduce(self, group: dist.ProcessGroup | None = None) -> dict[str, float]:
+        return dict(zip(self.names, self.take(group).tolist()))  # note: CPU-GPU sync point
 
 
 class MetricsSink:

@@ -52,14 +52,16 @@ class NonFiniteGuard:
             return True
         return not bool(bad)  # note: a host sync, only where the optimizer cannot skip by itself
 
-    def check(self, step: int, world_size: int) -> str | None:
+    def check(self, step: int, world_size: int, *, count: int | None = None, first: int | None = None) -> str | None:
         """At a log step: None when no new non-finite step; else the report (raises NonFiniteError for 'stop').
-        Collective when something was found: every rank sees the same global norm, so all of them enter."""
-        count = int(self.count)  # the log step synchronises anyway
+        ``count`` and ``first``: the guard's counts as the log step read them (``self.count``, ``self.first_step``
+        then); read from the device when not given. Collective when something was found: every rank sees the same
+        global norm, so all of them enter."""
+        count = int(self.count) if count is None else count  # the log step synchronises anyway
         if count == self.reported:
             return None
         new, self.reported = count - self.reported, count
-        first = int(self.first_step)
+        first = int(self.first_step) if first is None else first
         culprits = self._first_bad_ranks(world_size)
         where = (f"the loss first went non-finite on {culprits}" if culprits else
                  "every rank's loss stayed finite: the gradients overflowed in backward")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import resource
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -61,29 +61,32 @@ def ranks_record(table: np.ndarray, *, step: int, step_s: float) -> dict[str, An
     return record
 
 
-def log_rank_timing(trainer: Trainer, steps: int, elapsed: float) -> np.ndarray:
+def log_rank_timing(trainer: Trainer, steps: int, elapsed: float, *, step: int | None = None,
+                    timing: Callable[[], tuple[float, float]] | None = None) -> np.ndarray:
     """Every rank's own working time (data + forward, before any blocking collective), peak memory and, for the
     straggler detector, GPU clock, in one gather: the ``ranks`` record, and the numbers compared across ranks.
-    Returns the gathered table, the same on every rank (its first columns are :data:`FIELDS`)."""
+    Returns the gathered table, the same on every rank (its first columns are :data:`FIELDS`). ``step`` and
+    ``timing``: the log step's, when its record is written later (train/log_step.py); else the trainer's now."""
     health = trainer.health
-    work_s, data_s = health.timer.take(steps)
+    step = trainer.step if step is None else step
+    work_s, data_s = timing() if timing is not None else health.timer.take(steps)
     step_s = elapsed / max(steps, 1)
     # the first interval holds warm-up (compilation, allocator growth), not a rank's speed
-    observe = health.stragglers is not None and trainer.step > trainer.start_step + trainer.job.train.log_every
+    observe = health.stragglers is not None and step > trainer.start_step + trainer.job.train.log_every
     row = timing_row(work_s=work_s, data_s=data_s, step_s=step_s, device=trainer.device)
     if observe:
         row += health.stragglers.gpu_clock()
     table = gather_floats(row)  # collective: every rank; (world, 4), or (world, 7) with the clock
     if trainer.env.is_rank_zero:
-        trainer.sink.record(ranks_record(table, step=trainer.step, step_s=step_s))
+        trainer.sink.record(ranks_record(table, step=step, step_s=step_s))
     if not observe:
         return table
     trainer.beat("straggler_check")
     times = np.concatenate([table[:, :2], table[:, len(FIELDS):]], axis=1)  # (world, 5): work, data, clock
-    report = health.stragglers.observe_table(trainer.step, times)  # collective when the GEMM is re-run
+    report = health.stragglers.observe_table(step, times)  # collective when the GEMM is re-run
     if report is not None:
         log.info("%s", report)  # every report in the rank log; on the console when the verdict changes
-    notice = health.notice(trainer.step, report)
+    notice = health.notice(step, report)
     if notice:
         trainer.sink.print(f"warning: {notice}")
     return table

@@ -6,6 +6,7 @@ layout (engine) -> optimizer and schedule -> checkpointer (restoring state when 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -13,7 +14,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -43,6 +44,7 @@ from meshrun.watch.health import JobHealth
 from meshrun.watch.stragglers import gather_rank_infos
 from meshrun.train.gc_control import StepCollector
 from meshrun.report.trackers import open_tracker
+from meshrun.train.log_step import LogSnapshot, PendingValues
 from meshrun.train.metrics import MetricsSink, SumMetrics, peak_flops
 from meshrun.watch.node import SystemWatch
 from meshrun.train.header import print_header, start_record
@@ -343,48 +345,56 @@ class Trainer:
             print(f"nothing to train: resumed at step {self.step} >= train.steps={job.train.steps}; {self.run_dir} is "
                   "left as it was; raise --train.steps, or start a new run with --fresh", flush=True)
         sums = SumMetrics(("loss_sum", "tokens"), self.device)
-        interval_start, interval_steps, gnorm = time.perf_counter(), 0, None
-        while self.step < job.train.steps:
-            stepped = self.train_step()
-            if stepped is None:
-                continue
-            loss_sum, tokens, grad_norm = stepped
-            self.collector.step(self.step)
-            sums.add(loss_sum=loss_sum, tokens=tokens)
-            interval_steps += 1
-            if self.step % job.train.log_every == 0 or self.step == job.train.steps:
-                totals = sums.reduce()
-                gnorm = float(grad_norm) if grad_norm is not None else None
-                now = time.perf_counter()
-                elapsed = now - interval_start
-                record = self.train_record(totals, interval_steps, elapsed, gnorm)
-                result.losses.append(record["loss"])
-                self.sink.log(record)
-                self.check_nonfinite()
-                table = self.check_stragglers(interval_steps, elapsed)
-                self.beat("system_metrics")
-                system = self.system.log_interval(self.step, record, self.sink)  # collective when on: every rank
-                self.watch_slowdown(table, interval_steps, system)
-                # the next interval starts now, not after this logging: its gathers and records are training's own
-                # cost, so the intervals tile the training time and tokens/s is what the wall clock says
-                interval_start, interval_steps = now, 0
-            if job.train.eval_every and (self.step % job.train.eval_every == 0 or self.step == job.train.steps):
-                result.val_loss = self.evaluate()
-                self.sink.log({"kind": "eval", "step": self.step, "loss": result.val_loss})
-                interval_start = time.perf_counter()  # evaluation time is not training throughput
-            if self.checkpoint_due():
-                self.save_checkpoint(final=self.ckpt.stop_requested)  # SIGTERM: the job's last save, final
-                interval_start = time.perf_counter()
-                if self.ckpt.stop_requested:
-                    result.stopped_by = self.stop_signal()
-                    self.sink.print(f"stopping at step {self.step} after {signal_label(result.stopped_by)} "
-                                    "(checkpoint saved)")
-                    break
-            if self.profiler is not None:  # after logging, evaluation and saving: they belong to this step
-                self.beat("profiler")  # writing the trace after the window's last step can take a while
-                self.profiler.step(self.step)
-            if self.slowdown is not None and (capture := self.slowdown.start(self.step)) is not None:
-                self.profiler = capture  # records the slow steps from the next one on (warm-up), closed as above
+        self.interval_start, interval_steps = time.perf_counter(), 0
+        pending: LogSnapshot | None = None
+        try:
+            while self.step < job.train.steps:
+                stepped = self.train_step()
+                if pending is not None:  # the last log step's records, read now that this step is queued
+                    self.write_log(pending, result)
+                    pending = None
+                if stepped is None:
+                    continue
+                loss_sum, tokens, grad_norm = stepped
+                self.collector.step(self.step)
+                sums.add(loss_sum=loss_sum, tokens=tokens)
+                interval_steps += 1
+                if self.step % job.train.log_every == 0 or self.step == job.train.steps:
+                    snapshot = self.take_log(sums, interval_steps, grad_norm)
+                    interval_steps = 0
+                    if self.defers_log():
+                        pending = snapshot  # written after the next step is queued: the GPU does not run dry
+                    else:
+                        self.write_log(snapshot, result)
+                if job.train.eval_every and (self.step % job.train.eval_every == 0 or self.step == job.train.steps):
+                    result.val_loss = self.evaluate()
+                    self.sink.log({"kind": "eval", "step": self.step, "loss": result.val_loss})
+                    self.interval_start = time.perf_counter()  # evaluation time is not training throughput
+                if self.checkpoint_due():
+                    if pending is not None:  # a checkpoint asked for by time or a signal: its records first
+                        self.write_log(pending, result)
+                        pending = None
+                    self.save_checkpoint(final=self.ckpt.stop_requested)  # SIGTERM: the job's last save, final
+                    self.interval_start = time.perf_counter()
+                    if self.ckpt.stop_requested:
+                        result.stopped_by = self.stop_signal()
+                        self.sink.print(f"stopping at step {self.step} after {signal_label(result.stopped_by)} "
+                                        "(checkpoint saved)")
+                        break
+                if self.profiler is not None:  # after logging, evaluation and saving: they belong to this step
+                    self.beat("profiler")  # writing the trace after the window's last step can take a while
+                    self.profiler.step(self.step)
+                if self.slowdown is not None and (capture := self.slowdown.start(self.step)) is not None:
+                    self.profiler = capture  # records the slow steps from the next one on (warm-up), closed as above
+            if pending is not None:
+                self.write_log(pending, result)
+        except BaseException:
+            # a failing step: the last log step's records still go out where their values have arrived (on a GPU
+            # that may have failed, waiting for them could hang)
+            if pending is not None and pending.values.ready():
+                with contextlib.suppress(Exception):
+                    self.write_log(pending, result)
+            raise
         if job.checkpoint.final and not self.ckpt.stop_requested:
             self.save_checkpoint(final=True)
         self.ckpt.wait()
@@ -404,25 +414,68 @@ class Trainer:
             return False
         return self.ckpt.should_save(self.step)
 
-    def check_nonfinite(self) -> None:
-        """At log steps: warn about steps whose gradient norm was NaN or inf (train.nonfinite=stop raises)."""
-        report = self.guard.check(self.step, self.env.world_size) if self.guard.enabled else None
+    def take_log(self, sums: SumMetrics, steps: int, grad_norm: torch.Tensor | None) -> LogSnapshot:
+        """At a log step: what its records need, without waiting for the GPU (train/log_step.py). Collective: the
+        loss sums' all-reduce, queued on every rank."""
+        totals = sums.take()
+        values = PendingValues([totals[0], totals[1], grad_norm if grad_norm is not None else float("nan"),
+                                self.guard.count, self.guard.first_step], self.device)
+        return LogSnapshot(step=self.step, epoch=self.data.position.epoch, lr=self.scheduler.get_last_lr()[0],
+                           tokens_seen=self.tokens_seen, steps=steps, values=values,
+                           has_norm=grad_norm is not None, timing=self.health.timer.take_later(steps))
+
+    def defers_log(self) -> bool:
+        """Whether this log step's records are written after the next step is queued (train/log_step.py): in one
+        process, where nothing else at this step reads the GPU or needs them first (not the last step, an
+        evaluation, a checkpoint by steps, a profiled step, the slowdown watch, replica groups, and not with
+        train.nonfinite=stop, which ends the run at the log step itself)."""
+        t, every = self.job.train, self.job.checkpoint.interval_steps
+        return (self.env.world_size == 1 and self.replicas is None and self.profiler is None
+                and self.guard.mode != "stop"
+                and self.slowdown is None and self.step < t.steps
+                and not (t.eval_every and self.step % t.eval_every == 0)
+                and not (every and self.step % every == 0))
+
+    def write_log(self, snapshot: LogSnapshot, result: TrainResult) -> None:
+        """A log step's records: the train record, the non-finite report, the ``ranks`` record and straggler check,
+        the system records and the slowdown watch. Collective on several ranks (their gathers)."""
+        totals, gnorm, bad, first = snapshot.read()
+        now = time.perf_counter()
+        elapsed = now - self.interval_start
+        record = self.train_record(snapshot, totals, elapsed, gnorm)
+        result.losses.append(record["loss"])
+        self.sink.log(record)
+        self.check_nonfinite(snapshot.step, count=bad, first=first)
+        table = self.check_stragglers(snapshot.steps, elapsed, step=snapshot.step, timing=snapshot.timing)
+        self.beat("system_metrics")
+        system = self.system.log_interval(snapshot.step, record, self.sink)  # collective when on: every rank
+        self.watch_slowdown(table, snapshot.steps, system, step=snapshot.step)
+        # the next interval starts now, not after this logging: its gathers and records are training's own cost,
+        # so the intervals tile the training time and tokens/s is what the wall clock says
+        self.interval_start = now
+
+    def check_nonfinite(self, step: int, *, count: int | None = None, first: int | None = None) -> None:
+        """At log steps: warn about steps whose gradient norm was NaN or inf (train.nonfinite=stop raises);
+        ``count`` and ``first`` as the log step read them (NonFiniteGuard.check)."""
+        report = (self.guard.check(step, self.env.world_size, count=count, first=first)
+                  if self.guard.enabled else None)
         if report is not None:
             self.sink.print(f"warning: {report}")
             log.info("%s", report)  # the rank log; the console has the line above
 
-    def check_stragglers(self, steps: int, elapsed: float) -> np.ndarray:
+    def check_stragglers(self, steps: int, elapsed: float, *, step: int,
+                         timing: Callable[[], tuple[float, float]]) -> np.ndarray:
         """At log steps: the ``ranks`` record and the straggler check, from one gather (train/rank_timing.py); returns
         the gathered table."""
-        return log_rank_timing(self, steps, elapsed)
+        return log_rank_timing(self, steps, elapsed, step=step, timing=timing)
 
-    def watch_slowdown(self, table: np.ndarray, steps: int, system: list[dict[str, Any]]) -> None:
+    def watch_slowdown(self, table: np.ndarray, steps: int, system: list[dict[str, Any]], *, step: int) -> None:
         """At log steps, with run.profile_on_slowdown: the run's first slow interval is said (with what the machine
         did in it: the interval's ``system`` records and timing ``table``), recorded in the metrics and, where the
         profiler is free, recorded by it on run.profile_ranks (train/profiling.py)."""
         if self.slowdown is None:
             return
-        found = self.slowdown.observe(step=self.step, interval_steps=steps, step_s=rank0_step_s(table),
+        found = self.slowdown.observe(step=step, interval_steps=steps, step_s=rank0_step_s(table),
                                       last_step=self.job.train.steps,
                                       machine=IntervalMachine.of(system, data_share(table)))
         if found is not None:
@@ -431,16 +484,19 @@ class Trainer:
             self.sink.record(record)
             log.info("%s", line)
 
-    def train_record(self, totals: dict[str, float], steps: int, elapsed: float, gnorm: float | None) -> dict[str, Any]:
+    def train_record(self, snapshot: LogSnapshot, totals: dict[str, float], elapsed: float,
+                     gnorm: float | None) -> dict[str, Any]:
+        steps = snapshot.steps
         tokens_per_s = steps * self.batch.tokens_per_step / max(elapsed, 1e-9)
         per_device = tokens_per_s / self.env.world_size
         peak = peak_flops(self.device)
         # MFU = achieved model FLOP/s per device / peak: (6N + 12 L d T) FLOPs per token (PaLM, appendix B).
         mfu = self.spec.flops_per_token(self.model_cfg) * per_device / peak if peak else None
-        return {"kind": "train", "step": self.step, "epoch": self.data.position.epoch,
-                "loss": totals["loss_sum"] / max(totals["tokens"], 1.0), "lr": self.scheduler.get_last_lr()[0],
-                "tokens_seen": self.tokens_seen, "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": per_device,
-                "mfu": mfu, "grad_norm": gnorm, "step_time_s": elapsed / max(steps, 1),
+        return {"kind": "train", "step": snapshot.step, "epoch": snapshot.epoch,
+                "loss": totals["loss_sum"] / max(totals["tokens"], 1.0), "lr": snapshot.lr,
+                "tokens_seen": snapshot.tokens_seen, "tokens_per_s": tokens_per_s,
+                "tokens_per_s_per_device": per_device, "mfu": mfu, "grad_norm": gnorm,
+                "step_time_s": elapsed / max(steps, 1),
                 "peak_mem_gib": torch.cuda.max_memory_allocated(self.device) / 2**30
                 if self.device.type == "cuda" else None,
                 **({"live_groups": self.replicas.live_groups} if self.replicas is not None else {})}

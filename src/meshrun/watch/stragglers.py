@@ -314,7 +314,16 @@ class WorkTimer:
 
     def take(self, steps: int) -> tuple[float, float]:
         """(work, data) seconds per step since the last call; syncs with the GPU."""
-        forward = self.host_forward_s + sum(a.elapsed_time(b) for a, b in self.events) / 1000.0
-        work, data = (self.data_s + forward) / max(steps, 1), self.data_s / max(steps, 1)
+        return self.take_later(steps)()
+
+    def take_later(self, steps: int) -> Callable[[], tuple[float, float]]:
+        """:meth:`take` of the steps so far, computed when called (then it waits for their forward passes, and
+        for nothing after them); the next interval starts now."""
+        data_s, host_forward_s, events = self.data_s, self.host_forward_s, self.events
         self.data_s, self.host_forward_s, self.events = 0.0, 0.0, []
-        return work, data
+
+        def result() -> tuple[float, float]:
+            forward = host_forward_s + sum(a.elapsed_time(b) for a, b in events) / 1000.0
+            return (data_s + forward) / max(steps, 1), data_s / max(steps, 1)
+
+        return result
