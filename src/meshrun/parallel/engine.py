@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 from meshrun.models.spec import ModelStructure
 from meshrun.parallel import triton_ce
 from meshrun.parallel.chunked_loss import chunked_token_loss_sum
+from meshrun.parallel.grad_norm import fp32_norm
 from meshrun.parallel.step_weights import StepWeights
 from meshrun.parallel.vocab_loss import sharded_loss_function
 
@@ -212,15 +213,3 @@ class LocalEngine:
         if not math.isinf(max_norm):
             torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), max_norm, total)
         return total
-
-
-def fp32_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The 2-norm of ``grads`` as fp32, summed in fp32 (torch's ``get_total_norm`` would round the norm of bf16
-    gradients, which train.weight_copies leaves in bf16, to bf16, 3 significant digits)."""
-    if not grads:
-        return torch.zeros(())
-    by_dtype: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for grad in grads:
-        by_dtype.setdefault((grad.device, grad.dtype), []).append(grad)
-    norms = [norm for group in by_dtype.values() for norm in torch._foreach_norm(group, 2.0, dtype=torch.float32)]
-    return torch.linalg.vector_norm(torch.stack(norms))

@@ -56,6 +56,20 @@ def total_grad_norm(params: Iterable[torch.Tensor], *, norm_type: float = 2.0,
     return total if inf else total.pow(1.0 / norm_type)
 
 
+
+@torch.no_grad()
+def fp32_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of ``grads`` as fp32, summed in fp32 (torch's ``get_total_norm`` would round the norm of bf16
+    gradients, which train.weight_copies leaves in bf16, to bf16, 3 significant digits)."""
+    if not grads:
+        return torch.zeros(())
+    by_dtype: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for grad in grads:
+        by_dtype.setdefault((grad.device, grad.dtype), []).append(grad)
+    norms = [norm for group in by_dtype.values() for norm in torch._foreach_norm(group, 2.0, dtype=torch.float32)]
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
 @torch.no_grad()
 def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, *, norm_type: float = 2.0,
                    pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
