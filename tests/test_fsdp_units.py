@@ -1,6 +1,7 @@
 """parallel.fsdp_unit_blocks: consecutive blocks share one FSDP2 unit (one all-gather, one reduce-scatter), on a fake
-process group so no other process is needed. Numerical parity of a grouped layout with one process is in
-tests/test_parallel_layouts.py (fsdp2_units2)."""
+process group so no other process is needed; -1, the whole model one unit compiled as one graph, on 2 gloo ranks.
+Numerical parity of grouped layouts with one process is in tests/test_parallel_layouts.py (fsdp2_units2,
+fsdp2_whole_compiled)."""
 
 import pytest
 import torch
@@ -48,9 +49,77 @@ def test_blocks_are_grouped_into_units_of_the_given_size(unit_blocks, expected):
         dist.destroy_process_group()
 
 
-def test_unit_size_below_zero_is_refused_by_name():
-    with pytest.raises(ConfigError, match=r"parallel.fsdp_unit_blocks must be >= 0 \(blocks per FSDP2 unit; 0: auto\)"):
-        load_config(None, ["--parallel.fsdp_unit_blocks=-1"])
+def test_whole_model_leaves_no_unit_of_blocks():
+    """-1: only the root is an FSDP2 unit; it gathers every parameter, the blocks' too."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        model = Blocks(3)
+        apply_fsdp(model, init_device_mesh("cpu", (2,)), compute_dtype=None, reshard_after_forward=True,
+                   blocks=list(model.layers.values()), unit_blocks=-1)
+        assert isinstance(model, FSDPModule) and not any(isinstance(b, FSDPModule) for b in model.layers.values())
+        gathered = model._get_fsdp_state()._fsdp_param_group.fsdp_params
+        assert len(gathered) == len(list(model.parameters())) == 8
+    finally:
+        dist.destroy_process_group()
+
+
+def test_unit_size_below_minus_one_is_refused_by_name():
+    with pytest.raises(ConfigError, match=r"parallel.fsdp_unit_blocks must be >= -1 \(blocks per FSDP2 unit; 0: "
+                                          r"auto; -1: the whole model one unit\), got -2"):
+        load_config(None, ["--parallel.fsdp_unit_blocks=-2"])
+
+
+@pytest.mark.parametrize("degree", ["--parallel.tp=2", "--parallel.pp=2"])
+def test_whole_model_unit_with_tp_or_pp_is_refused_with_the_fix(degree):
+    from meshrun.comm.mesh import ParallelDims
+    from meshrun.models.gpt import gpt_config
+    from meshrun.models.spec import get_model_spec
+    from meshrun.parallel.checks import check_layout
+
+    job = load_config(None, ["--model.name=tiny", "--model.tie_embeddings=false", "--parallel.dp_replicate=1",
+                             "--parallel.dp_shard=2", degree, "--parallel.fsdp_unit_blocks=-1"])
+    spec, shape = get_model_spec("gpt"), gpt_config("tiny", n_layers=4)
+    dims = ParallelDims.from_config(job.parallel, world_size=4, model=shape, spec=spec)
+    with pytest.raises(ConfigError, match=r"^parallel.fsdp_unit_blocks=-1 makes the whole model one FSDP2 unit.* "
+                                          r"give a number of blocks per unit, or drop --parallel.fsdp_unit_blocks"):
+        check_layout(job, spec, shape, dims, device=torch.device("cpu"), compute_dtype=None)
+
+
+def _compiled_regions(rank: int, world_size: int, unit_blocks: int) -> dict:
+    """Build the compiled tiny model (2 blocks) on FSDP2 over 2 ranks, train two steps, then count the compiled
+    regions one step enters (the profiler names each entry "Torch-Compiled Region: ...")."""
+    import torch._dynamo.utils as dynamo_utils
+    from torch.profiler import profile
+
+    import test_parallel_layouts as layouts
+
+    parallel = {"dp_replicate": 1, "dp_shard": 2, "fsdp_unit_blocks": unit_blocks}
+    _, engine = layouts.build(layouts.model_config(tied=True), parallel, grad_accum=1, train={"compile": "true"})
+    batch = layouts.rank_share(0, engine.dp_rank, engine.dp_size)
+    for _ in range(2):
+        engine.forward_backward([batch])
+    with profile() as prof:
+        engine.forward_backward([batch])
+    regions = [e.name for e in prof.events() if e.name.startswith("Torch-Compiled Region")]
+    return {"regions": len(regions), "breaks": sum(dynamo_utils.counters["graph_break"].values())}
+
+
+@pytest.mark.slow
+def test_whole_model_unit_enters_one_compiled_region_for_the_model():
+    """-1 compiles the model's forward as one graph: a step enters it once, and the compiled loss once, where
+    compiling block by block (one unit per block) enters one region per block and the loss's; no graph break.
+    That it trains like one process is tests/test_parallel_layouts.py::fsdp2_whole_compiled."""
+    from dist_utils import run_distributed
+
+    whole = run_distributed(_compiled_regions, 2, -1, timeout=400)
+    per_block = run_distributed(_compiled_regions, 2, 1, timeout=400)
+    assert [r["regions"] for r in whole] == [2, 2], whole
+    assert [r["regions"] for r in per_block] == [3, 3], per_block  # 2 blocks and the loss
+    assert [r["breaks"] for r in whole + per_block] == [0] * 4
 
 
 def test_auto_units_put_a_small_models_blocks_in_one_unit_on_gpus_only():

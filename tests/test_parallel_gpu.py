@@ -44,6 +44,10 @@ BF16 = {
     # inductor's max-autotune mode (train.compile_mode): other kernels for the same math
     "fsdp2_compile_autotune": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 1, "dp_shard": 2},
                                      train={"compile": "true", "compile_mode": "max-autotune"}),
+    # the whole model one FSDP2 unit, its forward compiled as one graph (parallel.fsdp_unit_blocks=-1)
+    "fsdp2_whole_compile": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 1, "dp_shard": 2,
+                                                                     "fsdp_unit_blocks": -1},
+                                  train={"compile": "true"}),
     "tp2_full_ac": Layout(tied=True, grad_accum=1, parallel={"dp_replicate": 1, "tp": 2,
                                                              "activation_checkpoint": "full"}),
     # TP's compiled cross-entropy on each rank's vocabulary shard (meshrun.parallel.vocab_loss), blocks as graphs

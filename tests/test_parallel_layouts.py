@@ -182,6 +182,9 @@ TWO_RANKS = {
     "fsdp2": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 1, "dp_shard": 2}),
     "fsdp2_units2": Layout(tied=True, grad_accum=1, parallel={"dp_replicate": 1, "dp_shard": 2,
                                                             "fsdp_unit_blocks": 2}),
+    # the whole model one FSDP2 unit, its forward compiled as one graph
+    "fsdp2_whole_compiled": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 1, "dp_shard": 2,
+                                                                    "fsdp_unit_blocks": -1}, train={"compile": "true"}),
     "tp2": Layout(tied=True, grad_accum=1, parallel={"dp_replicate": 1, "tp": 2}),
     # compiled blocks under TP: torch 2.12-2.14 dropped the gradient of a compiled block's async-collective input
     "tp2_compiled": Layout(tied=True, grad_accum=1, parallel={"dp_replicate": 1, "tp": 2}, train={"compile": "true"}),

@@ -235,7 +235,9 @@ class ParallelConfig:
     """Consecutive blocks FSDP2 shards as one unit: one all-gather and one reduce-scatter per unit instead of per
     block. Fewer, larger collectives suit small models, whose per-block collectives are latency-bound; the cost is
     the gathered parameters of a whole unit in memory at once. 0 (auto): all blocks in one unit on GPUs for models
-    under 350M parameters, one block per unit otherwise."""
+    under 350M parameters, one block per unit otherwise. -1: the whole model is one unit (embedding, blocks and
+    head gathered together) and, when compiled, its forward is compiled as one graph instead of block by block:
+    the fewest hooks and compiled regions for the host to run through each step (FSDP/HSDP without tp, pp or cp)."""
     ddp_overlap: bool = False
     """With compile: compile the DDP-wrapped step instead of wrapping the compiled step in DDP. Either way, where
     parallel.ddp_graph splits the step at DDP's bucket boundaries, each bucket's all-reduce overlaps the rest of

@@ -188,9 +188,9 @@ def validate_job(job: JobConfig) -> None:
     if job.parallel.pp_p2p_channels < 0:
         raise ConfigError(f"parallel.pp_p2p_channels must be >= 0 (NCCL channels for the pipeline's sends and "
                           f"receives; 0: auto), got {job.parallel.pp_p2p_channels}")
-    if job.parallel.fsdp_unit_blocks < 0:
-        raise ConfigError(f"parallel.fsdp_unit_blocks must be >= 0 (blocks per FSDP2 unit; 0: auto), got "
-                          f"{job.parallel.fsdp_unit_blocks}")
+    if job.parallel.fsdp_unit_blocks < -1:
+        raise ConfigError(f"parallel.fsdp_unit_blocks must be >= -1 (blocks per FSDP2 unit; 0: auto; -1: the whole "
+                          f"model one unit), got {job.parallel.fsdp_unit_blocks}")
     if job.run.tensorboard and job.run.tracker not in ("none", "tensorboard"):
         raise ConfigError(f"run.tensorboard=true and run.tracker={job.run.tracker}: one tracker per run; drop "
                           "run.tensorboard (or set run.tracker=tensorboard)")

@@ -187,7 +187,8 @@ def parallelize(part: nn.Module, structure: ModelStructure, dims: ParallelDims, 
     apply_activation_checkpointing(part, options.activation_checkpoint, blocks=blocks)
     if options.residual_in_compute_dtype:
         cast_block_inputs(blocks)
-    if options.compiled:
+    whole = uses_fsdp(dims) and options.fsdp_unit_blocks == WHOLE_MODEL
+    if options.compiled and not whole:
         mode = inductor_mode(options.compile_mode, options.cuda_graphs)  # CUDA graphs: block by block
         for block in blocks:
             if options.split_backward:
@@ -207,6 +208,18 @@ def parallelize(part: nn.Module, structure: ModelStructure, dims: ParallelDims, 
         apply_fsdp(part, dp_mesh, compute_dtype=options.compute_dtype, reshard_after_forward=reshard, blocks=blocks,
                    unit_blocks=per_unit, reduce_dtype=options.reduce_dtype)
         shared.restore(part, layout=layout, after="FSDP2", reshare=False)
+    if options.compiled and whole:
+        compile_forward(part, inductor_mode(options.compile_mode, cuda_graphs=False))
+
+
+def compile_forward(part: nn.Module, mode: str) -> None:
+    """parallel.fsdp_unit_blocks=-1: ``part``'s forward compiled as one graph, in place (an attribute of the
+    instance: parameter names keep no "_orig_mod."). FSDP2's hooks stay outside it: the root unit's pre-forward
+    (the one all-gather) runs in the module's call before this forward, and torch keeps dynamo out of FSDP2's hooks;
+    no block holds a hook of FSDP2's to break the graph. One compiled region a step each way, where compiling
+    block by block enters one per block (0.6-0.8 ms of host time each for the 124m model's blocks on an H200,
+    docs/benchmarks.md round 22)."""
+    part.forward = torch.compile(part.forward, mode=mode)
 
 
 def cast_block_inputs(blocks: list[nn.Module]) -> None:
@@ -257,6 +270,9 @@ def keep_weights_eager(block: nn.Module, *, only_linears: bool) -> None:
     functorch_config.donated_buffer = False
 
 
+WHOLE_MODEL = -1
+"""parallel.fsdp_unit_blocks=-1: no FSDP2 unit of blocks, the whole model is the root unit (apply.compile_forward)."""
+
 FSDP_ONE_UNIT_PARAMS = 350_000_000
 """Below this many parameters (of this rank's part of the model), ``parallel.fsdp_unit_blocks=0`` shards all blocks
 as one FSDP2 unit on GPUs. On 2x H100 (124m, 16 x 1024 tokens, clip 1.0) one unit ran 376.8k tokens/s per GPU and
@@ -266,8 +282,9 @@ units, whose all-gathers overlap the previous block's compute; no size in betwee
 
 
 def unit_blocks(choice: int, part: nn.Module, blocks: list[nn.Module], *, device: torch.device | None) -> int:
-    """parallel.fsdp_unit_blocks: the number given, or for 0 (auto) all blocks in one unit on a GPU when ``part``
-    has fewer than :data:`FSDP_ONE_UNIT_PARAMS` parameters, else one block per unit (always on CPU)."""
+    """parallel.fsdp_unit_blocks: the number given (-1: :data:`WHOLE_MODEL`), or for 0 (auto) all blocks in one unit
+    on a GPU when ``part`` has fewer than :data:`FSDP_ONE_UNIT_PARAMS` parameters, else one block per unit (always
+    on CPU)."""
     if choice:
         return choice
     small = sum(p.numel() for p in part.parameters()) < FSDP_ONE_UNIT_PARAMS

@@ -121,6 +121,10 @@ def check_layout(job: JobConfig, spec: ModelSpec, shape: ModelShape, dims: Paral
         check_cuda_graphs(device, compiled=compiled, supported=graphs_supported(dims, async_tp=job.parallel.async_tp),
                           layout=layout_name(dims))
     check_chunked_loss(job.train.loss, spec, dims=dims, local=is_local(dims))
+    if job.parallel.fsdp_unit_blocks == -1 and uses_fsdp(dims) and (dims.tp > 1 or dims.pp > 1 or dims.cp > 1):
+        raise ConfigError(f"parallel.fsdp_unit_blocks=-1 makes the whole model one FSDP2 unit, compiled as one graph, "
+                          f"which {layout_name(dims)} cannot run (tensor, pipeline or context parallelism works "
+                          "block by block): give a number of blocks per unit, or drop --parallel.fsdp_unit_blocks")
     if tri_state("parallel.comm_reorder", job.parallel.comm_reorder) == "true" and not compiled:
         raise ConfigError(f"parallel.comm_reorder=true reorders the compiled graphs, and train.compile="
                           f"{job.train.compile} leaves compilation off on {device.type}: set --train.compile=true, "

@@ -31,7 +31,8 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, compute_dtype: torch.dt
 
     ``reshard_after_forward=False`` keeps gathered parameters until backward (used with pipeline parallelism,
     where each stage runs many micro-batches per step and re-gathering each time would multiply the traffic).
-    ``unit_blocks`` consecutive blocks form one FSDP2 unit (one all-gather and one reduce-scatter for all of them).
+    ``unit_blocks`` consecutive blocks form one FSDP2 unit (one all-gather and one reduce-scatter for all of them);
+    -1: no unit of blocks, the whole model is the root unit.
     """
     mp_policy = mixed_precision(compute_dtype, reduce_dtype)
     units = fsdp_units(blocks, unit_blocks)
@@ -50,7 +51,10 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, compute_dtype: torch.dt
 
 
 def fsdp_units(blocks: list[nn.Module], unit_blocks: int) -> list[list[nn.Module]]:
-    """The blocks each FSDP2 unit shards together (``unit_blocks`` consecutive blocks; the root unit is the rest)."""
+    """The blocks each FSDP2 unit shards together (``unit_blocks`` consecutive blocks; the root unit is the rest).
+    ``unit_blocks=-1``: none, the root unit holds the whole model."""
+    if unit_blocks < 0:
+        return []
     return [blocks[i:i + unit_blocks] for i in range(0, len(blocks), unit_blocks)]
 
 
