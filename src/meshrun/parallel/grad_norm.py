@@ -16,6 +16,14 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a plain tensor as it is), the same data. Private attribute: the public
+    ``DTensor.to_local()`` runs an autograd Function per call, about 7 us of host time on CPU (1.15 ms for the 150
+    gradients of the 124m model, in the host time that bounds FSDP2's step for small models); the optimizer and the
+    gradient norm read and scale the shards under no_grad, where nothing needs that Function."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
 @torch.no_grad()
 def total_grad_norm(params: Iterable[torch.Tensor], *, norm_type: float = 2.0,
                     pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -39,7 +47,7 @@ def total_grad_norm(params: Iterable[torch.Tensor], *, norm_type: float = 2.0,
                 grad = grad.redistribute(placements=[Replicate() if pl.is_partial() else pl
                                                      for pl in grad.placements])
             key = (grad.device_mesh, tuple(i for i, pl in enumerate(grad.placements) if not pl.is_replicate()))
-            grad = grad.to_local()
+            grad = local_tensor(grad)
         by_dims.setdefault(key, []).append(grad.detach())
         device = grad.device
     op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
@@ -81,7 +89,7 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, *, norm_type
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)  # no host sync: multiply by 1.0 when under the limit
     by_type: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for p in params:
-        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        grad = local_tensor(p.grad)
         by_type.setdefault((grad.device, grad.dtype), []).append(grad)
     for (device, dtype), grads in by_type.items():
         # one multi-tensor kernel per device and dtype on local shards, not a kernel (and a DTensor dispatch) each

@@ -31,11 +31,8 @@ from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam
 
 from meshrun.parallel import triton_adamw
+from meshrun.parallel.grad_norm import local_tensor
 from meshrun.parallel.step_weights import StepWeights
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
 def _same_layout(param: torch.Tensor) -> bool:
@@ -94,8 +91,8 @@ class LocalShardAdamW(torch.optim.AdamW):
                 continue
             # torch's kernels take a gradient in its parameter's dtype only (a weight copy's may be bf16)
             grads = [g.to(p.dtype) if g.dtype != p.dtype else g for p, g in zip(params, grads)]
-            adam([_local(t) for t in params], [_local(t) for t in grads], [_local(t) for t in exp_avgs],
-                 [_local(t) for t in exp_avg_sqs], [_local(t) for t in max_exp_avg_sqs], state_steps,
+            adam(*([local_tensor(t) for t in tensors] for tensors in (params, grads, exp_avgs, exp_avg_sqs,
+                                                                        max_exp_avg_sqs)), state_steps,
                  amsgrad=group["amsgrad"], has_complex=has_complex, beta1=beta1, beta2=beta2, lr=group["lr"],
                  weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
                  foreach=group["foreach"], capturable=group["capturable"], differentiable=group["differentiable"],
@@ -110,7 +107,7 @@ class LocalShardAdamW(torch.optim.AdamW):
                 and not isinstance(group["lr"], torch.Tensor)
                 and group.get("decoupled_weight_decay", True)):
             return False
-        local = [[_local(t) for t in tensors] for tensors in (params, grads, exp_avgs, exp_avg_sqs)]
+        local = [[local_tensor(t) for t in tensors] for tensors in (params, grads, exp_avgs, exp_avg_sqs)]
         copies = [self.copies.copy_of(p) for p in params] if self.copies is not None else None
         # one launch per gradient dtype (the weight copies' gradients may be bf16 beside fp32 ones)
         by_dtype: dict[torch.dtype, list[int]] = {}

@@ -12,7 +12,8 @@ gradients as they were. The table of addresses is rebuilt each step (gradients m
 is kept while the shapes stay. Each program computes its tensor's bias corrections from the tensor's step count
 itself, so the host launches nothing per step but the step counts' increment and the kernel (the corrections as
 about ten small tensor operations over the stacked step counts took about 0.5 ms of host time per launch on an
-H200 under FSDP2, where the host bounds a small model's step; docs/benchmarks.md round 22). On the H200 the 1b training step ran 1.020x torch's fused AdamW with it
+H200 under FSDP2, where the host bounds a small model's step; docs/benchmarks.md round 22). On the H200 the 1b
+training step ran 1.020x torch's fused AdamW with it
 (docs/benchmarks.md, round 20).
 
 Given bf16 copies of the parameters (the linear layers' weights that the forward pass reads, train.weight_copies),
