@@ -212,6 +212,10 @@ FOUR_RANKS = {
                                                           "activation_checkpoint": "full"}),
     "hsdp2x2": Layout(tied=True, grad_accum=1, parallel={"dp_replicate": 2, "dp_shard": 2,
                                                          "activation_checkpoint": "selective"}),
+    # HSDP with the whole model one unit, compiled as one graph, every block recomputed in backward
+    "hsdp2x2_whole_compiled_full_ac": Layout(tied=True, grad_accum=1, parallel={
+        "dp_replicate": 2, "dp_shard": 2, "fsdp_unit_blocks": -1, "activation_checkpoint": "full"},
+        train={"compile": "true"}),
 }
 
 
