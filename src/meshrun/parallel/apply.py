@@ -38,7 +38,7 @@ from meshrun.parallel.checks import (bf16_stream, check_chunked_loss, check_cuda
                                     graphs_supported, is_local, layout_name, several_stages_per_rank, use_cast_once,
                                     use_comm_reorder, use_weight_copies, uses_fsdp)
 from meshrun.parallel.context_parallel import SequenceShards
-from meshrun.parallel.data_parallel import apply_ddp, apply_fsdp, fsdp_units
+from meshrun.parallel.data_parallel import WHOLE_MODEL, apply_ddp, apply_fsdp, fsdp_units
 from meshrun.parallel.engine import Engine, LocalEngine, LossStep, loss_function
 from meshrun.parallel.async_tp import enable_async_tp
 from meshrun.parallel.comm_overlap import enable_comm_reorder
@@ -269,9 +269,6 @@ def keep_weights_eager(block: nn.Module, *, only_linears: bool) -> None:
 
     functorch_config.donated_buffer = False
 
-
-WHOLE_MODEL = -1
-"""parallel.fsdp_unit_blocks=-1: no FSDP2 unit of blocks, the whole model is the root unit (apply.compile_forward)."""
 
 FSDP_ONE_UNIT_PARAMS = 350_000_000
 """Below this many parameters (of this rank's part of the model), ``parallel.fsdp_unit_blocks=0`` shards all blocks

@@ -23,6 +23,7 @@ from meshrun.models.shape import ModelShape
 from meshrun.models.spec import ModelSpec
 from meshrun.parallel.async_tp import check_async_tp
 from meshrun.parallel.context_parallel import check_context_parallel
+from meshrun.parallel.data_parallel import WHOLE_MODEL
 from meshrun.parallel.float8 import check_float8
 from meshrun.parallel.kernels import bf16_by_default, compile_enabled, require_compiled_cuda
 from meshrun.parallel.pipeline import effective_model_config
@@ -121,7 +122,7 @@ def check_layout(job: JobConfig, spec: ModelSpec, shape: ModelShape, dims: Paral
         check_cuda_graphs(device, compiled=compiled, supported=graphs_supported(dims, async_tp=job.parallel.async_tp),
                           layout=layout_name(dims))
     check_chunked_loss(job.train.loss, spec, dims=dims, local=is_local(dims))
-    if job.parallel.fsdp_unit_blocks == -1 and uses_fsdp(dims) and (dims.tp > 1 or dims.pp > 1 or dims.cp > 1):
+    if job.parallel.fsdp_unit_blocks == WHOLE_MODEL and uses_fsdp(dims) and (dims.tp > 1 or dims.pp > 1 or dims.cp > 1):
         raise ConfigError(f"parallel.fsdp_unit_blocks=-1 makes the whole model one FSDP2 unit, compiled as one graph, "
                           f"which {layout_name(dims)} cannot run (tensor, pipeline or context parallelism works "
                           "block by block): give a number of blocks per unit, or drop --parallel.fsdp_unit_blocks")

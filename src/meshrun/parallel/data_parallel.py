@@ -50,10 +50,14 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, compute_dtype: torch.dt
                 module.set_force_sum_reduction_for_comms(True)
 
 
+WHOLE_MODEL = -1
+"""parallel.fsdp_unit_blocks=-1: no FSDP2 unit of blocks, the whole model is the root unit (apply.compile_forward)."""
+
+
 def fsdp_units(blocks: list[nn.Module], unit_blocks: int) -> list[list[nn.Module]]:
     """The blocks each FSDP2 unit shards together (``unit_blocks`` consecutive blocks; the root unit is the rest).
-    ``unit_blocks=-1``: none, the root unit holds the whole model."""
-    if unit_blocks < 0:
+    :data:`WHOLE_MODEL`: none, the root unit holds the whole model."""
+    if unit_blocks == WHOLE_MODEL:
         return []
     return [blocks[i:i + unit_blocks] for i in range(0, len(blocks), unit_blocks)]
 

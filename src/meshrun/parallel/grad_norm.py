@@ -64,7 +64,6 @@ def total_grad_norm(params: Iterable[torch.Tensor], *, norm_type: float = 2.0,
     return total if inf else total.pow(1.0 / norm_type)
 
 
-
 @torch.no_grad()
 def fp32_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """The 2-norm of ``grads`` as fp32, summed in fp32 (torch's ``get_total_norm`` would round the norm of bf16

@@ -39,7 +39,7 @@ class ParallelOptions:
     """auto, true or false (parallel.fsdp_reshard_after_forward)."""
     fsdp_unit_blocks: int = 0
     """Consecutive blocks per FSDP2 unit (parallel.fsdp_unit_blocks; 0: auto, see apply.unit_blocks; -1
-    (apply.WHOLE_MODEL): the whole model one unit, compiled as one graph)."""
+    (data_parallel.WHOLE_MODEL): the whole model one unit, compiled as one graph)."""
     device: torch.device | None = None
     """Where the parameters will live ('auto' resharding weighs them against this GPU's memory; None: unknown)."""
     layout: str = ""
