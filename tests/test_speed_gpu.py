@@ -221,6 +221,17 @@ def test_tp_blocks_as_cuda_graphs_train_like_launched_kernels_and_exit(tmp_path)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_fsdp_whole_model_as_cuda_graphs_trains_like_launched_kernels(tmp_path):
+    """FSDP2 with the whole model one unit (parallel.fsdp_unit_blocks=-1), its forward compiled as one graph and
+    recorded as CUDA graphs (train.cuda_graphs=true), FSDP2's all-gather and reduce-scatter outside the graphs, 2
+    micro-batches per step: a replay that read last step's gathered weights, or a gradient the reduce-scatter missed,
+    would show in the losses or the gradient norm."""
+    _blocks_as_graphs_match_launched(tmp_path, "FSDP 2 whole model", "--parallel.dp_replicate=1",
+                                     "--parallel.dp_shard=2", "--parallel.fsdp_unit_blocks=-1",
+                                     "--train.grad_accum=2")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_tp_with_reordered_collectives_trains_like_inductors_order(tmp_path):
     """parallel.comm_reorder (on by default for TP on GPUs): inductor moves TP's all-reduces and their waits around
     independent compute inside each compiled block (as CUDA graphs, 2 micro-batches per step); a wait moved past a

@@ -91,7 +91,9 @@ def build_engine(*, job: JobConfig, model_cfg: ModelShape, dims: ParallelDims, m
         enable_comm_reorder()
     local = is_local(dims)
     graphs = use_cuda_graphs(job.train.cuda_graphs, device, compiled=compiled,
-                             supported=graphs_supported(dims, async_tp=job.parallel.async_tp),
+                             supported=graphs_supported(dims, async_tp=job.parallel.async_tp,
+                                                        whole_fsdp=job.train.cuda_graphs == "true"
+                                                        and job.parallel.fsdp_unit_blocks == -1),
                              measured=graphs_measured(job, dims))
     options = parallel_options(job, compute_dtype=compute_dtype, compiled=compiled, device=device,
                                cuda_graphs=graphs and not local, split_backward=splits_backward(dims),
@@ -209,7 +211,7 @@ def parallelize(part: nn.Module, structure: ModelStructure, dims: ParallelDims, 
                    unit_blocks=per_unit, reduce_dtype=options.reduce_dtype)
         shared.restore(part, layout=layout, after="FSDP2", reshare=False)
     if options.compiled and whole:
-        compile_forward(part, inductor_mode(options.compile_mode, cuda_graphs=False))
+        compile_forward(part, inductor_mode(options.compile_mode, cuda_graphs=options.cuda_graphs))
 
 
 def compile_forward(part: nn.Module, mode: str) -> None:

@@ -72,9 +72,12 @@ def several_stages_per_rank(dims: ParallelDims) -> bool:
     return dims.pp > 1 and dims.pp_schedule in MULTI_STAGE_SCHEDULES
 
 
-def graphs_supported(dims: ParallelDims, *, async_tp: bool = False) -> bool:
-    """Layouts train.cuda_graphs can serve: the whole step (one process, DDP) or block by block (TP, PP)."""
-    return is_local(dims) or graphs_block_by_block(dims, async_tp=async_tp)
+def graphs_supported(dims: ParallelDims, *, async_tp: bool = False, whole_fsdp: bool = False) -> bool:
+    """Layouts train.cuda_graphs can serve: the whole step (one process, DDP), block by block (TP, PP), or with
+    ``whole_fsdp`` (parallel.fsdp_unit_blocks=-1, asked for with train.cuda_graphs=true) FSDP2's whole model compiled
+    as one graph, its hooks outside it."""
+    return (is_local(dims) or graphs_block_by_block(dims, async_tp=async_tp)
+            or (whole_fsdp and uses_fsdp(dims) and dims.tp == 1 and dims.pp == 1 and dims.cp == 1))
 
 
 def compute_dtype(job: JobConfig, device: torch.device | str) -> torch.dtype | None:
@@ -119,7 +122,9 @@ def check_layout(job: JobConfig, spec: ModelSpec, shape: ModelShape, dims: Paral
                               "on each rank, whose blocks train wrongly as CUDA graphs (a GPU test's loss stayed at "
                               "3.17 where launched kernels reached 2.03); drop --train.cuda_graphs, or set "
                               "--parallel.pp_schedule=1f1b (which runs as CUDA graphs)")
-        check_cuda_graphs(device, compiled=compiled, supported=graphs_supported(dims, async_tp=job.parallel.async_tp),
+        check_cuda_graphs(device, compiled=compiled,
+                          supported=graphs_supported(dims, async_tp=job.parallel.async_tp,
+                                                     whole_fsdp=job.parallel.fsdp_unit_blocks == -1),
                           layout=layout_name(dims))
     check_chunked_loss(job.train.loss, spec, dims=dims, local=is_local(dims))
     if job.parallel.fsdp_unit_blocks == WHOLE_MODEL and uses_fsdp(dims) and (dims.tp > 1 or dims.pp > 1 or dims.cp > 1):
