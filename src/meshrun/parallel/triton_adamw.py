@@ -9,7 +9,11 @@ of the 1b model's 110 ms training step (1.03B parameters, about 3.3 TB/s).
 :func:`adamw_` does the same arithmetic in one launch over all tensors: a table of each tensor's addresses and a
 table of (tensor, offset) per block of ``BLOCK`` elements, which the kernel reads to find its data, and it leaves the
 gradients as they were. The table of addresses is rebuilt each step (gradients may be new tensors); the block table
-is kept while the shapes stay. On the H200 the 1b training step ran 1.020x torch's fused AdamW with it
+is kept while the shapes stay. Each program computes its tensor's bias corrections from the tensor's step count
+itself, so the host launches nothing per step but the step counts' increment and the kernel (the corrections as
+about ten small tensor operations over the stacked step counts took about 0.5 ms of host time per launch on an
+H200 under FSDP2, where the host bounds a small model's step; docs/benchmarks.md round 22). On the H200 the 1b
+training step ran 1.020x torch's fused AdamW with it
 (docs/benchmarks.md, round 20).
 
 Given bf16 copies of the parameters (the linear layers' weights that the forward pass reads, train.weight_copies),
@@ -20,6 +24,7 @@ again before the next forward pass (1.026x on the 1b step, round 21).
 from __future__ import annotations
 
 import os
+import struct
 from typing import Sequence
 
 import torch
@@ -88,8 +93,23 @@ if triton is not None:
                     tl.store(copy_ptr + offs, c)
 
     @triton.jit
+    def _as_double(bits):
+        """A Python float passed as the int64 of its bits (:func:`_bits`): Triton passes float arguments as fp32."""
+        return bits.to(tl.int64).to(tl.float64, bitcast=True)
+
+    @triton.jit
+    def _power(base, count):
+        """``base ** count`` for a count below 2 ** 25, by squaring."""
+        result = base * 0.0 + 1.0
+        for _ in tl.static_range(25):
+            result = tl.where((count & 1) != 0, result * base, result)
+            base = base * base
+            count = count >> 1
+        return result
+
+    @triton.jit(do_not_specialize=["lr_bits", "beta1_bits", "beta2_bits"])
     def _adamw_kernel(block_tensor, block_start, addresses, numels, n_tensors, grad_scale_ptr, found_inf_ptr,
-                      step_sizes, bc2_sqrts, lr, beta1, beta2, eps, weight_decay,
+                      lr_bits, beta1_bits, beta2_bits, lr, beta1, beta2, eps, weight_decay,
                       GRAD_DTYPE: tl.constexpr, BLOCK: tl.constexpr, HAS_SCALE: tl.constexpr,
                       HAS_INF: tl.constexpr, MAXIMIZE: tl.constexpr, ALIGNED: tl.constexpr,
                       HAS_COPIES: tl.constexpr, COPY_DTYPE: tl.constexpr):
@@ -104,9 +124,10 @@ if triton is not None:
         grad_addr = tl.load(addresses + n_tensors + t)
         avg_addr = tl.load(addresses + 2 * n_tensors + t)
         sq_addr = tl.load(addresses + 3 * n_tensors + t)
+        step_addr = tl.load(addresses + 4 * n_tensors + t)
         copy_addr = sq_addr  # unused without copies
         if HAS_COPIES:
-            copy_addr = tl.load(addresses + 4 * n_tensors + t)  # 0: this tensor has no copy
+            copy_addr = tl.load(addresses + 5 * n_tensors + t)  # 0: this tensor has no copy
         write_copy = copy_addr != 0
         if ALIGNED:  # every address 16-byte aligned (adamw_ checks): the loads can be vectorised
             param_addr = tl.multiple_of(param_addr, 16)
@@ -119,8 +140,15 @@ if triton is not None:
         avg_ptr = avg_addr.to(tl.pointer_type(tl.float32))
         sq_ptr = sq_addr.to(tl.pointer_type(tl.float32))
         copy_ptr = copy_addr.to(tl.pointer_type(COPY_DTYPE))
-        step_size = tl.load(step_sizes + t)
-        bc2_sqrt = tl.load(bc2_sqrts + t)
+        # as torch's fused AdamW: the bias corrections in double precision from this tensor's own step count, then
+        # rounded to fp32. beta ** step by squaring, in fp64 multiplications only (no libdevice, which Triton's
+        # interpreter lacks): within about 50 units in the last place of a double of torch's pow, far below fp32's
+        # rounding. An fp32 step count stops counting at 2 ** 24, so 25 bits cover every count
+        count = tl.load(step_addr.to(tl.pointer_type(tl.float32))).to(tl.int64)
+        beta1_power = _power(_as_double(beta1_bits), count)
+        beta2_power = _power(_as_double(beta2_bits), count)
+        step_size = (_as_double(lr_bits) / (1.0 - beta1_power)).to(tl.float32)  # fp64: IEEE division and root
+        bc2_sqrt = tl.sqrt(1.0 - beta2_power).to(tl.float32)
         lr_decay = lr * weight_decay
         inv_scale = 1.0
         if HAS_SCALE:
@@ -201,26 +229,29 @@ def adamw_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_av
     if found_inf is not None:
         torch._foreach_sub_(state_steps, [found_inf] * len(state_steps))
     block_tensor, block_start, numels = _block_tables(tuple(p.numel() for p in params), device, block)
-    pointers = [t.data_ptr() for group in (params, grads, exp_avgs, exp_avg_sqs) for t in group]
+    pointers = [t.data_ptr() for group in (params, grads, exp_avgs, exp_avg_sqs, state_steps) for t in group]
     present = [c for c in copies or () if c is not None]
     if present:
         pointers += [c.data_ptr() if c is not None else 0 for c in copies]
     # FSDP2's gradient shards are views into one reduce-scatter buffer, packed without padding: a shard whose
-    # predecessor's length is not a multiple of 4 starts unaligned, and then no load may assume alignment
-    aligned = not any(pointer % 16 for pointer in pointers)
+    # predecessor's length is not a multiple of 4 starts unaligned, and then no load may assume alignment (the
+    # step counts are read one value each, and their addresses do not count)
+    aligned = not any(pointer % 16 for pointer in pointers[:4 * len(params)] + pointers[5 * len(params):])
     addresses = torch.tensor(pointers, dtype=torch.int64, pin_memory=device.type == "cuda")
     addresses = addresses.to(device, non_blocking=True)
-    # torch's fused AdamW: the bias corrections in double precision from each tensor's own step count
-    steps = torch.stack([s.reshape(()) for s in state_steps]).double()
-    step_sizes = (lr / (1 - beta1 ** steps)).float()
-    bc2_sqrts = (1 - beta2 ** steps).sqrt().float()
     unused = block_start  # any tensor: the flags below keep the kernel from reading it
     _adamw_kernel[(block_tensor.numel(),)](
         block_tensor, block_start, addresses, numels, len(params),
         grad_scale if grad_scale is not None else unused, found_inf if found_inf is not None else unused,
-        step_sizes, bc2_sqrts,
+        _bits(lr), _bits(beta1), _bits(beta2),
         float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
         GRAD_DTYPE=tl.bfloat16 if grads[0].dtype == torch.bfloat16 else tl.float32, BLOCK=block,
         HAS_SCALE=grad_scale is not None, HAS_INF=found_inf is not None, MAXIMIZE=maximize, ALIGNED=aligned,
         HAS_COPIES=bool(present), COPY_DTYPE=tl.float16 if present and present[0].dtype == torch.float16
         else tl.bfloat16, num_warps=num_warps)
+
+
+def _bits(value: float) -> int:
+    """``value`` as a double's bits in an int64, which the kernel reads back as a double (``_as_double``): the bias
+    corrections need lr and the betas in double precision, as torch's fused AdamW computes them."""
+    return struct.unpack("<q", struct.pack("<d", float(value)))[0]
