@@ -38,16 +38,22 @@ FOUR_GPUS = {  # context parallelism composed with TP, FSDP and HSDP in bf16 (ru
     "hsdp2_cp2": Layout(tied=True, grad_accum=1, parallel={"dp_replicate": 2, "cp": 2}),
 }
 BF16 = {
+    # compiled FSDP2 of a small model: by default the whole model one unit, recorded as CUDA graphs
+    # (checks.whole_model_unit), with selective recomputation here; the next two layouts run other settings
     "fsdp2_compile_selective": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 1, "dp_shard": 2,
                                                                          "activation_checkpoint": "selective"},
                                       train={"compile": "true"}),
     # inductor's max-autotune mode (train.compile_mode): other kernels for the same math
     "fsdp2_compile_autotune": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 1, "dp_shard": 2},
                                      train={"compile": "true", "compile_mode": "max-autotune"}),
-    # the whole model one FSDP2 unit, its forward compiled as one graph (parallel.fsdp_unit_blocks=-1)
+    # the whole model one FSDP2 unit, its forward compiled as one graph, launched kernels
     "fsdp2_whole_compile": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 1, "dp_shard": 2,
                                                                      "fsdp_unit_blocks": -1},
-                                  train={"compile": "true"}),
+                                  train={"compile": "true", "cuda_graphs": "false"}),
+    # FSDP2 block by block, each block compiled: what larger models run
+    "fsdp2_blocks_compile": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 1, "dp_shard": 2,
+                                                                      "fsdp_unit_blocks": 1},
+                                   train={"compile": "true"}),
     "tp2_full_ac": Layout(tied=True, grad_accum=1, parallel={"dp_replicate": 1, "tp": 2,
                                                              "activation_checkpoint": "full"}),
     # TP's compiled cross-entropy on each rank's vocabulary shard (meshrun.parallel.vocab_loss), blocks as graphs

@@ -140,8 +140,10 @@ def test_cuda_graphs_auto_is_on_exactly_where_true_is_accepted():
     assert use_cuda_graphs("true", gpu, compiled=True, supported=True, measured=False)  # asked for
     job = load_config(None, ["--train.cuda_graphs=true", "--train.compile=true"])
     fsdp = ParallelDims.from_config(ParallelConfig(dp_shard=2), world_size=2, gpus_per_node=2)
-    with pytest.raises(ConfigError, match="not for FSDP"):  # what the run plan checks before any process group
-        check_layout(job, GPT_SPEC, SIZES["tiny"], fsdp, device=gpu, compute_dtype=torch.bfloat16)
+    check_layout(job, GPT_SPEC, SIZES["tiny"], fsdp, device=gpu, compute_dtype=torch.bfloat16)  # the whole model
+    per_block = load_config(None, ["--train.cuda_graphs=true", "--train.compile=true", "--parallel.fsdp_unit_blocks=1"])
+    with pytest.raises(ConfigError, match="not for FSDP.*set --parallel.fsdp_unit_blocks=-1"):  # checked before any
+        check_layout(per_block, GPT_SPEC, SIZES["tiny"], fsdp, device=gpu, compute_dtype=torch.bfloat16)  # group
     interleaved = ParallelDims.from_config(ParallelConfig(pp=2, dp_replicate=1, pp_schedule="interleaved1f1b"),
                                            world_size=2, gpus_per_node=2)
     with pytest.raises(ConfigError, match="^train.cuda_graphs=true: parallel.pp_schedule=interleaved1f1b runs several "
@@ -183,7 +185,10 @@ def test_the_header_says_why_auto_left_cuda_graphs_off():
         return graphs_left_off(job, ParallelDims.from_config(job.parallel, world_size=4, gpus_per_node=4), gpu)
 
     assert off(dp_replicate=4) == off(tp=4) == ""  # auto records them
-    assert off(dp_shard=4) == "FSDP's hooks or collectives run between the compiled graphs"
+    assert off(dp_shard=4) == "FSDP's hooks or collectives run between the compiled graphs"  # block by block
+    fsdp = load_config(None, ["--train.compile=true", "--parallel.dp_replicate=1", "--parallel.dp_shard=4"])
+    assert graphs_left_off(fsdp, ParallelDims.from_config(fsdp.parallel, world_size=4, gpus_per_node=4), gpu,
+                           whole_fsdp=True) == ""  # the whole model one unit: recorded
     assert off(pp=4) == off(tp=2, pp=2) == ""  # their 4-GPU tests passed
     assert off("--parallel.pp_schedule=gpipe", pp=4) == "PP 4 with gpipe not yet run as graphs on a GPU"
     assert off("--parallel.pp_schedule=gpipe", tp=2, pp=2) == (

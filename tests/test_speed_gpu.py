@@ -289,7 +289,7 @@ def test_four_pipeline_stages_as_cuda_graphs_train_like_launched_kernels(tmp_pat
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs")
 def test_tp_with_pp_blocks_as_cuda_graphs_train_like_launched_kernels(tmp_path):
     """TP 2 x PP 2: each stage's compiled blocks, TP's all-reduces inside, recorded as CUDA graphs (train.cuda_graphs
-    =auto since it passed on 4 H100s, 2026-11-28: 2 stages of 1F1B, apply.untested_as_graphs)."""
+    =auto since it passed on 4 H100s, 2026-11-28: 2 stages of 1F1B, checks.untested_as_graphs)."""
     _blocks_as_graphs_match_launched(tmp_path, "TP 2 x PP 2", "--parallel.tp=2", "--parallel.pp=2",
                                      "--parallel.dp_replicate=1", "--model.tie_embeddings=false",
                                      "--train.grad_accum=4", "--parallel.pp_microbatches=4", gpus=4)

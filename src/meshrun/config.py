@@ -122,11 +122,12 @@ class TrainConfig:
     """Compile with CUDA graphs (torch.compile mode reduce-overhead): each compiled graph is recorded once and
     replayed, so the host no longer launches every kernel. One process and DDP record the whole step; TP and PP
     without FSDP or context parallelism record each block (TP's all-reduces inside, the pipeline's sends between;
-    not the schedules with several stages per rank, which trained wrongly as graphs).
-    auto: on for those layouts when compiled on CUDA GPUs with the full loss, without float8, TP without sequence
-    parallelism, PP of up to 4 stages with the 1f1b schedule or 2 with gpipe, and TP with PP of 2 stages with 1f1b
-    (the combinations tested on GPUs), off elsewhere; true refuses the layouts it cannot serve; false launches every
-    kernel."""
+    not the schedules with several stages per rank, which trained wrongly as graphs); FSDP2 with the whole model one
+    unit (parallel.fsdp_unit_blocks) records the model's forward and backward, its all-gather and reduce-scatter
+    outside. auto: on for those layouts when compiled on CUDA GPUs with the full loss, without float8, TP without
+    sequence parallelism, PP of up to 4 stages with the 1f1b schedule or 2 with gpipe, and TP with PP of 2 stages
+    with 1f1b (the combinations tested on GPUs), off elsewhere; true refuses the layouts it cannot serve; false
+    launches every kernel."""
     gc_every: int = 50
     """Python's garbage collector runs every N optimizer steps (young generations only) instead of whenever
     allocations trigger it, with the objects alive after the first step frozen out of its scans; 0 leaves Python's
@@ -234,10 +235,12 @@ class ParallelConfig:
     fsdp_unit_blocks: int = 0
     """Consecutive blocks FSDP2 shards as one unit: one all-gather and one reduce-scatter per unit instead of per
     block. Fewer, larger collectives suit small models, whose per-block collectives are latency-bound; the cost is
-    the gathered parameters of a whole unit in memory at once. 0 (auto): all blocks in one unit on GPUs for models
-    under 350M parameters, one block per unit otherwise. -1: the whole model is one unit (embedding, blocks and
-    head gathered together) and, when compiled, its forward is compiled as one graph instead of block by block:
-    the fewest hooks and compiled regions for the host to run through each step (FSDP/HSDP without tp, pp or cp)."""
+    the gathered parameters of a whole unit in memory at once. -1: the whole model is one unit (embedding, blocks
+    and head gathered together) and, when compiled, its forward is compiled as one graph instead of block by block,
+    and recorded as CUDA graphs where train.cuda_graphs is on: the fewest hooks and compiled regions for the host to
+    run through each step (FSDP/HSDP without tp, pp or cp). 0 (auto), on GPUs for models under 350M parameters: -1
+    where that step runs as CUDA graphs (compiled, FSDP/HSDP alone, what train.cuda_graphs=auto covers), else all
+    blocks in one unit; one block per unit for larger models and on CPU."""
     ddp_overlap: bool = False
     """With compile: compile the DDP-wrapped step instead of wrapping the compiled step in DDP. Either way, where
     parallel.ddp_graph splits the step at DDP's bucket boundaries, each bucket's all-reduce overlaps the rest of

@@ -35,10 +35,11 @@ from meshrun.models.shape import ModelShape
 from meshrun.models.spec import ModelSpec, ModelStructure
 from meshrun.parallel.activation_checkpoint import apply_activation_checkpointing
 from meshrun.parallel.checks import (bf16_stream, check_chunked_loss, check_cuda_graphs, check_layout,
-                                    graphs_supported, is_local, layout_name, several_stages_per_rank, use_cast_once,
-                                    use_comm_reorder, use_weight_copies, uses_fsdp)
+                                    graphs_measured, graphs_supported, is_local, layout_name, several_stages_per_rank,
+                                    untested_as_graphs, use_cast_once, use_comm_reorder, use_weight_copies, uses_fsdp,
+                                    whole_model_unit)
 from meshrun.parallel.context_parallel import SequenceShards
-from meshrun.parallel.data_parallel import WHOLE_MODEL, apply_ddp, apply_fsdp, fsdp_units
+from meshrun.parallel.data_parallel import FSDP_ONE_UNIT_PARAMS, WHOLE_MODEL, apply_ddp, apply_fsdp, fsdp_units
 from meshrun.parallel.engine import Engine, LocalEngine, LossStep, loss_function
 from meshrun.parallel.async_tp import enable_async_tp
 from meshrun.parallel.comm_overlap import enable_comm_reorder
@@ -90,14 +91,13 @@ def build_engine(*, job: JobConfig, model_cfg: ModelShape, dims: ParallelDims, m
     if use_comm_reorder(job, dims, device):
         enable_comm_reorder()
     local = is_local(dims)
+    whole = fsdp_whole_model(job, dims, spec, cfg, device)
     graphs = use_cuda_graphs(job.train.cuda_graphs, device, compiled=compiled,
-                             supported=graphs_supported(dims, async_tp=job.parallel.async_tp,
-                                                        whole_fsdp=job.train.cuda_graphs == "true"
-                                                        and job.parallel.fsdp_unit_blocks == -1),
+                             supported=graphs_supported(dims, async_tp=job.parallel.async_tp, whole_fsdp=whole),
                              measured=graphs_measured(job, dims))
     options = parallel_options(job, compute_dtype=compute_dtype, compiled=compiled, device=device,
                                cuda_graphs=graphs and not local, split_backward=splits_backward(dims),
-                               residual_bf16=bf16_stream(job, dims, compute_dtype))
+                               residual_bf16=bf16_stream(job, dims, compute_dtype), whole_model=whole)
     if local:
         return _local_engine(job, spec, cfg, dims, device, rank=rank, autocast_dtype=None if fp32 else compute_dtype,
                              options=options, cuda_graphs=graphs)
@@ -272,18 +272,10 @@ def keep_weights_eager(block: nn.Module, *, only_linears: bool) -> None:
     functorch_config.donated_buffer = False
 
 
-FSDP_ONE_UNIT_PARAMS = 350_000_000
-"""Below this many parameters (of this rank's part of the model), ``parallel.fsdp_unit_blocks=0`` shards all blocks
-as one FSDP2 unit on GPUs. On 2x H100 (124m, 16 x 1024 tokens, clip 1.0) one unit ran 376.8k tokens/s per GPU and
-one unit per block 226.4k: each unit's hooks, copies and collectives cost about the same whatever its size, and a
-small model's blocks are too quick to hide them. The 1b model (68-70k with one unit per block) keeps per-block
-units, whose all-gathers overlap the previous block's compute; no size in between has been measured."""
-
-
 def unit_blocks(choice: int, part: nn.Module, blocks: list[nn.Module], *, device: torch.device | None) -> int:
-    """parallel.fsdp_unit_blocks: the number given (-1: :data:`WHOLE_MODEL`), or for 0 (auto) all blocks in one unit
-    on a GPU when ``part`` has fewer than :data:`FSDP_ONE_UNIT_PARAMS` parameters, else one block per unit (always
-    on CPU)."""
+    """parallel.fsdp_unit_blocks: the number given (-1: :data:`WHOLE_MODEL`, also where checks.whole_model_unit
+    resolved 0 to it), or for 0 (auto) all blocks in one unit on a GPU when ``part`` has fewer than
+    :data:`FSDP_ONE_UNIT_PARAMS` parameters, else one block per unit (always on CPU)."""
     if choice:
         return choice
     small = sum(p.numel() for p in part.parameters()) < FSDP_ONE_UNIT_PARAMS
@@ -336,38 +328,23 @@ def seed_for_init(seed: int, *, dims: ParallelDims, rank: int, device: torch.dev
         manual_seed(seed + c.pp, dims.mesh)
 
 
-def graphs_measured(job: JobConfig, dims: ParallelDims) -> bool:
-    """The step is one that GPU tests have run as CUDA graphs, so train.cuda_graphs=auto may turn them on (see
-    :func:`untested_as_graphs`). train.cuda_graphs=true accepts the others."""
-    return not untested_as_graphs(job, dims)
+def fsdp_whole_model(job: JobConfig, dims: ParallelDims, spec: ModelSpec, shape: ModelShape,
+                     device: torch.device) -> bool:
+    """Does FSDP2 hold this run's whole model as one unit (checks.whole_model_unit, the model's parameters counted
+    on the meta device only when FSDP2 runs)?"""
+    return uses_fsdp(dims) and whole_model_unit(job, dims, params=spec.count_params(shape), device=device,
+                                                compiled=compile_enabled(job.train.compile, device))
 
 
-GRAPH_TESTED_PP = {"1f1b": 4, "gpipe": 2}
-"""The most pipeline stages each schedule's GPU test has run as CUDA graphs (tests/test_speed_gpu.py: 1F1B of 2 and
-4 stages, GPipe of 2); more stages put more micro-batches in flight per rank. The interleaved schedules trained
-wrongly and are refused (checks.several_stages_per_rank)."""
-
-
-def untested_as_graphs(job: JobConfig, dims: ParallelDims) -> list[str]:
-    """What in this step GPU tests have not run as CUDA graphs: the chunked loss, float8, TP's sequence parallelism,
-    PP beyond GRAPH_TESTED_PP, and TP with PP other than 2 stages of 1F1B (the combination its 4-GPU test ran)."""
-    schedule = dims.pp_schedule  # resolved (parallel.pp_schedule=auto)
-    return [what for what, applies in (
-        ("train.loss=chunked", job.train.loss != "full"),
-        ("train.float8", job.train.float8),
-        ("sequence parallelism", dims.tp > 1 and job.parallel.sequence_parallel),
-        ("TP with PP other than 2 stages of 1f1b", dims.tp > 1 and dims.pp > 1 and (dims.pp, schedule) != (2, "1f1b")),
-        (f"PP {dims.pp} with {schedule}", dims.pp > GRAPH_TESTED_PP.get(schedule, 1))) if applies]
-
-
-def graphs_left_off(job: JobConfig, dims: ParallelDims, device: torch.device) -> str:
+def graphs_left_off(job: JobConfig, dims: ParallelDims, device: torch.device, *, whole_fsdp: bool = False) -> str:
     """Why train.cuda_graphs=auto leaves CUDA graphs off where compile is on on a GPU (the start-up header says it
-    beside "compile on"); empty where auto turns them on, or where compile or the GPU is what is missing."""
+    beside "compile on"); empty where auto turns them on, or where compile or the GPU is what is missing.
+    ``whole_fsdp``: FSDP2 holds the whole model as one unit (checks.whole_model_unit)."""
     if job.train.cuda_graphs != "auto" or device.type != "cuda" or not compile_enabled(job.train.compile, device):
         return ""
     if several_stages_per_rank(dims):
         return f"parallel.pp_schedule={dims.pp_schedule} runs several stages per rank, which train wrongly as graphs"
-    if not graphs_supported(dims, async_tp=job.parallel.async_tp):
+    if not graphs_supported(dims, async_tp=job.parallel.async_tp, whole_fsdp=whole_fsdp):
         return f"{layout_name(dims)}'s hooks or collectives run between the compiled graphs"
     untested = untested_as_graphs(job, dims)
     return f"{', '.join(untested)} not yet run as graphs on a GPU" if untested else ""

@@ -23,7 +23,7 @@ from meshrun.models.shape import ModelShape
 from meshrun.models.spec import ModelSpec
 from meshrun.parallel.async_tp import check_async_tp
 from meshrun.parallel.context_parallel import check_context_parallel
-from meshrun.parallel.data_parallel import WHOLE_MODEL
+from meshrun.parallel.data_parallel import FSDP_ONE_UNIT_PARAMS, WHOLE_MODEL
 from meshrun.parallel.float8 import check_float8
 from meshrun.parallel.kernels import bf16_by_default, compile_enabled, require_compiled_cuda
 from meshrun.parallel.pipeline import effective_model_config
@@ -74,10 +74,51 @@ def several_stages_per_rank(dims: ParallelDims) -> bool:
 
 def graphs_supported(dims: ParallelDims, *, async_tp: bool = False, whole_fsdp: bool = False) -> bool:
     """Layouts train.cuda_graphs can serve: the whole step (one process, DDP), block by block (TP, PP), or with
-    ``whole_fsdp`` (parallel.fsdp_unit_blocks=-1, asked for with train.cuda_graphs=true) FSDP2's whole model compiled
-    as one graph, its hooks outside it."""
+    ``whole_fsdp`` (:func:`whole_model_unit`) FSDP2's whole model compiled as one graph, its hooks outside it."""
     return (is_local(dims) or graphs_block_by_block(dims, async_tp=async_tp)
             or (whole_fsdp and uses_fsdp(dims) and dims.tp == 1 and dims.pp == 1 and dims.cp == 1))
+
+
+def graphs_measured(job: JobConfig, dims: ParallelDims) -> bool:
+    """The step is one that GPU tests have run as CUDA graphs, so train.cuda_graphs=auto may turn them on (see
+    :func:`untested_as_graphs`). train.cuda_graphs=true accepts the others."""
+    return not untested_as_graphs(job, dims)
+
+
+GRAPH_TESTED_PP = {"1f1b": 4, "gpipe": 2}
+"""The most pipeline stages each schedule's GPU test has run as CUDA graphs (tests/test_speed_gpu.py: 1F1B of 2 and
+4 stages, GPipe of 2); more stages put more micro-batches in flight per rank. The interleaved schedules trained
+wrongly and are refused (checks.several_stages_per_rank)."""
+
+
+def untested_as_graphs(job: JobConfig, dims: ParallelDims) -> list[str]:
+    """What in this step GPU tests have not run as CUDA graphs: the chunked loss, float8, TP's sequence parallelism,
+    PP beyond GRAPH_TESTED_PP, and TP with PP other than 2 stages of 1F1B (the combination its 4-GPU test ran)."""
+    schedule = dims.pp_schedule  # resolved (parallel.pp_schedule=auto)
+    return [what for what, applies in (
+        ("train.loss=chunked", job.train.loss != "full"),
+        ("train.float8", job.train.float8),
+        ("sequence parallelism", dims.tp > 1 and job.parallel.sequence_parallel),
+        ("TP with PP other than 2 stages of 1f1b", dims.tp > 1 and dims.pp > 1 and (dims.pp, schedule) != (2, "1f1b")),
+        (f"PP {dims.pp} with {schedule}", dims.pp > GRAPH_TESTED_PP.get(schedule, 1))) if applies]
+
+
+def whole_model_unit(job: JobConfig, dims: ParallelDims, *, params: int, device: torch.device,
+                     compiled: bool) -> bool:
+    """parallel.fsdp_unit_blocks resolved: is the whole model one FSDP2 unit (:data:`WHOLE_MODEL`), its forward
+    compiled as one graph? -1 asks for it. 0 (auto) picks it where that step then runs as CUDA graphs
+    (train.cuda_graphs auto or true): FSDP2 alone (no TP, PP or context parallelism), compiled on a CUDA GPU, a model
+    of fewer than :data:`FSDP_ONE_UNIT_PARAMS` parameters (``params``), and nothing in the step that GPU tests have not
+    run as graphs. For such a model the host, not the GPU, sets the pace of FSDP2 block by block: on one H200 (124m,
+    FSDP2's hooks and copies on a one-rank mesh) 361k tokens/s block by block, 495k as one graph replayed
+    (docs/benchmarks.md round 23)."""
+    if not uses_fsdp(dims):
+        return False
+    choice = job.parallel.fsdp_unit_blocks
+    if choice:
+        return choice == WHOLE_MODEL
+    return (dims.tp == 1 and dims.pp == 1 and dims.cp == 1 and compiled and device.type == "cuda"
+            and params < FSDP_ONE_UNIT_PARAMS and job.train.cuda_graphs != "false" and graphs_measured(job, dims))
 
 
 def compute_dtype(job: JobConfig, device: torch.device | str) -> torch.dtype | None:
@@ -122,9 +163,10 @@ def check_layout(job: JobConfig, spec: ModelSpec, shape: ModelShape, dims: Paral
                               "on each rank, whose blocks train wrongly as CUDA graphs (a GPU test's loss stayed at "
                               "3.17 where launched kernels reached 2.03); drop --train.cuda_graphs, or set "
                               "--parallel.pp_schedule=1f1b (which runs as CUDA graphs)")
+        whole = uses_fsdp(dims) and whole_model_unit(job, dims, params=spec.count_params(shape), device=device,
+                                                     compiled=compiled)
         check_cuda_graphs(device, compiled=compiled,
-                          supported=graphs_supported(dims, async_tp=job.parallel.async_tp,
-                                                     whole_fsdp=job.parallel.fsdp_unit_blocks == -1),
+                          supported=graphs_supported(dims, async_tp=job.parallel.async_tp, whole_fsdp=whole),
                           layout=layout_name(dims))
     check_chunked_loss(job.train.loss, spec, dims=dims, local=is_local(dims))
     if job.parallel.fsdp_unit_blocks == WHOLE_MODEL and uses_fsdp(dims) and (dims.tp > 1 or dims.pp > 1 or dims.cp > 1):
@@ -271,7 +313,8 @@ def check_cuda_graphs(device: torch.device, *, compiled: bool, supported: bool, 
     require_compiled_cuda("train.cuda_graphs", cuda_why="it records CUDA graphs",
                           compile_why="graphs what torch.compile produces", device=device, compiled=compiled)
     if not supported:
-        raise ConfigError(f"train.cuda_graphs=true runs for one process, DDP, TP and PP (no FSDP, context "
-                          f"parallelism or async TP), not for {layout}, whose per-block hooks and collectives run "
-                          "between the compiled graphs; drop --train.cuda_graphs, or set --parallel.data_parallel=ddp "
-                          "for pure data parallelism")
+        raise ConfigError(f"train.cuda_graphs=true runs for one process, DDP, TP, PP and FSDP2 with the whole "
+                          f"model one unit (no FSDP2 block by block, context parallelism or async TP), not for "
+                          f"{layout}, whose per-block hooks and collectives run between the compiled graphs; drop "
+                          "--train.cuda_graphs, or for pure data parallelism set --parallel.fsdp_unit_blocks=-1 "
+                          "(FSDP2) or --parallel.data_parallel=ddp")

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from meshrun.config import ActivationCheckpointMode, JobConfig
+from meshrun.parallel.data_parallel import WHOLE_MODEL
 
 
 @dataclass(frozen=True)
@@ -54,17 +55,20 @@ class ParallelOptions:
 
 def parallel_options(job: JobConfig, *, compute_dtype: torch.dtype | None, compiled: bool = False,
                      device: torch.device | None = None, cuda_graphs: bool = False,
-                     split_backward: bool = False, residual_bf16: bool = False) -> ParallelOptions:
+                     split_backward: bool = False, residual_bf16: bool = False,
+                     whole_model: bool = False) -> ParallelOptions:
     """The trainer's options: its ``[parallel]`` and ``[train]`` choices, with the resolved dtype and compilation
     (``split_backward``: a zero-bubble pipeline schedule runs; ``residual_bf16``: train.residual_dtype as
-    checks.bf16_stream resolves it)."""
+    checks.bf16_stream resolves it; ``whole_model``: FSDP2 holds the whole model as one unit, as
+    checks.whole_model_unit resolves parallel.fsdp_unit_blocks)."""
     p = job.parallel
     return ParallelOptions(compute_dtype=compute_dtype, compiled=compiled, cuda_graphs=cuda_graphs and compiled,
                            compile_mode=job.train.compile_mode,
                            activation_checkpoint=p.activation_checkpoint, sequence_parallel=p.sequence_parallel,
                            float8=job.train.float8, reduce_dtype=reduce_dtype(p.grad_reduce_dtype),
                            fsdp_reshard_after_forward=p.fsdp_reshard_after_forward,
-                           fsdp_unit_blocks=p.fsdp_unit_blocks, device=device, split_backward=split_backward,
+                           fsdp_unit_blocks=WHOLE_MODEL if whole_model else p.fsdp_unit_blocks,
+                           device=device, split_backward=split_backward,
                            residual_in_compute_dtype=residual_bf16)
 
 
