@@ -324,6 +324,10 @@ def test_data_parallel_auto_shards_large_models_on_gpus():
     forced, note = choose_data_parallel(ParallelConfig(data_parallel="fsdp"), params=small, on_gpu=False)
     assert (forced.dp_replicate, forced.dp_shard) == (1, -1) and "parallel.data_parallel=fsdp" in note
     assert choose_data_parallel(ParallelConfig(data_parallel="ddp"), params=one_b, on_gpu=True)[1] == ""
+    # one process: nothing is sharded, and the header says so rather than "FSDP2 over every data-parallel rank"
+    _, alone = choose_data_parallel(ParallelConfig(data_parallel="fsdp"), params=small, on_gpu=True, world_size=1)
+    assert alone.startswith("data parallelism: one process holds the whole model, nothing to shard"), alone
+    assert choose_data_parallel(default, params=one_b, on_gpu=True, world_size=1)[1] == ""  # auto: nothing to say
 
 
 def test_data_parallel_choice_is_validated():

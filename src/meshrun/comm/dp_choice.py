@@ -14,11 +14,13 @@ small model's compute hides), the 1.2B model 1.13x faster with FSDP2 (each GPU u
 and the reduce-scatter overlaps backward), with half the memory."""
 
 
-def choose_data_parallel(parallel: ParallelConfig, *, params: int, on_gpu: bool) -> tuple[ParallelConfig, str]:
+def choose_data_parallel(parallel: ParallelConfig, *, params: int, on_gpu: bool,
+                         world_size: int | None = None) -> tuple[ParallelConfig, str]:
     """Apply ``parallel.data_parallel`` to the default pure data-parallel layout (dp_replicate=-1, dp_shard=1).
 
     Returns the config with the degrees to use, and a note for the start-up header ('' when the layout was given
-    explicitly or stays DDP). The result is what runs, so it is also what config.toml records.
+    explicitly or stays DDP). The result is what runs, so it is also what config.toml records. With ``world_size``
+    1 (one process) nothing is sharded: the note says so where data_parallel=fsdp was asked for.
     """
     plain = parallel.dp_replicate == -1 and parallel.dp_shard == 1
     mode = parallel.data_parallel
@@ -30,6 +32,10 @@ def choose_data_parallel(parallel: ParallelConfig, *, params: int, on_gpu: bool)
         why = f"parallel.data_parallel={mode}"
     if mode != "fsdp" or not plain:
         return parallel, ""
+    if world_size == 1:
+        note = ("data parallelism: one process holds the whole model, nothing to shard (parallel.data_parallel=fsdp "
+                "shards from 2 processes)") if parallel.data_parallel == "fsdp" else ""
+        return dataclasses.replace(parallel, dp_replicate=1, dp_shard=-1), note
     note = (f"data parallelism: FSDP2 over every data-parallel rank ({why}); --parallel.data_parallel=ddp keeps "
             "whole replicas")
     return dataclasses.replace(parallel, dp_replicate=1, dp_shard=-1), note

@@ -69,7 +69,7 @@ class RunPlan:
         spec = model_spec(job)
         shape = model_shape(job, vocab_size)
         parallel, note = choose_data_parallel(job.parallel, params=spec.count_params(shape),
-                                              on_gpu=wants_cuda(job.dist))
+                                              on_gpu=wants_cuda(job.dist), world_size=env.world_size)
         auto, schedule_note = choose_pp_schedule(parallel, n_layers=shape.n_layers, on_gpu=wants_cuda(job.dist),
                                                  world_size=env.world_size, cuda_graphs=job.train.cuda_graphs)
         try:
