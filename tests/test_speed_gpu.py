@@ -225,7 +225,8 @@ def test_fsdp_whole_model_as_cuda_graphs_trains_like_launched_kernels(tmp_path):
     """FSDP2 with the whole model one unit (parallel.fsdp_unit_blocks=-1), its forward compiled as one graph and
     recorded as CUDA graphs (train.cuda_graphs=true), FSDP2's all-gather and reduce-scatter outside the graphs, 2
     micro-batches per step: a replay that read last step's gathered weights, or a gradient the reduce-scatter missed,
-    would show in the losses or the gradient norm."""
+    would show in the losses or the gradient norm. Passed on 2 H200s (2026-11-29, round 23: losses equal to 4 digits),
+    so train.cuda_graphs=auto records small models' FSDP2 (checks.whole_model_unit)."""
     _blocks_as_graphs_match_launched(tmp_path, "FSDP 2 whole model", "--parallel.dp_replicate=1",
                                      "--parallel.dp_shard=2", "--parallel.fsdp_unit_blocks=-1",
                                      "--train.grad_accum=2")
