@@ -78,8 +78,11 @@ TUNE = {  # --tune: the documented settings each layout's defaults choose betwee
             "bf16-reduce": "--parallel.grad_reduce_dtype=bf16",
             # DDP and FSDP2: parallel.data_parallel=auto picks one by model size (FSDP2 from 1B parameters on GPUs)
             "dp-ddp": "--parallel.data_parallel=ddp", "dp-fsdp": "--parallel.data_parallel=fsdp"},
+    # FSDP2: units of blocks; the whole model one unit (on GPUs the small models' default, recorded as CUDA graphs:
+    # "launched" is the previous default there, all blocks one unit with launched kernels)
     "fsdp": {"u1": "--parallel.fsdp_unit_blocks=1", "u2": "--parallel.fsdp_unit_blocks=2",
-             "u3": "--parallel.fsdp_unit_blocks=3", "whole": "--parallel.fsdp_unit_blocks=-1", "reshard": "--parallel.fsdp_reshard_after_forward=true",
+             "u3": "--parallel.fsdp_unit_blocks=3", "whole": "--parallel.fsdp_unit_blocks=-1",
+             "launched": "--train.cuda_graphs=false", "reshard": "--parallel.fsdp_reshard_after_forward=true",
              "keep": "--parallel.fsdp_reshard_after_forward=false", "bf16-reduce": "--parallel.grad_reduce_dtype=bf16"},
     "tp": {"sp": "--parallel.sequence_parallel=true", "launched": "--train.cuda_graphs=false",
            "inductor-order": "--parallel.comm_reorder=false"},
