@@ -35,9 +35,9 @@ from meshrun.models.shape import ModelShape
 from meshrun.models.spec import ModelSpec, ModelStructure
 from meshrun.parallel.activation_checkpoint import apply_activation_checkpointing
 from meshrun.parallel.checks import (bf16_stream, check_chunked_loss, check_cuda_graphs, check_layout,
-                                    graphs_measured, graphs_supported, is_local, layout_name, several_stages_per_rank,
-                                    untested_as_graphs, use_cast_once, use_comm_reorder, use_weight_copies, uses_fsdp,
-                                    whole_model_unit)
+                                    fsdp_whole_model, graphs_measured, graphs_supported, is_local, layout_name,
+                                    several_stages_per_rank, untested_as_graphs, use_cast_once, use_comm_reorder,
+                                    use_weight_copies, uses_fsdp)
 from meshrun.parallel.context_parallel import SequenceShards
 from meshrun.parallel.data_parallel import FSDP_ONE_UNIT_PARAMS, WHOLE_MODEL, apply_ddp, apply_fsdp, fsdp_units
 from meshrun.parallel.engine import Engine, LocalEngine, LossStep, loss_function
@@ -326,14 +326,6 @@ def seed_for_init(seed: int, *, dims: ParallelDims, rank: int, device: torch.dev
         except ImportError:  # pragma: no cover - older layout of the module
             return
         manual_seed(seed + c.pp, dims.mesh)
-
-
-def fsdp_whole_model(job: JobConfig, dims: ParallelDims, spec: ModelSpec, shape: ModelShape,
-                     device: torch.device) -> bool:
-    """Does FSDP2 hold this run's whole model as one unit (checks.whole_model_unit, the model's parameters counted
-    on the meta device only when FSDP2 runs)?"""
-    return uses_fsdp(dims) and whole_model_unit(job, dims, params=spec.count_params(shape), device=device,
-                                                compiled=compile_enabled(job.train.compile, device))
 
 
 def graphs_left_off(job: JobConfig, dims: ParallelDims, device: torch.device, *, whole_fsdp: bool = False) -> str:

@@ -121,6 +121,14 @@ def whole_model_unit(job: JobConfig, dims: ParallelDims, *, params: int, device:
             and params < FSDP_ONE_UNIT_PARAMS and job.train.cuda_graphs != "false" and graphs_measured(job, dims))
 
 
+def fsdp_whole_model(job: JobConfig, dims: ParallelDims, spec: ModelSpec, shape: ModelShape,
+                     device: torch.device) -> bool:
+    """Does FSDP2 hold this run's whole model as one unit (:func:`whole_model_unit`, the model's parameters counted
+    on the meta device only when FSDP2 runs)?"""
+    return uses_fsdp(dims) and whole_model_unit(job, dims, params=spec.count_params(shape), device=device,
+                                                compiled=compile_enabled(job.train.compile, device))
+
+
 def compute_dtype(job: JobConfig, device: torch.device | str) -> torch.dtype | None:
     """The autocast dtype of a training run, or None for plain fp32 (train.dtype=auto: bf16 on CUDA GPUs that have
     it, compute capability 8.0 and newer)."""
@@ -163,8 +171,7 @@ def check_layout(job: JobConfig, spec: ModelSpec, shape: ModelShape, dims: Paral
                               "on each rank, whose blocks train wrongly as CUDA graphs (a GPU test's loss stayed at "
                               "3.17 where launched kernels reached 2.03); drop --train.cuda_graphs, or set "
                               "--parallel.pp_schedule=1f1b (which runs as CUDA graphs)")
-        whole = uses_fsdp(dims) and whole_model_unit(job, dims, params=spec.count_params(shape), device=device,
-                                                     compiled=compiled)
+        whole = fsdp_whole_model(job, dims, spec, shape, device)
         check_cuda_graphs(device, compiled=compiled,
                           supported=graphs_supported(dims, async_tp=job.parallel.async_tp, whole_fsdp=whole),
                           layout=layout_name(dims))

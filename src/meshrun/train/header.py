@@ -8,10 +8,10 @@ import socket
 from typing import TYPE_CHECKING, Any
 
 from meshrun.models.spec import count_unique_params
-from meshrun.parallel.apply import (describe_layout, fsdp_whole_model, graphs_left_off, splits_backward,
-                                   use_loss_parallel)
+from meshrun.parallel.apply import describe_layout, graphs_left_off, splits_backward, use_loss_parallel
 from meshrun.parallel.checks import bf16_stream, use_comm_reorder, uses_fsdp
 from meshrun.parallel.comm_overlap import P2P_VAR
+from meshrun.parallel.data_parallel import WHOLE_MODEL
 from meshrun.parallel.kernels import describe_speed
 from meshrun.train import runlog
 from meshrun.train.run_folder import describe_resume
@@ -69,10 +69,10 @@ def print_header(trainer: Trainer) -> None:
                                  comm_reorder=use_comm_reorder(trainer.job, trainer.dims, trainer.device),
                                  p2p_channels=os.environ.get(P2P_VAR, "")
                                  if trainer.dims.pp > 1 and trainer.device.type == "cuda" else "",
+                                 # auto's whole-model unit always runs as graphs: only -1 asked for leaves them off
                                  graphs_off=graphs_left_off(trainer.job, trainer.dims, trainer.device,
-                                                            whole_fsdp=fsdp_whole_model(
-                                                                trainer.job, trainer.dims, trainer.spec,
-                                                                trainer.model_cfg, trainer.device)),
+                                                            whole_fsdp=trainer.job.parallel.fsdp_unit_blocks
+                                                            == WHOLE_MODEL),
                                  residual_bf16=bf16_stream(trainer.job, trainer.dims, trainer.compute_dtype),
                                  vocab_sharded=use_loss_parallel(trainer.dims))]
     lines.append(describe_resume(trainer.resumed, run_dir=trainer.run_dir, moved_to=trainer.folder.moved_to,
