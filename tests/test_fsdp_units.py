@@ -162,3 +162,50 @@ def test_auto_makes_a_small_models_whole_model_one_unit_where_the_step_runs_as_c
     assert not whole(dp_replicate=2)  # DDP: no FSDP2 unit at all
     assert whole("--parallel.fsdp_unit_blocks=-1", dp_shard=2, device=cpu, compiled=False)  # asked for
     assert not whole("--parallel.fsdp_unit_blocks=2", dp_shard=2)
+
+
+def _gathered_addresses(rank: int, world_size: int, pooled: bool) -> list[list[int]]:
+    """Where each parameter of a whole-model FSDP2 unit sits when its forward runs, step by step, with tensors of
+    other sizes allocated and freed between the steps as a training step's activations are."""
+    from datetime import timedelta
+
+    from torch.distributed.fsdp import fully_shard
+
+    from meshrun.parallel.data_parallel import gather_in_pool
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", timeout=timedelta(seconds=120), device_id=torch.device("cuda", rank))
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(256 + 64 * i, 256 + 64 * (i + 1)) for i in range(4)]).cuda()
+        fully_shard(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if pooled:
+            gather_in_pool(model)
+        seen: list[list[int]] = []  # registered after FSDP2's hook: it runs once the parameters are gathered
+        model.register_forward_pre_hook(lambda m, args: seen.append([p.data_ptr() for p in m.parameters()]))
+        held = []
+        for step in range(6):
+            held.append(torch.empty(1_000_000 * (step % 3 + 1), device="cuda"))  # the shared cache's other users
+            if step % 2:
+                held.pop(0)
+            model(torch.randn(8, 256, device="cuda")).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        torch.cuda.synchronize()
+        return seen
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_whole_model_gathers_its_parameters_at_the_same_addresses_every_step():
+    """gather_in_pool (the whole model one FSDP2 unit, as CUDA graphs): FSDP2 frees the gathered parameters after each
+    backward; gathered again in a pool of their own they come back at the same addresses every step, so inductor's
+    CUDA graphs, which take them as fixed addresses, need not record again."""
+    from dist_utils import run_distributed
+
+    for seen in run_distributed(_gathered_addresses, 2, True, init_pg=False, timeout=200):
+        assert all(step == seen[0] for step in seen), seen
+        assert all(ptr for ptr in seen[0])  # gathered: FSDP2 frees a resharded parameter's storage (address 0)

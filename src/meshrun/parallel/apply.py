@@ -39,7 +39,8 @@ from meshrun.parallel.checks import (bf16_stream, check_chunked_loss, check_cuda
                                     several_stages_per_rank, untested_as_graphs, use_cast_once, use_comm_reorder,
                                     use_weight_copies, uses_fsdp)
 from meshrun.parallel.context_parallel import SequenceShards
-from meshrun.parallel.data_parallel import FSDP_ONE_UNIT_PARAMS, WHOLE_MODEL, apply_ddp, apply_fsdp, fsdp_units
+from meshrun.parallel.data_parallel import (FSDP_ONE_UNIT_PARAMS, WHOLE_MODEL, apply_ddp, apply_fsdp, fsdp_units,
+                                            gather_in_pool)
 from meshrun.parallel.engine import Engine, LocalEngine, LossStep, loss_function
 from meshrun.parallel.async_tp import enable_async_tp
 from meshrun.parallel.comm_overlap import enable_comm_reorder
@@ -212,6 +213,8 @@ def parallelize(part: nn.Module, structure: ModelStructure, dims: ParallelDims, 
         shared.restore(part, layout=layout, after="FSDP2", reshare=False)
     if options.compiled and whole:
         compile_forward(part, inductor_mode(options.compile_mode, cuda_graphs=options.cuda_graphs))
+        if options.cuda_graphs:
+            gather_in_pool(part)  # the graphs take the gathered parameters as fixed addresses
 
 
 def compile_forward(part: nn.Module, mode: str) -> None:

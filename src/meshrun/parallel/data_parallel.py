@@ -71,6 +71,28 @@ def fsdp_units(blocks: list[nn.Module], unit_blocks: int) -> list[list[nn.Module
     return [blocks[i:i + unit_blocks] for i in range(0, len(blocks), unit_blocks)]
 
 
+def gather_in_pool(model: nn.Module) -> torch.utils.hooks.RemovableHandle:
+    """Before each forward of ``model`` (an FSDP2 module, on a CUDA GPU), gather its parameters (``model.unshard()``)
+    with every allocation of the gather, the all-gather's buffer and the unsharded parameters, in a CUDA memory pool
+    of its own. For the whole model as one FSDP2 unit replayed as CUDA graphs (apply.compile_forward, Session's
+    ``cuda_graphs=True``); returns the hook's handle.
+
+    FSDP2 frees the unsharded parameters after each backward and allocates them again before the next forward. From
+    the device's shared cache they can come back at other addresses, and inductor's CUDA graphs, which take
+    parameters as fixed addresses, then record the graph again (pytorch#183451: FSDP2 under ``reduce-overhead`` slow
+    for its first steps). In a pool that holds only this gather's memory, each step allocates the same sizes in the
+    same order on the same stream into blocks all freed since, and gets the same blocks back. The hook runs before
+    FSDP2's own pre-forward hook, which then finds the parameters gathered; outside a forward FSDP2 gathers on the
+    current stream, after the optimizer's update of the shards."""
+    pool = torch.cuda.MemPool()
+
+    def gather(module: nn.Module, args: tuple) -> None:
+        with torch.cuda.use_mem_pool(pool):
+            module.unshard()
+
+    return model.register_forward_pre_hook(gather, prepend=True)
+
+
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device, *, bucket_mb: int = 25,
               sync_buffers: bool = False, reduce_dtype: torch.dtype = torch.float32) -> nn.Module:
     """Wrap in DistributedDataParallel over ``dp_mesh``'s group; returns the wrapper (the model keeps its names).
