@@ -3,7 +3,7 @@
 `meshrun.Session()`, `session.prepare_model(model, layout=..., compile=True)` (each block compiled in place before
 FSDP2 wraps it; on GPUs FSDP2 computes in bf16 and reduces gradients in fp32 by default), fused AdamW, the user's
 own bf16 autocast and `clip_grad_norm_` when --grad-clip is set. `--cuda-graphs` adds `cuda_graphs=True` (the
-compiled model recorded as CUDA graphs, DDP only), `--compile-mode max-autotune` adds
+compiled model recorded as CUDA graphs; with FSDP the whole model one unit, compiled as one graph), `--compile-mode max-autotune` adds
 `compile_mode="max-autotune"`, `--residual-dtype bf16` adds `residual_dtype="bf16"` (each block's input cast to
 bf16 under the loop's autocast, as meshrun train's default for DDP). Same model, tokens, arguments and JSON line as
 benchmarks/baseline_ddp_gpt.py; --layout picks ddp or fsdp. Launch with torchrun or meshrun launch:
@@ -24,7 +24,7 @@ from baseline_ddp_gpt import SEED, adamw, bench_args, build_model, random_batch,
 def main() -> None:
     def extra(p):
         p.add_argument("--layout", default="ddp", choices=("ddp", "fsdp"))
-        p.add_argument("--cuda-graphs", action="store_true", help="prepare_model(cuda_graphs=True): ddp, compiled")
+        p.add_argument("--cuda-graphs", action="store_true", help="prepare_model(cuda_graphs=True), compiled")
         p.add_argument("--compile-mode", default="default", choices=("default", "max-autotune"),
                        help="prepare_model(compile_mode=...), with compile")
         p.add_argument("--residual-dtype", default="fp32", choices=("fp32", "bf16"),

@@ -131,6 +131,8 @@ SESSION["ddp-graphs"] = Script("session-ddp-graphs", "benchmarks/session_gpt.py"
                                ("--layout", "ddp", "--cuda-graphs"))  # prepare_model(cuda_graphs=True)
 SESSION["ddp-graphs-bf16-stream"] = Script("session-ddp-graphs-bf16-stream", "benchmarks/session_gpt.py", "",
                                            ("--layout", "ddp", "--cuda-graphs", "--residual-dtype", "bf16"))
+SESSION["fsdp-graphs"] = Script("session-fsdp-graphs", "benchmarks/session_gpt.py", "",
+                                ("--layout", "fsdp", "--cuda-graphs"))  # the whole model one unit, as CUDA graphs
 SESSION["fsdp-autotune"] = Script("session-fsdp-autotune", "benchmarks/session_gpt.py", "",
                                   ("--layout", "fsdp", "--compile-mode", "max-autotune"))  # compile_mode=...
 REFERENCES = BASELINE_IMPLS | {s.impl for s in PEERS.values()}  # what vs_best_peer compares against

@@ -70,10 +70,10 @@ def test_cuda_graphs_are_refused_where_they_cannot_record_naming_the_fix():
         Session(seed=0).prepare_model(MLPLM(), layout="none", cuda_graphs=True)
     with pytest.raises(ConfigError, match=r"^cuda_graphs=True records CUDA graphs and this process runs on cpu"):
         Session(seed=0).prepare_model(MLPLM(), layout="none", compile=True, cuda_graphs=True)
-    # FSDP2 on 2 ranks: refused before the mesh (a collective) is built, so one process can ask
-    with pytest.raises(ConfigError, match=r"^cuda_graphs=True records the whole compiled model, for layout='ddp' or "
-                                          r"one process, not layout='fsdp'"):
-        prepare_module(MLPLM(), "fsdp", device=CUDA, world_size=2, compile=True, cuda_graphs=True)
+    # TP on 2 ranks: refused before the mesh (a collective) is built, so one process can ask
+    with pytest.raises(ConfigError, match=r"^cuda_graphs=True records the whole compiled model, for layout='ddp', "
+                                          r"'fsdp', 'hsdp' or one process, not layout='tp'"):
+        prepare_module(MLPLM(), "tp", device=CUDA, world_size=2, compile=True, cuda_graphs=True)
     with pytest.raises(ConfigError, match=r"^cuda_graphs=True records the whole compiled model.*not layout='pp'"):
         Session(seed=0).prepare_model(MLPLM(), layout="pp", compile=True, cuda_graphs=True)
 
@@ -200,9 +200,24 @@ def test_fsdp_defaults_on_gpus_are_bf16_and_track_fp32():
                                    msg=lambda m: f"{name}: bf16 losses left fp32's: {m}")
 
 
-def _graphs_with_accumulation(rank: int, world_size: int) -> dict:
-    """DDP on 2 GPUs, fp32, 2 micro-batches per optimizer step through session.sync_gradients and an evaluation
-    every 5 steps, compiled with and without CUDA graphs: the losses, gradient norms and evaluation losses."""
+def test_fsdp_as_cuda_graphs_makes_the_whole_model_one_unit_compiled_as_one_graph():
+    """prepare_model(layout='fsdp' or 'hsdp', compile=True, cuda_graphs=True): the whole model one FSDP2 unit, its
+    forward one compiled graph recorded as CUDA graphs (FSDP2's hooks between blocks would split them)."""
+    from meshrun.parallel.data_parallel import WHOLE_MODEL
+    from meshrun.parallel.module import session_options
+
+    whole = session_options("fsdp", compute_dtype=torch.bfloat16, device=CUDA, compiled=False,
+                            activation_checkpoint="none", fsdp_whole_graphs=True)
+    assert (whole.fsdp_unit_blocks, whole.compiled, whole.cuda_graphs) == (WHOLE_MODEL, True, True)
+    blocks = session_options("fsdp", compute_dtype=torch.bfloat16, device=CUDA, compiled=True,
+                             activation_checkpoint="none")
+    assert (blocks.fsdp_unit_blocks, blocks.compiled, blocks.cuda_graphs) == (0, True, False)
+
+
+def _graphs_with_accumulation(rank: int, world_size: int, layout: str) -> dict:
+    """``layout`` on 2 GPUs, fp32, 2 micro-batches per optimizer step through session.sync_gradients and an
+    evaluation every 5 steps, compiled with and without CUDA graphs: the losses, gradient norms and evaluation
+    losses."""
     from meshrun import Session
 
     torch.cuda.set_device(rank)
@@ -210,7 +225,8 @@ def _graphs_with_accumulation(rank: int, world_size: int) -> dict:
     out = {}
     for graphs in (False, True):
         torch.manual_seed(0)
-        model = session.prepare_model(MLPLM(), layout="ddp", compile=True, cuda_graphs=graphs)
+        model = session.prepare_model(MLPLM(), layout=layout, compile=True, cuda_graphs=graphs,
+                                      compute_dtype=torch.float32)
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
         gen = torch.Generator().manual_seed(7)
         losses, norms, evals = [], [], []
@@ -230,19 +246,24 @@ def _graphs_with_accumulation(rank: int, world_size: int) -> dict:
                     held_out = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(99)).cuda()
                     logits = model(held_out[:, :-1])
                     evals.append(F.cross_entropy(logits.float().flatten(0, 1), held_out[:, 1:].flatten()).item())
-        out[graphs] = {"losses": losses, "norms": norms, "evals": evals, "line": session.layout.cuda_graphs}
+        out[graphs] = {"losses": losses, "norms": norms, "evals": evals, "line": session.layout.cuda_graphs,
+                       "whole_unit": session.layout.fsdp_whole}
     session.close()
     return out
 
 
 @on_two_gpus
-def test_ddp_with_cuda_graphs_accumulates_gradients_like_launched_kernels():
+@pytest.mark.parametrize("layout", ["ddp", "fsdp"])
+def test_cuda_graphs_accumulate_gradients_like_launched_kernels(layout):
     """A replay of the first micro-batch's graph by the second would overwrite the gradients the first one left
-    (pytorch#169545): norms and losses would leave the launched kernels' within a few steps. fp32, the same
-    kernels, so within 1e-3 relative."""
-    results = run_distributed(_graphs_with_accumulation, 2, init_pg=False, timeout=600)
+    (pytorch#169545): norms and losses would leave the launched kernels' within a few steps. FSDP2 as CUDA graphs
+    holds the whole model as one unit, gathered before each forward and resharded after each backward: a replay
+    that read stale gathered weights would show too. fp32, so within 1e-3 relative (FSDP2: the whole model as one
+    graph against block by block, other fusions)."""
+    results = run_distributed(_graphs_with_accumulation, 2, layout, init_pg=False, timeout=600)
     launched, graphed = results[0][False], results[0][True]
     assert graphed["line"] and not launched["line"]
+    assert graphed["whole_unit"] == (layout == "fsdp") and not launched["whole_unit"]
     for key in ("losses", "norms", "evals"):
         torch.testing.assert_close(torch.tensor(graphed[key]), torch.tensor(launched[key]), rtol=1e-3, atol=1e-4,
                                    msg=lambda m: f"{key} with CUDA graphs against launched kernels: {m}")

@@ -32,6 +32,7 @@ from torch import nn
 from meshrun.config import COMPILE_MODES, REDUCE_DTYPES, RESIDUAL_DTYPES, ConfigError
 from meshrun.comm.mesh import ParallelDims
 from meshrun.models.spec import ModelStructure
+from meshrun.parallel.data_parallel import WHOLE_MODEL
 from meshrun.parallel.kernels import bf16_by_default, inductor_mode
 from meshrun.parallel.options import ParallelOptions, reduce_dtype
 from meshrun.parallel.tied import find_shared
@@ -64,6 +65,8 @@ class ModuleLayout:
     """'bf16': each block's input is cast to the autocast dtype under autocast (prepare_model(residual_dtype=...))."""
     note: str = ""
     """A start-up note when the layout ran as something else than its name says (hsdp on one node is FSDP)."""
+    fsdp_whole: bool = False
+    """FSDP2 holds the whole model as one unit, compiled as one graph (FSDP2 or HSDP with cuda_graphs=True)."""
 
     def describe(self, device: torch.device, choice: Any) -> str:
         """One start-up line: layout, device, compute dtype (and where it came from), compilation."""
@@ -72,6 +75,7 @@ class ModuleLayout:
         compiled = f"{self.compiled} module(s) compiled" if self.compiled else "not compiled (compile=True compiles)"
         compiled += f" ({self.compile_mode})" if self.compiled and self.compile_mode != "default" else ""
         compiled += ", recorded as CUDA graphs" if self.cuda_graphs else ""
+        compiled += ", the whole model one FSDP2 unit" if self.fsdp_whole else ""
         notes = "; gradients summed in bf16" if self.grad_reduce_dtype == "bf16" and self.dims.dp_size > 1 else ""
         if self.residual_dtype == "bf16":
             notes += "; each block's input cast to the autocast dtype under autocast (residual_dtype='bf16')"
@@ -173,8 +177,11 @@ def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world
     # DDP or one process keep the model whole: compiled as one graph (with a loss inside it, the logits never exist
     # in fp32), as meshrun train compiles them; per-block graphs where FSDP2 or TP hooks run between the blocks
     keeps_whole = not uses_fsdp(dims) and dims.tp == 1 and dims.pp == 1
+    # FSDP2 or HSDP alone as CUDA graphs: the whole model one unit, its forward one graph (as meshrun train's
+    # parallel.fsdp_unit_blocks=auto does for small models), FSDP2's hooks and collectives outside it
+    fsdp_whole = cuda_graphs and uses_fsdp(dims) and dims.tp == 1 and dims.pp == 1
     if cuda_graphs:
-        check_session_graphs(layout, whole_graph=keeps_whole, compile=compile, device=device)
+        check_session_graphs(layout, whole_graph=keeps_whole or fsdp_whole, compile=compile, device=device)
     if dims.pp > 1:
         raise ConfigError(f"layout={layout!r} cuts the model into stages: use meshrun.parallel.module_pipeline."
                           "prepare_pipeline (Session.prepare_model does)")
@@ -195,7 +202,8 @@ def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world
     whole_graph = compile and keeps_whole
     options = session_options(layout, compute_dtype=compute_dtype, device=device, compiled=compile and not whole_graph,
                               compile_mode=compile_mode, activation_checkpoint=activation_checkpoint,
-                              grad_reduce_dtype=grad_reduce_dtype, residual_dtype=residual_dtype)
+                              grad_reduce_dtype=grad_reduce_dtype, residual_dtype=residual_dtype,
+                              fsdp_whole_graphs=fsdp_whole)
     parallelize(model, structure, dims, options)
     if whole_graph:
         # in place: parameter names keep no "_orig_mod."; with cuda_graphs, inductor's reduce-overhead
@@ -204,7 +212,7 @@ def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world
             torch._dynamo.config.optimize_ddp = nodes > 1 or cuda_graphs
     if reorders_by_default(dims, device, compiled=compile):
         enable_comm_reorder()  # as meshrun train's parallel.comm_reorder=auto: TP's all-reduces beside compute
-    compiled = 1 if whole_graph else compile_unblocked(model, structure, compile_mode) if compile else 0
+    compiled = 1 if whole_graph or fsdp_whole else compile_unblocked(model, structure, compile_mode) if compile else 0
     trained = model
     if dims.dp_replicate > 1 and not uses_fsdp(dims):
         trained = apply_ddp(model, dims.get_mesh("dp_replicate"), device, sync_buffers=True,
@@ -213,17 +221,17 @@ def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world
     return trained, ModuleLayout(dims=dims, name=layout_name(dims), blocks=blocks, module=model,
                                  compute_dtype=compute_dtype, grad_reduce_dtype=grad_reduce_dtype, compiled=compiled,
                                  compile_mode=compile_mode, cuda_graphs=cuda_graphs, residual_dtype=residual_dtype,
-                                 note=layout_note(layout, dims, nodes=nodes))
+                                 note=layout_note(layout, dims, nodes=nodes), fsdp_whole=fsdp_whole)
 
 
 def check_session_graphs(layout: str, *, whole_graph: bool, compile: bool, device: torch.device) -> None:
-    """``cuda_graphs=True`` records the whole model that ``compile=True`` compiles for DDP and one process
-    (``whole_graph``: the layout keeps the model whole), on a CUDA GPU; anything else is refused before any
-    collective, naming the fix."""
+    """``cuda_graphs=True`` records the whole model that ``compile=True`` compiles for DDP, FSDP2, HSDP and one
+    process (``whole_graph``: the layout can compile the model as one graph), on a CUDA GPU; anything else is
+    refused before any collective, naming the fix."""
     if not whole_graph:
-        raise ConfigError(f"cuda_graphs=True records the whole compiled model, for layout='ddp' or one process, not "
-                          f"layout={layout!r}, whose FSDP2 or TP hooks or pipeline stages run between the compiled "
-                          "blocks; drop cuda_graphs")
+        raise ConfigError(f"cuda_graphs=True records the whole compiled model, for layout='ddp', 'fsdp', 'hsdp' or one "
+                          f"process, not layout={layout!r}, whose TP collectives or pipeline stages run between the "
+                          "compiled blocks; drop cuda_graphs")
     if not compile:
         raise ConfigError("cuda_graphs=True records what compile=True compiles; add compile=True")
     if device.type != "cuda":
@@ -244,11 +252,14 @@ def check_compile_mode(compile_mode: str, *, compile: bool) -> None:
 def session_options(layout: str, *, compute_dtype: torch.dtype | None, device: torch.device, compiled: bool,
                     activation_checkpoint: str, grad_reduce_dtype: str = "fp32",
                     compile_mode: str = "default", split_backward: bool = False,
-                    residual_dtype: str = "fp32") -> ParallelOptions:
+                    residual_dtype: str = "fp32", fsdp_whole_graphs: bool = False) -> ParallelOptions:
     """parallelize's options for ``Session.prepare_model``: its arguments; the rest as ``meshrun train``'s defaults
-    (no sequence parallelism or float8, FSDP2 units of one block, 'auto' resharding). ``split_backward``: a
-    zero-bubble pipeline schedule runs."""
-    return ParallelOptions(compute_dtype=compute_dtype, compiled=compiled, compile_mode=compile_mode,
+    (no sequence parallelism or float8, FSDP2 units as parallel.fsdp_unit_blocks=auto makes them, 'auto'
+    resharding). ``split_backward``: a zero-bubble pipeline schedule runs. ``fsdp_whole_graphs``: FSDP2 holds the
+    whole model as one unit, its forward compiled as one graph and recorded as CUDA graphs."""
+    return ParallelOptions(compute_dtype=compute_dtype, compiled=compiled or fsdp_whole_graphs,
+                           cuda_graphs=fsdp_whole_graphs, compile_mode=compile_mode,
+                           fsdp_unit_blocks=WHOLE_MODEL if fsdp_whole_graphs else 0,
                            activation_checkpoint=activation_checkpoint, device=device, layout=f"layout={layout!r}",
                            reduce_dtype=session_reduce_dtype(grad_reduce_dtype), split_backward=split_backward,
                            residual_in_compute_dtype=session_residual(residual_dtype))
