@@ -92,10 +92,9 @@ TUNE = {  # --tune: the documented settings each layout's defaults choose betwee
            "even": "--parallel.pp_balance=blocks", "launched": "--train.cuda_graphs=false"},
 }  # cp: none yet (its one speed setting, activation checkpointing, trades speed for memory)
 TUNE_COMPILED = {"autotune": "--train.compile_mode=max-autotune"}  # every layout, when the run compiles
-# the hidden state between blocks under autocast: bf16 by default for DDP, fp32 by default for TP and pipelines
-BF16_STREAM = {"bf16-stream": "--train.residual_dtype=bf16"}
-TUNE_BF16 = {"pp": {"casts": "--parallel.pp_cast_once=false"} | BF16_STREAM,
-             "ddp": {"fp32-stream": "--train.residual_dtype=fp32"}, "tp": BF16_STREAM}
+# the hidden state between blocks under autocast: bf16 by default for DDP, TP and pipelines, against fp32
+FP32_STREAM = {"fp32-stream": "--train.residual_dtype=fp32"}
+TUNE_BF16 = {"pp": {"casts": "--parallel.pp_cast_once=false"} | FP32_STREAM, "ddp": FP32_STREAM, "tp": FP32_STREAM}
 # with bf16 compute (GPUs, or --extra --train.dtype=bf16): a pipeline's weights cast per micro-batch, against the
 # default's once per step on GPUs; the residual stream in bf16 where autocast runs (not FSDP2: bf16 there already)
 # on CUDA GPUs: torch's cross-entropy against meshrun's Triton kernel (train.cross_entropy=auto); TP's loss on

@@ -106,9 +106,9 @@ class TrainConfig:
     TP, PP): fp32 (autocast leaves the embedding's output and the sums after each block in the parameters' fp32) or
     bf16 (each block's input is cast to bf16, so the stream, its gradient and a pipeline's sends are bf16: half the
     bytes for the norms and additions between the matmuls, as torchtitan and Megatron-LM run; needs bf16 compute).
-    auto: bf16 for one process and DDP computing in bf16 (1.03-1.06x on one H200), fp32 for TP and pipelines (not
-    yet measured on GPUs) and for fp32 compute. FSDP2 computes with bf16 parameters and keeps the stream in bf16
-    either way."""
+    auto: bf16 for one process, DDP, TP and pipelines computing in bf16 (1.03-1.06x on one H200; 1b on 2 H200s:
+    TP 2 1.03x, PP 2 1.02x), fp32 with context parallelism and float8 (not measured) and for fp32 compute. FSDP2
+    computes with bf16 parameters and keeps the stream in bf16 either way."""
     compile: str = "auto"
     """torch.compile the model: auto (on for CUDA GPUs of compute capability 7.0 and newer, which Triton supports;
     off on older GPUs and on CPU, where compiling costs more than it saves), true or false."""

@@ -139,14 +139,15 @@ def compute_dtype(job: JobConfig, device: torch.device | str) -> torch.dtype | N
 
 def bf16_stream(job: JobConfig, dims: ParallelDims, compute_dtype: torch.dtype | None) -> bool:
     """train.residual_dtype resolved for this run: the hidden state between blocks cast to bf16 under bf16 autocast.
-    auto: on for one process and DDP computing in bf16 autocast without float8 (on one H200 the 124m model ran
-    1.05x and the 1b model 1.03x the fp32 stream, with a GPU test of its losses); off for TP and pipelines until
-    measured on GPUs (``bf16`` turns it on there), under FSDP2 (its bf16 parameters keep the stream in bf16 anyway)
-    and for fp32 compute."""
+    auto: on for one process, DDP, TP and pipelines computing in bf16 autocast without float8 (on one H200 the 124m
+    model ran 1.05x and the 1b model 1.03x the fp32 stream; on 2 H200s the 1b model 1.03x with TP 2, 40.2-40.3% MFU,
+    and 1.02x with PP 2; GPU tests of their losses, tests/test_parallel_gpu.py -k bf16_layouts); off under FSDP2
+    (its bf16 parameters keep the stream in bf16 anyway), with context parallelism (not measured) and for fp32
+    compute."""
     choice = job.train.residual_dtype
     if choice != "auto":
         return choice == "bf16"
-    return compute_dtype == torch.bfloat16 and is_local(dims) and not job.train.float8
+    return (compute_dtype == torch.bfloat16 and not uses_fsdp(dims) and dims.cp == 1 and not job.train.float8)
 
 
 def check_layout(job: JobConfig, spec: ModelSpec, shape: ModelShape, dims: ParallelDims, *, device: torch.device,
