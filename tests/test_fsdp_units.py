@@ -209,3 +209,57 @@ def test_whole_model_gathers_its_parameters_at_the_same_addresses_every_step():
     for seen in run_distributed(_gathered_addresses, 2, True, init_pg=False, timeout=200):
         assert all(step == seen[0] for step in seen), seen
         assert all(ptr for ptr in seen[0])  # gathered: FSDP2 frees a resharded parameter's storage (address 0)
+
+
+def _gathers_per_forward(rank: int, world_size: int) -> dict:
+    """gather_in_pool on 2 gloo ranks, the CUDA pool replaced by a profiler range (CPU has no CUDA pool): FSDP2's
+    all-gathers of each forward, how many ran inside that range, and the losses against the same model without the
+    hook."""
+    import contextlib
+
+    from torch.distributed.fsdp import fully_shard
+    from torch.profiler import profile, record_function
+
+    from meshrun.parallel import data_parallel
+
+    @contextlib.contextmanager
+    def marked_pool(pool):
+        with record_function("test::pool"):
+            yield
+
+    out = {}
+    for hooked in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        fully_shard(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        if hooked:
+            torch.cuda.MemPool, torch.cuda.use_mem_pool = object, marked_pool  # in this spawned process only
+            data_parallel.gather_in_pool(model)
+        losses, gathers, pooled = [], [], []
+        for step in range(3):
+            with profile() as prof:
+                loss = model(torch.full((4, 8), 0.1 * (step + rank + 1))).square().mean()
+            pools = [e.time_range for e in prof.events() if e.name == "test::pool"]
+            ranges = [e.time_range for e in prof.events() if e.name == "FSDP::all_gather"]  # the root's
+            gathers.append(len(ranges))
+            pooled.append(sum(any(p.start <= r.start and r.end <= p.end for p in pools) for r in ranges))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        out[hooked] = {"losses": losses, "gathers": gathers, "pooled": pooled}
+    return out
+
+
+@pytest.mark.slow
+def test_the_pooled_gather_runs_before_fsdp2s_own_and_replaces_it():
+    """The pooled gather is a forward pre-hook ahead of FSDP2's: each forward all-gathers once, inside the pool, and
+    trains exactly as FSDP2's own gather does (the same losses); a hook that ran after FSDP2's would find the
+    parameters gathered outside the pool."""
+    from dist_utils import run_distributed
+
+    for result in run_distributed(_gathers_per_forward, 2, timeout=200):
+        assert result[True]["gathers"] == [1, 1, 1] == result[False]["gathers"], result
+        assert result[True]["pooled"] == [1, 1, 1] and result[False]["pooled"] == [0, 0, 0], result
+        assert result[True]["losses"] == result[False]["losses"]

@@ -269,3 +269,20 @@ def test_cuda_graphs_accumulate_gradients_like_launched_kernels(layout):
                                    msg=lambda m: f"{key} with CUDA graphs against launched kernels: {m}")
     # it trained: uniform random tokens over 64 ids leave ln 64 = 4.16 as the floor; on 2 H100s 4.42 -> 4.23
     assert graphed["losses"][-1] < graphed["losses"][0] - 0.1
+
+
+def test_fsdp_as_cuda_graphs_of_a_large_model_says_to_drop_them():
+    """The whole model one unit gathers all of it on every GPU: above the size meshrun train does that for, the
+    start-up note names the fix; below it, and block by block, nothing is said."""
+    from meshrun.parallel.data_parallel import FSDP_ONE_UNIT_PARAMS
+    from meshrun.parallel.module import layout_note
+
+    dims = layout_dims("fsdp", world_size=8)
+    note = layout_note("fsdp", dims, nodes=1, whole_params=1_000_000_000)
+    assert note.startswith("cuda_graphs=True with layout='fsdp' gathers the whole model (1,000M parameters)")
+    assert note.endswith("for a model this size drop cuda_graphs (FSDP2 then gathers one block at a time, beside the "
+                         "previous block's compute)")
+    assert layout_note("fsdp", dims, nodes=1, whole_params=FSDP_ONE_UNIT_PARAMS - 1) == ""
+    assert layout_note("fsdp", dims, nodes=1) == ""
+    both = layout_note("hsdp", layout_dims("hsdp", world_size=8, nodes=1), nodes=1, whole_params=10**9)
+    assert both.startswith("layout='hsdp' on one node runs plain FSDP") and "drop cuda_graphs" in both

@@ -71,7 +71,7 @@ def fsdp_units(blocks: list[nn.Module], unit_blocks: int) -> list[list[nn.Module
     return [blocks[i:i + unit_blocks] for i in range(0, len(blocks), unit_blocks)]
 
 
-def gather_in_pool(model: nn.Module) -> torch.utils.hooks.RemovableHandle:
+def gather_in_pool(model: nn.Module) -> torch.utils.hooks.RemovableHandle | None:
     """Before each forward of ``model`` (an FSDP2 module, on a CUDA GPU), gather its parameters (``model.unshard()``)
     with every allocation of the gather, the all-gather's buffer and the unsharded parameters, in a CUDA memory pool
     of its own. For the whole model as one FSDP2 unit replayed as CUDA graphs (apply.compile_forward, Session's
@@ -83,7 +83,10 @@ def gather_in_pool(model: nn.Module) -> torch.utils.hooks.RemovableHandle:
     for its first steps). In a pool that holds only this gather's memory, each step allocates the same sizes in the
     same order on the same stream into blocks all freed since, and gets the same blocks back. The hook runs before
     FSDP2's own pre-forward hook, which then finds the parameters gathered; outside a forward FSDP2 gathers on the
-    current stream, after the optimizer's update of the shards."""
+    current stream, after the optimizer's update of the shards. A torch without ``torch.cuda.use_mem_pool`` gets no
+    hook (None): the graphs stay correct, and may be recorded again in the first steps."""
+    if not hasattr(torch.cuda, "use_mem_pool"):
+        return None
     pool = torch.cuda.MemPool()
 
     def gather(module: nn.Module, args: tuple) -> None:

@@ -193,6 +193,7 @@ def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world
     if dims.tp > 1 and isinstance(plan, Mapping):
         resolve_plan(model, plan)  # a module TP cannot split is named before anything is built
     shared = find_shared(model)
+    params = sum(p.numel() for p in model.parameters())
     model = model.to(device)
     shared.restore(model, layout=f"layout={layout!r}", after=f"moving the model to {device}")
     if world_size > 1:
@@ -221,7 +222,8 @@ def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world
     return trained, ModuleLayout(dims=dims, name=layout_name(dims), blocks=blocks, module=model,
                                  compute_dtype=compute_dtype, grad_reduce_dtype=grad_reduce_dtype, compiled=compiled,
                                  compile_mode=compile_mode, cuda_graphs=cuda_graphs, residual_dtype=residual_dtype,
-                                 note=layout_note(layout, dims, nodes=nodes), fsdp_whole=fsdp_whole)
+                                 note=layout_note(layout, dims, nodes=nodes, whole_params=params if fsdp_whole else 0),
+                                 fsdp_whole=fsdp_whole)
 
 
 def check_session_graphs(layout: str, *, whole_graph: bool, compile: bool, device: torch.device) -> None:
@@ -296,17 +298,26 @@ def compile_unblocked(model: nn.Module, spec: ModelStructure, compile_mode: str 
     return len(blocks) or 1
 
 
-def layout_note(layout: str, dims: ParallelDims, *, nodes: int) -> str:
-    """What a user should know at start-up about how their layout word ran ('' when it ran as named)."""
+def layout_note(layout: str, dims: ParallelDims, *, nodes: int, whole_params: int = 0) -> str:
+    """What a user should know at start-up about how their layout word ran ('' when it ran as named).
+    ``whole_params``: FSDP2 holds the whole model of this many parameters as one unit (cuda_graphs=True)."""
+    from meshrun.parallel.data_parallel import FSDP_ONE_UNIT_PARAMS
+
+    notes = []
     if layout == "hsdp" and dims.dp_replicate == 1:
         where = "one node" if nodes <= 1 else f"dp_replicate=1 ({nodes} nodes)"
-        return (f"layout='hsdp' on {where} runs plain FSDP over {dims.dp_shard} ranks (HSDP replicates across "
-                "nodes: dp_replicate defaults to the number of nodes); pass dp_replicate=2 or more for replicas "
-                "within a node")
-    if layout == "hsdp" and dims.dp_shard == 1:
-        return (f"layout='hsdp' with dp_replicate={dims.dp_replicate} of {dims.dp_size} ranks shards nothing: it "
-                "runs DDP; pass a dp_replicate that leaves 2 or more ranks per replica to shard")
-    return ""
+        notes.append(f"layout='hsdp' on {where} runs plain FSDP over {dims.dp_shard} ranks (HSDP replicates across "
+                     "nodes: dp_replicate defaults to the number of nodes); pass dp_replicate=2 or more for replicas "
+                     "within a node")
+    elif layout == "hsdp" and dims.dp_shard == 1:
+        notes.append(f"layout='hsdp' with dp_replicate={dims.dp_replicate} of {dims.dp_size} ranks shards nothing: "
+                     "it runs DDP; pass a dp_replicate that leaves 2 or more ranks per replica to shard")
+    if whole_params >= FSDP_ONE_UNIT_PARAMS:
+        notes.append(f"cuda_graphs=True with layout={layout!r} gathers the whole model ({whole_params / 1e6:,.0f}M "
+                     "parameters) on every GPU for each forward and backward, where meshrun train does so only "
+                     f"below {FSDP_ONE_UNIT_PARAMS / 1e6:,.0f}M parameters; for a model this size drop cuda_graphs "
+                     "(FSDP2 then gathers one block at a time, beside the previous block's compute)")
+    return "; ".join(notes)
 
 
 @torch.no_grad()
