@@ -113,8 +113,8 @@ class Session:
         ``cuda_graphs=True`` (with ``compile=True``, layout ddp, fsdp, hsdp or one process, on a CUDA GPU) records the
         compiled model as CUDA graphs and replays them, so the host no longer launches each kernel (meshrun train's
         default there); DDP's all-reduce then runs per 100 MiB bucket during backward; FSDP2 holds the whole model as
-        one unit, its forward compiled as one graph (for models that fit each GPU gathered, as meshrun train does
-        below 350M parameters). Each ``optimizer.step()`` of any
+        one unit, its forward compiled as one graph (as meshrun train does below 350M parameters; from that size a
+        start-up note says to drop cuda_graphs). Each ``optimizer.step()`` of any
         optimizer starts a new replay generation, so a loop must call it once per training step, after all of the
         step's micro-batches (gradient accumulation stays correct); evaluation in between is fine. The next step's
         replay overwrites the model's outputs of this one: ``.item()`` or ``.clone()`` what you keep past

@@ -147,7 +147,7 @@ def bf16_stream(job: JobConfig, dims: ParallelDims, compute_dtype: torch.dtype |
     choice = job.train.residual_dtype
     if choice != "auto":
         return choice == "bf16"
-    return (compute_dtype == torch.bfloat16 and not uses_fsdp(dims) and dims.cp == 1 and not job.train.float8)
+    return compute_dtype == torch.bfloat16 and not uses_fsdp(dims) and dims.cp == 1 and not job.train.float8
 
 
 def check_layout(job: JobConfig, spec: ModelSpec, shape: ModelShape, dims: ParallelDims, *, device: torch.device,
