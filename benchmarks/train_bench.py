@@ -96,7 +96,7 @@ TUNE_COMPILED = {"autotune": "--train.compile_mode=max-autotune"}  # every layou
 FP32_STREAM = {"fp32-stream": "--train.residual_dtype=fp32"}
 TUNE_BF16 = {"pp": {"casts": "--parallel.pp_cast_once=false"} | FP32_STREAM, "ddp": FP32_STREAM, "tp": FP32_STREAM}
 # with bf16 compute (GPUs, or --extra --train.dtype=bf16): a pipeline's weights cast per micro-batch, against the
-# default's once per step on GPUs; the residual stream in bf16 where autocast runs (not FSDP2: bf16 there already)
+# default's once per step on GPUs; the residual stream in fp32 against the default's bf16 (not FSDP2: bf16 there)
 # on CUDA GPUs: torch's cross-entropy against meshrun's Triton kernel (train.cross_entropy=auto); TP's loss on
 # vocabulary shards has its own
 CE_TORCH = {"ce-torch": "--train.cross_entropy=torch"}

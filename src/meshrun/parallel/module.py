@@ -31,8 +31,8 @@ from torch import nn
 
 from meshrun.config import COMPILE_MODES, REDUCE_DTYPES, RESIDUAL_DTYPES, ConfigError
 from meshrun.comm.mesh import ParallelDims
-from meshrun.models.spec import ModelStructure
-from meshrun.parallel.data_parallel import WHOLE_MODEL
+from meshrun.models.spec import ModelStructure, count_unique_params
+from meshrun.parallel.data_parallel import FSDP_ONE_UNIT_PARAMS, WHOLE_MODEL
 from meshrun.parallel.kernels import bf16_by_default, inductor_mode
 from meshrun.parallel.options import ParallelOptions, reduce_dtype
 from meshrun.parallel.tied import find_shared
@@ -176,10 +176,11 @@ def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world
     compute_dtype = resolve_compute_dtype(compute_dtype, dims, device)
     # DDP or one process keep the model whole: compiled as one graph (with a loss inside it, the logits never exist
     # in fp32), as meshrun train compiles them; per-block graphs where FSDP2 or TP hooks run between the blocks
-    keeps_whole = not uses_fsdp(dims) and dims.tp == 1 and dims.pp == 1
+    alone = dims.tp == 1 and dims.pp == 1
+    keeps_whole = alone and not uses_fsdp(dims)
     # FSDP2 or HSDP alone as CUDA graphs: the whole model one unit, its forward one graph (as meshrun train's
     # parallel.fsdp_unit_blocks=auto does for small models), FSDP2's hooks and collectives outside it
-    fsdp_whole = cuda_graphs and uses_fsdp(dims) and dims.tp == 1 and dims.pp == 1
+    fsdp_whole = alone and cuda_graphs and uses_fsdp(dims)
     if cuda_graphs:
         check_session_graphs(layout, whole_graph=keeps_whole or fsdp_whole, compile=compile, device=device)
     if dims.pp > 1:
@@ -193,7 +194,7 @@ def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world
     if dims.tp > 1 and isinstance(plan, Mapping):
         resolve_plan(model, plan)  # a module TP cannot split is named before anything is built
     shared = find_shared(model)
-    params = sum(p.numel() for p in model.parameters())
+    whole_params = count_unique_params([model]) if fsdp_whole else 0  # before FSDP2 shards it
     model = model.to(device)
     shared.restore(model, layout=f"layout={layout!r}", after=f"moving the model to {device}")
     if world_size > 1:
@@ -222,7 +223,7 @@ def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world
     return trained, ModuleLayout(dims=dims, name=layout_name(dims), blocks=blocks, module=model,
                                  compute_dtype=compute_dtype, grad_reduce_dtype=grad_reduce_dtype, compiled=compiled,
                                  compile_mode=compile_mode, cuda_graphs=cuda_graphs, residual_dtype=residual_dtype,
-                                 note=layout_note(layout, dims, nodes=nodes, whole_params=params if fsdp_whole else 0),
+                                 note=layout_note(layout, dims, nodes=nodes, whole_params=whole_params),
                                  fsdp_whole=fsdp_whole)
 
 
@@ -301,8 +302,6 @@ def compile_unblocked(model: nn.Module, spec: ModelStructure, compile_mode: str 
 def layout_note(layout: str, dims: ParallelDims, *, nodes: int, whole_params: int = 0) -> str:
     """What a user should know at start-up about how their layout word ran ('' when it ran as named).
     ``whole_params``: FSDP2 holds the whole model of this many parameters as one unit (cuda_graphs=True)."""
-    from meshrun.parallel.data_parallel import FSDP_ONE_UNIT_PARAMS
-
     notes = []
     if layout == "hsdp" and dims.dp_replicate == 1:
         where = "one node" if nodes <= 1 else f"dp_replicate=1 ({nodes} nodes)"
