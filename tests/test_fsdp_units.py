@@ -1,7 +1,7 @@
 """parallel.fsdp_unit_blocks: consecutive blocks share one FSDP2 unit (one all-gather, one reduce-scatter), on a fake
 process group so no other process is needed; -1, the whole model one unit compiled as one graph, on 2 gloo ranks.
-Numerical parity of grouped layouts with one process is in tests/test_parallel_layouts.py (fsdp2_units2,
-fsdp2_whole_compiled)."""
+Numerical parity of grouped layouts with one process is in tests/test_parallel_layouts.py (fsdp2_units2, which
+also prefetches, and fsdp2_whole_compiled)."""
 
 import pytest
 import torch
@@ -263,3 +263,48 @@ def test_the_pooled_gather_runs_before_fsdp2s_own_and_replaces_it():
         assert result[True]["gathers"] == [1, 1, 1] == result[False]["gathers"], result
         assert result[True]["pooled"] == [1, 1, 1] and result[False]["pooled"] == [0, 0, 0], result
         assert result[True]["losses"] == result[False]["losses"]
+
+
+class Chain(Blocks):
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.layers.values():
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("depth, ahead", [(0, []), (1, [1]), (2, [1, 2])])
+def test_each_unit_gathers_the_next_units_before_it_runs(depth, ahead):
+    """parallel.fsdp_prefetch: while a block runs (a forward pre-hook that runs after FSDP2's own), the all-gathers
+    of the next ``depth`` units are already issued (pending), and not those of the units after them; with 0 none is,
+    FSDP2 gathering each unit only when the host reaches it. (The losses with prefetching match one process's in
+    tests/test_parallel_layouts.py, fsdp2_units2.)"""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        model = Chain(4)
+        blocks = list(model.layers.values())
+        apply_fsdp(model, init_device_mesh("cpu", (2,)), compute_dtype=None, reshard_after_forward=True,
+                   blocks=blocks, unit_blocks=1, prefetch=depth)
+        seen: dict[int, list[int]] = {}
+
+        def pending(i):
+            def hook(module, args):
+                seen[i] = [j - i for j in range(i + 1, len(blocks))
+                           if blocks[j]._get_fsdp_state()._fsdp_param_group._all_gather_result is not None]
+            return hook
+
+        for i, block in enumerate(blocks):
+            block.register_forward_pre_hook(pending(i))
+        model(torch.randn(2, 4)).sum().backward()
+        assert seen == {i: [a for a in ahead if i + a < len(blocks)] for i in range(len(blocks))}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_negative_prefetch_is_refused_by_name():
+    with pytest.raises(ConfigError, match=r"parallel.fsdp_prefetch must be >= 0 \(FSDP2 units each unit gathers "
+                                          r"ahead; 0: FSDP2's own order\), got -1"):
+        load_config(None, ["--parallel.fsdp_prefetch=-1"])

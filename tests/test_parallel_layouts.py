@@ -180,8 +180,9 @@ def _two_rank_worker(rank: int, world_size: int, layouts: dict[str, Layout], ini
 TWO_RANKS = {
     "ddp2": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 2}),
     "fsdp2": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 1, "dp_shard": 2}),
+    # units of 2 blocks, each gathering the next unit ahead (parallel.fsdp_prefetch)
     "fsdp2_units2": Layout(tied=True, grad_accum=1, parallel={"dp_replicate": 1, "dp_shard": 2,
-                                                            "fsdp_unit_blocks": 2}),
+                                                            "fsdp_unit_blocks": 2, "fsdp_prefetch": 1}),
     # the whole model one FSDP2 unit, its forward compiled as one graph
     "fsdp2_whole_compiled": Layout(tied=True, grad_accum=2, parallel={"dp_replicate": 1, "dp_shard": 2,
                                                                     "fsdp_unit_blocks": -1}, train={"compile": "true"}),

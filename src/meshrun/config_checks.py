@@ -191,6 +191,9 @@ def validate_job(job: JobConfig) -> None:
     if job.parallel.fsdp_unit_blocks < -1:
         raise ConfigError(f"parallel.fsdp_unit_blocks must be >= -1 (blocks per FSDP2 unit; 0: auto; -1: the whole "
                           f"model one unit), got {job.parallel.fsdp_unit_blocks}")
+    if job.parallel.fsdp_prefetch < 0:
+        raise ConfigError(f"parallel.fsdp_prefetch must be >= 0 (FSDP2 units each unit gathers ahead; 0: FSDP2's "
+                          f"own order), got {job.parallel.fsdp_prefetch}")
     if job.run.tensorboard and job.run.tracker not in ("none", "tensorboard"):
         raise ConfigError(f"run.tensorboard=true and run.tracker={job.run.tracker}: one tracker per run; drop "
                           "run.tensorboard (or set run.tracker=tensorboard)")

@@ -209,7 +209,8 @@ def parallelize(part: nn.Module, structure: ModelStructure, dims: ParallelDims, 
         per_unit = unit_blocks(options.fsdp_unit_blocks, part, blocks, device=options.device)
         shared.check_units(part, fsdp_units(blocks, per_unit), layout=layout)
         apply_fsdp(part, dp_mesh, compute_dtype=options.compute_dtype, reshard_after_forward=reshard, blocks=blocks,
-                   unit_blocks=per_unit, reduce_dtype=options.reduce_dtype)
+                   unit_blocks=per_unit, reduce_dtype=options.reduce_dtype,
+                   prefetch=options.fsdp_prefetch)
         shared.restore(part, layout=layout, after="FSDP2", reshare=False)
     if options.compiled and whole:
         compile_forward(part, inductor_mode(options.compile_mode, cuda_graphs=options.cuda_graphs))

@@ -41,6 +41,8 @@ class ParallelOptions:
     fsdp_unit_blocks: int = 0
     """Consecutive blocks per FSDP2 unit (parallel.fsdp_unit_blocks; 0: auto, see apply.unit_blocks; -1
     (data_parallel.WHOLE_MODEL): the whole model one unit, compiled as one graph)."""
+    fsdp_prefetch: int = 0
+    """FSDP2 units each unit gathers ahead (parallel.fsdp_prefetch; 0: FSDP2's own order)."""
     device: torch.device | None = None
     """Where the parameters will live ('auto' resharding weighs them against this GPU's memory; None: unknown)."""
     layout: str = ""
@@ -68,6 +70,7 @@ def parallel_options(job: JobConfig, *, compute_dtype: torch.dtype | None, compi
                            float8=job.train.float8, reduce_dtype=reduce_dtype(p.grad_reduce_dtype),
                            fsdp_reshard_after_forward=p.fsdp_reshard_after_forward,
                            fsdp_unit_blocks=WHOLE_MODEL if whole_model else p.fsdp_unit_blocks,
+                           fsdp_prefetch=p.fsdp_prefetch,
                            device=device, split_backward=split_backward,
                            residual_in_compute_dtype=residual_bf16)
 
