@@ -61,12 +61,13 @@ def set_prefetch(root: nn.Module, units: list[nn.Module], depth: int) -> None:
     step the host is only a little ahead: on 2 H200s (1b, 2 ranks, one unit per block, profiled) one rank issued each
     block's copy-in and all-gather about 0.1 ms before the GPU reached it, so it idled about 0.5 ms per block waiting
     for them, while the other rank's all-gather kernels, started early, waited for it about 2 ms each, holding SMs
-    beside the matmuls (which ran 1.3x as long there). Gathered ahead, each all-gather is queued a whole unit earlier.
+    beside the matmuls (which ran 1.3x as long there). Gathered ahead, each all-gather is queued a whole unit earlier
+    (under the profiler those waits fell to 0.3 ms; unprofiled, the step ran level, docs/benchmarks.md round 25).
     Prefetching changes when parameters are gathered, not what is computed. With resharding after forward off
     (FSDP2 keeps the gathered parameters for backward) the backward prefetches find them gathered and do nothing."""
     chain = [root, *units]
     for i, module in enumerate(chain):
-        ahead = [unit for unit in units[i:i + depth]]  # units[i] is the module after chain[i]
+        ahead = units[i:i + depth]  # units[i] is the module after chain[i]
         if ahead:
             module.set_modules_to_forward_prefetch(ahead)
     for i, unit in enumerate(units):
