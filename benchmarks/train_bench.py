@@ -100,7 +100,8 @@ TUNE_BF16 = {"pp": {"casts": "--parallel.pp_cast_once=false"} | FP32_STREAM, "dd
 # on CUDA GPUs: torch's cross-entropy against meshrun's Triton kernel (train.cross_entropy=auto); TP's loss on
 # vocabulary shards has its own
 CE_TORCH = {"ce-torch": "--train.cross_entropy=torch"}
-TUNE_CUDA = {"ddp": CE_TORCH, "fsdp": CE_TORCH, "pp": CE_TORCH}
+# and FSDP2's all-gathers on the copy engines (parallel.fsdp_symm_mem: NCCL 2.28+, a torch that has it)
+TUNE_CUDA = {"ddp": CE_TORCH, "fsdp": CE_TORCH | {"symm-mem": "--parallel.fsdp_symm_mem=true"}, "pp": CE_TORCH}
 DEFAULTS_WITHIN = 0.03  # the defaults should be within 3% of the best setting --tune finds
 WORKLOAD_OPTIONS = ("--model.", "--train.micro_batch", "--train.grad_accum", "--train.global_batch")
 """Overrides that change what a step trains (the model or the samples per step): a variant with one of them is a

@@ -407,9 +407,10 @@ def test_tune_adds_each_layouts_documented_settings_and_tags_meshrun_rows(monkey
         f"tp/{n}" for n in tb.TUNE["tp"]]
     compiled, _ = tb.make_plan(tb.parse_args(["--layouts", "fsdp", "--peers", "", "--tune"]), "cuda")
     assert [name for name, _ in compiled.variants] == [f"fsdp/{n}" for n in tb.TUNE["fsdp"]] + [
-        "fsdp/autotune", "fsdp/ce-torch"]
-    assert compiled.variants[-2][1] == ["--train.compile_mode=max-autotune"]  # compiling only: it needs compile
-    assert compiled.variants[-1][1] == ["--train.cross_entropy=torch"]  # CUDA only: the Triton loss runs there
+        "fsdp/autotune", "fsdp/ce-torch", "fsdp/symm-mem"]
+    assert compiled.variants[-3][1] == ["--train.compile_mode=max-autotune"]  # compiling only: it needs compile
+    assert compiled.variants[-2][1] == ["--train.cross_entropy=torch"]  # CUDA only: the Triton loss runs there
+    assert compiled.variants[-1][1] == ["--parallel.fsdp_symm_mem=true"]  # CUDA only: NCCL's copy engines
     pp_cpu, _ = tb.make_plan(tb.parse_args(["--layouts", "pp", "--peers", "", "--tune"]), "cpu")
     pp_gpu, _ = tb.make_plan(tb.parse_args(["--layouts", "pp", "--peers", "", "--tune"]), "cuda")
     assert "pp/casts" not in dict(pp_cpu.variants), "fp32 on CPU: parallel.pp_cast_once has nothing to cast"

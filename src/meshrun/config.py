@@ -248,6 +248,13 @@ class ParallelConfig:
     all-gather starts late and the other ranks' all-gathers wait for it, holding SMs beside the matmuls. 0: FSDP2's
     own order. No effect where the whole model is one unit (parallel.fsdp_unit_blocks=-1). On 2 H200s (1b, GPU-bound) 1 ahead ran as fast as 0 (71.2k against 72.0k and 70.2k against 69.9k
     tokens/s per GPU, inside both rows' spreads), so it stays off by default."""
+    fsdp_symm_mem: bool = False
+    """FSDP2 gathers parameters into symmetric-memory buffers (torch's FSDPModule.set_symm_mem_for_comm), and
+    NCCL runs with its zero-CTA policy (NCCL_CTA_POLICY=2 for the training processes, unless already set) so that
+    within a node those all-gathers are done by the GPU's copy engines instead of kernels on its SMs: the matmuls
+    they overlap keep every SM. Needs FSDP/HSDP on CUDA GPUs, NCCL 2.28 or newer and a torch with
+    FSDPModule.set_symm_mem_for_comm. The policy is NCCL's for every communicator of the process; collectives
+    that the copy engines cannot do run as before. Not measured yet in meshrun's benchmarks: off by default."""
     ddp_overlap: bool = False
     """With compile: compile the DDP-wrapped step instead of wrapping the compiled step in DDP. Either way, where
     parallel.ddp_graph splits the step at DDP's bucket boundaries, each bucket's all-reduce overlaps the rest of

@@ -210,7 +210,7 @@ def parallelize(part: nn.Module, structure: ModelStructure, dims: ParallelDims, 
         shared.check_units(part, fsdp_units(blocks, per_unit), layout=layout)
         apply_fsdp(part, dp_mesh, compute_dtype=options.compute_dtype, reshard_after_forward=reshard, blocks=blocks,
                    unit_blocks=per_unit, reduce_dtype=options.reduce_dtype,
-                   prefetch=options.fsdp_prefetch)
+                   prefetch=options.fsdp_prefetch, symm_mem=options.fsdp_symm_mem)
         shared.restore(part, layout=layout, after="FSDP2", reshare=False)
     if options.compiled and whole:
         compile_forward(part, inductor_mode(options.compile_mode, cuda_graphs=options.cuda_graphs))

@@ -181,6 +181,10 @@ def check_layout(job: JobConfig, spec: ModelSpec, shape: ModelShape, dims: Paral
         raise ConfigError(f"parallel.fsdp_unit_blocks=-1 makes the whole model one FSDP2 unit, compiled as one graph, "
                           f"which {layout_name(dims)} cannot run (tensor, pipeline or context parallelism works "
                           "block by block): give a number of blocks per unit, or drop --parallel.fsdp_unit_blocks")
+    if job.parallel.fsdp_symm_mem:
+        refusal = symm_mem_refusal(dims, device)
+        if refusal:
+            raise ConfigError(refusal)
     if tri_state("parallel.comm_reorder", job.parallel.comm_reorder) == "true" and not compiled:
         raise ConfigError(f"parallel.comm_reorder=true reorders the compiled graphs, and train.compile="
                           f"{job.train.compile} leaves compilation off on {device.type}: set --train.compile=true, "
@@ -199,6 +203,34 @@ def check_layout(job: JobConfig, spec: ModelSpec, shape: ModelShape, dims: Paral
         refusal = weight_copies_refusal(job, dims, fp32=fp32)
         if refusal:
             raise ConfigError(refusal)
+
+
+SYMM_MEM_NCCL = (2, 28)
+"""The NCCL release whose all-gathers on symmetric buffers run on the copy engines (zero-CTA policy)."""
+
+
+def symm_mem_refusal(dims: ParallelDims, device: torch.device, *, nccl: tuple[int, ...] | None = None) -> str | None:
+    """Why parallel.fsdp_symm_mem=true cannot serve this run (the error's text), or None where it can. ``nccl``: the
+    NCCL version (default: the one torch was built with, on CUDA)."""
+    option = "parallel.fsdp_symm_mem=true"
+    if not uses_fsdp(dims):
+        return (f"{option} gathers FSDP2's parameters through symmetric memory, and {layout_name(dims)} has no FSDP2 "
+                "(parallel.dp_shard=1): shard the parameters (--parallel.dp_shard=-1), or drop "
+                "--parallel.fsdp_symm_mem")
+    if device.type != "cuda":
+        return (f"{option} needs NCCL on CUDA GPUs, and this run is on {device.type}: drop --parallel.fsdp_symm_mem")
+    from torch.distributed.fsdp import FSDPModule
+
+    if not hasattr(FSDPModule, "set_symm_mem_for_comm"):
+        return (f"{option} needs FSDPModule.set_symm_mem_for_comm, which torch {torch.__version__} lacks: install a "
+                "newer torch, or drop --parallel.fsdp_symm_mem")
+    if nccl is None and torch.cuda.is_available():
+        nccl = tuple(torch.cuda.nccl.version())
+    if nccl is not None and tuple(nccl[:2]) < SYMM_MEM_NCCL:
+        return (f"{option} needs NCCL {SYMM_MEM_NCCL[0]}.{SYMM_MEM_NCCL[1]} or newer for copy-engine all-gathers, and "
+                f"torch uses NCCL {'.'.join(map(str, nccl))}: install a torch built with a newer NCCL, or drop "
+                "--parallel.fsdp_symm_mem")
+    return None
 
 
 def use_comm_reorder(job: JobConfig, dims: ParallelDims, device: torch.device) -> bool:

@@ -18,6 +18,9 @@ move the waits as late as their users allow, and the collectives as early as the
 2.13 know all three by these names)."""
 
 P2P_VAR = "NCCL_MAX_P2P_NCHANNELS"
+CTA_VAR = "NCCL_CTA_POLICY"
+ZERO_CTA = "2"
+"""NCCL's zero-CTA policy: collectives on symmetric buffers within a node run on the copy engines (NCCL 2.28+)."""
 
 
 def enable_comm_reorder() -> None:
@@ -26,6 +29,14 @@ def enable_comm_reorder() -> None:
 
     inductor_config.reorder_for_compute_comm_overlap = True
     inductor_config.reorder_for_compute_comm_overlap_passes = list(REORDER_PASSES)
+
+
+def set_zero_cta(environ: MutableMapping[str, str]) -> str:
+    """parallel.fsdp_symm_mem: NCCL's zero-CTA policy in ``environ`` (before NCCL creates a communicator), unless a
+    policy is already set there, which wins (1, the efficiency policy, or 0 keep FSDP2's symmetric all-gathers on
+    NCCL's symmetric kernels instead of the copy engines); returns the policy in force."""
+    environ.setdefault(CTA_VAR, ZERO_CTA)
+    return environ[CTA_VAR]
 
 
 def set_p2p_channels(environ: MutableMapping[str, str], channels: int, *, explicit: bool) -> str:

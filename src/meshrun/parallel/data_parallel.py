@@ -26,14 +26,15 @@ def mixed_precision(compute_dtype: torch.dtype | None,
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, compute_dtype: torch.dtype | None,
                reshard_after_forward: bool, blocks: list[nn.Module], unit_blocks: int = 1,
-               reduce_dtype: torch.dtype = torch.float32, prefetch: int = 0) -> None:
+               reduce_dtype: torch.dtype = torch.float32, prefetch: int = 0, symm_mem: bool = False) -> None:
     """Shard ``model`` over ``dp_mesh``: 1-D mesh = FSDP, 2-D (replicate, shard) mesh = HSDP.
 
     ``reshard_after_forward=False`` keeps gathered parameters until backward (used with pipeline parallelism,
     where each stage runs many micro-batches per step and re-gathering each time would multiply the traffic).
     ``unit_blocks`` consecutive blocks form one FSDP2 unit (one all-gather and one reduce-scatter for all of them);
     -1: no unit of blocks, the whole model is the root unit. ``prefetch``: units each unit gathers ahead
-    (:func:`set_prefetch`; 0: FSDP2's own order).
+    (:func:`set_prefetch`; 0: FSDP2's own order). ``symm_mem``: all-gathers through symmetric memory
+    (:func:`use_symm_mem`).
     """
     mp_policy = mixed_precision(compute_dtype, reduce_dtype)
     units = fsdp_units(blocks, unit_blocks)
@@ -45,6 +46,8 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, compute_dtype: torch.dt
     fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     if prefetch and units:
         set_prefetch(model, [unit[0] for unit in units], prefetch)
+    if symm_mem:
+        use_symm_mem(model)
     if dp_mesh.device_type == "cpu":
         # gloo: FSDP2 reduces fp32 gradients with ReduceOp.AVG, which torch 2.8's gloo sums instead (gradients
         # N times too large); a SUM followed by FSDP's own division is right on every version.
@@ -74,6 +77,21 @@ def set_prefetch(root: nn.Module, units: list[nn.Module], depth: int) -> None:
         behind = units[max(i - depth, 0):i][::-1]
         if behind:
             unit.set_modules_to_backward_prefetch(behind)
+
+
+def use_symm_mem(model: nn.Module) -> None:
+    """parallel.fsdp_symm_mem: every FSDP2 unit of ``model`` all-gathers into buffers from NCCL's symmetric memory
+    (``FSDPModule.set_symm_mem_for_comm``), once per unit (a unit of several blocks is one FSDP2 state shared by its
+    modules). With NCCL's zero-CTA policy (comm_overlap.set_zero_cta, before the process group is made) NCCL does
+    those all-gathers with the copy engines within a node: no SMs held beside the matmuls. check_layout has refused
+    the runs that cannot (no FSDP2, not CUDA, an older torch or NCCL). Reduce-scatters stay as they were."""
+    from torch.distributed.fsdp import FSDPModule
+
+    seen: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, FSDPModule) and id(module._get_fsdp_state()) not in seen:
+            seen.add(id(module._get_fsdp_state()))
+            module.set_symm_mem_for_comm()  # its backend defaults to NCCL, the only one
 
 
 FSDP_ONE_UNIT_PARAMS = 350_000_000

@@ -43,6 +43,8 @@ class ParallelOptions:
     (data_parallel.WHOLE_MODEL): the whole model one unit, compiled as one graph)."""
     fsdp_prefetch: int = 0
     """FSDP2 units each unit gathers ahead (parallel.fsdp_prefetch; 0: FSDP2's own order)."""
+    fsdp_symm_mem: bool = False
+    """FSDP2's all-gathers through symmetric memory (parallel.fsdp_symm_mem; see data_parallel.use_symm_mem)."""
     device: torch.device | None = None
     """Where the parameters will live ('auto' resharding weighs them against this GPU's memory; None: unknown)."""
     layout: str = ""
@@ -70,7 +72,7 @@ def parallel_options(job: JobConfig, *, compute_dtype: torch.dtype | None, compi
                            float8=job.train.float8, reduce_dtype=reduce_dtype(p.grad_reduce_dtype),
                            fsdp_reshard_after_forward=p.fsdp_reshard_after_forward,
                            fsdp_unit_blocks=WHOLE_MODEL if whole_model else p.fsdp_unit_blocks,
-                           fsdp_prefetch=p.fsdp_prefetch,
+                           fsdp_prefetch=p.fsdp_prefetch, fsdp_symm_mem=p.fsdp_symm_mem,
                            device=device, split_backward=split_backward,
                            residual_in_compute_dtype=residual_bf16)
 

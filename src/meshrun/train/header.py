@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from meshrun.models.spec import count_unique_params
 from meshrun.parallel.apply import describe_layout, graphs_left_off, splits_backward, use_loss_parallel
 from meshrun.parallel.checks import bf16_stream, use_comm_reorder, uses_fsdp
-from meshrun.parallel.comm_overlap import P2P_VAR
+from meshrun.parallel.comm_overlap import CTA_VAR, P2P_VAR
 from meshrun.parallel.data_parallel import WHOLE_MODEL
 from meshrun.parallel.kernels import describe_speed
 from meshrun.train import runlog
@@ -74,7 +74,8 @@ def print_header(trainer: Trainer) -> None:
                                                             whole_fsdp=trainer.job.parallel.fsdp_unit_blocks
                                                             == WHOLE_MODEL),
                                  residual_bf16=bf16_stream(trainer.job, trainer.dims, trainer.compute_dtype),
-                                 vocab_sharded=use_loss_parallel(trainer.dims))]
+                                 vocab_sharded=use_loss_parallel(trainer.dims),
+                                 cta_policy=os.environ.get(CTA_VAR, ""))]
     lines.append(describe_resume(trainer.resumed, run_dir=trainer.run_dir, moved_to=trainer.folder.moved_to,
                                  where=f"epoch {trainer.data.position.epoch}, {trainer.data.position.consumed:,} "
                                        "samples into it"))

@@ -30,7 +30,7 @@ from meshrun.models.spec import ModelSpec
 from meshrun.rng import seed_rank_streams
 from meshrun.parallel.apply import build_engine
 from meshrun.parallel.checks import compute_dtype, p2p_channels
-from meshrun.parallel.comm_overlap import set_p2p_channels
+from meshrun.parallel.comm_overlap import set_p2p_channels, set_zero_cta
 from meshrun.parallel.engine import Engine
 from meshrun.parallel.grad_norm import clip_divisor
 from meshrun.parallel.kernels import resolve_adamw_kernel
@@ -97,6 +97,8 @@ class Trainer:
             enable_flight_recorder(os.environ, run_dir=self.run_dir)  # NCCL reads these at group creation
             set_p2p_channels(os.environ, p2p_channels(job, self.dims, cuda=wants_cuda(job.dist)),
                              explicit=job.parallel.pp_p2p_channels > 0)
+            if job.parallel.fsdp_symm_mem:
+                set_zero_cta(os.environ)  # check_layout refused it off CUDA GPUs and without FSDP2
         self.ctx: DistContext = init_distributed(self.env, job.dist)
         self.device = self.ctx.device
         self.folder = RunFolder(job, self.env, path=self.run_dir)  # nothing written into it until the run proceeds
