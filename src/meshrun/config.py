@@ -246,8 +246,9 @@ class ParallelConfig:
     after the unit's own, a unit earlier than FSDP2 issues them (when the host reaches each unit), and as many
     units behind in backward. For hosts that are only just ahead of the GPU (slow CPUs, a profiler): there each
     all-gather starts late and the other ranks' all-gathers wait for it, holding SMs beside the matmuls. 0: FSDP2's
-    own order. No effect where the whole model is one unit (parallel.fsdp_unit_blocks=-1). On 2 H200s (1b, GPU-bound) 1 ahead ran as fast as 0 (71.2k against 72.0k and 70.2k against 69.9k
-    tokens/s per GPU, inside both rows' spreads), so it stays off by default."""
+    own order. No effect where the whole model is one unit (parallel.fsdp_unit_blocks=-1). On 2 H200s (1b,
+    GPU-bound) 1 ahead ran as fast as 0 (71.2k against 72.0k and 70.2k against 69.9k tokens/s per GPU, inside both
+    rows' spreads), so it stays off by default."""
     fsdp_symm_mem: bool = False
     """FSDP2 gathers parameters into symmetric-memory buffers (torch's FSDPModule.set_symm_mem_for_comm), and
     NCCL runs with its zero-CTA policy (NCCL_CTA_POLICY=2 for the training processes, unless already set) so that

@@ -209,5 +209,6 @@ def describe_speed(job: JobConfig, device: torch.device, compute_dtype: torch.dt
              f"grad clip {t.grad_clip:g}" if t.grad_clip else "no grad clip",
              *([f"pipeline sends and receives on at most {p2p_channels} NCCL channels"] if p2p_channels else []),
              *([f"FSDP2 all-gathers on symmetric memory (NCCL_CTA_POLICY={cta_policy}"
-                + (": copy engines)" if cta_policy == ZERO_CTA else ")")] if job.parallel.fsdp_symm_mem and fsdp else [])]
+                + (": copy engines)" if cta_policy == ZERO_CTA else ")")]
+               if job.parallel.fsdp_symm_mem and fsdp else [])]
     return "speed: " + " | ".join(parts)
