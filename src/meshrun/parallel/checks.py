@@ -214,9 +214,10 @@ def symm_mem_refusal(dims: ParallelDims, device: torch.device, *, nccl: tuple[in
     NCCL version (default: the one torch was built with, on CUDA)."""
     option = "parallel.fsdp_symm_mem=true"
     if not uses_fsdp(dims):
+        fix = ("shard the parameters (--parallel.dp_shard=-1)" if dims.world_size > 1 else
+               "launch 2 or more ranks with --parallel.dp_shard=-1")
         return (f"{option} gathers FSDP2's parameters through symmetric memory, and {layout_name(dims)} has no FSDP2 "
-                "(parallel.dp_shard=1): shard the parameters (--parallel.dp_shard=-1), or drop "
-                "--parallel.fsdp_symm_mem")
+                f"(parallel.dp_shard=1): {fix}, or drop --parallel.fsdp_symm_mem")
     if device.type != "cuda":
         return (f"{option} needs NCCL on CUDA GPUs, and this run is on {device.type}: drop --parallel.fsdp_symm_mem")
     from torch.distributed.fsdp import FSDPModule
