@@ -39,7 +39,9 @@ Gradient clipping is set with --grad-clip only, so that it is equal on every sid
 Every row is timed alike: the tokens of the steps after the warm-up third of --steps over their wall time. The
 scripts time those steps themselves; meshrun logs at a divisor of the warm-up, so that its intervals after it cover
 the same steps, and its row also lists each interval's tokens/s (intervals) and what the machine did in it
-(machine: GPU utilisation, lowest SM clock, CPU utilisation, throttle reasons). Without a GPU, --gpus counts CPU
+(machine: GPU utilisation, lowest SM clock, CPU utilisation, throttle reasons), and where each interval's steps
+went (ranks: the slowest rank's data wait and forward passes, GPU-timed, and the rest of its step, in ms per step).
+Without a GPU, --gpus counts CPU
 processes (gloo, fp32, no compile): a smoke test of the harness, not a measurement.
 """
 
@@ -273,9 +275,11 @@ def run_meshrun(case: Case, layout: str, plan: Plan, env: dict[str, str], overri
     if proc.returncode or not any(r["step"] > warm for r in train):
         return failure(proc)
     machine = machine_window([r for r in records if r.get("kind") == "system"], warm)
+    ranks = ranks_window([r for r in records if r.get("kind") == "ranks"], warm)
     slowdown = [{k: v for k, v in r.items() if k not in ("kind", "time")}  # run.profile_on_slowdown's finding
                 for r in records if r.get("kind") == "slowdown"]
     return {**window_speed(train, warm), **({"machine": machine} if machine else {}),
+            **({"ranks": ranks} if ranks else {}),
             **({"slowdown": slowdown[0]} if slowdown else {}), "overrides": overrides}
 
 
@@ -319,6 +323,18 @@ def machine_window(system: list[dict], warm: int) -> dict:
     if reasons:
         out["throttle"] = reasons
     return out
+
+
+def ranks_window(ranks: list[dict], warm: int) -> dict:
+    """Where the timed steps went, from the run's ``ranks`` records (one per logged interval, every rank's mean
+    per step): per interval, the slowest rank's ``work_s`` (its data wait and forward passes, the forward timed on
+    the GPU by CUDA events) and ``rest_s`` (backward, optimizer and waiting in collectives), in ms. A slow run whose
+    work grew while the rest held points at the forward passes; {} where the run logged none."""
+    timed = [r for r in ranks if r["step"] > warm and r.get("work_s") and r.get("rest_s")]
+    if not timed:
+        return {}
+    return {"work_ms": [round(max(r["work_s"]) * 1e3, 1) for r in timed],
+            "rest_ms": [round(max(r["rest_s"]) * 1e3, 1) for r in timed]}
 
 
 def source_env(env: dict[str, str], folder: str) -> dict[str, str]:

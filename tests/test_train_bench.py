@@ -342,6 +342,16 @@ def test_a_run_keeps_what_the_machine_did_in_its_timed_steps():
     assert tb.machine_window(cpu_only, 8) == {"cpu_util_pct": [50]} and tb.machine_window([], 8) == {}
 
 
+def test_a_run_says_where_its_timed_steps_went():
+    """The slowest rank's forward (work) and the rest of its step per timed interval: a slow run of round 25 on 2
+    H200s spent 44-48 ms per step in its forward passes where fast runs spent 36-39, the rest level."""
+    records = [{"kind": "ranks", "step": 8, "work_s": [1.5, 1.4], "rest_s": [1.4, 1.5]},  # warm-up: left out
+               {"kind": "ranks", "step": 12, "work_s": [0.0455, 0.0446], "rest_s": [0.0745, 0.0754]},
+               {"kind": "ranks", "step": 16, "work_s": [0.0370, 0.0365], "rest_s": [0.0759, 0.0764]}]
+    assert tb.ranks_window(records, 8) == {"work_ms": [45.5, 37.0], "rest_ms": [75.4, 76.4]}
+    assert tb.ranks_window([], 8) == {} and tb.ranks_window(records[:1], 8) == {}
+
+
 def test_each_run_is_printed_as_it_finishes(monkeypatch, capsys):
     monkeypatch.setattr(tb, "run_script", lambda s, c, p, e: {"tokens_per_s_per_gpu": 1.0})
     monkeypatch.setattr(tb, "run_meshrun", lambda c, lay, p, e, o, run_dir, launch_extra=(): print("meshrun ran") or
@@ -483,6 +493,9 @@ def test_cpu_run_has_a_row_per_case_and_ratios_to_its_baseline(tmp_path):
             assert mesh["tokens_per_s_per_gpu"] > 0 and mesh["device"] == "cpu"
             assert 0 < base["wall_s"] < 400 and 0 < mesh["wall_s"] < 400, "each run's wall time, to plan GPU calls"
             assert mesh["vs_baseline"] == pytest.approx(mesh["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"])
+            # where each timed interval's steps went (the run's own per-rank record), one value per interval
+            assert len(mesh["ranks"]["work_ms"]) == len(mesh["ranks"]["rest_ms"]) == len(mesh["intervals"]) > 0
+            assert all(ms > 0 for ms in mesh["ranks"]["work_ms"] + mesh["ranks"]["rest_ms"]), mesh["ranks"]
     kept = sorted(p.name for p in (tmp_path / "runs").iterdir())  # --keep-runs: each meshrun run's folder
     assert kept == [f"meshrun-ddp_tiny_{g}gpu_clip{c}_r1" for g in (1, 2) for c in (0, 1)], kept
     assert all((tmp_path / "runs" / name / "metrics.jsonl").is_file() for name in kept)
