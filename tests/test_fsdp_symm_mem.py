@@ -53,14 +53,20 @@ def test_refused_without_fsdp2_on_gpus_and_nccl_2_28(overrides, device, nccl, me
         assert re.match(message, refusal), refusal
 
 
-def test_refused_by_a_torch_without_the_fsdp2_method(monkeypatch):
+def test_refused_by_a_torch_with_neither_way(monkeypatch):
+    """torch 2.13's own method, or (torch 2.11) FSDP2's custom all-gather with torch's symmetric memory pool: a
+    torch with neither is refused; one with either is not."""
     from torch.distributed.fsdp import FSDPModule
 
-    monkeypatch.delattr(FSDPModule, "set_symm_mem_for_comm")
     _, dims = _job_dims(*FSDP)
+    monkeypatch.delattr(FSDPModule, "set_symm_mem_for_comm")
+    assert symm_mem_refusal(dims, torch.device("cuda"), nccl=(2, 28, 9)) is None  # the custom all-gather serves
+    monkeypatch.delattr(FSDPModule, "set_custom_all_gather")
     refusal = symm_mem_refusal(dims, torch.device("cuda"), nccl=(2, 28, 9))
-    assert refusal == (f"parallel.fsdp_symm_mem=true needs FSDPModule.set_symm_mem_for_comm, which torch "
-                       f"{torch.__version__} lacks: install a newer torch, or drop --parallel.fsdp_symm_mem")
+    assert refusal == ("parallel.fsdp_symm_mem=true needs FSDP2's symmetric-memory all-gather (torch 2.13's "
+                       "FSDPModule.set_symm_mem_for_comm, or a custom all-gather and torch's symmetric memory pool, "
+                       f"torch 2.11), which torch {torch.__version__} lacks: install a newer torch, or drop "
+                       "--parallel.fsdp_symm_mem")
 
 
 def test_a_cpu_run_is_refused_before_it_starts():
@@ -121,6 +127,33 @@ def test_every_fsdp2_unit_is_switched_once(monkeypatch, unit_blocks, states):
                    blocks=list(model.layers), unit_blocks=unit_blocks, symm_mem=True)
         assert len(switched) == len(set(switched)) == states
         assert id(model._get_fsdp_state()) in switched
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_older_torch_gets_the_custom_all_gather_on_every_unit(monkeypatch):
+    """Without set_symm_mem_for_comm (torch 2.11, the GPU machine's), each FSDP2 state gets a SymmMemAllGather
+    through FSDP2's set_custom_all_gather, after torch's symmetric memory is set to its NCCL backend once."""
+    from torch.distributed import _symmetric_memory as symm_mem
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from meshrun.parallel.data_parallel import SymmMemAllGather, apply_fsdp
+
+    monkeypatch.delattr(FSDPModule, "set_symm_mem_for_comm")
+    backends: list[str] = []
+    monkeypatch.setattr(symm_mem, "set_backend", backends.append)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        model = Chain(5)
+        apply_fsdp(model, init_device_mesh("cpu", (2,)), compute_dtype=None, reshard_after_forward=True,
+                   blocks=list(model.layers), unit_blocks=2, symm_mem=True)
+        comms = {id(m._get_fsdp_state()): m._get_fsdp_state()._fsdp_param_group._all_gather_comm
+                 for m in model.modules() if isinstance(m, FSDPModule)}
+        assert len(comms) == 4 and all(isinstance(c, SymmMemAllGather) for c in comms.values()), comms
+        assert len({id(c) for c in comms.values()}) == 4  # one each
+        assert backends == ["NCCL"]
     finally:
         dist.destroy_process_group()
 

@@ -253,8 +253,9 @@ class ParallelConfig:
     """FSDP2 gathers parameters into symmetric-memory buffers (torch's FSDPModule.set_symm_mem_for_comm), and
     NCCL runs with its zero-CTA policy (NCCL_CTA_POLICY=2 for the training processes, unless already set) so that
     within a node those all-gathers are done by the GPU's copy engines instead of kernels on its SMs: the matmuls
-    they overlap keep every SM. Needs FSDP/HSDP on CUDA GPUs, NCCL 2.28 or newer and a torch with
-    FSDPModule.set_symm_mem_for_comm. The policy is NCCL's for every communicator of the process; collectives
+    they overlap keep every SM. Needs FSDP/HSDP on CUDA GPUs, NCCL 2.28 or newer and torch 2.11 or newer
+    (2.13's FSDPModule.set_symm_mem_for_comm, before it FSDP2's custom all-gather on torch's symmetric memory
+    pool). The policy is NCCL's for every communicator of the process; collectives
     that the copy engines cannot do run as before. Not measured yet in meshrun's benchmarks: off by default."""
     ddp_overlap: bool = False
     """With compile: compile the DDP-wrapped step instead of wrapping the compiled step in DDP. Either way, where

@@ -23,7 +23,7 @@ from meshrun.models.shape import ModelShape
 from meshrun.models.spec import ModelSpec
 from meshrun.parallel.async_tp import check_async_tp
 from meshrun.parallel.context_parallel import check_context_parallel
-from meshrun.parallel.data_parallel import FSDP_ONE_UNIT_PARAMS, WHOLE_MODEL
+from meshrun.parallel.data_parallel import FSDP_ONE_UNIT_PARAMS, WHOLE_MODEL, symm_mem_supported
 from meshrun.parallel.float8 import check_float8
 from meshrun.parallel.kernels import bf16_by_default, compile_enabled, require_compiled_cuda
 from meshrun.parallel.pipeline import effective_model_config
@@ -220,11 +220,10 @@ def symm_mem_refusal(dims: ParallelDims, device: torch.device, *, nccl: tuple[in
                 f"(parallel.dp_shard=1): {fix}, or drop --parallel.fsdp_symm_mem")
     if device.type != "cuda":
         return (f"{option} needs NCCL on CUDA GPUs, and this run is on {device.type}: drop --parallel.fsdp_symm_mem")
-    from torch.distributed.fsdp import FSDPModule
-
-    if not hasattr(FSDPModule, "set_symm_mem_for_comm"):
-        return (f"{option} needs FSDPModule.set_symm_mem_for_comm, which torch {torch.__version__} lacks: install a "
-                "newer torch, or drop --parallel.fsdp_symm_mem")
+    if not symm_mem_supported():
+        return (f"{option} needs FSDP2's symmetric-memory all-gather (torch 2.13's FSDPModule.set_symm_mem_for_comm, "
+                f"or a custom all-gather and torch's symmetric memory pool, torch 2.11), which torch "
+                f"{torch.__version__} lacks: install a newer torch, or drop --parallel.fsdp_symm_mem")
     if nccl is None and torch.cuda.is_available():
         nccl = tuple(torch.cuda.nccl.version())
     if nccl is not None and tuple(nccl[:2]) < SYMM_MEM_NCCL:

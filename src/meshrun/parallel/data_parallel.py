@@ -47,7 +47,7 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, compute_dtype: torch.dt
     if prefetch and units:
         set_prefetch(model, [unit[0] for unit in units], prefetch)
     if symm_mem:
-        use_symm_mem(model)
+        use_symm_mem(model, dp_mesh)
     if dp_mesh.device_type == "cpu":
         # gloo: FSDP2 reduces fp32 gradients with ReduceOp.AVG, which torch 2.8's gloo sums instead (gradients
         # N times too large); a SUM followed by FSDP's own division is right on every version.
@@ -79,19 +79,76 @@ def set_prefetch(root: nn.Module, units: list[nn.Module], depth: int) -> None:
             unit.set_modules_to_backward_prefetch(behind)
 
 
-def use_symm_mem(model: nn.Module) -> None:
-    """parallel.fsdp_symm_mem: every FSDP2 unit of ``model`` all-gathers into buffers from NCCL's symmetric memory
-    (``FSDPModule.set_symm_mem_for_comm``), once per unit (a unit of several blocks is one FSDP2 state shared by its
-    modules). With NCCL's zero-CTA policy (comm_overlap.set_zero_cta, before the process group is made) NCCL does
-    those all-gathers with the copy engines within a node: no SMs held beside the matmuls. check_layout has refused
-    the runs that cannot (no FSDP2, not CUDA, an older torch or NCCL). Reduce-scatters stay as they were."""
+def use_symm_mem(model: nn.Module, dp_mesh: DeviceMesh) -> None:
+    """parallel.fsdp_symm_mem: every FSDP2 unit of ``model`` all-gathers into buffers from NCCL's symmetric memory,
+    once per unit (a unit of several blocks is one FSDP2 state shared by its modules). With NCCL's zero-CTA policy
+    (comm_overlap.set_zero_cta, before the process group is made) NCCL does those all-gathers with the copy engines
+    within a node: no SMs held beside the matmuls. Reduce-scatters stay as they were.
+
+    torch 2.13 and newer do it themselves (``FSDPModule.set_symm_mem_for_comm``); on older ones (the GPU machine's
+    2.11) each unit gets :class:`SymmMemAllGather` through FSDP2's ``set_custom_all_gather``, the same allocation
+    and the same NCCL all-gather. check_layout has refused the runs that can do neither (no FSDP2, not CUDA, a torch
+    without both, NCCL before 2.28)."""
     from torch.distributed.fsdp import FSDPModule
 
+    own = hasattr(FSDPModule, "set_symm_mem_for_comm")
+    if not own:
+        import torch.distributed as dist
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        symm_mem.set_backend("NCCL")
+        # NCCL's communicator must exist before the first buffer is registered with it (torch does the same)
+        dist.barrier(group=dp_mesh.get_group(dp_mesh.ndim - 1))
     seen: set[int] = set()
     for module in model.modules():
         if isinstance(module, FSDPModule) and id(module._get_fsdp_state()) not in seen:
             seen.add(id(module._get_fsdp_state()))
-            module.set_symm_mem_for_comm()  # its backend defaults to NCCL, the only one
+            if own:
+                module.set_symm_mem_for_comm()  # its backend defaults to NCCL, the only one
+            else:
+                module.set_custom_all_gather(SymmMemAllGather())
+
+
+def symm_mem_supported() -> bool:
+    """This torch can gather FSDP2's parameters into symmetric memory: by itself, or through a custom all-gather."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if hasattr(FSDPModule, "set_symm_mem_for_comm"):
+        return True
+    try:
+        from torch.distributed import _symmetric_memory as symm_mem
+    except ImportError:
+        return False
+    return (hasattr(FSDPModule, "set_custom_all_gather") and hasattr(symm_mem, "get_mem_pool")
+            and hasattr(symm_mem, "set_backend") and hasattr(torch.cuda, "use_mem_pool"))
+
+
+def _all_gather_base() -> type:
+    try:  # torch 2.9 and newer
+        from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+    except ImportError:
+        return object
+    return AllGather
+
+
+class SymmMemAllGather(_all_gather_base()):
+    """FSDP2's all-gather on a torch without ``set_symm_mem_for_comm``: its output buffer comes from the device's
+    symmetric-memory pool (the pool hands the same buffer back each step, so it is registered with NCCL once) and is
+    registered for the group, and NCCL's ordinary all-gather then runs on it, on the copy engines under the zero-CTA
+    policy. What torch 2.13's own symmetric all-gather does, through FSDP2's custom all-gather hook."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        with torch.cuda.use_mem_pool(symm_mem.get_mem_pool(device)):
+            return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, async_op: bool = False):
+        import torch.distributed as dist
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        symm_mem.rendezvous(output_tensor, group=group.group_name)
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 FSDP_ONE_UNIT_PARAMS = 350_000_000
