@@ -9,9 +9,15 @@ from __future__ import annotations
 import inspect
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+try:  # the symmetric-memory pool that parallel.fsdp_symm_mem gathers into (symm_mem_supported)
+    from torch.distributed import _symmetric_memory as symm_mem
+except ImportError:
+    symm_mem = None
 
 
 def mixed_precision(compute_dtype: torch.dtype | None,
@@ -68,9 +74,8 @@ def set_prefetch(root: nn.Module, units: list[nn.Module], depth: int) -> None:
     (under the profiler those waits fell to 0.3 ms; unprofiled, the step ran level, docs/benchmarks.md round 25).
     Prefetching changes when parameters are gathered, not what is computed. With resharding after forward off
     (FSDP2 keeps the gathered parameters for backward) the backward prefetches find them gathered and do nothing."""
-    chain = [root, *units]
-    for i, module in enumerate(chain):
-        ahead = units[i:i + depth]  # units[i] is the module after chain[i]
+    for i, module in enumerate([root, *units]):
+        ahead = units[i:i + depth]  # units[i] is the module after this one
         if ahead:
             module.set_modules_to_forward_prefetch(ahead)
     for i, unit in enumerate(units):
@@ -89,13 +94,8 @@ def use_symm_mem(model: nn.Module, dp_mesh: DeviceMesh) -> None:
     2.11) each unit gets :class:`SymmMemAllGather` through FSDP2's ``set_custom_all_gather``, the same allocation
     and the same NCCL all-gather. check_layout has refused the runs that can do neither (no FSDP2, not CUDA, a torch
     without both, NCCL before 2.28)."""
-    from torch.distributed.fsdp import FSDPModule
-
     own = hasattr(FSDPModule, "set_symm_mem_for_comm")
     if not own:
-        import torch.distributed as dist
-        from torch.distributed import _symmetric_memory as symm_mem
-
         symm_mem.set_backend("NCCL")
         # NCCL's communicator must exist before the first buffer is registered with it (torch does the same)
         dist.barrier(group=dp_mesh.get_group(dp_mesh.ndim - 1))
@@ -111,15 +111,9 @@ def use_symm_mem(model: nn.Module, dp_mesh: DeviceMesh) -> None:
 
 def symm_mem_supported() -> bool:
     """This torch can gather FSDP2's parameters into symmetric memory: by itself, or through a custom all-gather."""
-    from torch.distributed.fsdp import FSDPModule
-
     if hasattr(FSDPModule, "set_symm_mem_for_comm"):
         return True
-    try:
-        from torch.distributed import _symmetric_memory as symm_mem
-    except ImportError:
-        return False
-    return (hasattr(FSDPModule, "set_custom_all_gather") and hasattr(symm_mem, "get_mem_pool")
+    return (symm_mem is not None and hasattr(FSDPModule, "set_custom_all_gather") and hasattr(symm_mem, "get_mem_pool")
             and hasattr(symm_mem, "set_backend") and hasattr(torch.cuda, "use_mem_pool"))
 
 
@@ -138,15 +132,10 @@ class SymmMemAllGather(_all_gather_base()):
     policy. What torch 2.13's own symmetric all-gather does, through FSDP2's custom all-gather hook."""
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        from torch.distributed import _symmetric_memory as symm_mem
-
         with torch.cuda.use_mem_pool(symm_mem.get_mem_pool(device)):
             return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, async_op: bool = False):
-        import torch.distributed as dist
-        from torch.distributed import _symmetric_memory as symm_mem
-
         symm_mem.rendezvous(output_tensor, group=group.group_name)
         return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
