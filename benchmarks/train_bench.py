@@ -40,7 +40,8 @@ Every row is timed alike: the tokens of the steps after the warm-up third of --s
 scripts time those steps themselves; meshrun logs at a divisor of the warm-up, so that its intervals after it cover
 the same steps, and its row also lists each interval's tokens/s (intervals) and what the machine did in it
 (machine: GPU utilisation, lowest SM clock, CPU utilisation, throttle reasons), and where each interval's steps
-went (ranks: the slowest rank's data wait and forward passes, GPU-timed, and the rest of its step, in ms per step).
+went (ranks: the slowest rank's data wait and forward passes, GPU-timed, the rest of its step, and the host's time
+inside the forward passes, in ms per step).
 Without a GPU, --gpus counts CPU
 processes (gloo, fp32, no compile): a smoke test of the harness, not a measurement.
 """
@@ -328,13 +329,18 @@ def machine_window(system: list[dict], warm: int) -> dict:
 def ranks_window(ranks: list[dict], warm: int) -> dict:
     """Where the timed steps went, from the run's ``ranks`` records (one per logged interval, every rank's mean
     per step): per interval, the slowest rank's ``work_s`` (its data wait and forward passes, the forward timed on
-    the GPU by CUDA events) and ``rest_s`` (backward, optimizer and waiting in collectives), in ms. A slow run whose
-    work grew while the rest held points at the forward passes; {} where the run logged none."""
+    the GPU by CUDA events), ``rest_s`` (backward, optimizer and waiting in collectives) and, where the run records
+    it, ``forward_host_s`` (the host's time inside the forward passes), in ms. A slow run whose work grew while the
+    rest held points at the forward passes, and a host time near the work says the GPU waited on the host to issue
+    them; {} where the run logged none."""
     timed = [r for r in ranks if r["step"] > warm and r.get("work_s") and r.get("rest_s")]
     if not timed:
         return {}
-    return {"work_ms": [round(max(r["work_s"]) * 1e3, 1) for r in timed],
-            "rest_ms": [round(max(r["rest_s"]) * 1e3, 1) for r in timed]}
+    out = {"work_ms": [round(max(r["work_s"]) * 1e3, 1) for r in timed],
+           "rest_ms": [round(max(r["rest_s"]) * 1e3, 1) for r in timed]}
+    if all(r.get("forward_host_s") for r in timed):
+        out["host_ms"] = [round(max(r["forward_host_s"]) * 1e3, 1) for r in timed]
+    return out
 
 
 def source_env(env: dict[str, str], folder: str) -> dict[str, str]:

@@ -59,7 +59,7 @@ def test_each_log_interval_gathers_once_for_the_record_and_the_detector(two_rank
     detector = StragglerDetector(env=_env(), threshold=1.5, window=1, min_gap_s=0.0, ranks=infos)
     assert two_rank_world["all_gather_object"] == 0, "the rank infos were given: no gather of host names"
     records, printed = [], []
-    work = iter([(0.1, 0.02), (0.2, 0.05)])
+    work = iter([(0.1, 0.02, 0.07), (0.2, 0.05, 0.14)])
     health = JobHealth(env=_env(), device=torch.device("cpu"), parts=[], straggler_threshold=0)
     health.timer, health.stragglers = SimpleNamespace(take=lambda steps: next(work)), detector
     trainer = SimpleNamespace(health=health, env=_env(), device=torch.device("cpu"), start_step=0, step=3,
@@ -73,6 +73,7 @@ def test_each_log_interval_gathers_once_for_the_record_and_the_detector(two_rank
     assert [r["step"] for r in records] == [3, 6] and all(set(FIELDS) <= set(r) for r in records)
     assert records[1]["work_s"] == [0.2, round(0.2 * RANK1_SLOWDOWN, 6)] and records[1]["data_s"] == [0.05, 0.05]
     assert records[1]["rest_s"] == [0.1, 0.1] and records[1]["step_s"] == pytest.approx(0.3)
+    assert records[1]["forward_host_s"] == [0.14, 0.14]
     (times,) = detector._recent  # (2, 5) from the same gather: work, data, 3 NaN clock columns on CPU
     assert times[:, :2].tolist() == [[0.2, 0.05], [0.2 * RANK1_SLOWDOWN, 0.05]] and times.shape == (2, 5)
     assert len(printed) == 1 and "step 6: rank 1 (host h1, local 1) is a straggler" in printed[0]
@@ -86,3 +87,24 @@ def test_the_nonfinite_report_names_hosts_without_gathering_them_again(two_rank_
     report = guard.check(4, world_size=2)
     assert "the loss first went non-finite on rank 1 (host node-b) at step 3" in report, report
     assert two_rank_world == {"all_gather": 1, "all_gather_object": 0}
+
+
+def test_the_work_timer_times_the_forward_passes_and_the_hosts_time_inside_them():
+    """On CPU the forward passes run on the host: work is the data wait plus them, and the host forward is them."""
+    import time
+
+    from meshrun.watch.stragglers import WorkTimer
+
+    class Slow(torch.nn.Module):
+        def forward(self, x):
+            time.sleep(0.02)
+            return x
+
+    model = Slow()
+    timer = WorkTimer([model], torch.device("cpu"))
+    for _ in range(2):
+        model(torch.ones(1))
+    timer.add_data(0.01)
+    work, data, host = timer.take(2)
+    assert data == pytest.approx(0.005) and 0.02 <= host < 0.2 and work == pytest.approx(data + host)
+    assert timer.take(1) == (0.0, 0.0, 0.0), "each interval starts afresh"

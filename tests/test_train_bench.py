@@ -350,6 +350,9 @@ def test_a_run_says_where_its_timed_steps_went():
                {"kind": "ranks", "step": 16, "work_s": [0.0370, 0.0365], "rest_s": [0.0759, 0.0764]}]
     assert tb.ranks_window(records, 8) == {"work_ms": [45.5, 37.0], "rest_ms": [75.4, 76.4]}
     assert tb.ranks_window([], 8) == {} and tb.ranks_window(records[:1], 8) == {}
+    for r, host in zip(records, (0.9, 0.0441, 0.0123)):  # the host's time inside the forward passes, where recorded
+        r["forward_host_s"] = [host, host / 2]
+    assert tb.ranks_window(records, 8)["host_ms"] == [44.1, 12.3]
 
 
 def test_each_run_is_printed_as_it_finishes(monkeypatch, capsys):

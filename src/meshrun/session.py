@@ -290,7 +290,7 @@ class Session:
             return None
         if self._batches is not None:
             health.timer.add_data(self._batches.take_fetch_time())
-        work_s, data_s = health.timer.take(self._every)
+        work_s, data_s, _ = health.timer.take(self._every)
         if step <= self._every:  # the first interval holds start-up costs (first batches, first kernels)
             return None
         report = health.stragglers.observe(step, work_s, data_s)  # collective: every rank

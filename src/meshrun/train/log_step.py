@@ -64,8 +64,8 @@ class LogSnapshot:
     values: PendingValues
     """loss sum and tokens (summed over ranks), gradient norm (NaN when none), non-finite steps, the first of them."""
     has_norm: bool
-    timing: Callable[[], tuple[float, float]]
-    """This rank's (work, data) seconds per step over the interval (WorkTimer.take_later)."""
+    timing: Callable[[], tuple[float, float, float]]
+    """This rank's (work, data, host forward) seconds per step over the interval (WorkTimer.take_later)."""
 
     def read(self) -> tuple[dict[str, float], float | None, int, int]:
         """(totals, gradient norm or None, non-finite steps so far, the first of them)."""

@@ -2,8 +2,9 @@
 
 Each rank contributes, per step averaged over the interval: its own working time (data wait + forward passes, the
 time the straggler detector compares), the data wait alone, the rest of the wall-clock step (backward, optimizer and
-waiting in collectives for the slowest rank), and its peak memory so far. One all_gather per log interval of these 4
-floats per rank, to which the trainer adds the straggler detector's GPU-clock columns, so the detector gathers
+waiting in collectives for the slowest rank), its peak memory so far, and the host's time inside the forward passes
+(on a GPU, near the working time when the GPU waited on the host to issue them). One all_gather per log interval of
+these 5 floats per rank, to which the trainer adds the straggler detector's GPU-clock columns, so the detector gathers
 nothing of its own: no rank writes a file of its own.
 """
 
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("meshrun")
 
-FIELDS = ("work_s", "data_s", "rest_s", "peak_mem_gib")
+FIELDS = ("work_s", "data_s", "rest_s", "peak_mem_gib", "forward_host_s")
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -33,9 +34,10 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
-def timing_row(*, work_s: float, data_s: float, step_s: float, device: torch.device) -> list[float]:
+def timing_row(*, work_s: float, data_s: float, step_s: float, device: torch.device,
+               forward_host_s: float = 0.0) -> list[float]:
     """This rank's :data:`FIELDS` for the interval (seconds per step, averaged over it)."""
-    return [work_s, data_s, max(step_s - work_s, 0.0), peak_memory_gib(device)]
+    return [work_s, data_s, max(step_s - work_s, 0.0), peak_memory_gib(device), forward_host_s]
 
 
 def step_times(table: np.ndarray) -> np.ndarray:
@@ -62,21 +64,22 @@ def ranks_record(table: np.ndarray, *, step: int, step_s: float) -> dict[str, An
 
 
 def log_rank_timing(trainer: Trainer, steps: int, elapsed: float, *, step: int | None = None,
-                    timing: Callable[[], tuple[float, float]] | None = None) -> np.ndarray:
+                    timing: Callable[[], tuple[float, float, float]] | None = None) -> np.ndarray:
     """Every rank's own working time (data + forward, before any blocking collective), peak memory and, for the
     straggler detector, GPU clock, in one gather: the ``ranks`` record, and the numbers compared across ranks.
     Returns the gathered table, the same on every rank (its first columns are :data:`FIELDS`). ``step`` and
     ``timing``: the log step's, when its record is written later (train/log_step.py); else the trainer's now."""
     health = trainer.health
     step = trainer.step if step is None else step
-    work_s, data_s = timing() if timing is not None else health.timer.take(steps)
+    work_s, data_s, forward_host_s = timing() if timing is not None else health.timer.take(steps)
     step_s = elapsed / max(steps, 1)
     # the first interval holds warm-up (compilation, allocator growth), not a rank's speed
     observe = health.stragglers is not None and step > trainer.start_step + trainer.job.train.log_every
-    row = timing_row(work_s=work_s, data_s=data_s, step_s=step_s, device=trainer.device)
+    row = timing_row(work_s=work_s, data_s=data_s, step_s=step_s, device=trainer.device,
+                     forward_host_s=forward_host_s)
     if observe:
         row += health.stragglers.gpu_clock()
-    table = gather_floats(row)  # collective: every rank; (world, 4), or (world, 7) with the clock
+    table = gather_floats(row)  # collective: every rank; (world, 5), or (world, 8) with the clock
     if trainer.env.is_rank_zero:
         trainer.sink.record(ranks_record(table, step=step, step_s=step_s))
     if not observe:

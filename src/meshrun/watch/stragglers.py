@@ -281,13 +281,15 @@ class WorkTimer:
 
     In synchronous data parallelism the wall-clock step is the same on every rank (all wait at the gradient
     all-reduce), so stragglers show only in the time before the first blocking collective. Forward passes are timed
-    with CUDA events on GPU (no sync until ``take``) and with the host clock on CPU.
+    with CUDA events on GPU (no sync until ``take``) and with the host clock on CPU. The host clock also times how
+    long the host took to issue them: on a GPU, a host time near the GPU's says the GPU waited on the host.
     """
 
     def __init__(self, parts: list[torch.nn.Module], device: torch.device):
         self.cuda = device.type == "cuda"
         self.data_s, self.host_forward_s, self.events = 0.0, 0.0, []
         self._start: Any = None
+        self._host_start = 0.0
         for part in parts:
             part.register_forward_pre_hook(self._before)
             part.register_forward_hook(self._after)
@@ -301,29 +303,31 @@ class WorkTimer:
 
     def _before(self, *_):
         self._start = self._now()
+        self._host_start = time.perf_counter()
 
     def _after(self, *_):
         end = self._now()
+        self.host_forward_s += time.perf_counter() - self._host_start
         if self.cuda:
             self.events.append((self._start, end))
-        else:
-            self.host_forward_s += end - self._start
 
     def add_data(self, seconds: float) -> None:
         self.data_s += seconds
 
-    def take(self, steps: int) -> tuple[float, float]:
-        """(work, data) seconds per step since the last call; syncs with the GPU."""
+    def take(self, steps: int) -> tuple[float, float, float]:
+        """(work, data, host forward) seconds per step since the last call; syncs with the GPU."""
         return self.take_later(steps)()
 
-    def take_later(self, steps: int) -> Callable[[], tuple[float, float]]:
+    def take_later(self, steps: int) -> Callable[[], tuple[float, float, float]]:
         """:meth:`take` of the steps so far, computed when called (then it waits for their forward passes, and
-        for nothing after them); the next interval starts now."""
+        for nothing after them); the next interval starts now. Work is the data wait plus the forward passes (on
+        the GPU's clock there); host forward is the host's time inside the forward passes."""
         data_s, host_forward_s, events = self.data_s, self.host_forward_s, self.events
         self.data_s, self.host_forward_s, self.events = 0.0, 0.0, []
 
-        def result() -> tuple[float, float]:
-            forward = host_forward_s + sum(a.elapsed_time(b) for a, b in events) / 1000.0
-            return (data_s + forward) / max(steps, 1), data_s / max(steps, 1)
+        def result() -> tuple[float, float, float]:
+            forward = sum(a.elapsed_time(b) for a, b in events) / 1000.0 if events else host_forward_s
+            n = max(steps, 1)
+            return (data_s + forward) / n, data_s / n, host_forward_s / n
 
         return result
