@@ -137,6 +137,23 @@ def test_auto_units_put_a_small_models_blocks_in_one_unit_on_gpus_only():
     assert unit_blocks(0, large, [large], device=gpu) == 1
 
 
+def test_auto_units_of_a_large_model_hold_enough_parameters_to_hide_the_hosts_work_per_unit():
+    """1b's 18 blocks of 51M parameters: 3 a unit (the host took longer to issue one-block units' forward than the
+    GPU took to run it); blocks of the threshold's size or more: one each; on CPU one each, and a number given wins."""
+    from meshrun.parallel.apply import unit_blocks
+    from meshrun.parallel.data_parallel import FSDP_ONE_UNIT_PARAMS, FSDP_UNIT_PARAMS
+
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    with torch.device("meta"):
+        blocks = [nn.Linear(51_000, 1000) for _ in range(18)]  # 51M each: 918M in all
+        big = [nn.Linear(FSDP_UNIT_PARAMS // 1000, 1000) for _ in range(4)]
+    model, large = nn.ModuleList(blocks), nn.ModuleList(big)
+    assert sum(p.numel() for p in model.parameters()) >= FSDP_ONE_UNIT_PARAMS
+    assert unit_blocks(0, model, blocks, device=gpu) == 3
+    assert unit_blocks(0, model, blocks, device=cpu) == 1 and unit_blocks(2, model, blocks, device=gpu) == 2
+    assert unit_blocks(0, large, big, device=gpu) == 1
+
+
 def test_auto_makes_a_small_models_whole_model_one_unit_where_the_step_runs_as_cuda_graphs():
     """parallel.fsdp_unit_blocks=0 resolves to the whole model (-1) for FSDP2 alone, compiled on a GPU, below the
     size threshold, with CUDA graphs left on; block by block anywhere else (and -1 or a number given is kept)."""
