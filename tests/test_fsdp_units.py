@@ -325,3 +325,31 @@ def test_negative_prefetch_is_refused_by_name():
     with pytest.raises(ConfigError, match=r"parallel.fsdp_prefetch must be >= 0 \(FSDP2 units each unit gathers "
                                           r"ahead; 0: FSDP2's own order\), got -1"):
         load_config(None, ["--parallel.fsdp_prefetch=-1"])
+
+
+@pytest.mark.parametrize(("unit_blocks", "line"), [
+    (1, "FSDP2: the root and 5 units of 1 block"),
+    (2, "FSDP2: the root and 3 units of 1-2 blocks"),
+    (5, "FSDP2: the root and 1 unit of 5 blocks"),
+    (-1, "FSDP2: the whole model one unit"),
+])
+def test_the_start_up_line_says_how_fsdp2_grouped_the_blocks(unit_blocks, line):
+    """What parallel.fsdp_unit_blocks (0: auto, chosen by size) made of the model, as the speed line shows it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from meshrun.parallel.data_parallel import apply_fsdp, describe_units
+    from meshrun.parallel.kernels import describe_speed
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        model = Blocks(5)
+        assert describe_units([model]) == ""
+        apply_fsdp(model, init_device_mesh("cpu", (2,)), compute_dtype=None, reshard_after_forward=True,
+                   blocks=list(model.layers.values()), unit_blocks=unit_blocks)
+        assert describe_units([model]) == line
+        speed = describe_speed(load_config(None, ["--model.name=tiny"]), torch.device("cpu"), None, fsdp=True,
+                               fsdp_units=line)
+        assert speed.endswith(f" | {line}"), speed
+    finally:
+        dist.destroy_process_group()

@@ -109,6 +109,26 @@ def use_symm_mem(model: nn.Module, dp_mesh: DeviceMesh) -> None:
                 module.set_custom_all_gather(SymmMemAllGather())
 
 
+def describe_units(parts: list[nn.Module]) -> str:
+    """The start-up line's account of FSDP2's units in ``parts`` (each a root FSDP2 module, or not FSDP2 at all):
+    how many blocks each unit of blocks holds, and how many such units besides the roots; '' without FSDP2."""
+    per_state: dict[int, int] = {}
+    roots = {id(part._get_fsdp_state()) for part in parts if isinstance(part, FSDPModule)}
+    for part in parts:
+        for module in part.modules():
+            if isinstance(module, FSDPModule) and id(module._get_fsdp_state()) not in roots:
+                key = id(module._get_fsdp_state())  # a unit of several blocks is one state shared by them
+                per_state[key] = per_state.get(key, 0) + 1
+    if not roots:
+        return ""
+    root = "the root" if len(roots) == 1 else f"{len(roots)} roots (one a stage)"
+    if not per_state:
+        return "FSDP2: the whole model one unit" if len(roots) == 1 else f"FSDP2: {root}, no units of blocks"
+    low, high = min(per_state.values()), max(per_state.values())
+    each = f"{high} block{'s' if high > 1 else ''}" if low == high else f"{low}-{high} blocks"
+    return f"FSDP2: {root} and {len(per_state)} unit{'s' if len(per_state) > 1 else ''} of {each}"
+
+
 def symm_mem_supported() -> bool:
     """This torch can gather FSDP2's parameters into symmetric memory: by itself, or through a custom all-gather."""
     if hasattr(FSDPModule, "set_symm_mem_for_comm"):

@@ -159,7 +159,7 @@ def describe_speed(job: JobConfig, device: torch.device, compute_dtype: torch.dt
                    cuda_graphs: bool = False, fsdp: bool = False, cast_once: bool = False, graphs_off: str = "",
                    split_backward: bool = False, comm_reorder: bool = False, p2p_channels: str = "",
                    residual_bf16: bool = False, vocab_sharded: bool = False, weight_copies: str = "",
-                   cta_policy: str = "") -> str:
+                   cta_policy: str = "", fsdp_units: str = "") -> str:
     """The start-up header's line of performance choices, as resolved for this device (``cuda_graphs``: the
     engine's resolved train.cuda_graphs; ``fsdp``: FSDP2 holds the parameters, and its mixed precision, not
     autocast, computes in bf16; ``cast_once``: a pipeline's weights are cast once per step, the engine's resolved
@@ -169,7 +169,8 @@ def describe_speed(job: JobConfig, device: torch.device, compute_dtype: torch.dt
     pipeline's sends and receives, where one is set; ``residual_bf16``: the resolved train.residual_dtype;
     ``vocab_sharded``: TP computes the loss on each rank's vocabulary shard, apply.use_loss_parallel;
     ``weight_copies``: how one process's linear layers hold bf16 copies of their weights (train.weight_copies),
-    from StepWeights.describe, or empty; ``cta_policy``: NCCL's CTA policy where parallel.fsdp_symm_mem is on)."""
+    from StepWeights.describe, or empty; ``cta_policy``: NCCL's CTA policy where parallel.fsdp_symm_mem is on;
+    ``fsdp_units``: data_parallel.describe_units of the model, where FSDP2 holds it)."""
     t = job.train
     reduce = job.parallel.grad_reduce_dtype
     bf16 = f"bf16 parameters (FSDP2), {reduce} gradient reduction" if fsdp else "bf16 autocast"
@@ -208,6 +209,7 @@ def describe_speed(job: JobConfig, device: torch.device, compute_dtype: torch.dt
               "foreach": "AdamW (for-each)"}[resolve_adamw_kernel(job, device)],
              f"grad clip {t.grad_clip:g}" if t.grad_clip else "no grad clip",
              *([f"pipeline sends and receives on at most {p2p_channels} NCCL channels"] if p2p_channels else []),
+             *([fsdp_units] if fsdp_units and fsdp else []),
              *([f"FSDP2 all-gathers on symmetric memory (NCCL_CTA_POLICY={cta_policy}"
                 + (": copy engines)" if cta_policy == ZERO_CTA else ")")]
                if job.parallel.fsdp_symm_mem and fsdp else [])]

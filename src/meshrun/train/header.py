@@ -11,7 +11,7 @@ from meshrun.models.spec import count_unique_params
 from meshrun.parallel.apply import describe_layout, graphs_left_off, splits_backward, use_loss_parallel
 from meshrun.parallel.checks import bf16_stream, use_comm_reorder, uses_fsdp
 from meshrun.parallel.comm_overlap import CTA_VAR, P2P_VAR
-from meshrun.parallel.data_parallel import WHOLE_MODEL
+from meshrun.parallel.data_parallel import WHOLE_MODEL, describe_units
 from meshrun.parallel.kernels import describe_speed
 from meshrun.train import runlog
 from meshrun.train.run_folder import describe_resume
@@ -75,7 +75,8 @@ def print_header(trainer: Trainer) -> None:
                                                             == WHOLE_MODEL),
                                  residual_bf16=bf16_stream(trainer.job, trainer.dims, trainer.compute_dtype),
                                  vocab_sharded=use_loss_parallel(trainer.dims),
-                                 cta_policy=os.environ.get(CTA_VAR, ""))]
+                                 cta_policy=os.environ.get(CTA_VAR, ""),
+                                 fsdp_units=describe_units(trainer.engine.model_parts))]
     lines.append(describe_resume(trainer.resumed, run_dir=trainer.run_dir, moved_to=trainer.folder.moved_to,
                                  where=f"epoch {trainer.data.position.epoch}, {trainer.data.position.consumed:,} "
                                        "samples into it"))
