@@ -102,7 +102,9 @@ def test_default_1b_plan_runs_fsdp2_as_the_trainer_does_on_gpus(capsys):
     assert auto.data_parallel == note and "1.03B parameters >= 1B on GPUs" in note
     assert (ddp.dims.dp_replicate, ddp.dims.dp_shard) == (8, 1) and "DDP, 8 whole replicas" in ddp.data_parallel
     state = [sum(p.memory[0]["bytes"][k] for k in ("params", "grads", "optimizer")) for p in (auto, ddp)]
-    assert state[0] < state[1] / 7  # 16 bytes per parameter over 8 ranks, plus two gathered blocks
+    mats, norms = auto.spec.block_params(auto.model)
+    gathered = 2 * 3 * (mats + norms) * 2  # two units of 3 blocks (parallel.fsdp_unit_blocks=auto), in bf16
+    assert state[1] / 8 < state[0] <= state[1] / 8 + gathered  # 16 bytes per parameter over 8 ranks, plus them
     assert auto.memory[0]["total_bytes"] < ddp.memory[0]["total_bytes"] - 12 * 2**30  # same activations
     out = run_json(capsys, "--model", "1b")
     assert out["data_parallel"]["mode"] == "fsdp" and out["parallel"]["dp_shard"] == 8
@@ -205,3 +207,20 @@ def test_weights_cast_once_add_their_bf16_copies_to_each_stage():
     for stage, (a, b) in enumerate(zip(plain.memory, once.memory)):
         copies = (len(a["layers"]) * mats + (head if stage == 1 else 0)) * 2
         assert b["bytes"]["params"] - a["bytes"]["params"] == copies, stage
+
+
+@pytest.mark.parametrize(("overrides", "blocks"), [
+    ((), 6),  # two units of 3: the auto size for the 1b model's 51M-parameter blocks
+    (("--parallel.fsdp_unit_blocks=1",), 2),
+    (("--parallel.fsdp_unit_blocks=-1",), 18),  # the whole model one unit
+])
+def test_fsdp_working_memory_counts_two_units_as_the_trainer_makes_them(overrides, blocks):
+    from meshrun.planner.estimate import gathered_blocks
+
+    plan = make_plan("--nodes", "1", "--model", "1b", *overrides)
+    total = plan.spec.count_params(plan.model)
+    assert gathered_blocks(plan, 0, total) == blocks
+    one = make_plan("--nodes", "1", "--model", "1b", "--parallel.fsdp_unit_blocks=1")
+    mats, norms = plan.spec.block_params(plan.model)
+    extra = plan.memory[0]["bytes"]["params"] - one.memory[0]["bytes"]["params"]
+    assert extra == (blocks - 2) * (mats + norms) * 2  # bf16 copies of the blocks gathered beyond two

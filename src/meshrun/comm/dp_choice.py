@@ -1,9 +1,11 @@
 """parallel.data_parallel: how the default pure data-parallel layout runs (DDP or FSDP2), decided from the model's
-size and the device before the mesh is built."""
+size and the device before the mesh is built; and parallel.fsdp_unit_blocks=0: how many blocks each FSDP2 unit
+holds, from the sizes of the model and its blocks (no torch needed: the planner uses it too)."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from meshrun.config import ParallelConfig
 
@@ -39,3 +41,33 @@ def choose_data_parallel(parallel: ParallelConfig, *, params: int, on_gpu: bool,
     note = (f"data parallelism: FSDP2 over every data-parallel rank ({why}); --parallel.data_parallel=ddp keeps "
             "whole replicas")
     return dataclasses.replace(parallel, dp_replicate=1, dp_shard=-1), note
+
+
+FSDP_ONE_UNIT_PARAMS = 350_000_000
+"""Below this many parameters (of this rank's part of the model), ``parallel.fsdp_unit_blocks=0`` on GPUs makes the
+whole model one FSDP2 unit where the step runs as CUDA graphs (checks.whole_model_unit), else all blocks one unit.
+On 2x H100 (124m, 16 x 1024 tokens, clip 1.0) all blocks in one unit ran 376.8k tokens/s per GPU and one unit per
+block 226.4k: each unit's hooks, copies and collectives cost about the same whatever its size, and a small model's
+blocks are too quick to hide them. Larger models get units of :data:`FSDP_UNIT_PARAMS`, whose all-gathers overlap
+the previous unit's compute."""
+
+FSDP_UNIT_PARAMS = 150_000_000
+"""``parallel.fsdp_unit_blocks=0`` on GPUs, for models of :data:`FSDP_ONE_UNIT_PARAMS` or more: as many
+consecutive blocks per FSDP2 unit as make at least this many parameters (one block per unit where a block is this
+big). The host spends about 2 ms in each unit's forward (FSDP2's hooks, copies and collective calls, the compiled
+block's guards) whatever the unit's size, and the GPU waits when the host falls behind. On 2 H200s, the 1b model
+(51M parameters a block, 4 x 2048 tokens per GPU, 35 ms of forward on the GPU) took the host 36-55 ms to issue the
+forward of one-block units, 33-41 ms with two blocks a unit and 31-34 ms with three (this size); the runs of one-block
+units whose host took longest were up to 10% slower (docs/benchmarks.md, round 26)."""
+
+
+
+def auto_unit_blocks(params: int, block_params: int, blocks: int) -> int:
+    """``parallel.fsdp_unit_blocks=0`` on GPUs for a model (or pipeline stage) of ``params`` parameters whose
+    largest block has ``block_params``: all ``blocks`` in one unit under :data:`FSDP_ONE_UNIT_PARAMS`, else as many
+    per unit as make :data:`FSDP_UNIT_PARAMS` parameters (at least one, at most all)."""
+    if blocks <= 0:
+        return 1
+    if params < FSDP_ONE_UNIT_PARAMS:
+        return blocks
+    return min(max(math.ceil(FSDP_UNIT_PARAMS / max(block_params, 1)), 1), blocks)

@@ -23,7 +23,6 @@ the original parameter names, so torch.distributed.checkpoint can reshard a chec
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import replace
 
 import torch
@@ -40,8 +39,8 @@ from meshrun.parallel.checks import (bf16_stream, check_chunked_loss, check_cuda
                                     several_stages_per_rank, untested_as_graphs, use_cast_once, use_comm_reorder,
                                     use_weight_copies, uses_fsdp)
 from meshrun.parallel.context_parallel import SequenceShards
-from meshrun.parallel.data_parallel import (FSDP_ONE_UNIT_PARAMS, FSDP_UNIT_PARAMS, WHOLE_MODEL, apply_ddp,
-                                            apply_fsdp, fsdp_units, gather_in_pool)
+from meshrun.parallel.data_parallel import (FSDP_ONE_UNIT_PARAMS, WHOLE_MODEL, apply_ddp, apply_fsdp,
+                                            auto_unit_blocks, fsdp_units, gather_in_pool)
 from meshrun.parallel.engine import Engine, LocalEngine, LossStep, loss_function
 from meshrun.parallel.async_tp import enable_async_tp
 from meshrun.parallel.comm_overlap import enable_comm_reorder
@@ -279,17 +278,15 @@ def keep_weights_eager(block: nn.Module, *, only_linears: bool) -> None:
 
 def unit_blocks(choice: int, part: nn.Module, blocks: list[nn.Module], *, device: torch.device | None) -> int:
     """parallel.fsdp_unit_blocks: the number given (-1: :data:`WHOLE_MODEL`, also where checks.whole_model_unit
-    resolved 0 to it), or for 0 (auto) on a GPU all blocks in one unit when ``part`` has fewer than
-    :data:`FSDP_ONE_UNIT_PARAMS` parameters, else as many blocks per unit as make :data:`FSDP_UNIT_PARAMS`
-    parameters (the largest block's count); one block per unit on CPU."""
+    resolved 0 to it), or for 0 (auto) on a GPU :func:`auto_unit_blocks` of ``part``'s parameters and its largest
+    block's (all blocks in one unit for small models, units of about 150M parameters for large ones); one block
+    per unit on CPU."""
     if choice:
         return choice
     if device is None or device.type != "cuda" or not blocks:
         return 1
-    if sum(p.numel() for p in part.parameters()) < FSDP_ONE_UNIT_PARAMS:
-        return len(blocks)
-    per_block = max(sum(p.numel() for p in block.parameters()) for block in blocks)
-    return min(max(math.ceil(FSDP_UNIT_PARAMS / max(per_block, 1)), 1), len(blocks))
+    return auto_unit_blocks(sum(p.numel() for p in part.parameters()),
+                            max(sum(p.numel() for p in block.parameters()) for block in blocks), len(blocks))
 
 
 def reshard_after_forward(choice: str, part: nn.Module, *, compute_dtype: torch.dtype | None,

@@ -14,6 +14,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from meshrun.comm.dp_choice import FSDP_ONE_UNIT_PARAMS, FSDP_UNIT_PARAMS, auto_unit_blocks  # noqa: F401 - re-exported
+
 try:  # the symmetric-memory pool that parallel.fsdp_symm_mem gathers into (symm_mem_supported)
     from torch.distributed import _symmetric_memory as symm_mem
 except ImportError:
@@ -158,24 +160,6 @@ class SymmMemAllGather(_all_gather_base()):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, async_op: bool = False):
         symm_mem.rendezvous(output_tensor, group=group.group_name)
         return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
-
-
-FSDP_ONE_UNIT_PARAMS = 350_000_000
-"""Below this many parameters (of this rank's part of the model), ``parallel.fsdp_unit_blocks=0`` on GPUs makes the
-whole model one FSDP2 unit where the step runs as CUDA graphs (checks.whole_model_unit), else all blocks one unit.
-On 2x H100 (124m, 16 x 1024 tokens, clip 1.0) all blocks in one unit ran 376.8k tokens/s per GPU and one unit per
-block 226.4k: each unit's hooks, copies and collectives cost about the same whatever its size, and a small model's
-blocks are too quick to hide them. Larger models get units of :data:`FSDP_UNIT_PARAMS`, whose all-gathers overlap
-the previous unit's compute."""
-
-FSDP_UNIT_PARAMS = 150_000_000
-"""``parallel.fsdp_unit_blocks=0`` on GPUs, for models of :data:`FSDP_ONE_UNIT_PARAMS` or more: as many
-consecutive blocks per FSDP2 unit as make at least this many parameters (one block per unit where a block is this
-big). The host spends about 2 ms in each unit's forward (FSDP2's hooks, copies and collective calls, the compiled
-block's guards) whatever the unit's size, and the GPU waits when the host falls behind. On 2 H200s, the 1b model
-(51M parameters a block, 4 x 2048 tokens per GPU, 35 ms of forward on the GPU) took the host 36-55 ms to issue the
-forward of one-block units, 33-41 ms with two blocks a unit and 31-34 ms with three (this size); the runs of one-block
-units whose host took longest were up to 10% slower (docs/benchmarks.md, round 26)."""
 
 
 WHOLE_MODEL = -1

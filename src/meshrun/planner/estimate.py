@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshrun.config import BatchPlan, ConfigError, JobConfig, ParallelConfig, resolve_batch
+from meshrun.comm.dp_choice import auto_unit_blocks
 from meshrun.comm.mesh import FLAT_DIMS, FSDP_AUTO_PARAMS, MESH_DIMS, ParallelDims, choose_data_parallel
 from meshrun.comm.schedule_choice import choose_pp_schedule
 from meshrun.models.shape import ModelShape
@@ -203,6 +204,19 @@ def inflight_microbatches(plan: Plan, pp_rank: int) -> int:
     return min(d.pp_microbatches, d.pp - pp_rank)  # 1F1B warm-up depth (interleaved, zero bubble: about the same)
 
 
+def gathered_blocks(plan: Plan, pp_rank: int, params: int) -> int:
+    """Blocks whose parameters FSDP2 holds gathered at once on pipeline rank ``pp_rank`` (``params`` parameters):
+    two units' worth (the one running and the next one being gathered), a unit as parallel.fsdp_unit_blocks makes
+    it on GPUs (data_parallel.auto_unit_blocks for 0), the whole stage for -1."""
+    layers = len(pipeline_rank_layers(plan, pp_rank))
+    choice = plan.job.parallel.fsdp_unit_blocks
+    if choice < 0:
+        return layers
+    mats, norms = plan.spec.block_params(plan.model)
+    per_unit = choice or auto_unit_blocks(params, mats + norms, layers)
+    return min(2 * per_unit, layers)
+
+
 def stage_memory(plan: Plan, pp_rank: int, *, dtype_bytes: int) -> dict[str, Any]:
     """Per-GPU memory estimate of the ranks of pipeline rank ``pp_rank`` (bytes)."""
     m, d, b = plan.model, plan.dims, plan.batch
@@ -210,7 +224,7 @@ def stage_memory(plan: Plan, pp_rank: int, *, dtype_bytes: int) -> dict[str, Any
     shard = d.dp_shard * d.cp  # FSDP shards over dp_shard x cp
     local = per_tp / shard
     mats, norms = plan.spec.block_params(m)
-    fsdp_working = 2 * (mats // d.tp + norms) * dtype_bytes if shard > 1 else 0  # 2 gathered blocks
+    fsdp_working = gathered_blocks(plan, pp_rank, total) * (mats // d.tp + norms) * dtype_bytes if shard > 1 else 0
     params = local * MASTER_BYTES + fsdp_working
     copies = 0
     if plan.cast_once:  # the linear layers' compute-dtype copies: blocks' matrices and the head
