@@ -353,3 +353,21 @@ def test_the_start_up_line_says_how_fsdp2_grouped_the_blocks(unit_blocks, line):
         assert speed.endswith(f" | {line}"), speed
     finally:
         dist.destroy_process_group()
+
+
+def test_the_start_up_line_counts_each_pipeline_stages_root():
+    """Two stages on one rank (an interleaved pipeline with FSDP2), each its own root over units of 2 blocks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from meshrun.parallel.data_parallel import apply_fsdp, describe_units
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        stages = [Blocks(4), Blocks(4)]
+        for stage in stages:
+            apply_fsdp(stage, init_device_mesh("cpu", (2,)), compute_dtype=None, reshard_after_forward=True,
+                       blocks=list(stage.layers.values()), unit_blocks=2)
+        assert describe_units(stages) == "FSDP2: 2 stage roots and 4 units of 2 blocks"
+    finally:
+        dist.destroy_process_group()

@@ -123,7 +123,7 @@ def describe_units(parts: list[nn.Module]) -> str:
                 per_state[key] = per_state.get(key, 0) + 1
     if not roots:
         return ""
-    root = "the root" if len(roots) == 1 else f"{len(roots)} roots (one a stage)"
+    root = "the root" if len(roots) == 1 else f"{len(roots)} stage roots"
     if not per_state:
         return "FSDP2: the whole model one unit" if len(roots) == 1 else f"FSDP2: {root}, no units of blocks"
     low, high = min(per_state.values()), max(per_state.values())
