@@ -61,7 +61,6 @@ forward of one-block units, 33-41 ms with two blocks a unit and 31-34 ms with th
 units whose host took longest were up to 10% slower (docs/benchmarks.md, round 26)."""
 
 
-
 def auto_unit_blocks(params: int, block_params: int, blocks: int) -> int:
     """``parallel.fsdp_unit_blocks=0`` on GPUs for a model (or pipeline stage) of ``params`` parameters whose
     largest block has ``block_params``: all ``blocks`` in one unit under :data:`FSDP_ONE_UNIT_PARAMS`, else as many

@@ -14,7 +14,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from meshrun.comm.dp_choice import FSDP_ONE_UNIT_PARAMS, FSDP_UNIT_PARAMS, auto_unit_blocks  # noqa: F401 - re-exported
+# the sizes and rule of parallel.fsdp_unit_blocks=0, re-exported from where the planner reads them without torch
+from meshrun.comm.dp_choice import FSDP_ONE_UNIT_PARAMS, FSDP_UNIT_PARAMS, auto_unit_blocks  # noqa: F401
 
 try:  # the symmetric-memory pool that parallel.fsdp_symm_mem gathers into (symm_mem_supported)
     from torch.distributed import _symmetric_memory as symm_mem

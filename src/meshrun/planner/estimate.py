@@ -207,7 +207,7 @@ def inflight_microbatches(plan: Plan, pp_rank: int) -> int:
 def gathered_blocks(plan: Plan, pp_rank: int, params: int) -> int:
     """Blocks whose parameters FSDP2 holds gathered at once on pipeline rank ``pp_rank`` (``params`` parameters):
     two units' worth (the one running and the next one being gathered), a unit as parallel.fsdp_unit_blocks makes
-    it on GPUs (data_parallel.auto_unit_blocks for 0), the whole stage for -1."""
+    it on GPUs (comm.dp_choice.auto_unit_blocks for 0), the whole stage for -1."""
     layers = len(pipeline_rank_layers(plan, pp_rank))
     choice = plan.job.parallel.fsdp_unit_blocks
     if choice < 0:
