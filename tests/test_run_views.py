@@ -121,3 +121,25 @@ def test_report_of_a_run_that_has_only_started(tmp_path):
     page = write_report([run], tmp_path / "out").read_text()
     assert 'src="loss.svg"' in page and 'src="ranks_0.svg"' not in page  # no per-rank record yet: no heatmap
     assert '<td class="text status">running</td>' in page
+
+
+def test_the_forward_plot_shows_the_gpus_and_the_hosts_time_of_a_gpu_run(tmp_path):
+    """The slowest rank's forward on the GPU (work minus data wait) and the host's time issuing it; a CPU run,
+    whose forward is timed on the host's clock, and a run without the host's time get no plot."""
+    pytest.importorskip("matplotlib", reason="meshrun report needs matplotlib (pip install -e '.[test]')")
+    from meshrun.report.plots import forward_times, plot_forward
+
+    records = _records()
+    records[0]["device"] = "cuda:0"
+    for r, host in zip((r for r in records if r["kind"] == "ranks"), (0.05, 0.044, 0.043, 0.03)):
+        r["forward_host_s"] = [host, host - 0.01]
+    run = load_run(_write_run(tmp_path / "gpu", records))
+    steps, gpu, host = forward_times(run)
+    assert steps == [10, 20, 30, 40] and gpu == pytest.approx([10.0] * 4)  # rank 0: 10 - 0, rank 1: 20 - 10 ms
+    assert host == pytest.approx([50.0, 44.0, 43.0, 30.0])
+    assert plot_forward(run, tmp_path, "forward_0.svg").stat().st_size > 5000
+    cpu = load_run(_write_run(tmp_path / "cpu", [{**r, "device": "cpu"} if r["kind"] == "start" else r
+                                                 for r in records]))
+    older = load_run(_write_run(tmp_path / "old", _records()))
+    assert forward_times(cpu) == forward_times(older) == ([], [], [])
+    assert plot_forward(cpu, tmp_path, "cpu.svg") is None

@@ -63,6 +63,11 @@ def draw(runs: list[Run], out: Path) -> list[tuple[str, str]]:
         if path is not None:
             images.append((path.name, f"{run.name}: each node's GPU and CPU busy time, host memory and the traffic of "
                                       "the interface NCCL/gloo use, sampled off the training thread"))
+        path = plots.plot_forward(run, out, f"forward_{i}.{plots.EXT}")
+        if path is not None:
+            images.append((path.name, f"{run.name}: the forward passes per step on the GPU and the host's time "
+                                      "issuing them (slowest rank); where the host's line reaches the GPU's, the "
+                                      "GPU waited on the host"))
         path = plots.plot_rank_heatmap(run, out, f"ranks_{i}.{plots.EXT}")
         if path is not None:
             images.append((path.name, f"{run.name}: rank x step heatmap of each rank's own working time per step "

@@ -213,6 +213,37 @@ def rank_matrix(run: Run, key: str = "work_s") -> tuple[list[int], list[list[flo
     return [r["step"] for r in rows], matrix
 
 
+def forward_times(run: Run) -> tuple[list[int], list[float], list[float]]:
+    """(steps, GPU ms, host ms) per step of the forward passes in each logged interval of a GPU run, the slowest
+    rank's each: the forward on the GPU's clock (work minus data wait) and the host's time inside it. Empty
+    for a CPU run, whose forward is timed on the host's clock (the two would be the same line), and for a run
+    that did not record the host's time."""
+    starts = run.kind("start")
+    if not starts or "cuda" not in str(starts[-1].get("device", "")):
+        return [], [], []
+    rows = [r for r in run.kind("ranks")
+            if isinstance(r.get("forward_host_s"), list) and isinstance(r.get("work_s"), list)
+            and isinstance(r.get("data_s"), list)]
+    gpu = [1000 * max(w - d for w, d in zip(r["work_s"], r["data_s"])) for r in rows]
+    return [r["step"] for r in rows], gpu, [1000 * max(r["forward_host_s"]) for r in rows]
+
+
+def plot_forward(run: Run, out: Path, file_name: str) -> Path | None:
+    """The forward passes per step on the GPU and the host's time issuing them: where the host's line reaches the
+    GPU's, the GPU waited on the host (larger FSDP2 units, CUDA graphs or a faster host shorten it)."""
+    steps, gpu, host = forward_times(run)
+    if len(steps) < 2:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.5, 3.2))
+    ax.plot(steps, gpu, ".-", ms=3, label="on the GPU")
+    ax.plot(steps, host, ".-", ms=3, label="the host's time issuing it")
+    ax.set(xlabel="step", ylabel="ms per step (slowest rank)", title=f"{run.name}: forward passes")
+    zero_based(ax, gpu + host)
+    legend_outside(ax)
+    return _save(fig, out / file_name)
+
+
 def plot_rank_heatmap(run: Run, out: Path, file_name: str) -> Path | None:
     """Rank x time heatmap of each rank's own working time per step: a straggler is a bright row."""
     steps, matrix = rank_matrix(run)
