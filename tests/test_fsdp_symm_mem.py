@@ -162,35 +162,12 @@ def _losses(rank: int, world_size: int) -> dict[bool, list[float]]:
     """5 steps of a 6-unit FSDP2 model in bf16 on NCCL with the zero-CTA policy, all-gathering through symmetric
     memory and without, from the same start."""
     import os
-    from datetime import timedelta
 
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from meshrun.parallel.data_parallel import apply_fsdp
+    from fsdp_steps import WIDTH, nccl_fsdp_losses
 
     os.environ[CTA_VAR] = ZERO_CTA
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", timeout=timedelta(seconds=120), device_id=torch.device("cuda", rank))
-    try:
-        out = {}
-        for symm_mem in (False, True):
-            torch.manual_seed(0)
-            model = Chain(5, width=1024).cuda()
-            apply_fsdp(model, init_device_mesh("cuda", (world_size,)), compute_dtype=torch.bfloat16,
-                       reshard_after_forward=True, blocks=list(model.layers), symm_mem=symm_mem)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            losses = []
-            for step in range(5):
-                x = torch.randn(64, 1024, device="cuda", generator=torch.Generator("cuda").manual_seed(step + rank))
-                loss = model(x).float().square().mean()
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                losses.append(loss.item())
-            out[symm_mem] = losses
-        return out
-    finally:
-        dist.destroy_process_group()
+    return nccl_fsdp_losses(rank, world_size, {False: {"symm_mem": False}, True: {"symm_mem": True}},
+                            make_model=lambda: Chain(5, width=WIDTH))
 
 
 @pytest.mark.gpu

@@ -371,3 +371,39 @@ def test_the_start_up_line_counts_each_pipeline_stages_root():
         assert describe_units(stages) == "FSDP2: 2 stage roots and 4 units of 2 blocks"
     finally:
         dist.destroy_process_group()
+
+
+class Stack(nn.Module):
+    """Six blocks after an input layer, each a linear layer and a GELU."""
+
+    def __init__(self, n: int = 6):
+        from fsdp_steps import WIDTH
+
+        super().__init__()
+        self.embed = nn.Linear(WIDTH, WIDTH)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU()) for _ in range(n))
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.layers:
+            x = block(x)
+        return x
+
+
+def _losses_by_unit_size(rank: int, world_size: int) -> dict[int, list[float]]:
+    """5 bf16 steps of the same 6-block model on NCCL with FSDP2 units of 1 and of 3 blocks (what
+    parallel.fsdp_unit_blocks=0 makes for the 1b model), from the same start."""
+    from fsdp_steps import nccl_fsdp_losses
+
+    return nccl_fsdp_losses(rank, world_size, {1: {"unit_blocks": 1}, 3: {"unit_blocks": 3}}, make_model=Stack)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_units_of_three_blocks_train_like_units_of_one_on_two_gpus():
+    """Grouping blocks into larger FSDP2 units changes only how many collectives carry the same bytes: each
+    all-gather is a copy and each reduce-scatter sums the same two ranks' values, so the losses agree to 1e-6."""
+    from dist_utils import run_distributed
+
+    for losses in run_distributed(_losses_by_unit_size, 2, init_pg=False, timeout=300):
+        assert losses[3] == pytest.approx(losses[1], rel=1e-6), losses
