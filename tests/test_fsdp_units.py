@@ -31,40 +31,40 @@ def _units(model: Blocks) -> list[list[str]]:
     return list(groups.values())
 
 
+@pytest.fixture
+def fake_mesh():
+    """A 2-rank 1-D CPU mesh on a fake process group (this process is rank 0; collectives do nothing)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield init_device_mesh("cpu", (2,))
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("unit_blocks, expected", [(1, [["0"], ["1"], ["2"], ["3"], ["4"]]),
                                                    (2, [["0", "1"], ["2", "3"], ["4"]]),
                                                    (8, [["0", "1", "2", "3", "4"]])])
-def test_blocks_are_grouped_into_units_of_the_given_size(unit_blocks, expected):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        model = Blocks(5)
-        apply_fsdp(model, init_device_mesh("cpu", (2,)), compute_dtype=None, reshard_after_forward=True,
-                   blocks=list(model.layers.values()), unit_blocks=unit_blocks)
-        assert _units(model) == expected
-        assert [p.to_local().shape[0] for p in model.layers["0"].parameters()] == [2, 2]  # sharded over 2 ranks
-    finally:
-        dist.destroy_process_group()
+def test_blocks_are_grouped_into_units_of_the_given_size(unit_blocks, expected, fake_mesh):
+    model = Blocks(5)
+    apply_fsdp(model, fake_mesh, compute_dtype=None, reshard_after_forward=True,
+               blocks=list(model.layers.values()), unit_blocks=unit_blocks)
+    assert _units(model) == expected
+    assert [p.to_local().shape[0] for p in model.layers["0"].parameters()] == [2, 2]  # sharded over 2 ranks
 
 
-def test_whole_model_leaves_no_unit_of_blocks():
+def test_whole_model_leaves_no_unit_of_blocks(fake_mesh):
     """-1: only the root is an FSDP2 unit; it gathers every parameter, the blocks' too."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        model = Blocks(3)
-        apply_fsdp(model, init_device_mesh("cpu", (2,)), compute_dtype=None, reshard_after_forward=True,
-                   blocks=list(model.layers.values()), unit_blocks=-1)
-        assert isinstance(model, FSDPModule) and not any(isinstance(b, FSDPModule) for b in model.layers.values())
-        gathered = model._get_fsdp_state()._fsdp_param_group.fsdp_params
-        assert len(gathered) == len(list(model.parameters())) == 8
-    finally:
-        dist.destroy_process_group()
+    model = Blocks(3)
+    apply_fsdp(model, fake_mesh, compute_dtype=None, reshard_after_forward=True,
+               blocks=list(model.layers.values()), unit_blocks=-1)
+    assert isinstance(model, FSDPModule) and not any(isinstance(b, FSDPModule) for b in model.layers.values())
+    gathered = model._get_fsdp_state()._fsdp_param_group.fsdp_params
+    assert len(gathered) == len(list(model.parameters())) == 8
 
 
 def test_unit_size_below_minus_one_is_refused_by_name():
@@ -291,34 +291,27 @@ class Chain(Blocks):
 
 
 @pytest.mark.parametrize("depth, ahead", [(0, []), (1, [1]), (2, [1, 2])])
-def test_each_unit_gathers_the_next_units_before_it_runs(depth, ahead):
+def test_each_unit_gathers_the_next_units_before_it_runs(depth, ahead, fake_mesh):
     """parallel.fsdp_prefetch: while a block runs (a forward pre-hook that runs after FSDP2's own), the all-gathers
     of the next ``depth`` units are already issued (pending), and not those of the units after them; with 0 none is,
     FSDP2 gathering each unit only when the host reaches it. (The losses with prefetching match one process's in
     tests/test_parallel_layouts.py, fsdp2_units2.)"""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    model = Chain(4)
+    blocks = list(model.layers.values())
+    apply_fsdp(model, fake_mesh, compute_dtype=None, reshard_after_forward=True, blocks=blocks, unit_blocks=1,
+               prefetch=depth)
+    seen: dict[int, list[int]] = {}
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        model = Chain(4)
-        blocks = list(model.layers.values())
-        apply_fsdp(model, init_device_mesh("cpu", (2,)), compute_dtype=None, reshard_after_forward=True,
-                   blocks=blocks, unit_blocks=1, prefetch=depth)
-        seen: dict[int, list[int]] = {}
+    def pending(i):
+        def hook(module, args):
+            seen[i] = [j - i for j in range(i + 1, len(blocks))
+                       if blocks[j]._get_fsdp_state()._fsdp_param_group._all_gather_result is not None]
+        return hook
 
-        def pending(i):
-            def hook(module, args):
-                seen[i] = [j - i for j in range(i + 1, len(blocks))
-                           if blocks[j]._get_fsdp_state()._fsdp_param_group._all_gather_result is not None]
-            return hook
-
-        for i, block in enumerate(blocks):
-            block.register_forward_pre_hook(pending(i))
-        model(torch.randn(2, 4)).sum().backward()
-        assert seen == {i: [a for a in ahead if i + a < len(blocks)] for i in range(len(blocks))}
-    finally:
-        dist.destroy_process_group()
+    for i, block in enumerate(blocks):
+        block.register_forward_pre_hook(pending(i))
+    model(torch.randn(2, 4)).sum().backward()
+    assert seen == {i: [a for a in ahead if i + a < len(blocks)] for i in range(len(blocks))}
 
 
 def test_negative_prefetch_is_refused_by_name():
@@ -333,44 +326,30 @@ def test_negative_prefetch_is_refused_by_name():
     (5, "FSDP2: the root and 1 unit of 5 blocks"),
     (-1, "FSDP2: the whole model one unit"),
 ])
-def test_the_start_up_line_says_how_fsdp2_grouped_the_blocks(unit_blocks, line):
+def test_the_start_up_line_says_how_fsdp2_grouped_the_blocks(unit_blocks, line, fake_mesh):
     """What parallel.fsdp_unit_blocks (0: auto, chosen by size) made of the model, as the speed line shows it."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from meshrun.parallel.data_parallel import apply_fsdp, describe_units
+    from meshrun.parallel.data_parallel import describe_units
     from meshrun.parallel.kernels import describe_speed
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        model = Blocks(5)
-        assert describe_units([model]) == ""
-        apply_fsdp(model, init_device_mesh("cpu", (2,)), compute_dtype=None, reshard_after_forward=True,
-                   blocks=list(model.layers.values()), unit_blocks=unit_blocks)
-        assert describe_units([model]) == line
-        speed = describe_speed(load_config(None, ["--model.name=tiny"]), torch.device("cpu"), None, fsdp=True,
-                               fsdp_units=line)
-        assert speed.endswith(f" | {line}"), speed
-    finally:
-        dist.destroy_process_group()
+    model = Blocks(5)
+    assert describe_units([model]) == ""
+    apply_fsdp(model, fake_mesh, compute_dtype=None, reshard_after_forward=True,
+               blocks=list(model.layers.values()), unit_blocks=unit_blocks)
+    assert describe_units([model]) == line
+    speed = describe_speed(load_config(None, ["--model.name=tiny"]), torch.device("cpu"), None, fsdp=True,
+                           fsdp_units=line)
+    assert speed.endswith(f" | {line}"), speed
 
 
-def test_the_start_up_line_counts_each_pipeline_stages_root():
+def test_the_start_up_line_counts_each_pipeline_stages_root(fake_mesh):
     """Two stages on one rank (an interleaved pipeline with FSDP2), each its own root over units of 2 blocks."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from meshrun.parallel.data_parallel import describe_units
 
-    from meshrun.parallel.data_parallel import apply_fsdp, describe_units
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        stages = [Blocks(4), Blocks(4)]
-        for stage in stages:
-            apply_fsdp(stage, init_device_mesh("cpu", (2,)), compute_dtype=None, reshard_after_forward=True,
-                       blocks=list(stage.layers.values()), unit_blocks=2)
-        assert describe_units(stages) == "FSDP2: 2 stage roots and 4 units of 2 blocks"
-    finally:
-        dist.destroy_process_group()
+    stages = [Blocks(4), Blocks(4)]
+    for stage in stages:
+        apply_fsdp(stage, fake_mesh, compute_dtype=None, reshard_after_forward=True,
+                   blocks=list(stage.layers.values()), unit_blocks=2)
+    assert describe_units(stages) == "FSDP2: 2 stage roots and 4 units of 2 blocks"
 
 
 class Stack(nn.Module):

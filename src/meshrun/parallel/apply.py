@@ -39,8 +39,8 @@ from meshrun.parallel.checks import (bf16_stream, check_chunked_loss, check_cuda
                                     several_stages_per_rank, untested_as_graphs, use_cast_once, use_comm_reorder,
                                     use_weight_copies, uses_fsdp)
 from meshrun.parallel.context_parallel import SequenceShards
-from meshrun.parallel.data_parallel import (FSDP_ONE_UNIT_PARAMS, WHOLE_MODEL, apply_ddp, apply_fsdp,
-                                            auto_unit_blocks, fsdp_units, gather_in_pool)
+from meshrun.parallel.data_parallel import (WHOLE_MODEL, apply_ddp, apply_fsdp, auto_unit_blocks, fsdp_units,
+                                            gather_in_pool)
 from meshrun.parallel.engine import Engine, LocalEngine, LossStep, loss_function
 from meshrun.parallel.async_tp import enable_async_tp
 from meshrun.parallel.comm_overlap import enable_comm_reorder

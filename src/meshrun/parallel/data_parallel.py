@@ -119,8 +119,9 @@ def describe_units(parts: list[nn.Module]) -> str:
     roots = {id(part._get_fsdp_state()) for part in parts if isinstance(part, FSDPModule)}
     for part in parts:
         for module in part.modules():
-            if isinstance(module, FSDPModule) and id(module._get_fsdp_state()) not in roots:
-                key = id(module._get_fsdp_state())  # a unit of several blocks is one state shared by them
+            # a unit of several blocks is one state shared by them
+            key = id(module._get_fsdp_state()) if isinstance(module, FSDPModule) else None
+            if key is not None and key not in roots:
                 per_state[key] = per_state.get(key, 0) + 1
     if not roots:
         return ""

@@ -40,7 +40,7 @@ class ParallelOptions:
     """auto, true or false (parallel.fsdp_reshard_after_forward)."""
     fsdp_unit_blocks: int = 0
     """Consecutive blocks per FSDP2 unit (parallel.fsdp_unit_blocks; 0: auto, see apply.unit_blocks and
-    data_parallel.FSDP_UNIT_PARAMS; -1
+    comm.dp_choice.auto_unit_blocks; -1
     (data_parallel.WHOLE_MODEL): the whole model one unit, compiled as one graph)."""
     fsdp_prefetch: int = 0
     """FSDP2 units each unit gathers ahead (parallel.fsdp_prefetch; 0: FSDP2's own order)."""
