@@ -193,7 +193,7 @@ class ParallelConfig:
     loopedbfs (docs/parallelism.md)."""
     pp_microbatches: int = 0
     """Pipeline micro-batches per step; 0 chooses the most that divide the step's samples (micro_batch x grad_accum
-    per data-parallel rank) while each keeps at least 4096 tokens, and at least pp of them."""
+    per data-parallel rank) while each keeps at least 8192 tokens, and at least pp of them."""
     pp_virtual_stages: int = 2
     """Stages per rank for interleaved1f1b, interleavedzb and loopedbfs."""
     pp_balance: PipelineBalance = "cost"

@@ -100,11 +100,13 @@ def describe_cut(counts: Sequence[int], shares: Sequence[float]) -> str:
     return f"blocks {'+'.join(map(str, counts))} (est. cost {'/'.join(f'{s:.0%}' for s in shares)})"
 
 
-PIPELINE_MICROBATCH_TOKENS = 4096
+PIPELINE_MICROBATCH_TOKENS = 8192
 """The fewest tokens a default pipeline micro-batch carries. Each micro-batch costs a fixed host and point-to-point
-overhead per stage, which small micro-batches cannot hide: on 2x H200 (1b, 16 samples of 2048 tokens per step, 2
-stages, 1F1B) 16 micro-batches of one sample ran 46.8k tokens/s per GPU and 8 of two samples 63.2k, although the
-bubble (p - 1) / m is 6% against 12% (docs/benchmarks.md)."""
+overhead per stage, and small micro-batches run the matmuls less efficiently; both outweigh the bubble that more
+micro-batches save. On 2x H200 (1b, 16 samples of 2048 tokens per step, PP 2): with 1F1B, 16 micro-batches of one
+sample ran 46.8k tokens/s per GPU and 8 of two samples 63.2k; with interleaved 1F1B (2 stages per rank), 4 of four
+samples ran 71.5k (0.99x of FSDP2 in the same call), 8 of two 68.3k and 16 of one 39.5k, although the bubble
+(p - 1) / (v m) is 12%, 6% and 3% (docs/benchmarks.md)."""
 
 
 def default_microbatches(samples: int, seq_len: int, *, pp: int, multiple_of_pp: bool = False) -> int:
