@@ -76,11 +76,17 @@ def test_pipeline_batch_must_split_into_microbatches():
         dims.resolve_pipeline_batch(6)
 
 
-def test_default_pipeline_microbatches_keep_8192_tokens_each():
+def test_default_pipeline_microbatches_weigh_the_bubble_against_each_micro_batch_cost():
     dims = dims_for(2, dp_replicate=1, pp=2)
     assert dims.pp_microbatches == 0  # resolved with the batch
     dims.resolve_pipeline_batch(16, seq_len=2048)
-    assert dims.pp_microbatches == 4  # four samples each: 1.047x eight of two samples on 2x H200
+    assert dims.pp_microbatches == 8  # 1F1B on 2 stages: 8 of two samples and 4 of four cost about the same
+    two_per_rank = dims_for(2, dp_replicate=1, pp=2, pp_schedule="interleaved1f1b", pp_virtual_stages=2)
+    two_per_rank.resolve_pipeline_batch(16, seq_len=2048)
+    assert two_per_rank.pp_microbatches == 4  # half the bubble per micro-batch: 1.046x 8 of two on 2x H200
+    deep = dims_for(4, dp_replicate=1, pp=4)
+    deep.resolve_pipeline_batch(16, seq_len=2048)
+    assert deep.pp_microbatches == 8  # 3 stages' bubble: 4 micro-batches would idle 3/7 of the step
     long = dims_for(2, dp_replicate=1, pp=2)
     long.resolve_pipeline_batch(16, seq_len=8192)
     assert long.pp_microbatches == 16  # one sample already holds 8192 tokens
@@ -92,7 +98,7 @@ def test_default_pipeline_microbatches_keep_8192_tokens_each():
     assert no_length.pp_microbatches == 6  # without a sequence length: one per sample
     ring = dims_for(2, dp_replicate=1, pp=2, pp_schedule="interleaved1f1b", pp_virtual_stages=2)
     ring.resolve_pipeline_batch(12, seq_len=1024)
-    assert ring.pp_microbatches == 2  # 6 x 1024 = 6144 tokens fall short of 8192, so the fewest: pp of them
+    assert ring.pp_microbatches == 2  # 3 x 1024 = 3072 tokens fall short; 6 x 1024 with a multiple of pp
     few = dims_for(4, dp_replicate=1, pp=4)
     with pytest.raises(ConfigError, match=r"fewer than the 4 pipeline stages.*chose 2 for 2 samples"):
         few.resolve_pipeline_batch(2, seq_len=2048)

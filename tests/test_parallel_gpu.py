@@ -62,7 +62,7 @@ BF16 = {
     "pp2_gpipe": Layout(tied=False, grad_accum=1, parallel={"dp_replicate": 1, "pp": 2, "pp_schedule": "gpipe",
                                                             "pp_microbatches": 4}),
     # the pipeline defaults with 1F1B (what the trainer runs where interleaved 1F1B does not fit): micro-batches
-    # from the batch (2 here: no micro-batch reaches 8192 tokens, so pp of them), stages cut by cost, compiled blocks
+    # from the batch (2 here: no micro-batch reaches 4096 tokens, so pp of them), stages cut by cost, compiled blocks
     "pp2_defaults_compile": Layout(tied=False, grad_accum=2, parallel={"dp_replicate": 1, "pp": 2},
                                    train={"compile": "true"}),
     # interleaved 1F1B (2 stages per rank, 4 layers), compiled, weights cast once per step: the trainer's pipeline

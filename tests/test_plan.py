@@ -65,8 +65,8 @@ def test_a_large_bubble_gets_advice_that_keeps_micro_batches_large():
     large = make_plan("--nodes", "1", "--gpus-per-node", "4", "--model", "1b", "--pp", "4", "--dp-replicate", "1",
                       "--micro-batch", "8", "--pp-microbatches", "4", "--model.seq_len=8192",
                       "--pp-schedule", "1f1b")  # 16384 tokens each
-    assert any(w.startswith("pipeline bubble 75%: raise --pp-microbatches (now 4, 16384 tokens each)")
-               for w in large.warnings), large.warnings
+    assert any(w.startswith("pipeline bubble 75%: raise --pp-microbatches (now 4, 16384 tokens each) to 8, the "
+                            "default for this batch") for w in large.warnings), large.warnings
 
 
 def test_tp8_shards_of_a_12288_hidden_96_head_model(capsys):

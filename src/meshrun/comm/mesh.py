@@ -200,10 +200,11 @@ class ParallelDims:
 
     def resolve_pipeline_batch(self, samples_per_step: int, seq_len: int = 0) -> None:
         """With PP, a dp rank's samples per step (micro_batch x grad_accum) must split into the micro-batches.
-        parallel.pp_microbatches=0 resolves here to :func:`default_microbatches`: as many as the step allows while
-        each keeps at least :data:`PIPELINE_MICROBATCH_TOKENS` tokens (one per sample without ``seq_len``)."""
+        parallel.pp_microbatches=0 resolves here to :func:`default_microbatches`: the count whose bubble and
+        per-micro-batch cost add up to the shortest step (one per sample without ``seq_len``)."""
         if self.pp > 1 and not self.pp_microbatches:
             self.pp_microbatches = default_microbatches(samples_per_step, seq_len, pp=self.pp,
+                                                        virtual_stages=self.pp_virtual_stages,
                                                         multiple_of_pp=self.pp_schedule in MULTIPLE_OF_PP_SCHEDULES)
             try:
                 self._validate_schedule()

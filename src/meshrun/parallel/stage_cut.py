@@ -100,24 +100,48 @@ def describe_cut(counts: Sequence[int], shares: Sequence[float]) -> str:
     return f"blocks {'+'.join(map(str, counts))} (est. cost {'/'.join(f'{s:.0%}' for s in shares)})"
 
 
-PIPELINE_MICROBATCH_TOKENS = 8192
-"""The fewest tokens a default pipeline micro-batch carries. Each micro-batch costs a fixed host and point-to-point
-overhead per stage, and small micro-batches run the matmuls less efficiently; both outweigh the bubble that more
-micro-batches save. On 2x H200 (1b, 16 samples of 2048 tokens per step, PP 2): with 1F1B, 16 micro-batches of one
-sample ran 46.8k tokens/s per GPU and 8 of two samples 63.2k; with interleaved 1F1B (2 stages per rank), 4 of four
-samples ran 71.5k (0.99x of FSDP2 in the same call), 8 of two 68.3k and 16 of one 39.5k, although the bubble
-(p - 1) / (v m) is 12%, 6% and 3% (docs/benchmarks.md)."""
+PIPELINE_MICROBATCH_TOKENS = 4096
+"""The fewest tokens a default pipeline micro-batch carries (unless fewer are needed to fill the pipeline). Below
+it the host's fixed work per micro-batch and stage outruns the GPU's: on 2x H200 (1b, 16 samples of 2048 tokens per
+step, PP 2) 16 micro-batches of one sample ran 0.74x 8 of two with 1F1B (46.8k against 63.2k tokens/s per GPU) and
+0.58x with interleaved 1F1B (39.5k against 68.3k, the GPUs 82% busy), although the bubble is half as large
+(docs/benchmarks.md)."""
 
 
-def default_microbatches(samples: int, seq_len: int, *, pp: int, multiple_of_pp: bool = False) -> int:
-    """``parallel.pp_microbatches=0``: the most micro-batches that divide ``samples`` and keep at least
-    :data:`PIPELINE_MICROBATCH_TOKENS` tokens each (one per sample when ``seq_len`` is 0), but never fewer than
-    ``pp`` while ``samples`` allows it, so the schedule fills the pipeline; a multiple of ``pp`` for interleaved
-    schedules. When no count fits (fewer samples than stages) it returns ``samples`` and validation names the fix."""
+MICROBATCH_OVERHEAD_TOKENS = 1000
+"""What one pipeline micro-batch costs each stage beyond its tokens, in tokens' worth of work: the schedule's host
+work, the sends and receives, and matmuls too narrow to fill the GPU. Fitted to 2x H200 (1b, 16 samples of 2048
+tokens per step, PP 2, interleaved 1F1B with 2 stages per rank, 2026-11-30): 4 micro-batches of 8192 tokens ran
+1.045-1.047x 8 of 4096 (71.5k against 68.3k tokens/s per GPU; 0.996x of FSDP2 as the default), although the bubble
+is twice as large; 16 of 2048 ran 0.58x, the host then too slow to keep the GPUs busy (docs/benchmarks.md, round
+27). With 1F1B on 2 H100s 4 micro-batches had run 1.036x 8 (2026-11-27), where this cost puts them level."""
+
+
+def microbatch_cost(microbatches: int, tokens: int, *, pp: int, virtual_stages: int = 1) -> float:
+    """A step's time, in tokens of one stage's work, with ``tokens`` per step cut into ``microbatches``:
+    ``(m + (p - 1) / v) x (tokens / m + MICROBATCH_OVERHEAD_TOKENS)``. The first factor is the schedule's slots
+    with the bubble (the 1F1B family's ``(p - 1) / (v m)`` of the step), the second each slot's work."""
+    return (microbatches + (pp - 1) / virtual_stages) * (tokens / microbatches + MICROBATCH_OVERHEAD_TOKENS)
+
+
+def default_microbatches(samples: int, seq_len: int, *, pp: int, virtual_stages: int = 1,
+                         multiple_of_pp: bool = False) -> int:
+    """``parallel.pp_microbatches=0``: of the micro-batch counts that divide ``samples``, are at least ``pp`` (so
+    the schedule fills the pipeline), for interleaved schedules a multiple of ``pp``, and keep at least
+    :data:`PIPELINE_MICROBATCH_TOKENS` tokens each, the one with the least :func:`microbatch_cost`: a smaller bubble
+    from more micro-batches against each one's fixed cost. The 1b step of 16 samples of 2048 tokens gets 4
+    micro-batches on 2 ranks of 2 stages each and 8 with 1F1B on 4 ranks (whose bubble would be 3/7 of the step with
+    4). Where no count keeps that many tokens, the fewest; without ``seq_len``, one per sample. When no count fits
+    (fewer samples than stages) it returns ``samples`` and validation names the fix."""
     def valid(m: int) -> bool:
         return samples % m == 0 and m >= pp and (not multiple_of_pp or m % pp == 0)
     counts = [m for m in range(1, samples + 1) if valid(m)]
     if not counts:
         return samples
-    big_enough = [m for m in counts if seq_len == 0 or samples // m * seq_len >= PIPELINE_MICROBATCH_TOKENS]
-    return max(big_enough) if big_enough else min(counts)
+    if seq_len == 0:
+        return max(counts)
+    big_enough = [m for m in counts if samples // m * seq_len >= PIPELINE_MICROBATCH_TOKENS]
+    if not big_enough:
+        return min(counts)
+    return min(reversed(big_enough),  # on a tie the more micro-batches: less activation memory
+               key=lambda m: microbatch_cost(m, samples * seq_len, pp=pp, virtual_stages=virtual_stages))
