@@ -90,7 +90,8 @@ def _add_layout_aliases(d) -> None:
     _alias(d, "data-parallel", "auto (FSDP2 from 1B parameters on GPUs), ddp or fsdp", choices=DATA_PARALLEL_MODES)
     _alias(d, "pp-schedule", "pipeline schedule", choices=PIPELINE_SCHEDULES)
     _alias(d, "pp-balance", "cut the blocks into stages by estimated cost or by count", choices=PIPELINE_BALANCES)
-    _alias(d, "pp-microbatches", "pipeline micro-batches per step (0: weighs the bubble against each one's cost)", type=int)
+    _alias(d, "pp-microbatches", "pipeline micro-batches per step (0: the bubble weighed against each one's cost)",
+           type=int)
     _alias(d, "pp-virtual-stages", "stages per rank for interleaved1f1b", type=int)
     _alias(d, "sequence-parallel", "shard norms along the sequence", action="store_const", const="true")
     _alias(d, "activation-checkpoint", "none, selective or full", choices=ACTIVATION_CHECKPOINT_MODES)
