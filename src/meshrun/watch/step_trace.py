@@ -71,7 +71,9 @@ EXPOSED_HINTS = {
     "reduce-scatter": "FSDP2's gradient reduce-scatters: larger units (parallel.fsdp_unit_blocks), or bf16 "
                       "reduction (parallel.grad_reduce_dtype=bf16)",
     "send/receive": "the pipeline's stages wait for each other (its bubble, or unequal stages): more micro-batches "
-                    "(parallel.pp_microbatches), stages cut by cost (parallel.pp_balance=cost), or an interleaved "
+                    "(parallel.pp_microbatches; keep each at 4096 tokens or more, below which their fixed cost "
+                    "outweighs the bubble they save, and parallel.pp_microbatches=0 weighs the two), more samples "
+                    "per step (train.grad_accum), stages cut by cost (parallel.pp_balance=cost), or an interleaved "
                     "schedule (parallel.pp_schedule=interleaved1f1b, auto's choice for a pipeline alone on GPUs: a "
                     "smaller bubble, but more sends and receives, whose kernels share the GPU with compute; held to 4 "
                     "NCCL channels, parallel.pp_p2p_channels' default for it, 1.024-1.027x of 1f1b for the 1b model "
