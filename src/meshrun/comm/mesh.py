@@ -198,14 +198,18 @@ class ParallelDims:
             counts, shares = resolve_cut(spec, model, stages, self.pp_balance)
             self.pp_layers, self.pp_shares = tuple(counts), tuple(shares)
 
+    def default_microbatches(self, samples_per_step: int, seq_len: int = 0) -> int:
+        """What parallel.pp_microbatches=0 makes of a dp rank's ``samples_per_step`` for this pipeline's stages
+        and schedule (:func:`default_microbatches`)."""
+        return default_microbatches(samples_per_step, seq_len, pp=self.pp, virtual_stages=self.pp_virtual_stages,
+                                    multiple_of_pp=self.pp_schedule in MULTIPLE_OF_PP_SCHEDULES)
+
     def resolve_pipeline_batch(self, samples_per_step: int, seq_len: int = 0) -> None:
         """With PP, a dp rank's samples per step (micro_batch x grad_accum) must split into the micro-batches.
         parallel.pp_microbatches=0 resolves here to :func:`default_microbatches`: the count whose bubble and
         per-micro-batch cost add up to the shortest step (one per sample without ``seq_len``)."""
         if self.pp > 1 and not self.pp_microbatches:
-            self.pp_microbatches = default_microbatches(samples_per_step, seq_len, pp=self.pp,
-                                                        virtual_stages=self.pp_virtual_stages,
-                                                        multiple_of_pp=self.pp_schedule in MULTIPLE_OF_PP_SCHEDULES)
+            self.pp_microbatches = self.default_microbatches(samples_per_step, seq_len)
             try:
                 self._validate_schedule()
             except ConfigError as err:

@@ -7,13 +7,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshrun.config import MULTIPLE_OF_PP_SCHEDULES, BatchPlan, ConfigError, JobConfig, ParallelConfig, resolve_batch
+from meshrun.config import BatchPlan, ConfigError, JobConfig, ParallelConfig, resolve_batch
 from meshrun.comm.dp_choice import auto_unit_blocks
 from meshrun.comm.mesh import FLAT_DIMS, FSDP_AUTO_PARAMS, MESH_DIMS, ParallelDims, choose_data_parallel
 from meshrun.comm.schedule_choice import choose_pp_schedule
 from meshrun.models.shape import ModelShape
 from meshrun.models.spec import ModelSpec
-from meshrun.parallel.stage_cut import default_microbatches
 from meshrun.units import format_bytes
 
 GiB = 2**30
@@ -335,8 +334,7 @@ def layout_warnings(plan: Plan, *, gpu_mem_gib: float) -> list[str]:
         if idle > 0.25:
             samples = plan.batch.micro_batch * plan.batch.grad_accum
             tokens = samples // d.pp_microbatches * plan.batch.seq_len  # per pipeline micro-batch
-            best = default_microbatches(samples, plan.batch.seq_len, pp=d.pp, virtual_stages=d.pp_virtual_stages,
-                                        multiple_of_pp=d.pp_schedule in MULTIPLE_OF_PP_SCHEDULES)
+            best = d.default_microbatches(samples, plan.batch.seq_len)
             if best > d.pp_microbatches:
                 out.append(f"pipeline bubble {idle:.0%}: raise --pp-microbatches (now {d.pp_microbatches}, {tokens} "
                            f"tokens each) to {best}, the default for this batch, or use interleaved1f1b")
