@@ -78,7 +78,8 @@ LAYOUTS = {  # meshrun overrides for a layout on G GPUs
 TUNE = {  # --tune: the documented settings each layout's defaults choose between (docs/performance.md), one row each
     "ddp": {"whole": "--parallel.ddp_graph=whole", "b25": "--parallel.ddp_bucket_mb=25",
             "b200": "--parallel.ddp_bucket_mb=200", "launched": "--train.cuda_graphs=false",
-            "bf16-reduce": "--parallel.grad_reduce_dtype=bf16",
+            # DDP sums in fp32 by default; the 1b model's FSDP2 (by size) in bf16 on one node
+            "bf16-reduce": "--parallel.grad_reduce_dtype=bf16", "fp32-reduce": "--parallel.grad_reduce_dtype=fp32",
             # DDP and FSDP2: parallel.data_parallel=auto picks one by model size (FSDP2 from 1B parameters on GPUs)
             "dp-ddp": "--parallel.data_parallel=ddp", "dp-fsdp": "--parallel.data_parallel=fsdp"},
     # FSDP2: units of blocks; the whole model one unit (on GPUs the small models' default, recorded as CUDA graphs:
@@ -86,7 +87,7 @@ TUNE = {  # --tune: the documented settings each layout's defaults choose betwee
     "fsdp": {"u1": "--parallel.fsdp_unit_blocks=1", "u2": "--parallel.fsdp_unit_blocks=2",
              "u3": "--parallel.fsdp_unit_blocks=3", "whole": "--parallel.fsdp_unit_blocks=-1",
              "launched": "--train.cuda_graphs=false", "reshard": "--parallel.fsdp_reshard_after_forward=true",
-             "keep": "--parallel.fsdp_reshard_after_forward=false", "bf16-reduce": "--parallel.grad_reduce_dtype=bf16"},
+             "keep": "--parallel.fsdp_reshard_after_forward=false", "fp32-reduce": "--parallel.grad_reduce_dtype=fp32"},
     "tp": {"sp": "--parallel.sequence_parallel=true", "launched": "--train.cuda_graphs=false",
            "inductor-order": "--parallel.comm_reorder=false"},
     "pp": {"mb4": "--parallel.pp_microbatches=4", "mb16": "--parallel.pp_microbatches=16",

@@ -48,6 +48,20 @@ def test_64_gpu_dp8_tp4_pp2_groups(capsys):
     assert "0,4,..,28" in text and "36-39" in text and "5,37" in text  # readable group members
 
 
+def test_fsdp_traffic_counts_the_reduction_in_the_dtype_the_trainer_picks():
+    """1b on one node of 2 GPUs: FSDP2 by size, its gradients reduce-scattered in bf16 (parallel.grad_reduce_dtype=
+    auto), so 2 bytes per parameter where 2 nodes of 1 GPU reduce 4; parameters gathered twice in bf16 either way."""
+    one = make_plan("--nodes", "1", "--gpus-per-node", "2", "--model", "1b")
+    two = make_plan("--nodes", "2", "--gpus-per-node", "1", "--model", "1b")
+    fp32 = planner.build_plan(load_config(None, ["--model.name=1b", "--parallel.grad_reduce_dtype=fp32"]), nodes=1,
+                              gpus_per_node=2)
+    assert one.reduce_bf16 and not two.reduce_bf16 and not fp32.reduce_bf16
+    rows = [{r["dim"]: r for r in plan.comm}["dp_shard"] for plan in (one, two, fp32)]
+    assert rows[0]["what"].endswith("reduce-scatter (bf16)") and not rows[1]["what"].endswith("(bf16)")
+    assert rows[0]["bytes_per_step"] == pytest.approx(rows[1]["bytes_per_step"] * (2 * 2 + 2) / (2 * 2 + 4))
+    assert rows[2]["bytes_per_step"] == pytest.approx(rows[1]["bytes_per_step"])
+
+
 def test_bubble_of_4_stages_and_32_microbatches(capsys):
     assert bubble_fraction(4, 32) == pytest.approx(0.09375)
     assert bubble_fraction(4, 32, virtual_stages=2) == pytest.approx(3 / 64)

@@ -233,6 +233,22 @@ def test_fsdp_whole_model_as_cuda_graphs_trains_like_launched_kernels(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("units", ["2", "-1"])
+def test_fsdp_bf16_gradient_reduction_trains_like_fp32(tmp_path, units):
+    """parallel.grad_reduce_dtype for FSDP2 on 2 GPUs, units of 2 blocks (as larger models run) and the whole model
+    one unit as CUDA graphs (as small ones do), 2 micro-batches per step: the gradients, computed in bf16 under FSDP2's
+    bf16 parameters, reduce-scattered in bf16 instead of cast to fp32 first. With 2 ranks each element's sum is
+    rounded once to bf16, the precision the gradients were computed in; a reduction that lost a rank's share or
+    scaled it twice would show in the losses or the gradient norm. Passed on 2 H200s (2026-11-30, round 28: losses
+    within 0.1% of fp32 reduction's), so parallel.grad_reduce_dtype=auto reduces FSDP2's gradients in bf16 on one
+    node (meshrun.comm.dp_choice.reduces_in_bf16)."""
+    _runs_match(tmp_path, f"FSDP 2 units {units}", ("--parallel.dp_replicate=1", "--parallel.dp_shard=2",
+                                                    f"--parallel.fsdp_unit_blocks={units}", "--train.grad_accum=2"),
+                ("fp32 reduction", "--parallel.grad_reduce_dtype=fp32"),
+                ("bf16 reduction", "--parallel.grad_reduce_dtype=bf16"), gpus=2)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_tp_with_reordered_collectives_trains_like_inductors_order(tmp_path):
     """parallel.comm_reorder (on by default for TP on GPUs): inductor moves TP's all-reduces and their waits around
     independent compute inside each compiled block (as CUDA graphs, 2 micro-batches per step); a wait moved past a

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from meshrun.comm.dp_choice import reduces_in_bf16
 from meshrun.comm.mesh import ParallelDims
 from meshrun.config import MULTI_STAGE_SCHEDULES, ConfigError, JobConfig
 from meshrun.config_checks import tri_state
@@ -148,6 +149,19 @@ def bf16_stream(job: JobConfig, dims: ParallelDims, compute_dtype: torch.dtype |
     if choice != "auto":
         return choice == "bf16"
     return compute_dtype == torch.bfloat16 and not uses_fsdp(dims) and dims.cp == 1 and not job.train.float8
+
+
+def grad_reduce_bf16(job: JobConfig, dims: ParallelDims, compute_dtype: torch.dtype | None,
+                     device: torch.device) -> bool:
+    """parallel.grad_reduce_dtype resolved for this run: are gradients summed across ranks in bf16? auto: as
+    :func:`meshrun.comm.dp_choice.reduces_in_bf16` decides, FSDP2 without replicas computing in bf16 on GPUs, all
+    ranks on one node (``dims.gpus_per_node``, the launch's processes per node; 0, unknown, keeps fp32)."""
+    choice = job.parallel.grad_reduce_dtype
+    if choice != "auto":
+        return choice == "bf16"
+    one_node = 0 < dims.world_size <= dims.gpus_per_node
+    return reduces_in_bf16(fsdp=uses_fsdp(dims), replicate=dims.dp_replicate, bf16=compute_dtype == torch.bfloat16,
+                           on_gpu=device.type == "cuda", one_node=one_node)
 
 
 def check_layout(job: JobConfig, spec: ModelSpec, shape: ModelShape, dims: ParallelDims, *, device: torch.device,

@@ -159,7 +159,7 @@ def describe_speed(job: JobConfig, device: torch.device, compute_dtype: torch.dt
                    cuda_graphs: bool = False, fsdp: bool = False, cast_once: bool = False, graphs_off: str = "",
                    split_backward: bool = False, comm_reorder: bool = False, p2p_channels: str = "",
                    residual_bf16: bool = False, vocab_sharded: bool = False, weight_copies: str = "",
-                   cta_policy: str = "", fsdp_units: str = "") -> str:
+                   cta_policy: str = "", fsdp_units: str = "", reduce_bf16: bool | None = None) -> str:
     """The start-up header's line of performance choices, as resolved for this device (``cuda_graphs``: the
     engine's resolved train.cuda_graphs; ``fsdp``: FSDP2 holds the parameters, and its mixed precision, not
     autocast, computes in bf16; ``cast_once``: a pipeline's weights are cast once per step, the engine's resolved
@@ -170,9 +170,11 @@ def describe_speed(job: JobConfig, device: torch.device, compute_dtype: torch.dt
     ``vocab_sharded``: TP computes the loss on each rank's vocabulary shard, apply.use_loss_parallel;
     ``weight_copies``: how one process's linear layers hold bf16 copies of their weights (train.weight_copies),
     from StepWeights.describe, or empty; ``cta_policy``: NCCL's CTA policy where parallel.fsdp_symm_mem is on;
-    ``fsdp_units``: data_parallel.describe_units of the model, where FSDP2 holds it)."""
+    ``fsdp_units``: data_parallel.describe_units of the model, where FSDP2 holds it; ``reduce_bf16``:
+    parallel.grad_reduce_dtype as checks.grad_reduce_bf16 resolves it, None: bf16 only where the option says bf16)."""
     t = job.train
-    reduce = job.parallel.grad_reduce_dtype
+    reduce = ("bf16" if job.parallel.grad_reduce_dtype == "bf16" else "fp32") if reduce_bf16 is None else \
+        ("bf16" if reduce_bf16 else "fp32")
     bf16 = f"bf16 parameters (FSDP2), {reduce} gradient reduction" if fsdp else "bf16 autocast"
     if reduce == "bf16" and not fsdp:
         bf16 += ", bf16 gradient all-reduce"

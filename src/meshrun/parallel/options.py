@@ -61,16 +61,18 @@ class ParallelOptions:
 def parallel_options(job: JobConfig, *, compute_dtype: torch.dtype | None, compiled: bool = False,
                      device: torch.device | None = None, cuda_graphs: bool = False,
                      split_backward: bool = False, residual_bf16: bool = False,
-                     whole_model: bool = False) -> ParallelOptions:
+                     whole_model: bool = False, reduce_bf16: bool | None = None) -> ParallelOptions:
     """The trainer's options: its ``[parallel]`` and ``[train]`` choices, with the resolved dtype and compilation
     (``split_backward``: a zero-bubble pipeline schedule runs; ``residual_bf16``: train.residual_dtype as
     checks.bf16_stream resolves it; ``whole_model``: FSDP2 holds the whole model as one unit, as
-    checks.whole_model_unit resolves parallel.fsdp_unit_blocks)."""
+    checks.whole_model_unit resolves parallel.fsdp_unit_blocks; ``reduce_bf16``: parallel.grad_reduce_dtype as
+    checks.grad_reduce_bf16 resolves it, None: bf16 only where the option says bf16)."""
     p = job.parallel
+    reduce = p.grad_reduce_dtype if reduce_bf16 is None else "bf16" if reduce_bf16 else "fp32"
     return ParallelOptions(compute_dtype=compute_dtype, compiled=compiled, cuda_graphs=cuda_graphs and compiled,
                            compile_mode=job.train.compile_mode,
                            activation_checkpoint=p.activation_checkpoint, sequence_parallel=p.sequence_parallel,
-                           float8=job.train.float8, reduce_dtype=reduce_dtype(p.grad_reduce_dtype),
+                           float8=job.train.float8, reduce_dtype=reduce_dtype(reduce),
                            fsdp_reshard_after_forward=p.fsdp_reshard_after_forward,
                            fsdp_unit_blocks=WHOLE_MODEL if whole_model else p.fsdp_unit_blocks,
                            fsdp_prefetch=p.fsdp_prefetch, fsdp_symm_mem=p.fsdp_symm_mem,
@@ -79,5 +81,5 @@ def parallel_options(job: JobConfig, *, compute_dtype: torch.dtype | None, compi
 
 
 def reduce_dtype(choice: str) -> torch.dtype:
-    """parallel.grad_reduce_dtype as a torch dtype."""
+    """parallel.grad_reduce_dtype as a torch dtype ('auto' unresolved: fp32)."""
     return torch.bfloat16 if choice == "bf16" else torch.float32

@@ -18,7 +18,7 @@ from meshrun.units import format_bytes
 GiB = 2**30
 ADAM_STATE_BYTES = 8  # two fp32 moments per parameter
 MASTER_BYTES = 4  # fp32 parameters (FSDP's sharded master copy, or the DDP/TP parameters)
-GRAD_BYTES = 4  # fp32 gradients (FSDP reduces in fp32)
+GRAD_BYTES = 4  # fp32 gradients (reduced in fp32 unless parallel.grad_reduce_dtype resolves to bf16)
 
 @dataclass
 class Plan:
@@ -40,6 +40,8 @@ class Plan:
     """parallel.pp_cast_once as the trainer on GPUs resolves it: the stages keep compute-dtype copies of their weights."""
     compiled: bool = True
     """train.compile as the trainer on GPUs resolves it."""
+    reduce_bf16: bool = False
+    """parallel.grad_reduce_dtype as the trainer on GPUs resolves it: gradients summed across ranks in bf16."""
 
     def node_of(self, rank: int) -> int:
         return rank // self.gpus_per_node
@@ -71,7 +73,7 @@ def build_plan(job: JobConfig, *, nodes: int, gpus_per_node: int, gpu_mem_gib: f
     import torch
 
     from meshrun.models.build import model_shape, model_spec
-    from meshrun.parallel.checks import check_layout, compute_dtype, use_cast_once
+    from meshrun.parallel.checks import check_layout, compute_dtype, grad_reduce_bf16, use_cast_once
     from meshrun.parallel.kernels import compile_enabled
 
     model, spec = model_shape(job), model_spec(job)
@@ -104,7 +106,8 @@ def build_plan(job: JobConfig, *, nodes: int, gpus_per_node: int, gpu_mem_gib: f
                 batch=batch, job=job,
                 data_parallel=note or data_parallel_line(given, dims, params=params),
                 cast_once=use_cast_once(job, dims, gpu, compute_dtype(job, "cuda")),
-                compiled=compile_enabled(job.train.compile, gpu))
+                compiled=compile_enabled(job.train.compile, gpu),
+                reduce_bf16=grad_reduce_bf16(job, dims, compute_dtype(job, "cuda"), gpu))
     plan.memory = [stage_memory(plan, s, dtype_bytes=dtype_bytes) for s in range(dims.pp)]
     plan.comm = communication(plan, dtype_bytes=dtype_bytes)
     plan.warnings = layout_warnings(plan, gpu_mem_gib=gpu_mem_gib)
@@ -277,9 +280,11 @@ def communication(plan: Plan, *, dtype_bytes: int) -> list[dict[str, Any]]:
     if d.dp_shard * d.cp > 1:
         n = d.dp_shard * d.cp
         gathers = (1 if d.pp > 1 else 2 * b.grad_accum)  # forward + backward per micro-batch; once with PP
-        volume = (n - 1) / n * per_tp * (gathers * dtype_bytes + GRAD_BYTES)
+        reduced = 2 if plan.reduce_bf16 else GRAD_BYTES
+        volume = (n - 1) / n * per_tp * (gathers * dtype_bytes + reduced)
         rows.append(_row(plan, "dp_shard_cp" if d.cp > 1 else "dp_shard",
-                         f"FSDP: {gathers} parameter all-gather(s) + 1 gradient reduce-scatter", volume))
+                         f"FSDP: {gathers} parameter all-gather(s) + 1 gradient reduce-scatter"
+                         f"{' (bf16)' if plan.reduce_bf16 else ''}", volume))
     if d.dp_replicate > 1:
         n, shard = d.dp_replicate, per_tp / (d.dp_shard * d.cp)
         what = "gradient all-reduce" if d.dp_shard * d.cp == 1 else "HSDP all-reduce of gradient shards"

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from meshrun.models.spec import count_unique_params
 from meshrun.parallel.apply import describe_layout, graphs_left_off, splits_backward, use_loss_parallel
-from meshrun.parallel.checks import bf16_stream, use_comm_reorder, uses_fsdp
+from meshrun.parallel.checks import bf16_stream, grad_reduce_bf16, use_comm_reorder, uses_fsdp
 from meshrun.parallel.comm_overlap import CTA_VAR, P2P_VAR
 from meshrun.parallel.data_parallel import WHOLE_MODEL, describe_units
 from meshrun.parallel.kernels import describe_speed
@@ -61,6 +61,8 @@ def print_header(trainer: Trainer) -> None:
                   describe_speed(trainer.job, trainer.device, trainer.compute_dtype,
                                  cuda_graphs=getattr(trainer.engine, "cuda_graphs", False),
                                  fsdp=uses_fsdp(trainer.dims),
+                                 reduce_bf16=grad_reduce_bf16(trainer.job, trainer.dims, trainer.compute_dtype,
+                                                              trainer.device),
                                  cast_once=copies is not None and trainer.dims.pp > 1,
                                  weight_copies=copies.describe(written=trainer.optimizer.triton,
                                                                micro_batches=b.grad_accum)
