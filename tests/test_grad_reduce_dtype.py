@@ -9,8 +9,8 @@ wrong scale puts a tensor ~100% off. The trajectory is compared with the referen
 fp32 layouts': losses atol 2e-3 (losses are ~5.5; seen up to 2e-4), final parameters atol 2e-2 (seen up to 6.6e-3;
 the weights move by up to 3e-3 per AdamW step).
 
-The default, auto, sums in bf16 only for FSDP2 without replicas computing in bf16 on the GPUs of one node: which
-runs it picks, and that Session's 'auto' picks the same, is checked without GPUs.
+The default, auto, sums in bf16 only for FSDP2 without replicas computing in bf16 on the GPUs of one node with one
+micro-batch per step: which runs it picks is checked without GPUs.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def _session_worker(rank: int, world_size: int) -> dict:
     out = {}
     tokens = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(3))[rank * 4:(rank + 1) * 4]
     for layout in ("ddp", "fsdp"):
-        for reduce in ("bf16", "fp32", "auto"):
+        for reduce in ("bf16", "fp32"):
             session = Session(seed=0)
             model = session.prepare_model(MLPLM(), layout=layout, grad_reduce_dtype=reduce)
             logits = model(tokens[:, :-1])
@@ -121,12 +121,10 @@ def test_session_sums_gradients_in_the_dtype_asked_and_refuses_another():
     result = run_distributed(_session_worker, 2, init_pg=False, timeout=300)[0]
     assert result["ddp", "bf16"] and result["fsdp", "bf16"], "grad_reduce_dtype='bf16' did not reach the reduction"
     assert not result["ddp", "fp32"] and not result["fsdp", "fp32"]
-    assert not result["ddp", "auto"] and not result["fsdp", "auto"]  # the default sums in fp32 on CPU
-    assert "bf16" not in result["fsdp", "auto", "line"]
     assert "; gradients summed in bf16;" in result["fsdp", "bf16", "line"]
     assert "bf16" not in result["ddp", "fp32", "line"]  # the start-up line says it only when chosen
     assert "gradients summed in bf16" in result["ddp", "bf16", "line"]
-    assert result["refused"].splitlines()[0].startswith("grad_reduce_dtype='fp16': choose one of auto, fp32, bf16")
+    assert result["refused"].splitlines()[0].startswith("grad_reduce_dtype='fp16': choose one of fp32, bf16")
 
 
 # ---- grad_reduce_dtype=auto: which runs sum in bf16 -----------------------------------------------------------------
@@ -136,35 +134,31 @@ def _dims(world: int, gpus_per_node: int, **degrees) -> ParallelDims:
     return ParallelDims.from_config(parallel, world_size=world, gpus_per_node=gpus_per_node)
 
 
-@pytest.mark.parametrize("world, gpus_per_node, degrees, compute, device, expected", [
-    (2, 2, {}, torch.bfloat16, "cuda", True),  # the 1b default on 2 GPUs: FSDP2 in bf16 on one node
-    (8, 8, {}, torch.bfloat16, "cuda", True),
-    (2, 2, {"tp": 2, "dp_shard": 1}, torch.bfloat16, "cuda", False),  # no data parallelism: FSDP2 not used
-    (2, 2, {"dp_replicate": 2, "dp_shard": 1}, torch.bfloat16, "cuda", False),  # DDP: the compression hook is slower
-    (4, 4, {"dp_replicate": 2, "dp_shard": 2}, torch.bfloat16, "cuda", False),  # HSDP: replicas' sums stay fp32
-    (4, 2, {}, torch.bfloat16, "cuda", False),  # two nodes
-    (2, 0, {}, torch.bfloat16, "cuda", False),  # processes per node unknown
-    (2, 2, {}, None, "cuda", False),  # fp32 compute
-    (2, 2, {}, torch.bfloat16, "cpu", False),
+@pytest.mark.parametrize("world, gpus_per_node, degrees, accum, compute, device, expected", [
+    (2, 2, {}, 1, torch.bfloat16, "cuda", True),  # the 1b default on 2 GPUs: FSDP2 in bf16 on one node
+    (8, 8, {}, 1, torch.bfloat16, "cuda", True),
+    (4, 4, {"tp": 2}, 1, torch.bfloat16, "cuda", True),  # TP x FSDP2
+    (2, 2, {}, 2, torch.bfloat16, "cuda", False),  # accumulation: FSDP2 would add micro-batches in bf16
+    (4, 4, {"pp": 2}, 1, torch.bfloat16, "cuda", False),  # a pipeline's micro-batches, likewise
+    (2, 2, {"tp": 2, "dp_shard": 1}, 1, torch.bfloat16, "cuda", False),  # no data parallelism: FSDP2 not used
+    (2, 2, {"dp_replicate": 2, "dp_shard": 1}, 1, torch.bfloat16, "cuda", False),  # DDP: the hook is slower
+    (4, 4, {"dp_replicate": 2, "dp_shard": 2}, 1, torch.bfloat16, "cuda", False),  # HSDP: replicas' sums stay fp32
+    (4, 2, {}, 1, torch.bfloat16, "cuda", False),  # two nodes
+    (2, 0, {}, 1, torch.bfloat16, "cuda", False),  # processes per node unknown
+    (2, 2, {}, 1, None, "cuda", False),  # fp32 compute
+    (2, 2, {}, 1, torch.bfloat16, "cpu", False),
 ])
-def test_auto_sums_fsdp2_gradients_in_bf16_on_the_gpus_of_one_node(world, gpus_per_node, degrees, compute, device,
-                                                                   expected):
+def test_auto_sums_fsdp2_gradients_in_bf16_on_one_node_with_one_micro_batch(world, gpus_per_node, degrees, accum,
+                                                                            compute, device, expected):
     from meshrun.parallel.checks import grad_reduce_bf16
-    from meshrun.parallel.module import session_reduce_dtype
 
     dims = _dims(world, gpus_per_node, **degrees)
     job = load_config(None, [])
     assert job.parallel.grad_reduce_dtype == "auto"
-    assert grad_reduce_bf16(job, dims, compute, torch.device(device)) is expected
-    nodes = 1 if 0 < world <= gpus_per_node else 2
-    session = session_reduce_dtype("auto", dims=dims, nodes=nodes, compute_dtype=compute, device=torch.device(device))
-    assert session == (torch.bfloat16 if expected else torch.float32)
-    for choice, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):  # an explicit choice is kept
+    assert grad_reduce_bf16(job, dims, compute, torch.device(device), grad_accum=accum) is expected
+    for choice in ("fp32", "bf16"):  # an explicit choice is kept
         job = load_config(None, [f"--parallel.grad_reduce_dtype={choice}"])
-        assert grad_reduce_bf16(job, dims, compute, torch.device(device)) is (choice == "bf16")
-        assert session_reduce_dtype(choice, dims=dims, nodes=nodes, compute_dtype=compute,
-                                    device=torch.device(device)) == dtype
-    assert session_reduce_dtype("auto") == torch.float32  # before a layout is chosen
+        assert grad_reduce_bf16(job, dims, compute, torch.device(device), grad_accum=accum) is (choice == "bf16")
 
 
 def test_speed_line_names_the_resolved_reduction():

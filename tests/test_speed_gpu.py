@@ -239,9 +239,10 @@ def test_fsdp_bf16_gradient_reduction_trains_like_fp32(tmp_path, units):
     one unit as CUDA graphs (as small ones do), 2 micro-batches per step: the gradients, computed in bf16 under FSDP2's
     bf16 parameters, reduce-scattered in bf16 instead of cast to fp32 first. With 2 ranks each element's sum is
     rounded once to bf16, the precision the gradients were computed in; a reduction that lost a rank's share or
-    scaled it twice would show in the losses or the gradient norm. Passed on 2 H200s (2026-11-30, round 28: losses
-    within 0.1% of fp32 reduction's), so parallel.grad_reduce_dtype=auto reduces FSDP2's gradients in bf16 on one
-    node (meshrun.comm.dp_choice.reduces_in_bf16)."""
+    scaled it twice would show in the losses or the gradient norm. With 2 micro-batches FSDP2 also adds them in bf16
+    before the reduce-scatter, a harder case than auto's, which picks bf16 for one micro-batch per step only. Passed
+    on 2 H200s (2026-11-30, round 28: losses within 0.1% of fp32 reduction's), so parallel.grad_reduce_dtype=auto
+    reduces FSDP2's gradients in bf16 on one node (meshrun.comm.dp_choice.reduces_in_bf16)."""
     _runs_match(tmp_path, f"FSDP 2 units {units}", ("--parallel.dp_replicate=1", "--parallel.dp_shard=2",
                                                     f"--parallel.fsdp_unit_blocks={units}", "--train.grad_accum=2"),
                 ("fp32 reduction", "--parallel.grad_reduce_dtype=fp32"),

@@ -282,8 +282,10 @@ class ParallelConfig:
     grad_reduce_dtype: ReduceDtype = "auto"
     """The dtype data parallelism sums gradients in across ranks: fp32, or bf16 (half the bytes; each rank's
     gradients are reduced in bf16, and the result cast back to the parameters' dtype). auto: bf16 for FSDP2 without
-    replicas, computing in bf16 on GPUs of one node (the 1b model on 2 H200s ran 1.02-1.03x fp32 reduction; losses
-    within 0.1% of fp32's in a GPU test), fp32 otherwise (DDP, HSDP, several nodes, fp32 compute, CPU). DDP uses
+    replicas, computing in bf16 on GPUs of one node, one micro-batch per step (the 1b model on 2 H200s ran
+    1.02-1.03x fp32 reduction; losses within 0.1% of fp32's in a GPU test), fp32 otherwise (DDP, HSDP, several
+    nodes, gradient accumulation or a pipeline, where FSDP2 would add the micro-batches' gradients in bf16, fp32
+    compute, CPU). DDP uses
     torch's bf16 compression hook, FSDP2 and HSDP their mixed-precision reduce dtype. Layouts without data
     parallelism reduce nothing and ignore it; the sum across replica groups (replicas.groups) stays fp32."""
     activation_checkpoint: ActivationCheckpointMode = "none"

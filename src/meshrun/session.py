@@ -95,24 +95,24 @@ class Session:
                       pp: int = 0, blocks: str | None = None, tp_plan: Mapping[str, Any] | None = None,
                       pipeline: PipelineOptions | None = None, activation_checkpoint: str = "none",
                       compute_dtype: torch.dtype | str | None = "auto",
-                      compile: bool = False, compile_mode: str = "default", grad_reduce_dtype: str = "auto",
+                      compile: bool = False, compile_mode: str = "default", grad_reduce_dtype: str = "fp32",
                       cuda_graphs: bool = False, residual_dtype: str = "fp32") -> nn.Module | PipelinedModule:
         """Apply ``layout`` (ddp, fsdp, hsdp, tp, tp+fsdp, pp, pp+fsdp) on this rank's device; see
         meshrun.parallel.module and, for pp, meshrun.parallel.module_pipeline.
 
-        ``compute_dtype="auto"``: bf16 parameters where FSDP2 holds them on a GPU, fp32 otherwise (DDP, one process:
-        autocast in your loop); None or torch.float32 keeps fp32 everywhere.
+        ``compute_dtype="auto"``: bf16 parameters with fp32 gradient reduction where FSDP2 holds them on a GPU, fp32
+        otherwise (DDP, one process: autocast in your loop); None or torch.float32 keeps fp32 everywhere.
         ``compile=True`` compiles each repeated block in place before FSDP2 wraps it, as ``meshrun train`` does.
         ``compile_mode="max-autotune"`` (with ``compile=True``) has inductor benchmark each matmul shape against its
         Triton templates, as ``--train.compile_mode`` does: minutes more of compilation, for a step that is at times
         faster (1b FSDP2: 1.4-3.9% faster on 2 H200s, 1.3% slower on 2 H100s; 124m DDP and 1b TP level;
         docs/performance.md). With TP and ``compile=True`` on a CUDA GPU inductor reorders the collectives inside the
         compiled blocks beside independent compute (meshrun train's parallel.comm_reorder=auto; process-wide).
-        ``grad_reduce_dtype`` is the dtype gradients are summed in across data-parallel ranks. The default ``"auto"``
-        is bf16 for FSDP2 without replicas computing in bf16 on the GPUs of one node, where the gradients come out of
-        bf16 matmuls anyway (the 1b model on 2 H200s ran 1.02-1.03x fp32 reduction, as meshrun train's default), and
-        fp32 otherwise; ``"fp32"`` or ``"bf16"`` (DDP, FSDP2, HSDP: half the bytes) choose it
-        (docs/performance.md).
+        ``grad_reduce_dtype="bf16"`` sums gradients across data-parallel ranks in bf16 (DDP, FSDP2, HSDP; half the
+        bytes of the default fp32). For FSDP2 computing in bf16 on one node with one micro-batch per optimizer step
+        it is meshrun train's default, 1.02-1.03x fp32 on a 1B model on 2 H200s; for DDP within a node it was slower.
+        With gradient accumulation (``sync_gradients``) FSDP2 then adds the micro-batches' gradients in bf16 too, so
+        keep fp32 there (docs/performance.md).
         ``cuda_graphs=True`` (with ``compile=True``, layout ddp, fsdp, hsdp or one process, on a CUDA GPU) records the
         compiled model as CUDA graphs and replays them, so the host no longer launches each kernel (meshrun train's
         default there); DDP's all-reduce then runs per 100 MiB bucket during backward; FSDP2 holds the whole model as

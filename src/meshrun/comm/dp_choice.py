@@ -72,18 +72,22 @@ def auto_unit_blocks(params: int, block_params: int, blocks: int) -> int:
     return min(max(math.ceil(FSDP_UNIT_PARAMS / max(block_params, 1)), 1), blocks)
 
 
-def reduces_in_bf16(*, fsdp: bool, replicate: int, bf16: bool, on_gpu: bool, one_node: bool) -> bool:
-    """``parallel.grad_reduce_dtype=auto`` (and ``Session.prepare_model(grad_reduce_dtype="auto")``): does data
-    parallelism sum gradients in bf16? Yes for FSDP2 without replicas (``replicate`` 1), computing in bf16 on GPUs,
-    all of its ranks on one node; fp32 otherwise.
+def reduces_in_bf16(*, fsdp: bool, replicate: int, bf16: bool, on_gpu: bool, one_node: bool,
+                    accumulates: bool) -> bool:
+    """``parallel.grad_reduce_dtype=auto``: does data parallelism sum gradients in bf16? Yes for FSDP2 without
+    replicas (``replicate`` 1), computing in bf16 on GPUs, all of its ranks on one node, one micro-batch per optimizer
+    step (not ``accumulates``: no gradient accumulation, no pipeline); fp32 otherwise.
 
     Under FSDP2's bf16 parameters each rank's gradients come out of the matmuls in bf16. With fp32 reduction FSDP2
     casts them to fp32 before the reduce-scatter; in bf16 it reduce-scatters them as they are: half the bytes, no
     casts, and each sum rounded to bf16 once per rank it passes (once on 2 ranks, at most 7 times on a node of 8),
-    into fp32 shards that the optimizer steps as before. On 2 H200s (1b, round 28, 2026-11-30, 2 repeats each in two
-    calls) it ran 1.021x and 1.027x fp32 reduction (52.3-52.5% MFU); earlier, with one block per FSDP2 unit, the
-    difference was inside the runs' spread. GPU test: ``tests/test_speed_gpu.py -k bf16_gradient`` (losses within
-    0.1% of fp32 reduction over 100 steps). DDP keeps fp32: torch's bf16 compression hook costs more casts than the
-    all-reduce saves within a node (124m: 449.9k against 456.7k tokens/s per GPU); so do replicas and several
-    nodes, where more ranks' sums are rounded and nothing here measured them."""
-    return fsdp and replicate == 1 and bf16 and on_gpu and one_node
+    into fp32 shards that the optimizer steps as before. On 2 H200s (1b, round 28, 2026-11-30, 2 repeats each in
+    three calls) it ran 1.021x, 1.027x and 1.018x fp32 reduction (52.3-53.0% MFU); earlier, with one block per FSDP2
+    unit, the difference was inside the runs' spread. GPU test: ``tests/test_speed_gpu.py -k bf16_gradient`` (losses
+    within 0.1% of fp32 reduction over 100 steps). Where a step accumulates several micro-batches (train.grad_accum,
+    and every pipeline step) FSDP2 skips the reduce-scatter until the last and, with a bf16 reduce dtype, adds their
+    unsharded gradients in bf16 instead of fp32, which is precision lost per micro-batch: fp32 there. DDP keeps fp32:
+    torch's bf16 compression hook costs more casts than the all-reduce saves within a node (124m: 449.9k against
+    456.7k tokens/s per GPU); so do replicas and several nodes, where more ranks' sums are rounded and nothing here
+    measured them."""
+    return fsdp and replicate == 1 and bf16 and on_gpu and one_node and not accumulates

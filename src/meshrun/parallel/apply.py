@@ -99,7 +99,8 @@ def build_engine(*, job: JobConfig, model_cfg: ModelShape, dims: ParallelDims, m
     options = parallel_options(job, compute_dtype=compute_dtype, compiled=compiled, device=device,
                                cuda_graphs=graphs and not local, split_backward=splits_backward(dims),
                                residual_bf16=bf16_stream(job, dims, compute_dtype), whole_model=whole,
-                               reduce_bf16=grad_reduce_bf16(job, dims, compute_dtype, device))
+                               reduce_bf16=grad_reduce_bf16(job, dims, compute_dtype, device,
+                                                            grad_accum=batch.grad_accum))
     if local:
         return _local_engine(job, spec, cfg, dims, device, rank=rank, autocast_dtype=None if fp32 else compute_dtype,
                              options=options, cuda_graphs=graphs)

@@ -152,16 +152,17 @@ def bf16_stream(job: JobConfig, dims: ParallelDims, compute_dtype: torch.dtype |
 
 
 def grad_reduce_bf16(job: JobConfig, dims: ParallelDims, compute_dtype: torch.dtype | None,
-                     device: torch.device) -> bool:
+                     device: torch.device, *, grad_accum: int) -> bool:
     """parallel.grad_reduce_dtype resolved for this run: are gradients summed across ranks in bf16? auto: as
     :func:`meshrun.comm.dp_choice.reduces_in_bf16` decides, FSDP2 without replicas computing in bf16 on GPUs, all
-    ranks on one node (``dims.gpus_per_node``, the launch's processes per node; 0, unknown, keeps fp32)."""
+    ranks on one node (``dims.gpus_per_node``, the launch's processes per node; 0, unknown, keeps fp32), one
+    micro-batch per step (``grad_accum``, the resolved batch's, 1, and no pipeline)."""
     choice = job.parallel.grad_reduce_dtype
     if choice != "auto":
         return choice == "bf16"
     one_node = 0 < dims.world_size <= dims.gpus_per_node
     return reduces_in_bf16(fsdp=uses_fsdp(dims), replicate=dims.dp_replicate, bf16=compute_dtype == torch.bfloat16,
-                           on_gpu=device.type == "cuda", one_node=one_node)
+                           on_gpu=device.type == "cuda", one_node=one_node, accumulates=grad_accum > 1 or dims.pp > 1)
 
 
 def check_layout(job: JobConfig, spec: ModelSpec, shape: ModelShape, dims: ParallelDims, *, device: torch.device,

@@ -30,7 +30,6 @@ import torch.distributed as dist
 from torch import nn
 
 from meshrun.config import COMPILE_MODES, REDUCE_DTYPES, RESIDUAL_DTYPES, ConfigError
-from meshrun.comm.dp_choice import reduces_in_bf16
 from meshrun.comm.mesh import ParallelDims
 from meshrun.models.spec import ModelStructure, count_unique_params
 from meshrun.parallel.data_parallel import FSDP_ONE_UNIT_PARAMS, WHOLE_MODEL
@@ -55,9 +54,7 @@ class ModuleLayout:
     compute_dtype: torch.dtype | None = None
     """FSDP2's parameter dtype in forward and backward (None: the parameters' own)."""
     grad_reduce_dtype: str = "fp32"
-    """The dtype data parallelism sums gradients in ('fp32' or 'bf16', as resolved from the argument)."""
-    grad_reduce_choice: str = "fp32"
-    """prepare_model's grad_reduce_dtype argument ('auto', 'fp32' or 'bf16')."""
+    """The dtype data parallelism sums gradients in ('fp32' or 'bf16')."""
     compiled: int = 0
     """Modules compiled in place (the blocks, or 1 for a model without repeated blocks)."""
     compile_mode: str = "default"
@@ -79,10 +76,7 @@ class ModuleLayout:
         compiled += f" ({self.compile_mode})" if self.compiled and self.compile_mode != "default" else ""
         compiled += ", recorded as CUDA graphs" if self.cuda_graphs else ""
         compiled += ", the whole model one FSDP2 unit" if self.fsdp_whole else ""
-        notes = ""
-        if self.grad_reduce_dtype == "bf16" and self.dims.dp_size > 1:
-            notes = "; gradients summed in bf16" + (" (grad_reduce_dtype='auto': FSDP2 on one node; 'fp32' keeps fp32)"
-                                                    if self.grad_reduce_choice == "auto" else "")
+        notes = "; gradients summed in bf16" if self.grad_reduce_dtype == "bf16" and self.dims.dp_size > 1 else ""
         if self.residual_dtype == "bf16":
             notes += "; each block's input cast to the autocast dtype under autocast (residual_dtype='bf16')"
         return (f"meshrun: prepare_model: {self.name} over {self.dims.world_size} rank(s) on {device.type}; "
@@ -159,14 +153,13 @@ def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world
                    tp: int = 0, dp_replicate: int = 0, blocks: str | None = None,
                    tp_plan: Mapping[str, Any] | None = None, activation_checkpoint: str = "none",
                    compute_dtype: torch.dtype | str | None = None,
-                   compile: bool = False, compile_mode: str = "default", grad_reduce_dtype: str = "auto",
+                   compile: bool = False, compile_mode: str = "default", grad_reduce_dtype: str = "fp32",
                    cuda_graphs: bool = False, residual_dtype: str = "fp32") -> tuple[nn.Module, ModuleLayout]:
     """Apply ``layout`` to ``model`` (in place where possible); returns (the module to train, what was done).
     ``compute_dtype``: see :func:`resolve_compute_dtype`; ``compile``: compile the blocks before FSDP2 or TP wraps
     them, or, for DDP and one process, the whole model, in inductor's ``compile_mode`` (see
-    :func:`check_compile_mode`); ``grad_reduce_dtype``: 'auto', 'fp32' or 'bf16', the dtype DDP,
-    FSDP2 and HSDP sum gradients in across ranks (meshrun train's parallel.grad_reduce_dtype; see
-    :func:`session_reduce_dtype`); ``cuda_graphs``:
+    :func:`check_compile_mode`); ``grad_reduce_dtype``: 'fp32' or 'bf16', the dtype DDP,
+    FSDP2 and HSDP sum gradients in across ranks (meshrun train's parallel.grad_reduce_dtype); ``cuda_graphs``:
     record that whole compiled model as CUDA graphs (inductor's reduce-overhead), DDP split at 100 MiB gradient
     buckets as meshrun train's defaults do (see :func:`check_session_graphs`; the caller marks a new replay
     generation per optimizer step); ``residual_dtype``: 'bf16' casts each block's input to the autocast dtype
@@ -212,7 +205,7 @@ def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world
     options = session_options(layout, compute_dtype=compute_dtype, device=device, compiled=compile and not whole_graph,
                               compile_mode=compile_mode, activation_checkpoint=activation_checkpoint,
                               grad_reduce_dtype=grad_reduce_dtype, residual_dtype=residual_dtype,
-                              fsdp_whole_graphs=fsdp_whole, dims=dims, nodes=nodes)
+                              fsdp_whole_graphs=fsdp_whole)
     parallelize(model, structure, dims, options)
     if whole_graph:
         # in place: parameter names keep no "_orig_mod."; with cuda_graphs, inductor's reduce-overhead
@@ -228,8 +221,7 @@ def prepare_module(model: nn.Module, layout: str, *, device: torch.device, world
                             reduce_dtype=options.reduce_dtype, bucket_mb=ddp_bucket_mb(0, cuda_graphs=cuda_graphs))
         shared.restore(model, layout=f"layout={layout!r}", after="DDP", reshare=False)
     return trained, ModuleLayout(dims=dims, name=layout_name(dims), blocks=blocks, module=model,
-                                 compute_dtype=compute_dtype, grad_reduce_dtype=reduce_name(options),
-                                 grad_reduce_choice=grad_reduce_dtype, compiled=compiled,
+                                 compute_dtype=compute_dtype, grad_reduce_dtype=grad_reduce_dtype, compiled=compiled,
                                  compile_mode=compile_mode, cuda_graphs=cuda_graphs, residual_dtype=residual_dtype,
                                  note=layout_note(layout, dims, nodes=nodes, whole_params=whole_params),
                                  fsdp_whole=fsdp_whole)
@@ -261,22 +253,18 @@ def check_compile_mode(compile_mode: str, *, compile: bool) -> None:
 
 
 def session_options(layout: str, *, compute_dtype: torch.dtype | None, device: torch.device, compiled: bool,
-                    activation_checkpoint: str, grad_reduce_dtype: str = "auto",
+                    activation_checkpoint: str, grad_reduce_dtype: str = "fp32",
                     compile_mode: str = "default", split_backward: bool = False,
-                    residual_dtype: str = "fp32", fsdp_whole_graphs: bool = False,
-                    dims: ParallelDims | None = None, nodes: int = 1) -> ParallelOptions:
+                    residual_dtype: str = "fp32", fsdp_whole_graphs: bool = False) -> ParallelOptions:
     """parallelize's options for ``Session.prepare_model``: its arguments; the rest as ``meshrun train``'s defaults
     (no sequence parallelism or float8, FSDP2 units as parallel.fsdp_unit_blocks=auto makes them, 'auto'
     resharding). ``split_backward``: a zero-bubble pipeline schedule runs. ``fsdp_whole_graphs``: FSDP2 holds the
-    whole model as one unit, its forward compiled as one graph and recorded as CUDA graphs. ``dims`` and ``nodes``:
-    the layout and the job's nodes, from which grad_reduce_dtype='auto' is resolved (:func:`session_reduce_dtype`)."""
+    whole model as one unit, its forward compiled as one graph and recorded as CUDA graphs."""
     return ParallelOptions(compute_dtype=compute_dtype, compiled=compiled or fsdp_whole_graphs,
                            cuda_graphs=fsdp_whole_graphs, compile_mode=compile_mode,
                            fsdp_unit_blocks=WHOLE_MODEL if fsdp_whole_graphs else 0,
                            activation_checkpoint=activation_checkpoint, device=device, layout=f"layout={layout!r}",
-                           reduce_dtype=session_reduce_dtype(grad_reduce_dtype, dims=dims, nodes=nodes,
-                                                             compute_dtype=compute_dtype, device=device),
-                           split_backward=split_backward,
+                           reduce_dtype=session_reduce_dtype(grad_reduce_dtype), split_backward=split_backward,
                            residual_in_compute_dtype=session_residual(residual_dtype))
 
 
@@ -294,28 +282,16 @@ def session_residual(choice: str) -> bool:
     return choice == "bf16"
 
 
-def session_reduce_dtype(choice: str, *, dims: ParallelDims | None = None, nodes: int = 1,
-                         compute_dtype: torch.dtype | None = None, device: torch.device | None = None) -> torch.dtype:
-    """``grad_reduce_dtype`` of ``Session.prepare_model`` ('auto', 'fp32' or 'bf16') as a torch dtype; refuses the
-    rest. 'auto' is bf16 where meshrun train's parallel.grad_reduce_dtype=auto would be
-    (:func:`meshrun.comm.dp_choice.reduces_in_bf16`: FSDP2 without replicas computing in bf16 on GPUs, one node), fp32
-    elsewhere and without ``dims`` (before a layout is chosen)."""
-    from meshrun.parallel.checks import uses_fsdp
+# Session takes the dtype itself: meshrun train's 'auto' depends on micro-batches per step, which your loop decides
+SESSION_REDUCE_DTYPES = tuple(d for d in REDUCE_DTYPES if d != "auto")
 
-    if choice not in REDUCE_DTYPES:
-        raise ConfigError(f"grad_reduce_dtype={choice!r}: choose one of {', '.join(REDUCE_DTYPES)} (the dtype data "
-                          "parallelism sums gradients in)")
-    if choice == "auto":
-        bf16 = dims is not None and device is not None and reduces_in_bf16(
-            fsdp=uses_fsdp(dims), replicate=dims.dp_replicate, bf16=compute_dtype == torch.bfloat16,
-            on_gpu=device.type == "cuda", one_node=nodes == 1)
-        return torch.bfloat16 if bf16 else torch.float32
+
+def session_reduce_dtype(choice: str) -> torch.dtype:
+    """``grad_reduce_dtype`` of ``Session.prepare_model`` ('fp32' or 'bf16') as a torch dtype; refuses the rest."""
+    if choice not in SESSION_REDUCE_DTYPES:
+        raise ConfigError(f"grad_reduce_dtype={choice!r}: choose one of {', '.join(SESSION_REDUCE_DTYPES)} (the dtype "
+                          "data parallelism sums gradients in)")
     return reduce_dtype(choice)
-
-
-def reduce_name(options: ParallelOptions) -> str:
-    """'bf16' or 'fp32': the gradient reduction dtype ``options`` resolved to (for ModuleLayout)."""
-    return "bf16" if options.reduce_dtype == torch.bfloat16 else "fp32"
 
 
 def compile_unblocked(model: nn.Module, spec: ModelStructure, compile_mode: str = "default") -> int:

@@ -36,7 +36,7 @@ from meshrun.config import (MULTI_STAGE_SCHEDULES, MULTIPLE_OF_PP_SCHEDULES, PIP
                             PipelineSchedule)
 from meshrun.models.spec import ModelStructure
 from meshrun.parallel.kernels import inductor_mode
-from meshrun.parallel.module import (ModuleLayout, check_compile_mode, find_blocks, layout_dims, reduce_name,
+from meshrun.parallel.module import (ModuleLayout, check_compile_mode, find_blocks, layout_dims,
                                      resolve_compute_dtype, session_options, session_residual)
 from meshrun.parallel.pipeline import layer_ranges
 from meshrun.parallel.step_weights import StepWeights, grad_adder
@@ -283,7 +283,7 @@ def prepare_pipeline(model: nn.Module, layout: str, *, device: torch.device, wor
                      pp: int = 0, blocks: str | None = None, options: PipelineOptions | None = None,
                      activation_checkpoint: str = "none", compute_dtype: torch.dtype | str | None = None,
                      compile: bool = False, compile_mode: str = "default",
-                     grad_reduce_dtype: str = "auto",
+                     grad_reduce_dtype: str = "fp32",
                      residual_dtype: str = "fp32") -> tuple[PipelinedModule, ModuleLayout]:
     """Cut ``model`` into pipeline stages and build this rank's (see the module docstring). In one process the
     whole model runs in ``step``. ``compute_dtype``, ``compile``, ``compile_mode``, ``grad_reduce_dtype`` and
@@ -322,7 +322,7 @@ def prepare_pipeline(model: nn.Module, layout: str, *, device: torch.device, wor
     options = session_options(layout, compute_dtype=compute_dtype, device=device, compiled=compile,
                               compile_mode=compile_mode, activation_checkpoint=activation_checkpoint,
                               grad_reduce_dtype=grad_reduce_dtype, split_backward=dims.pp_schedule == "interleavedzb",
-                              residual_dtype=residual_dtype, dims=dims, nodes=nodes)
+                              residual_dtype=residual_dtype)
     for part in parts:
         parallelize(part, spec, dims, options)
     fp32 = compute_dtype is None or compute_dtype == torch.float32
@@ -342,8 +342,7 @@ def prepare_pipeline(model: nn.Module, layout: str, *, device: torch.device, wor
     compiled = sum(len(spec.block_modules(part)) for part in parts) if compile else 0
     return (PipelinedModule(parts, engine, loss_fn=loss_fn, fingerprint=fingerprint),
             ModuleLayout(dims=dims, name=layout_name(dims), blocks=blocks, module=parts[0], compute_dtype=compute_dtype,
-                         grad_reduce_dtype=reduce_name(options), grad_reduce_choice=grad_reduce_dtype,
-                         compiled=compiled, compile_mode=compile_mode,
+                         grad_reduce_dtype=grad_reduce_dtype, compiled=compiled, compile_mode=compile_mode,
                          residual_dtype=residual_dtype))
 
 

@@ -107,7 +107,7 @@ def build_plan(job: JobConfig, *, nodes: int, gpus_per_node: int, gpu_mem_gib: f
                 data_parallel=note or data_parallel_line(given, dims, params=params),
                 cast_once=use_cast_once(job, dims, gpu, compute_dtype(job, "cuda")),
                 compiled=compile_enabled(job.train.compile, gpu),
-                reduce_bf16=grad_reduce_bf16(job, dims, compute_dtype(job, "cuda"), gpu))
+                reduce_bf16=grad_reduce_bf16(job, dims, compute_dtype(job, "cuda"), gpu, grad_accum=batch.grad_accum))
     plan.memory = [stage_memory(plan, s, dtype_bytes=dtype_bytes) for s in range(dims.pp)]
     plan.comm = communication(plan, dtype_bytes=dtype_bytes)
     plan.warnings = layout_warnings(plan, gpu_mem_gib=gpu_mem_gib)

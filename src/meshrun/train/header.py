@@ -62,7 +62,7 @@ def print_header(trainer: Trainer) -> None:
                                  cuda_graphs=getattr(trainer.engine, "cuda_graphs", False),
                                  fsdp=uses_fsdp(trainer.dims),
                                  reduce_bf16=grad_reduce_bf16(trainer.job, trainer.dims, trainer.compute_dtype,
-                                                              trainer.device),
+                                                              trainer.device, grad_accum=b.grad_accum),
                                  cast_once=copies is not None and trainer.dims.pp > 1,
                                  weight_copies=copies.describe(written=trainer.optimizer.triton,
                                                                micro_batches=b.grad_accum)
