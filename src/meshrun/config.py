@@ -285,9 +285,9 @@ class ParallelConfig:
     replicas, computing in bf16 on GPUs of one node, one micro-batch per step (the 1b model on 2 H200s ran
     1.02-1.03x fp32 reduction; losses within 0.1% of fp32's in a GPU test), fp32 otherwise (DDP, HSDP, several
     nodes, gradient accumulation or a pipeline, where FSDP2 would add the micro-batches' gradients in bf16, fp32
-    compute, CPU). DDP uses
-    torch's bf16 compression hook, FSDP2 and HSDP their mixed-precision reduce dtype. Layouts without data
-    parallelism reduce nothing and ignore it; the sum across replica groups (replicas.groups) stays fp32."""
+    compute, CPU). DDP uses torch's bf16 compression hook, FSDP2 and HSDP their mixed-precision reduce dtype.
+    Layouts without data parallelism reduce nothing and ignore it; the sum across replica groups (replicas.groups)
+    stays fp32."""
     activation_checkpoint: ActivationCheckpointMode = "none"
     """none, selective or full."""
     allow_tp_across_nodes: bool = False

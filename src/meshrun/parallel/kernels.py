@@ -173,8 +173,9 @@ def describe_speed(job: JobConfig, device: torch.device, compute_dtype: torch.dt
     ``fsdp_units``: data_parallel.describe_units of the model, where FSDP2 holds it; ``reduce_bf16``:
     parallel.grad_reduce_dtype as checks.grad_reduce_bf16 resolves it, None: bf16 only where the option says bf16)."""
     t = job.train
-    reduce = ("bf16" if job.parallel.grad_reduce_dtype == "bf16" else "fp32") if reduce_bf16 is None else \
-        ("bf16" if reduce_bf16 else "fp32")
+    if reduce_bf16 is None:
+        reduce_bf16 = job.parallel.grad_reduce_dtype == "bf16"
+    reduce = "bf16" if reduce_bf16 else "fp32"
     bf16 = f"bf16 parameters (FSDP2), {reduce} gradient reduction" if fsdp else "bf16 autocast"
     if reduce == "bf16" and not fsdp:
         bf16 += ", bf16 gradient all-reduce"

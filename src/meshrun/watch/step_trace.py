@@ -69,8 +69,8 @@ EXPOSED_HINTS = {
                   "backward (parallel.fsdp_reshard_after_forward=false), or fewer shards (HSDP's "
                   "parallel.dp_replicate)",
     "reduce-scatter": "FSDP2's gradient reduce-scatters: larger units (parallel.fsdp_unit_blocks), or bf16 "
-                      "reduction (parallel.grad_reduce_dtype=bf16, auto's choice for FSDP2 on the GPUs of one node; "
-                      "the kernel's name says which dtype ran: _bf16 or _f32)",
+                      "reduction (parallel.grad_reduce_dtype=bf16, auto's choice for FSDP2 on the GPUs of one node "
+                      "with one micro-batch per step; the kernel's name says which dtype ran: _bf16 or _f32)",
     "send/receive": "the pipeline's stages wait for each other (its bubble, or unequal stages): more micro-batches "
                     "(parallel.pp_microbatches; keep each at 4096 tokens or more, below which their fixed cost "
                     "outweighs the bubble they save, and parallel.pp_microbatches=0 weighs the two), more samples "
