@@ -169,3 +169,25 @@ def test_speed_line_names_the_resolved_reduction():
     assert "| bf16 parameters (FSDP2), fp32 gradient reduction |" in describe_speed(job, cpu, torch.bfloat16,
                                                                                      fsdp=True, reduce_bf16=False)
     assert "| bf16 parameters (FSDP2), fp32 gradient reduction |" in describe_speed(job, cpu, torch.bfloat16, fsdp=True)
+
+
+def test_bf16_asked_for_with_accumulation_under_fsdp2_is_warned_about():
+    """FSDP2 keeps an fp32 running sum of a step's micro-batches only when its reduce dtype differs from the
+    gradients': bf16 asked for with several micro-batches adds them in bf16, and the start-up log says so."""
+    from meshrun.parallel.checks import bf16_accumulation_note
+
+    asked = load_config(None, ["--parallel.grad_reduce_dtype=bf16"])
+    fsdp = _dims(2, 2)
+    note = bf16_accumulation_note(asked, fsdp, reduce_bf16=True, grad_accum=4)
+    assert note.startswith("parallel.grad_reduce_dtype=bf16 with FSDP2 and 4 micro-batches per step: FSDP2 adds their "
+                           "gradients in bf16"), note
+    assert "--parallel.grad_reduce_dtype=auto (or fp32)" in note
+    pipeline = _dims(4, 4, pp=2)
+    pipeline.resolve_pipeline_batch(8, seq_len=64)
+    assert f"and {pipeline.pp_microbatches} micro-batches" in bf16_accumulation_note(asked, pipeline, reduce_bf16=True,
+                                                                                    grad_accum=1)
+    assert not bf16_accumulation_note(asked, fsdp, reduce_bf16=True, grad_accum=1)  # one micro-batch: nothing added
+    assert not bf16_accumulation_note(asked, _dims(2, 2, dp_replicate=2, dp_shard=1), reduce_bf16=True,
+                                      grad_accum=4)  # DDP's compression hook reduces every step's fp32 sum
+    auto = load_config(None, [])  # auto never picks bf16 there, and says nothing
+    assert not bf16_accumulation_note(auto, fsdp, reduce_bf16=False, grad_accum=4)

@@ -34,10 +34,10 @@ from meshrun.models.build import model_spec
 from meshrun.models.shape import ModelShape
 from meshrun.models.spec import ModelSpec, ModelStructure
 from meshrun.parallel.activation_checkpoint import apply_activation_checkpointing
-from meshrun.parallel.checks import (bf16_stream, check_chunked_loss, check_cuda_graphs, check_layout,
-                                    fsdp_whole_model, grad_reduce_bf16, graphs_measured, graphs_supported, is_local,
-                                    layout_name, several_stages_per_rank, untested_as_graphs, use_cast_once,
-                                    use_comm_reorder, use_weight_copies, uses_fsdp)
+from meshrun.parallel.checks import (bf16_accumulation_note, bf16_stream, check_chunked_loss, check_cuda_graphs,
+                                    check_layout, fsdp_whole_model, grad_reduce_bf16, graphs_measured,
+                                    graphs_supported, is_local, layout_name, several_stages_per_rank,
+                                    untested_as_graphs, use_cast_once, use_comm_reorder, use_weight_copies, uses_fsdp)
 from meshrun.parallel.context_parallel import SequenceShards
 from meshrun.parallel.data_parallel import (WHOLE_MODEL, apply_ddp, apply_fsdp, auto_unit_blocks, fsdp_units,
                                             gather_in_pool)
@@ -96,11 +96,13 @@ def build_engine(*, job: JobConfig, model_cfg: ModelShape, dims: ParallelDims, m
     graphs = use_cuda_graphs(job.train.cuda_graphs, device, compiled=compiled,
                              supported=graphs_supported(dims, async_tp=job.parallel.async_tp, whole_fsdp=whole),
                              measured=graphs_measured(job, dims))
+    reduce_bf16 = grad_reduce_bf16(job, dims, compute_dtype, device, grad_accum=batch.grad_accum)
+    if rank == 0 and (note := bf16_accumulation_note(job, dims, reduce_bf16=reduce_bf16, grad_accum=batch.grad_accum)):
+        log.warning(note)
     options = parallel_options(job, compute_dtype=compute_dtype, compiled=compiled, device=device,
                                cuda_graphs=graphs and not local, split_backward=splits_backward(dims),
                                residual_bf16=bf16_stream(job, dims, compute_dtype), whole_model=whole,
-                               reduce_bf16=grad_reduce_bf16(job, dims, compute_dtype, device,
-                                                            grad_accum=batch.grad_accum))
+                               reduce_bf16=reduce_bf16)
     if local:
         return _local_engine(job, spec, cfg, dims, device, rank=rank, autocast_dtype=None if fp32 else compute_dtype,
                              options=options, cuda_graphs=graphs)

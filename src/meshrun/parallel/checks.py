@@ -165,6 +165,18 @@ def grad_reduce_bf16(job: JobConfig, dims: ParallelDims, compute_dtype: torch.dt
                            on_gpu=device.type == "cuda", one_node=one_node, accumulates=grad_accum > 1 or dims.pp > 1)
 
 
+def bf16_accumulation_note(job: JobConfig, dims: ParallelDims, *, reduce_bf16: bool, grad_accum: int) -> str:
+    """A start-up warning where parallel.grad_reduce_dtype=bf16, asked for, makes FSDP2 add a step's micro-batches'
+    gradients in bf16 (its fp32 running sum exists only when the reduce dtype differs from the gradients'); ''
+    otherwise, and for auto, which keeps fp32 there."""
+    micro = dims.pp_microbatches if dims.pp > 1 else grad_accum  # a pipeline runs the step's samples at once
+    if not (reduce_bf16 and uses_fsdp(dims) and micro > 1 and job.parallel.grad_reduce_dtype == "bf16"):
+        return ""
+    return (f"parallel.grad_reduce_dtype=bf16 with FSDP2 and {micro} micro-batches per step: FSDP2 adds their "
+            "gradients in bf16 before the one reduce-scatter, losing precision with each; "
+            "--parallel.grad_reduce_dtype=auto (or fp32) keeps that sum in fp32")
+
+
 def check_layout(job: JobConfig, spec: ModelSpec, shape: ModelShape, dims: ParallelDims, *, device: torch.device,
                  compute_dtype: torch.dtype | None) -> None:
     """Raise ConfigError, naming the option and the fix, when ``dims`` cannot run ``job``'s options for this model on
