@@ -78,6 +78,17 @@ def test_a_wrong_option_gets_the_closest_one_of_any_section(wrong, meant):
         load_config(None, [f"--{wrong}=1"])
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["trian"], "meshrun: unknown command 'trian' (did you mean 'train'?); choose one of train, launch"),
+    (["train", "--fresj"], "meshrun train: error: unexpected argument '--fresj' (did you mean --fresh?)"),
+    (["train", "--dryrun"], "meshrun train: error: unexpected argument '--dryrun' (did you mean --dry-run?)"),
+    (["train", "--steps=5"], "meshrun train: error: unexpected argument '--steps=5' (did you mean --train.steps?)"),
+])
+def test_a_mistyped_command_or_flag_gets_the_closest_one(capsys, argv, message):
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err.startswith(message)
+
+
 def test_docs_config_md_is_what_the_generator_writes():
     spec = importlib.util.spec_from_file_location("gen_config_doc", ROOT / "scripts" / "gen_config_doc.py")
     module = importlib.util.module_from_spec(spec)

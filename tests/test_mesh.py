@@ -27,11 +27,19 @@ def test_minus_one_is_inferred_from_the_world_size():
     assert dims_for(16, dp_replicate=2, dp_shard=-1).dp_shard == 8
 
 
+def test_sharding_over_the_rest_needs_no_replica_count():
+    """--parallel.dp_shard=-1 alone (dp_replicate keeps its default -1) shards over the ranks TP leaves."""
+    dims = dims_for(8, dp_replicate=-1, dp_shard=-1, tp=2)
+    assert (dims.dp_replicate, dims.dp_shard, dims.tp) == (1, 4, 2)
+
+
 @pytest.mark.parametrize("parallel, world, message", [
     ({"dp_replicate": 3, "tp": 2}, 8, "parallel.pp x dp_replicate x dp_shard x cp x tp = 1 x 3 x 1 x 1 x 2 = 6 does not equal the world size 8"),
     ({"dp_replicate": -1, "tp": 3}, 8, "parallel.dp_replicate=-1 cannot be inferred: world size 8 .*; run a multiple of 3 processes "
      "or change parallel.tp=3"),
-    ({"dp_replicate": -1, "dp_shard": -1}, 8, "parallel.dp_replicate and parallel.dp_shard are all -1"),
+    ({"dp_shard": -1, "tp": -1}, 8, "parallel.dp_shard and parallel.tp are both -1; at most one degree can be "
+     "inferred from the world size 8: give parallel.tp a number (e.g. --parallel.tp=1)"),
+    ({"dp_replicate": -1, "cp": -1, "tp": -1}, 8, "parallel.dp_replicate, parallel.cp, parallel.tp are all -1"),
     ({"dp_replicate": 0}, 8, "parallel.dp_replicate=0 is not a degree"),
     ({"dp_replicate": 1, "tp": 16}, 16, "parallel.tp=16 is larger than the 8 GPUs of one node"),
     ({"dp_replicate": 2, "pp": 4, "pp_microbatches": 2}, 8,

@@ -190,6 +190,8 @@ def test_config_options_and_short_flags_give_the_same_plan(capsys, tmp_path):
     (["--parallel.tpp=2"], "unknown config option 'parallel.tpp' (did you mean 'parallel.tp'?)"),
     (["--tp", "2", "--parallel.tp=4"], "--tp and --parallel.tp both set parallel.tp; give only one of them"),
     (["--bogus"], "unexpected argument '--bogus'; options look like --section.key=value (see `meshrun plan"),
+    (["--nodse", "2"], "unexpected argument '--nodse' (did you mean --nodes?)"),
+    (["--micro_batch=2"], "unexpected argument '--micro_batch=2' (did you mean --micro-batch?)"),
 ])
 def test_bad_options_are_named_as_train_names_them(capsys, argv, message):
     assert planner.main(argv) == 2

@@ -17,11 +17,12 @@ import pytest
 from meshrun.ckpt.cli import main as ckpt_main
 from meshrun.ckpt.run_config import describe_changes
 from meshrun.config import JobConfig
+from meshrun.config_checks import ConfigError
 from meshrun.env import ProcessPlacement
 from meshrun.train.cli import _clean_error, _say
 from meshrun.train.cli import main as train_main
 from meshrun.train.plan import RunPlan, validated
-from meshrun.train.resuming import keep_global_batch
+from meshrun.train.resuming import keep_global_batch, kept_batch_fix
 from meshrun.train.schedule import describe_lr_change, lr_at
 
 ARGS = ["--model.name=tiny", "--train.micro_batch=2", f"--data.source={json.__file__}", "--data.max_bytes=60000",
@@ -189,6 +190,26 @@ def test_world_size_change_names_the_checkpoints_data_parallel_ranks():
     assert notes == ["keeping the checkpoint's global batch 16: 2 -> 1 data-parallel ranks, accumulation 1 -> 2"]
     assert (trainer.plan.job.train.global_batch, trainer.plan.batch.grad_accum) == (16, 2)
     assert (job.train.global_batch, plan.job.train.global_batch) == (0, 0), "a new plan; no config changed in place"
+
+
+def test_a_kept_global_batch_that_does_not_split_names_the_micro_batch_that_does():
+    """A TP 2 run (global batch 8 on one data-parallel rank) resumed as DDP on 2 ranks of 8 samples: 8 does not split
+    into 2 x 8, so the error names the micro-batch that fits (4) instead of a global batch the user never set."""
+    job = JobConfig()
+    env = ProcessPlacement(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, num_nodes=1,
+                     master_addr="127.0.0.1", master_port=29500, source="single")
+    plan = RunPlan.resolve(validated(job), env=env, vocab_size=256)
+    trainer = SimpleNamespace(plan=plan, ckpt=SimpleNamespace(layout={}, notes=[]))
+    with pytest.raises(ConfigError, match=r"^train.micro_batch=8: the checkpoint's global batch 4 \(2 data-parallel "
+                       r"ranks then\), kept .* not divisible by 8 x 1 data-parallel ranks now; resume with "
+                       r"--train.micro_batch=4 \(accumulating the rest\), or start a new run with --fresh$"):
+        keep_global_batch(trainer, {"global_batch": 4, "dp_replicate": 2, "dp_shard": 1, "grad_accum": 1})
+    assert kept_batch_fix(8, micro_batch=8, dp_size=2, saved_dp=1).endswith("resume with --train.micro_batch=4 "
+                                                                            "(accumulating the rest), or start a new "
+                                                                            "run with --fresh")
+    assert kept_batch_fix(12, micro_batch=8, dp_size=1, saved_dp=2).count("--train.micro_batch=6") == 1
+    assert "nor by 4 ranks with any micro-batch; resume on a layout whose data-parallel ranks divide 6" in \
+        kept_batch_fix(6, micro_batch=8, dp_size=4, saved_dp=2)
 
 
 def test_errors_that_say_it_all_have_no_traceback_and_keep_their_exit_code(capsys):

@@ -246,7 +246,7 @@ def test_fsdp_bf16_gradient_reduction_trains_like_fp32(tmp_path, units, accum):
     the precision the gradients were computed in; a reduction that lost a rank's share or scaled it twice would show
     in the losses or the gradient norm. One micro-batch per step is the case parallel.grad_reduce_dtype=auto reduces
     in bf16 (meshrun.comm.dp_choice.reduces_in_bf16); with 2 FSDP2 also adds them in bf16 before the reduce-scatter,
-    a harder case that auto keeps in fp32 and bf16, asked for, warns about. All four passed on 2 H200s (2026-11-30,
+    a case auto keeps in fp32 and bf16, asked for, warns about. All four passed on 2 H200s (2026-11-30,
     round 29): the mean losses of each 10 steps within 0.9% of fp32 reduction's with one micro-batch (units of 2
     blocks; 0.2% for the whole model) and 0.1% with two, the median gradient norms within 3%."""
     _runs_match(tmp_path, f"FSDP 2 units {units}, {accum} micro-batches",

@@ -6,6 +6,7 @@ Each command lives in its own module and exposes ``main(argv) -> int``; they are
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import sys
 
@@ -20,7 +21,7 @@ COMMANDS = {
     "bench": ("meshrun.diag.bench",
               "measure collective bandwidth between workers (all-reduce, all-gather, ...), per group and per link"),
     "trace": ("meshrun.watch.step_trace", "where profiled steps' GPU time went: compute, exposed communication, idle"),
-    "report": ("meshrun.report.cli", "HTML page and PNGs of one or more runs: curves, per-rank heatmap, summary"),
+    "report": ("meshrun.report.cli", "HTML page and SVG plots of one or more runs: curves, per-rank heatmap, summary"),
     "runs": ("meshrun.report.runs", "one row per run directory: status, steps, loss, throughput, checkpoint"),
     "sample": ("meshrun.sample", "print what a checkpoint of the reference model writes after a prompt"),
 }
@@ -46,7 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
-        print(f"meshrun: unknown command {command!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
+        close = difflib.get_close_matches(command, list(COMMANDS), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        print(f"meshrun: unknown command {command!r}{hint}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[command][0])
     return int(module.main(rest) or 0)

@@ -176,7 +176,8 @@ class ParallelConfig:
     """How ranks are arranged on the device mesh. Degrees of -1 are inferred from the world size."""
 
     dp_replicate: int = -1
-    """Data-parallel replicas (DDP, or the replicate dimension of HSDP)."""
+    """Data-parallel replicas (DDP, or the replicate dimension of HSDP). -1: the ranks the other axes leave, or 1
+    when dp_shard is -1 too (FSDP2 over them)."""
     dp_shard: int = 1
     """FSDP2 shard degree (1 = no sharding)."""
     tp: int = 1

@@ -50,20 +50,38 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return config
 
 
-def join_overrides(rest: list[str], *, command: str) -> list[str]:
+def join_overrides(rest: list[str], *, command: str, flags: list[str] | tuple[str, ...] = ()) -> list[str]:
     """The ``--section.key=value`` items of a command line that its own parser left over, accepting ``--a.b c`` as
-    ``--a.b=c``; anything else is refused naming ``command``'s help."""
+    ``--a.b=c``; anything else is refused naming ``command``'s help, and the closest of the command's own
+    ``flags`` or config options where one is close."""
     overrides, i = [], 0
     while i < len(rest):
         item = rest[i]
         if not item.startswith("--") or "." not in item.split("=", 1)[0]:
-            raise ConfigError(f"unexpected argument {item!r}; options look like --section.key=value "
-                              f"(see `{command} --help`)")
+            raise ConfigError(f"unexpected argument {item!r}{_close_flag(item, flags)}; options look like "
+                              f"--section.key=value (see `{command} --help`)")
         if "=" not in item and i + 1 < len(rest) and not rest[i + 1].startswith("--"):
             item, i = f"{item}={rest[i + 1]}", i + 1
         overrides.append(item)
         i += 1
     return overrides
+
+
+def _close_flag(item: str, flags: list[str] | tuple[str, ...]) -> str:
+    """' (did you mean --fresh?)' for a mistyped flag of the command, or ' (did you mean --train.steps?)' for a
+    config option without its section; '' when nothing is close."""
+    import difflib
+
+    from meshrun.config_help import option_names
+
+    name = item.split("=", 1)[0]
+    if not name.startswith("--"):
+        return ""
+    close = difflib.get_close_matches(name, list(flags), n=1, cutoff=0.75)
+    if not close:
+        key = name[2:].replace("-", "_")
+        close = ["--" + n for n in option_names() if n.partition(".")[2] == key][:1]
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def set_option(config: JobConfig, dotted: str, value: Any) -> None:

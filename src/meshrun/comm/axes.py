@@ -42,16 +42,23 @@ RankCoords.__doc__ = "A rank's coordinates on the mesh, one field per axis in me
 
 
 def resolve_degrees(degrees: dict[str, int], *, world_size: int) -> dict[str, int]:
-    """Replace at most one -1 degree with world_size over the others; refuse 0, other negatives, two -1s."""
+    """Replace at most one -1 degree with world_size over the others; refuse 0, other negatives, two -1s.
+
+    dp_replicate=-1 (its default) with dp_shard=-1 asks FSDP2 to shard over the ranks the other axes leave: the
+    replicas become 1, as `--parallel.dp_shard=-1` alone reads."""
     if world_size < 1:
         raise ConfigError(f"world size must be >= 1, got {world_size}")
     for name, value in degrees.items():
         if value == 0 or value < -1:
             raise ConfigError(f"parallel.{name}={value} is not a degree; use a positive number or -1 to infer it")
     unknown = [name for name, value in degrees.items() if value == -1]
+    if "dp_replicate" in unknown and "dp_shard" in unknown:
+        degrees, unknown = {**degrees, "dp_replicate": 1}, [n for n in unknown if n != "dp_replicate"]
     if len(unknown) > 1:
-        raise ConfigError(f"{' and '.join('parallel.' + n for n in unknown)} are all -1; at most one degree can be "
-                          "inferred from the world size. Set the others explicitly")
+        names = [f"parallel.{n}" for n in unknown]
+        listed = f"{names[0]} and {names[1]} are both" if len(names) == 2 else f"{', '.join(names)} are all"
+        raise ConfigError(f"{listed} -1; at most one degree can be inferred from the world size {world_size}: give "
+                          f"{' and '.join(names[1:])} a number (e.g. --{names[1]}=1)")
     if unknown:
         known = math.prod(v for v in degrees.values() if v != -1)
         if world_size % known:

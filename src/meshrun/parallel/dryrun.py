@@ -103,9 +103,18 @@ def _shards(parts, *, blocks_attr: str) -> list[ParamShard]:
 
 
 def _placements(param) -> str:
-    """'dp_shard: Shard(dim=0), tp: Shard(dim=0)': placements named by their mesh dimension."""
-    names = param.device_mesh.mesh_dim_names or tuple(str(i) for i in range(param.device_mesh.ndim))
-    return ", ".join(f"{n}: {p}" for n, p in zip(names, param.placements))
+    """'dp_shard: S(0), tp: S(0)': placements named by their mesh dimension, those of one rank left out (the rank
+    holds the whole tensor along them); FSDP2's shard of a tensor-parallel shard (torch's _StridedShard) reads
+    'S(0) of the tp shard'."""
+    mesh = param.device_mesh
+    names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
+    parts = []
+    for i, (name, placement) in enumerate(zip(names, param.placements)):
+        if mesh.shape[i] == 1:
+            continue
+        strided = type(placement).__name__ == "_StridedShard"
+        parts.append(f"{name}: S({placement.dim}) of the tp shard" if strided else f"{name}: {placement}")
+    return ", ".join(parts) or "whole on every rank"
 
 
 def default_ranks(dims: ParallelDims) -> list[int]:

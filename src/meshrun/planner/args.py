@@ -70,7 +70,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
            choices=[d for d in TRAIN_DTYPES if d != "auto"])
     _add_planner_options(p)
     args, rest = p.parse_known_args(argv)
-    args.overrides = join_overrides(rest, command="meshrun plan")
+    flags = [flag for action in p._actions for flag in action.option_strings if flag.startswith("--")]
+    args.overrides = join_overrides(rest, command="meshrun plan", flags=flags)
     return args
 
 

@@ -61,11 +61,14 @@ def time_estimate(*, params: float, tokens: float, gpus: int, peak_flops: float,
 
 
 def human_time(seconds: float) -> str:
+    """' = 3.5 min' (hours, days) after a figure in seconds; nothing under two minutes, which seconds say best."""
     if seconds >= 2 * 86400:
-        return f"{seconds / 86400:,.1f} days"
+        return f" = {seconds / 86400:,.1f} days"
     if seconds >= 2 * 3600:
-        return f"{seconds / 3600:,.1f} hours"
-    return f"{seconds / 60:,.1f} min"
+        return f" = {seconds / 3600:,.1f} hours"
+    if seconds >= 120:
+        return f" = {seconds / 60:,.1f} min"
+    return ""
 
 
 def estimate_lines(est: dict[str, Any], *, params_from: str) -> list[str]:
@@ -76,10 +79,10 @@ def estimate_lines(est: dict[str, Any], *, params_from: str) -> list[str]:
              f"  peak = {est['gpus']} GPUs x {est['peak_flops_per_gpu'] / 1e12:.0f} TFLOP/s = {est['peak_flops']:.3g}"
              " FLOP/s (bf16 dense)",
              f"  at {100 * est['mfu']:.0f}% MFU (assumed, --mfu): {f:.3g} / ({est['mfu']:.2f} x {est['peak_flops']:.3g})"
-             f" = {est['seconds_at_mfu']:.3g} s = {human_time(est['seconds_at_mfu'])}"]
+             f" = {est['seconds_at_mfu']:.3g} s{human_time(est['seconds_at_mfu'])}"]
     if "tokens_per_s" in est:
         t = est["tokens_per_s"]
-        lines += [f"  at {t:,.0f} tokens/s: {d:.3g} / {t:,.0f} = {est['seconds_at_throughput']:.3g} s = "
+        lines += [f"  at {t:,.0f} tokens/s: {d:.3g} / {t:,.0f} = {est['seconds_at_throughput']:.3g} s"
                   f"{human_time(est['seconds_at_throughput'])}",
                   f"    which is {100 * est['implied_mfu']:.1f}% MFU (6 x {n:.3g} x {t:,.0f} / {est['peak_flops']:.3g})"]
         if est["implied_mfu"] > 1:

@@ -82,6 +82,9 @@ def keep_global_batch(trainer: Trainer, layout: dict[str, Any]) -> None:
                           f"position cannot continue exactly. Set --train.global_batch={saved} or start a new run "
                           "with --fresh")
     saved_dp = layout.get("dp_replicate", 1) * layout.get("dp_shard", 1)
+    dp = trainer.plan.dims.dp_size
+    if saved % (train.micro_batch * dp):
+        raise ConfigError(kept_batch_fix(saved, micro_batch=train.micro_batch, dp_size=dp, saved_dp=saved_dp))
     trainer.plan = plan = trainer.plan.keep_global_batch(saved)  # a new plan; the config is not changed in place
     position = trainer.data.position  # global: the new per-rank batches continue from it
     trainer.data, trainer.val = trainer.build_data()
@@ -94,3 +97,16 @@ def keep_global_batch(trainer: Trainer, layout: dict[str, Any]) -> None:
                f"ranks, accumulation {layout.get('grad_accum', '?')} -> {plan.batch.grad_accum}")
     trainer.ckpt.notes.append(message)
     log.warning(message)
+
+
+def kept_batch_fix(saved: int, *, micro_batch: int, dp_size: int, saved_dp: int) -> str:
+    """Why the checkpoint's global batch ``saved``, kept on a resume at another layout, does not split over this
+    one's ``dp_size`` data-parallel ranks of ``micro_batch`` samples, and what to change."""
+    head = (f"train.micro_batch={micro_batch}: the checkpoint's global batch {saved} ({saved_dp} data-parallel ranks "
+            f"then), kept so that the data continues exactly, is not divisible by {micro_batch} x {dp_size} "
+            "data-parallel ranks now")
+    if saved % dp_size:
+        return (f"{head}, nor by {dp_size} ranks with any micro-batch; resume on a layout whose data-parallel ranks "
+                f"divide {saved}, or start a new run with --fresh")
+    fit = max(m for m in range(1, micro_batch + 1) if (saved // dp_size) % m == 0)
+    return f"{head}; resume with --train.micro_batch={fit} (accumulating the rest), or start a new run with --fresh"
