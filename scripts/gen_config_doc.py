@@ -13,7 +13,8 @@ INTRO = ("Every option is `section.key`. Set them in a TOML file (`--config job.
          "and/or on the command line as `--section.key=value`, which wins. The resolved config is written to "
          "`<run.dir>/config.toml` and printed by rank 0 (`--run.print_config=false` leaves it out). A bad value fails "
          "before any process group starts, naming the option; a wrong name gets the closest option of any section "
-         "(`train.learning_rate` -> `train.lr`). `meshrun train --print-config` prints the defaults, and "
+         "(`train.learning_rate` -> `train.lr`). `meshrun train --print-config` prints the config as TOML that "
+         "`--config` takes back, with model.name's shape written into the [model] fields left at 0, and "
          "`meshrun train --help` lists every option with its description, as below.")
 
 

@@ -50,6 +50,27 @@ def test_toml_then_overrides_with_types(tmp_path):
     assert load_config(again).to_dict() == job.to_dict()
 
 
+def test_print_config_writes_out_the_named_size_and_loads_back(tmp_path, capsys):
+    """--print-config prints the [model] shape model.name gives (the values the run builds and writes to its
+    config.toml), not the 0s that mean "the named size's"; fed back with --config, it is the same config."""
+    import tomllib
+
+    from meshrun.models.gpt import SIZES
+    from meshrun.train.cli import main as train_main
+
+    assert train_main(["--print-config", "--model.name=small", "--model.n_layers=3"]) == 0
+    text = capsys.readouterr().out
+    model = tomllib.loads(text)["model"]
+    small = SIZES["small"]
+    assert (model["name"], model["dim"], model["n_heads"], model["ffn_dim"]) == ("small", small.dim, small.n_heads,
+                                                                                small.hidden_dim)
+    assert model["n_layers"] == 3 != small.n_layers and small.dim != 0  # an override wins over the named size
+    path = tmp_path / "printed.toml"
+    path.write_text(text)
+    assert train_main(["--print-config", f"--config={path}"]) == 0
+    assert capsys.readouterr().out == text
+
+
 @pytest.mark.parametrize("override, message", [
     ("--train.steps=abc", "train.steps='abc' is not a valid int"),
     ("--train.compile=maybe", "train.compile='maybe' is not one of auto, true, false"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 import time
@@ -344,6 +345,11 @@ def test_launch_with_data_parallel_fsdp_trains_sharded(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "dp_replicate 1 x dp_shard 2" in proc.stdout and "| FSDP" in proc.stdout
     assert "data parallelism: FSDP2 over every data-parallel rank (parallel.data_parallel=fsdp)" in proc.stdout
+    # the header counts the parameters this rank holds: half the model's (metrics.jsonl's start record) under FSDP 2
+    start = next(json.loads(line) for line in next(tmp_path.rglob("metrics.jsonl")).read_text().splitlines()
+                 if json.loads(line).get("kind") == "start")
+    on_rank = float(re.search(r"([\d.]+)M parameters on this rank", proc.stdout).group(1)) * 1e6
+    assert abs(on_rank - start["params"] / 2) <= 0.01e6, (on_rank, start["params"])
 
 
 @pytest.mark.parametrize("max_norm", [0.5, 1000.0])  # clipping active, and a limit the gradients stay under

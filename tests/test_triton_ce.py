@@ -7,6 +7,8 @@
 * The operator on a GPU (``-m gpu``), against fp32 F.cross_entropy, in bf16, fp16 and fp32, with strided rows,
   under torch.compile and as CUDA graphs.
 * ``auto`` picks the kernels on CUDA GPUs only; ``triton`` where they cannot run is a clear error.
+* Without Triton (a CPU-only install), importing meshrun and running ``meshrun plan`` log nothing of torch's
+  "Triton not available", and the operator still computes F.cross_entropy's sum.
 """
 
 from __future__ import annotations
@@ -91,6 +93,37 @@ def test_triton_kernel_in_the_interpreter_equals_f_cross_entropy():
         pytest.skip(f"Triton {importlib.metadata.version('triton')}'s interpreter cannot pass scalar kernel "
                     "arguments under this NumPy (Triton 3.9 can)")
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_without_triton_meshrun_logs_no_triton_warning():
+    """In a subprocess where importing triton fails (as on torch's CPU builds, which do not depend on it, whether or
+    not this machine has it): ``import meshrun.cli``, ``meshrun plan`` (which imports the loss kernels' module) and
+    the operator's torch path leave no "Triton not available" (torch's triton_op logs it when it is defined) on
+    stderr."""
+    script = textwrap.dedent("""
+        import sys
+
+        class NoTriton:
+            def find_spec(self, name, path=None, target=None):
+                if name == "triton" or name.startswith("triton."):
+                    raise ImportError(f"No module named {name!r}")
+                return None
+
+        sys.meta_path.insert(0, NoTriton())
+        import meshrun.cli
+        assert meshrun.cli.main(["plan", "--nodes", "1", "--gpus-per-node", "2", "--model", "small"]) in (0, None)
+        import torch, torch.nn.functional as F
+        from meshrun.parallel import triton_ce as tc
+        assert not tc.available()
+        x = torch.randn(6, 11)
+        y = torch.randint(0, 11, (6,)); y[0] = -100
+        torch.testing.assert_close(tc.cross_entropy_sum(x, y), F.cross_entropy(x, y, reduction="sum"))
+        print("ok")
+    """)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+    assert "Triton not available" not in proc.stderr, proc.stderr[-3000:]
 
 
 def test_auto_picks_triton_on_cuda_only_and_triton_elsewhere_is_refused():

@@ -16,7 +16,8 @@ backward). This does the least the math needs:
 Rows whose target is ``ignore_index`` (-100, as ``F.cross_entropy``) have loss 0 and a zero gradient.
 
 The forward is a ``torch.library.triton_op`` operator, so ``torch.compile`` traces its kernel into the step's graph
-(no graph break, CUDA graphs allowed); on CPU, or without Triton, it runs the same math in plain torch.
+(no graph break, CUDA graphs allowed); on CPU it runs the same math in plain torch. Without Triton it is a plain
+``torch.library.custom_op`` with that torch math.
 """
 
 from __future__ import annotations
@@ -100,9 +101,8 @@ def _backward_gradient(grad, logits, targets, lse, ignore_index: int) -> torch.T
     return ((torch.exp(logits.float() - lse.unsqueeze(-1)) - hit) * scale.unsqueeze(-1)).to(logits.dtype)
 
 
-@triton_op("meshrun::cross_entropy_rows", mutates_args=())
-def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor,
-                                                                                                  torch.Tensor]:
+def _cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor,
+                                                                                                   torch.Tensor]:
     """Per-row cross-entropy of ``logits`` (N, V), last dimension contiguous, and ``targets`` (N,): (loss (N,),
     log-sum-exp (N,)), both fp32."""
     if triton is None or logits.device.type != "cuda":
@@ -114,6 +114,20 @@ def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, ignore_index
     wrap_triton(_forward_kernel)[(n,)](logits, logits.stride(0), targets, loss, lse, v, ignore_index, BLOCK=block,
                                        num_warps=FORWARD["num_warps"])
     return loss, lse
+
+
+def _register_operator(name: str, fn):
+    """``fn`` as the operator ``name``: a ``triton_op`` where Triton can be imported, so that torch.compile traces
+    its kernel; otherwise a plain custom operator with the same math (torch's ``triton_op`` looks for Triton kernels in
+    ``fn`` when it is defined, and without Triton logs "Triton not available" in every process that imports this)."""
+    if triton is not None:
+        return triton_op(name, fn, mutates_args=())
+    operator = torch.library.custom_op(name, fn, mutates_args=())
+    operator.register_fake(fn)  # as triton_op: the torch path runs on fake tensors for tracing
+    return operator
+
+
+cross_entropy_rows = _register_operator("meshrun::cross_entropy_rows", _cross_entropy_rows)
 
 
 def _setup_context(ctx, inputs, output):

@@ -6,7 +6,7 @@ import argparse
 import sys
 import traceback
 
-from meshrun.config import ConfigError, join_overrides, load_config
+from meshrun.config import ConfigError, JobConfig, join_overrides, load_config
 from meshrun.help_format import PlainHelpFormatter
 
 EPILOG = """\
@@ -39,7 +39,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         "--run.profile_steps=10-12 unless that is set; on --run.profile_ranks (default 0); traces "
                         "and op tables go to <run.dir>/profile (docs/training.md)")
     args, rest = parser.parse_known_args(argv)
-    return args, join_overrides(rest, command="meshrun train")
+    flags = [flag for action in parser._actions for flag in action.option_strings if flag.startswith("--")]
+    return args, join_overrides(rest, command="meshrun train", flags=flags)
 
 
 def default_profile_steps(total_steps: int) -> str:
@@ -58,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
             job.run.fresh = True
         if args.profile and not job.run.profile_steps:
             job.run.profile_steps = default_profile_steps(job.train.steps)
+        if args.print_config:
+            job = _with_model_shape(job)
     except ConfigError as exc:
         if _first_of_the_step():
             print(f"meshrun train: error: {exc}", file=sys.stderr)
@@ -70,6 +73,16 @@ def main(argv: list[str] | None = None) -> int:
 
         return dry_run(job, world_size=args.world_size, gpus_per_node=args.gpus_per_node)
     return run(job)
+
+
+def _with_model_shape(job: JobConfig) -> JobConfig:
+    """``job`` with model.name's size written into the [model] fields left at 0, as the run's config.toml has them
+    (a copy; raises ConfigError for a shape that does not fit together)."""
+    import dataclasses
+
+    from meshrun.models.build import model_shape, resolved_model
+
+    return dataclasses.replace(job, model=resolved_model(job.model, model_shape(job)))
 
 
 def _first_of_the_step() -> bool:
