@@ -82,6 +82,46 @@ def test_export_loads_into_a_fresh_model(folder, tmp_path, capsys):
     assert "will not export a damaged checkpoint" in capsys.readouterr().err
 
 
+def test_export_takes_a_run_folder_or_its_checkpoints_folder(folder, tmp_path, capsys):
+    """As verify and sample do, export picks the newest complete checkpoint of a run folder or a checkpoints folder
+    (step 2 here; the unfinished .tmp save of step 3 is passed over), and says which step it wrote."""
+    path, _ = folder
+    direct = tmp_path / "direct.safetensors"
+    assert main(["ckpt", "export", str(path / step_dir_name(2)), "--to", str(direct)]) == 0
+    capsys.readouterr()
+    for given in (path.parent, path, f"{path}/"):
+        out = tmp_path / "from_folder.safetensors"
+        assert main(["ckpt", "export", str(given), "--to", str(out)]) == 0, capsys.readouterr().err
+        said = capsys.readouterr().out
+        assert f"from step 2 ({path / step_dir_name(2)}, the newest complete checkpoint in " in said, said
+        assert load_file(str(out)).keys() == load_file(str(direct)).keys()
+        assert all(torch.equal(a, load_file(str(direct))[k]) for k, a in load_file(str(out)).items())
+
+
+def test_export_names_a_folder_that_holds_no_checkpoint(folder, tmp_path, capsys):
+    """A folder that is neither a step directory, a checkpoints folder nor a run folder is named as such, not called
+    a damaged checkpoint; a checkpoints folder without a complete save says that; a damaged step directory is still
+    refused as damaged."""
+    path, _ = folder
+    out = tmp_path / "model.safetensors"
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    assert main(["ckpt", "export", str(other), "--to", str(out)]) == 1
+    first = capsys.readouterr().err.strip().splitlines()[0]
+    assert first.startswith(f"meshrun ckpt export: {other}: not a checkpoint directory, a checkpoints folder or a "
+                            "run folder") and "damaged" not in first, first
+    assert main(["ckpt", "export", str(tmp_path / "missing"), "--to", str(out)]) == 1
+    assert f"{tmp_path / 'missing'}: no such folder; give a checkpoint directory" in capsys.readouterr().err
+    for step in (1, 2):
+        (path / step_dir_name(step) / COMPLETE).unlink()
+    assert main(["ckpt", "export", str(path.parent), "--to", str(out)]) == 1
+    first = capsys.readouterr().err.strip().splitlines()[0]
+    assert first.startswith(f"meshrun ckpt export: {path}: no complete checkpoint (3 step directories"), first
+    assert main(["ckpt", "export", str(path / step_dir_name(2)), "--to", str(out)]) == 1
+    assert "will not export a damaged checkpoint" in capsys.readouterr().err
+    assert not out.exists()
+
+
 class _Payload:
     """Unpickling this runs ``os.system``: what a crafted .metadata would do."""
 

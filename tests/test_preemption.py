@@ -68,6 +68,108 @@ def test_a_peer_ending_first_during_a_stop_is_the_stop_not_a_traceback(tmp_path,
         assert code == 1 and "a collective failed: another rank probably died" in err and "Traceback" in err, err
 
 
+# ---------------------------------------------------------------- what the launcher records after a second Ctrl-C
+
+def _killed_run(tmp_path, *, ckpt_records, complete, summary_time=None):
+    """A run folder as a second Ctrl-C left it: rank 0 logged steps 10..395 and ``ckpt_records`` (step, final, time);
+    ``complete``: the steps whose checkpoint directory holds COMPLETE; a summary.json written at ``summary_time``."""
+    run_dir = tmp_path / "cc3"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    records = [{"time": 1000.0, "kind": "start", "step": 0, "world_size": 2, "layout": "DDP"}]
+    records += [{"time": 1000.0 + step, "kind": "train", "step": step, "loss": 3.0, "tokens_seen": step * 64}
+                for step in range(10, 400, 5)]
+    records += [{"time": time, "kind": "checkpoint", "step": step, "final": final}
+                for step, final, time in ckpt_records]
+    records.sort(key=lambda r: r["time"])
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    for step in complete:
+        folder = run_dir / "checkpoints" / f"step_{step:07d}"
+        folder.mkdir()
+        (folder / "COMPLETE").write_text("")
+    if summary_time is not None:
+        (run_dir / "summary.json").write_text(json.dumps({"time": summary_time, "status": "stopped early",
+                                                          "exit_reason": "stopped by SIGINT at step 390"}))
+    return run_dir
+
+
+def _runs_row(run_dir, capsys):
+    from meshrun.report.runs import main as runs_main
+
+    assert runs_main([str(run_dir.parent), "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    return row
+
+
+def test_train_folders_reads_run_dir_as_the_workers_do(tmp_path):
+    from meshrun.launch.args import Target
+    from meshrun.launch.run_record import train_folders
+
+    toml = tmp_path / "job.toml"
+    toml.write_text('[run]\ndir = "runs/from_toml"\n[checkpoint]\ndir = "/data/ckpt"\n')
+    folders = train_folders(Target("meshrun", "train", ("--fresh", "--run.dir", "runs/cc3", "--train.steps=5")))
+    assert (folders.run_dir, folders.checkpoints) == (Path("runs/cc3"), "runs/cc3/checkpoints")
+    folders = train_folders(Target("meshrun", "train", ("--config", str(toml), "--profile")))
+    assert (folders.run_dir, folders.checkpoints) == (Path("runs/from_toml"), "/data/ckpt")
+    assert train_folders(Target("meshrun", "train", ())).run_dir == Path("runs/default")
+    assert train_folders(Target("meshrun", "train", ("--no.such_option=1",))) is None, "the workers refuse it"
+    assert train_folders(Target("script", "train.py", ("--run.dir", "x"))) is None
+
+
+def test_a_second_ctrl_c_leaves_an_interrupted_summary_with_the_newest_published_checkpoint(tmp_path, capsys):
+    """The workers were killed (SIGKILL) and wrote no summary.json: the launcher writes it, so that `meshrun runs`
+    says interrupted, not running. An async save of step 390 recorded when staged, yet never published, is not
+    the last checkpoint: the newest complete one (380) is."""
+    from meshrun.launch.run_record import TrainFolders, record_killed_run
+
+    run_dir = _killed_run(tmp_path, ckpt_records=[(380, False, 1380.0), (390, False, 1390.0)], complete=[380])
+    killed = record_killed_run(TrainFolders(run_dir, str(run_dir / "checkpoints")), since=1200.0)
+    assert killed.summary_written and killed.stop_checkpoint is None
+    assert killed.outcome() == ("stopped at once by a second Ctrl-C (no checkpoint of step 395; the newest complete "
+                                "one is step 380)")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["last_checkpoint_step"] == 380, summary
+    assert summary["exit_reason"] == ("stopped at once by a second Ctrl-C at step 395 (no checkpoint of that step; "
+                                      "newest checkpoint step 380)"), summary
+    row = _runs_row(run_dir, capsys)
+    assert (row["status"], row["last_checkpoint_step"], row["steps"]) == ("interrupted", 380, 395), row
+
+
+@pytest.mark.parametrize("worker_wrote", [True, False], ids=["worker wrote summary", "no summary"])
+def test_a_second_ctrl_c_after_the_stop_checkpoint_says_it_was_published(tmp_path, capsys, worker_wrote):
+    """The second Ctrl-C came after the workers had published their stop checkpoint (step 390, final, recorded
+    during this launch): the launcher's line says so, not 'no checkpoint of the current step'. A summary rank 0
+    wrote during this launch is kept; without one the launcher writes 'stopped early' itself."""
+    from meshrun.launch.run_record import TrainFolders, record_killed_run
+
+    run_dir = _killed_run(tmp_path, ckpt_records=[(380, False, 1380.0), (390, True, 1396.0)], complete=[380, 390],
+                          summary_time=1397.0 if worker_wrote else None)
+    killed = record_killed_run(TrainFolders(run_dir, str(run_dir / "checkpoints")), since=1200.0)
+    assert killed.stop_checkpoint == 390 and killed.summary_written is not worker_wrote
+    assert killed.outcome() == ("stopped at once by a second Ctrl-C, after the workers had published the checkpoint "
+                                "of step 390")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "stopped early" and summary["exit_reason"].startswith("stopped by SIGINT at step 390")
+    if worker_wrote:
+        assert summary["time"] == 1397.0, "the worker's own summary is kept"
+    row = _runs_row(run_dir, capsys)
+    assert (row["status"], row["last_checkpoint_step"]) == ("stopped early", 390), row
+
+
+def test_a_summary_of_an_earlier_launch_is_replaced_and_no_run_folder_means_nothing_written(tmp_path):
+    """A summary.json older than this launch is an earlier run's end: replaced. A final checkpoint recorded before
+    this launch is not this launch's stop save. A target with no run folder here writes nothing."""
+    from meshrun.launch.run_record import TrainFolders, record_killed_run
+
+    run_dir = _killed_run(tmp_path, ckpt_records=[(200, True, 1200.0)], complete=[200], summary_time=1201.0)
+    killed = record_killed_run(TrainFolders(run_dir, str(run_dir / "checkpoints")), since=1300.0)
+    assert killed.summary_written and killed.stop_checkpoint is None
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted"
+    nowhere = record_killed_run(TrainFolders(tmp_path / "none", str(tmp_path / "none" / "checkpoints")), since=0.0)
+    assert nowhere.run_dir is None and not (tmp_path / "none").exists()
+    assert record_killed_run(None, since=0.0).outcome() == ("stopped at once by a second Ctrl-C (workers killed; a "
+                                                            "save still under way is not kept)")
+
+
 # ---------------------------------------------------------------- the handler alone (one process, no training)
 
 @pytest.fixture
@@ -287,6 +389,26 @@ def test_a_second_ctrl_c_under_launch_stops_both_ranks_at_once(tmp_path):
     assert "stopped at once by a second Ctrl-C" in out and "Traceback" not in out, out[-6000:]
     left = [pid for pid in workers if running(pid)]
     assert not left, f"workers still running after the second Ctrl-C: {left}"
+    assert_the_run_folder_says_how_it_ended(run_dir, out)
+
+
+def assert_the_run_folder_says_how_it_ended(run_dir: Path, out: str) -> None:
+    """After a second Ctrl-C the run folder holds summary.json (the launcher writes it for the workers it killed),
+    `meshrun runs` shows the run as ended rather than running, and the launcher's last line names what was kept."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    newest = complete_steps(run_dir)[-1]
+    assert summary["last_checkpoint_step"] == newest, (summary, out[-6000:])
+    last = [line for line in out.splitlines() if "meshrun launch: Ctrl-C (SIGINT)" in line][-1]
+    if summary["status"] == "interrupted":  # killed before the stop checkpoint: the usual case
+        assert summary["exit_reason"].startswith("stopped at once by a second Ctrl-C at step"), summary
+        assert f"the newest complete one is step {newest})" in last, last
+    else:  # the workers had published their stop checkpoint before the second Ctrl-C came
+        assert summary["status"] == "stopped early", summary
+        assert f"after the workers had published the checkpoint of step {newest}" in last, last
+    runs = subprocess.run([sys.executable, "-m", "meshrun", "runs", str(run_dir), "--json"], capture_output=True,
+                          text=True, timeout=60)
+    (row,) = json.loads(runs.stdout)
+    assert row["status"] in ("interrupted", "stopped early") and row["last_checkpoint_step"] == newest, row
 
 
 @pytest.mark.slow
@@ -313,3 +435,4 @@ def test_ctrl_c_under_simulated_nodes_saves_exits_130_and_a_second_ctrl_c_stops_
     out, seconds = ctrl_c_twice(resumed, second_log, timeout=30)
     assert resumed.returncode == 130 and seconds < 15, out[-6000:]
     assert "stopped at once by a second Ctrl-C" in out and "Traceback" not in out, out[-6000:]
+    assert_the_run_folder_says_how_it_ended(run_dir, out)

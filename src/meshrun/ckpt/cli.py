@@ -3,7 +3,8 @@
     meshrun ckpt ls [DIR]                          table of the checkpoints in DIR (or DIR/checkpoints)
     meshrun ckpt verify PATH [--no-checksums]      exit 1, naming each bad file, if PATH (or a run folder's newest
                                                    checkpoint) is not intact or would be refused by a resume
-    meshrun ckpt export PATH --to model.safetensors   consolidated model weights for inference
+    meshrun ckpt export PATH --to model.safetensors   consolidated model weights of PATH (or of a run folder's
+                                                   newest checkpoint) for inference
 
 DIR and PATH may be ``s3://`` or ``gs://`` URLs (credentials and endpoint from the environment, docs/checkpoints.md).
 """
@@ -36,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "newest complete checkpoint, the one a resume tries first")
     verify.add_argument("--no-checksums", action="store_true", help="check sizes only (fast)")
     export = sub.add_parser("export", help="write the model weights (no optimizer) as one safetensors file")
-    export.add_argument("path", help="a checkpoint directory (step_NNNNNNN)")
+    export.add_argument("path", help="a checkpoint directory (step_NNNNNNN), or a checkpoints or run folder: its "
+                        "newest complete checkpoint")
     export.add_argument("--to", required=True, type=Path, help="output file, e.g. model.safetensors")
     return parser
 
@@ -89,7 +91,10 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    summary = reader.export_model(args.path.rstrip("/"), args.to)
+    given = args.path.rstrip("/")
+    path = reader.resolve_checkpoint(given)  # a run folder or a checkpoints folder: its newest complete checkpoint
+    summary = reader.export_model(path, args.to)
+    chosen = "" if str(path) == given else f", the newest complete checkpoint in {given}"
     print(f"wrote {args.to}: {summary['tensors']} tensors, {format_bytes(summary['bytes'])}, "
-          f"{'/'.join(summary['dtypes'])}, from step {summary['step']}")
+          f"{'/'.join(summary['dtypes'])}, from step {summary['step']} ({path}{chosen})")
     return 0

@@ -60,19 +60,36 @@ def resolve_folder(arg: str | None) -> str:
 
 def resolve_checkpoint(path: Path | str) -> Path | str:
     """A step directory from a step directory, a checkpoints folder or a run directory (its newest complete one, the
-    one a resume picks first); paths or ``s3://`` / ``gs://`` URLs."""
+    one a resume picks first); paths or ``s3://`` / ``gs://`` URLs. A step directory is returned as it is, complete
+    or not (verify and export then name what is wrong with it); anything else that holds no complete checkpoint
+    raises CheckpointError naming the path and what was expected."""
     store, location = store_for(path), str(path).rstrip("/")
     name = location.rsplit("/", 1)[-1]
     if (store.exists(store.join(location, "COMPLETE")) or store.exists(store.join(location, "manifest.json"))
             or STEP_RE.match(name)):
         return location if is_url(location) else Path(location)
-    for folder in (location, store.join(location, "checkpoints")):
-        steps = complete_steps(scan(folder)) if store.is_dir(folder) else []
-        if steps:
-            found = store.join(folder, step_dir_name(max(steps)))
-            return found if is_url(found) else Path(found)
-    raise CheckpointError(f"{path}: no complete checkpoint here (looked for manifest.json, step_* directories and "
-                          "checkpoints/step_*); give a checkpoint directory, e.g. runs/default/checkpoints/step_0000300")
+    expected = ("give a checkpoint directory (step_NNNNNNN), a checkpoints folder (step_* directories inside) or a "
+                "run folder (checkpoints/ inside), e.g. runs/default")
+    if not store.is_dir(location):
+        raise CheckpointError(f"{path}: no such folder; {expected}")
+    inner = store.join(location, "checkpoints")
+    for folder in (location, inner):
+        entries = scan(folder) if store.is_dir(folder) else []
+        if not entries:
+            continue
+        steps = complete_steps(entries)
+        if not steps:
+            raise CheckpointError(f"{folder}: no complete checkpoint ({len(entries)} step directories, none with "
+                                  "COMPLETE: saves that did not finish); `meshrun ckpt ls` lists them")
+        found = store.join(folder, step_dir_name(max(steps)))
+        return found if is_url(found) else Path(found)
+    if store.is_dir(inner):
+        raise CheckpointError(f"{inner}: holds no checkpoint yet (no step_* directories); the run saved none here")
+    if any(store.exists(store.join(location, marker)) for marker in ("config.toml", "metrics.jsonl")):
+        raise CheckpointError(f"{path}: a run folder without checkpoints/ (checkpoint.dir may have put them "
+                              "elsewhere: see its config.toml); give that checkpoint folder")
+    raise CheckpointError(f"{path}: not a checkpoint directory, a checkpoints folder or a run folder (none of "
+                          f"COMPLETE, manifest.json, step_* or checkpoints/ inside); {expected}")
 
 
 def list_checkpoints(folder: str | Path) -> list[Row]:

@@ -28,6 +28,7 @@ from meshrun.launch.stores import StoreAnswer, probe_store
 from meshrun.launch.args import LaunchArgs, check_target
 from meshrun.launch.net import LOCAL_ADDR_VAR, ProbeResult, probe_tcp
 from meshrun.launch.rendezvous import LaunchPlan, apply_plan, format_plan, make_plan, parse_rdzv_conf
+from meshrun.launch.run_record import record_killed_run, train_folders
 from meshrun.placement import ENV_VAR as ENVIRONMENT_VAR
 
 MIN_JOIN_TIMEOUT_S = 10
@@ -90,7 +91,7 @@ def launch(largs: LaunchArgs) -> int:
     forwarding = _forward_preemption_signals()
     if hasattr(config, "signals_to_handle"):  # torch >= 2.9 sets the variable from its config at launch
         config.signals_to_handle = os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"]
-    started = time.monotonic()
+    started, began_at = time.monotonic(), time.time()  # began_at: to tell this launch's records from earlier ones
     try:
         elastic_launch(config=config, entrypoint=entrypoint)(*entry_args)
     except ChildFailedError as exc:
@@ -109,7 +110,7 @@ def launch(largs: LaunchArgs) -> int:
         if exc.sigval in (*PREEMPTION_SIGNALS, signal.SIGINT):
             code = exit_code(name)
             what = "Ctrl-C (SIGINT)" if exc.sigval == signal.SIGINT else name
-            done = ("stopped at once by a second Ctrl-C (no checkpoint of the current step)" if forwarding.ignored < 0
+            done = (record_killed_run(train_folders(plan.target), since=began_at).outcome() if forwarding.ignored < 0
                     else "forwarded to the workers, which save a checkpoint and stop")
             print(f"meshrun launch: {what} on {_host(plan)}: {done}; exit code {code}.", file=sys.stderr, flush=True)
             return code
@@ -180,7 +181,8 @@ def _forward_preemption_signals() -> PreemptionFlag:
 
     Ctrl-C (SIGINT) is forwarded the same way (the workers save and stop, exit code 130); a second Ctrl-C kills the
     workers at once (they run in sessions of their own, so the terminal's SIGINT reaches this process only), and
-    marks the flag (``ignored`` < 0) so that the exit line says so.
+    marks the flag (``ignored`` < 0) so that the launcher writes summary.json in their place and its exit line says
+    so (launch/run_record.py).
     """
     handled = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT").split(",")
     names = {signal.Signals(s).name for s in (*PREEMPTION_SIGNALS, signal.SIGINT)}

@@ -38,13 +38,18 @@ def is_run_dir(path: Path) -> bool:
     return (path / METRICS_FILE).is_file()
 
 
+def is_current(records: list[dict[str, Any]], written: dict[str, Any]) -> bool:
+    """summary.json was written after the last process started: it says how the run ended."""
+    starts = of_kind(records, "start")
+    last_start = starts[-1].get("time", 0.0) if starts else 0.0
+    return written.get("time", 0.0) >= last_start
+
+
 def status_of(path: Path, records: list[dict[str, Any]], written: dict[str, Any] | None,
               now: float | None = None) -> tuple[str, str]:
     """(status, reason). summary.json decides, unless a process started after it was written (running again);
     without one, recent writes mean running, and silence means the processes died without writing it."""
-    starts = of_kind(records, "start")
-    last_start = starts[-1].get("time", 0.0) if starts else 0.0
-    if written is not None and written.get("time", 0.0) >= last_start:
+    if written is not None and is_current(records, written):
         return str(written.get("status", FAILED)), str(written.get("exit_reason", ""))
     mtime = (path / METRICS_FILE).stat().st_mtime
     idle = (now if now is not None else time.time()) - mtime
@@ -63,6 +68,10 @@ def load_run(path: Path, name: str | None = None) -> Run:
     written = read_summary(path)
     status, reason = status_of(path, records, written)
     summary = {**compute_summary(records), "status": status, "exit_reason": reason}
+    if written is not None and is_current(records, written) and "last_checkpoint_step" in written:
+        # the launcher that killed its workers read it from the checkpoint folder: an async save the kill cut short
+        # is in metrics.jsonl, yet was never published
+        summary["last_checkpoint_step"] = written["last_checkpoint_step"]
     return Run(path=path, name=name or path.name, records=records, summary=summary)
 
 

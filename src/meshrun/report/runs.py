@@ -1,8 +1,9 @@
 """``meshrun runs [DIR]``: one row per run directory under DIR (default ``runs``), as a table or JSON.
 
-Status: ``finished``, ``stopped early`` (SIGTERM/SIGUSR1, checkpoint saved) and ``failed`` come from summary.json;
-a run without one is ``running`` while its metrics.jsonl keeps changing, and ``failed`` once it has been silent
-for 10 minutes (its processes died without writing a summary).
+Status: ``finished``, ``stopped early`` (SIGTERM/SIGUSR1 or Ctrl-C, checkpoint saved), ``interrupted`` (a second
+Ctrl-C, no checkpoint of the last step) and ``failed`` come from summary.json; a run without one is ``running``
+while its metrics.jsonl keeps changing, and ``failed`` once it has been silent for 10 minutes (its processes died
+without writing a summary).
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ def render_table(rows: list[dict[str, Any]], root: Path):
     for name in ("run", "status", "steps", "tokens", "best val loss", "tokens/s", "layout", "last ckpt",
                  "restarts"):
         table.add_column(name, justify="left" if name in ("run", "status", "layout") else "right")
-    colors = {"finished": "green", "running": "cyan", "stopped early": "yellow", "failed": "red"}
+    colors = {"finished": "green", "running": "cyan", "stopped early": "yellow", "interrupted": "yellow",
+              "failed": "red"}
     for r in rows:
         degrees, _, name = (r["layout"] or "-").partition(" | ")  # 'pp 1 x ... = 2 ranks', 'DDP'
         table.add_row(r["run"], f"[{colors.get(r['status'], 'white')}]{r['status']}[/]", f"{r['steps']:,}",

@@ -1,4 +1,5 @@
-"""``summary.json``: what a run achieved, written by rank 0 when the process ends (finished, stopped or failed).
+"""``summary.json``: what a run achieved, written by rank 0 when the process ends (finished, stopped or failed), or
+by the launcher when a second Ctrl-C killed the workers (interrupted).
 
 Everything is computed from ``metrics.jsonl`` (:mod:`meshrun.train.runlog`), so ``meshrun runs`` and ``meshrun
 report`` compute the same numbers for a run that is still going or was killed before it could write a summary.
@@ -16,6 +17,9 @@ from typing import Any
 from meshrun.train.runlog import SUMMARY_FILE, of_kind, read_records
 
 FINISHED, STOPPED, FAILED = "finished", "stopped early", "failed"
+INTERRUPTED = "interrupted"
+"""Stopped at once by a second Ctrl-C, without a checkpoint of its last step (the launcher writes this summary for
+the workers it killed: meshrun.launch.run_record)."""
 
 
 def _steady(train: list[dict[str, Any]], key: str) -> float | None:
@@ -67,10 +71,13 @@ def compute_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def write_summary(run_dir: Path, *, exit_reason: str, status: str) -> dict[str, Any]:
-    """Compute and write ``run_dir/summary.json`` atomically; returns what was written. Rank 0 only."""
+def write_summary(run_dir: Path, *, exit_reason: str, status: str, known: dict[str, Any] | None = None
+                  ) -> dict[str, Any]:
+    """Compute and write ``run_dir/summary.json`` atomically; returns what was written. Rank 0 only, or the launcher
+    for workers it killed. ``known``: numbers the caller knows better than metrics.jsonl (the launcher's
+    ``last_checkpoint_step``, read from the checkpoint folder)."""
     summary = {"status": status, "exit_reason": exit_reason, "time": round(time.time(), 3),
-               **compute_summary(read_records(run_dir))}
+               **compute_summary(read_records(run_dir)), **(known or {})}
     path = Path(run_dir) / SUMMARY_FILE
     partial = path.with_name(path.name + ".partial")
     partial.write_text(json.dumps(summary, indent=1) + "\n")
