@@ -123,6 +123,7 @@ def test_default_1b_plan_runs_fsdp2_as_the_trainer_does_on_gpus(capsys):
     out = run_json(capsys, "--model", "1b")
     assert out["data_parallel"]["mode"] == "fsdp" and out["parallel"]["dp_shard"] == 8
     assert run_json(capsys, "--model", "124m")["data_parallel"]["mode"] == "ddp"  # 0.12B: below the threshold
+    assert "(124M parameters < 1B: parallel.data_parallel=auto shards" in make_plan("--model", "124m").data_parallel
     assert planner.main(["--model", "1b", "--ranks", "1"]) == 0
     assert "data parallelism: FSDP2 over every data-parallel rank (1.03B" in capsys.readouterr().out
 

@@ -126,7 +126,7 @@ def data_parallel_line(given: ParallelConfig, dims: ParallelDims, *, params: int
     elif given.tp > 1 or given.pp > 1:
         why = "parallel.data_parallel=auto shards only layouts without tp and pp"
     else:
-        why = (f"{params / 1e9:.3g}B parameters < {FSDP_AUTO_PARAMS / 1e9:g}B: parallel.data_parallel=auto shards "
+        why = (f"{params / 1e6:.3g}M parameters < {FSDP_AUTO_PARAMS / 1e9:g}B: parallel.data_parallel=auto shards "
                "from there on GPUs; --parallel.data_parallel=fsdp shards anyway")
     return f"data parallelism: {data_parallel_name(dims)}" + (f" ({why})" if why else "")
 
