@@ -184,3 +184,12 @@ def test_choice_lists_are_defined_once_and_shared():
     for option in ("parallel.pp_schedule=zigzag", "dist.backend=mpi", "data.format=csv", "train.dtype=fp16"):
         with pytest.raises(ConfigError, match=option.split("=")[0]):
             load_config(overrides=[f"--{option}"])
+
+
+def test_the_config_classes_session_takes_are_importable_from_meshrun():
+    """docs/api.md writes Session(checkpoint=meshrun.CheckpointConfig(...), replicas=meshrun.ReplicaConfig(...))."""
+    import meshrun
+    from meshrun import config
+
+    assert meshrun.CheckpointConfig is config.CheckpointConfig and meshrun.ReplicaConfig is config.ReplicaConfig
+    assert {"CheckpointConfig", "ReplicaConfig"} <= set(meshrun.__all__)

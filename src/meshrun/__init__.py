@@ -8,6 +8,7 @@ The Python API (see docs/api.md):
   ModelSpec, register_model   the model contract: register your model for meshrun train / plan / --dry-run
   ModelShape                  the resolved transformer shape a ModelSpec builds from
   Trainer, load_config        the reference training job, from Python
+  CheckpointConfig, ReplicaConfig   Session's checkpoint and replica-group settings (as [checkpoint], [replicas])
   ProcessPlacement                  where this process sits (torchrun, SLURM, Open MPI or a single process)
   ClusterEnvironment, register_environment   add a cluster environment (Kubernetes, LSF, ...) to that detection
   GlobalOrderSampler          a resumable, reshardable DistributedSampler
@@ -26,6 +27,8 @@ _EXPORTS = {
     "load_config": "meshrun.config",
     "JobConfig": "meshrun.config",
     "DistConfig": "meshrun.config",
+    "CheckpointConfig": "meshrun.config",
+    "ReplicaConfig": "meshrun.config",
     "ConfigError": "meshrun.config",
     "ProcessPlacement": "meshrun.env",
     "ClusterEnvironment": "meshrun.placement",
