@@ -1,13 +1,23 @@
 """Session's arguments are checked in one process as at scale, and its errors name the arguments a Session user
-passed (``micro_batch=``), not the CLI's options (``--train.micro_batch``)."""
+passed (``micro_batch=``), not the CLI's options (``--train.micro_batch``). Session.step_batches before
+Session.prepare_model counts every rank as a data-parallel one (a script that wraps its model itself), and a later
+layout that splits the batch otherwise (TP on 2 gloo ranks, where the TP group must read the same samples) is
+refused instead of training on the wrong ones.
+"""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
 
+from dist_utils import run_distributed
 from meshrun import Session
 from meshrun.config import ConfigError
+
+ORDER_ERROR = (r"^Session\.prepare_model\(layout='tp'\): Session\.step_batches already split each batch over 2 "
+               r"data-parallel rank\(s\) \({}\), but layout='tp' splits it over 1; call prepare_model first")
 
 
 def test_a_misspelt_layout_is_refused_in_one_process_too():
@@ -58,3 +68,62 @@ def test_residual_dtype_casts_each_blocks_input_under_the_loops_autocast_and_ref
     with pytest.raises(ConfigError, match=r"^residual_dtype='fp16': choose one of fp32, bf16"):
         session.prepare_model(MLPLM(), residual_dtype="fp16")
     session.close()
+
+
+def test_step_batches_before_prepare_model_in_one_process_keeps_every_layout():
+    session = Session(seed=0)
+    data = [(torch.randn(4), torch.tensor(0)) for _ in range(16)]
+    assert session.step_batches(data, micro_batch=4, global_batch=16).grad_accum == 4  # one data-parallel rank
+    session.prepare_model(torch.nn.Linear(4, 2))  # one process runs any layout as one: nothing to refuse
+    session.close()
+
+
+class Numbered(torch.utils.data.Dataset):
+    """Sample i is (i, i): which samples a rank reads is visible in its batches."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tensor([i]), torch.tensor([i])
+
+
+def tp_batch_order(rank: int, world_size: int) -> dict:
+    """The reported script's two orders under layout='tp' on 2 ranks, then a TP layout after DDP's batches."""
+    from mlp_lm import MLPLM
+
+    out = {}
+    session = Session(seed=0)
+    session.step_batches(Numbered(), micro_batch=4, global_batch=32)  # every rank its own half, accumulation 4
+    try:  # the wrong order: the 2 TP ranks would read different halves of each batch
+        session.prepare_model(MLPLM(), layout="tp", tp_plan=MLPLM.tp_plan)
+    except ConfigError as exc:
+        out["wrong_order"] = str(exc)
+    session = Session(seed=0)  # the group is up already: a new Session, the right order
+    session.prepare_model(MLPLM(), layout="tp", tp_plan=MLPLM.tp_plan)
+    batches = session.step_batches(Numbered(), micro_batch=4, global_batch=32)
+    out["grad_accum"] = batches.grad_accum
+    out["samples"] = [[x.flatten().tolist() for x, _ in batches.next_step()] for _ in range(2)]
+    session = Session(seed=0)  # the group is up already: a new Session, a new layout
+    session.prepare_model(torch.nn.Linear(4, 2), layout="ddp")
+    session.step_batches(Numbered(), micro_batch=4, global_batch=32)
+    try:  # DDP's batches give each rank its own half; TP needs both ranks to read the same samples
+        session.prepare_model(MLPLM(), layout="tp", tp_plan=MLPLM.tp_plan)
+    except ConfigError as exc:
+        out["relayout"] = str(exc)
+    session.close()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_tp_ranks_read_the_same_samples_and_a_layout_after_step_batches_that_splits_otherwise_is_refused():
+    rank0, rank1 = run_distributed(tp_batch_order, 2, init_pg=False)
+    for result in (rank0, rank1):
+        assert "\n" not in result.get("wrong_order", "not refused\n")
+        assert re.match(ORDER_ERROR.format("no layout yet: every rank a data-parallel one"), result["wrong_order"])
+        # the right order: one data-parallel rank, so 32 = 4 x 1 x 8, and both TP ranks read every sample
+        assert result["grad_accum"] == 8
+        assert re.match(ORDER_ERROR.format("DDP"), result["relayout"]), result["relayout"]
+    assert rank0["samples"] == rank1["samples"]
+    assert all(len({i for micro in step for i in micro}) == 32 for step in rank0["samples"])

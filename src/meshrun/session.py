@@ -40,10 +40,11 @@ from torch.utils.data import Dataset
 
 from meshrun.config import CheckpointConfig, ConfigError, DistConfig, ReplicaConfig, TrainConfig, resolve_batch
 from meshrun.data.loader import StepBatches
+from meshrun.comm.mesh import ParallelDims
 from meshrun.comm.process_group import init_distributed, shutdown
 from meshrun.env import ProcessPlacement
-from meshrun.parallel.module import (ModuleLayout, check_layout_word, check_session_graphs, prepare_module,
-                                     session_reduce_dtype, session_residual)
+from meshrun.parallel.module import (ModuleLayout, check_layout_word, check_session_graphs, layout_dims,
+                                     prepare_module, session_reduce_dtype, session_residual)
 from meshrun.parallel.module_pipeline import PipelinedModule, PipelineOptions, prepare_pipeline
 from meshrun.rng import seed_rank_streams
 from meshrun.ckpt.session import SessionCheckpoints, model_fingerprint
@@ -70,6 +71,7 @@ class Session:
         cfg = CheckpointConfig(dir=checkpoint) if isinstance(checkpoint, str) else checkpoint
         self.checkpoints = SessionCheckpoints(cfg, env=self.env, seed=seed) if cfg is not None else None
         self._batches: StepBatches | None = None
+        self._batches_split: tuple[str, int, tuple[int, ...]] | None = None  # (layout name, dp size, dp rank by rank)
         self._health: JobHealth | None = None
         self._graph_steps = None  # the optimizer-step hook of prepare_model(cuda_graphs=True)
         self._every = 10
@@ -142,6 +144,7 @@ class Session:
             if tp or dp_replicate or tp_plan:
                 raise ConfigError(f"layout={layout!r} takes no tp, dp_replicate or tp_plan (pipelines here combine "
                                   "with DDP-style replication ('pp') or FSDP2 ('pp+fsdp') only); drop them")
+            self._check_batches_split(layout, pp=pp)
             prepared, self.layout = prepare_pipeline(
                 model, layout, device=self.device, world_size=self.world_size, nodes=self.env.num_nodes, pp=pp,
                 blocks=blocks, options=pipeline, activation_checkpoint=activation_checkpoint,
@@ -150,6 +153,7 @@ class Session:
         else:
             if pp or pipeline is not None:
                 raise ConfigError(f"pp={pp} / pipeline= need layout='pp' or 'pp+fsdp', not {layout!r}")
+            self._check_batches_split(layout, tp=tp, dp_replicate=dp_replicate)
             prepared, self.layout = prepare_module(
                 model, layout if self.world_size > 1 else "none", device=self.device, world_size=self.world_size,
                 nodes=self.env.num_nodes, tp=tp, dp_replicate=dp_replicate, blocks=blocks, tp_plan=tp_plan,
@@ -167,7 +171,10 @@ class Session:
     def step_batches(self, dataset: Dataset, *, micro_batch: int, global_batch: int = 0,
                      grad_accum: int = 0) -> StepBatches:
         """This rank's micro-batches of each optimizer step; B_global = micro_batch x dp ranks x accumulation.
-        Call it after prepare_model, so TP ranks share their data."""
+        Call it after prepare_model: the layout decides how many data-parallel ranks share the batch (the ranks of
+        a TP group or of one pipeline read the same samples). Before it, every rank counts as a data-parallel one (a
+        script that wraps the model itself), and a later prepare_model whose layout splits the batch otherwise
+        raises ConfigError instead of training on the wrong samples."""
         for name, value, least in (("micro_batch", micro_batch, 1), ("global_batch", global_batch, 0),
                                    ("grad_accum", grad_accum, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
@@ -183,7 +190,31 @@ class Session:
         dp_rank, dp_size = data_shard(self.replicas_config, self.dp_rank, self.dp_size)  # a group reads its share
         self._batches = StepBatches(dataset, dp_rank=dp_rank, dp_size=dp_size, seed=self.seed,
                                     micro_batch=micro_batch, grad_accum=plan.grad_accum, device=self.device)
+        self._batches_split = (("no layout yet: every rank a data-parallel one", self.world_size,
+                                tuple(range(self.world_size))) if self.layout is None
+                               else (self.layout.name, *self._data_split(self.layout.dims)))
         return self._batches
+
+    def _data_split(self, dims: ParallelDims) -> tuple[int, tuple[int, ...]]:
+        """(data-parallel size, the data shard of every global rank) under ``dims``: the same on every rank."""
+        return dims.dp_size, tuple(dims.dp_rank(r) for r in range(self.world_size))
+
+    def _check_batches_split(self, layout: str, *, tp: int = 0, dp_replicate: int = 0, pp: int = 0) -> None:
+        """Refuse a layout that splits each batch otherwise than the StepBatches step_batches already made, before
+        any collective. Every rank compares the shards of all ranks, so all of them refuse together."""
+        if self._batches_split is None or self.world_size == 1:  # one process: one data-parallel rank, any layout
+            return
+        dims = layout_dims(layout, world_size=self.world_size, nodes=self.env.num_nodes, tp=tp,
+                           dp_replicate=dp_replicate, pp=pp)
+        name, size, shards = self._batches_split
+        new_size, new_shards = self._data_split(dims)
+        if (size, shards) == (new_size, new_shards):
+            return
+        order = f" (data shard by rank {list(shards)}, not {list(new_shards)})" if size == new_size else ""
+        raise ConfigError(f"Session.prepare_model(layout={layout!r}): Session.step_batches already split each batch "
+                          f"over {size} data-parallel rank(s) ({name}), but layout={layout!r} "
+                          f"splits it over {new_size}{order}; call prepare_model first and step_batches after it, "
+                          "or start a new Session for another layout")
 
     @contextlib.contextmanager
     def sync_gradients(self, model: nn.Module, *, last: bool) -> Iterator[None]:
