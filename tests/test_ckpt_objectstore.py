@@ -368,3 +368,103 @@ def test_session_checkpoint_url(server):
         assert_same(model.state_dict(), saved)
     finally:
         session.close()
+
+
+@pytest.mark.parametrize("server", KINDS[:1], indirect=True)
+def test_sample_names_an_unreachable_store_in_one_line(server, monkeypatch, tmp_path, capsys):
+    """`meshrun sample s3://... --config` with the server down: ckpt's one line, not botocore's traceback."""
+    from meshrun import sample
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    storage.forget_clients()
+    (tmp_path / "config.toml").write_text("[model]\nvocab_size = 256\n")
+    started = time.monotonic()
+    assert sample.main([server.folder("run1"), "--config", str(tmp_path / "config.toml"), "--tokens", "3"]) == 2
+    assert time.monotonic() - started < 15
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith(f"meshrun sample: error: {server.folder('run1')}: cannot reach the object store at "
+                          "http://127.0.0.1:") and "AWS_ENDPOINT_URL" in err and "--config" in err
+    assert cli.main(["ls", server.folder("run1")]) == 1  # the same words as `meshrun ckpt`
+    ckpt_err = capsys.readouterr().err.strip()
+    assert ckpt_err.split(": ", 1)[1] == err.split(": ", 2)[2]
+    result = subprocess.run([sys.executable, "-m", "meshrun", "sample", server.folder("run1")], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr and "cannot reach" in result.stderr
+
+
+@pytest.mark.parametrize("server", KINDS[:1], indirect=True)
+def test_storage_options_of_a_config_reach_ckpt_and_sample(server, monkeypatch, tmp_path, capsys):
+    """The endpoint only in checkpoint.storage_options (AWS_ENDPOINT_URL names a dead port): training uses it, and
+    `ckpt ls|verify|export` and `sample` take it from --config, or from the run folder, which they follow to its
+    bucket checkpoint.dir."""
+    from test_resume import token_file, train
+
+    from meshrun import sample
+
+    monkeypatch.setattr(storage, "_options", {})  # registered options are per process: restored after the test
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    storage.forget_clients()
+    folder, run = server.folder("run_so"), tmp_path / "so"
+    train(run, 2, (f"--data.source={token_file(tmp_path)}", "--data.val_fraction=0", "--model.seq_len=16",
+                   "--model.vocab_size=104", "--train.global_batch=4", "--train.micro_batch=4",
+                   "--checkpoint.interval_steps=2", f"--checkpoint.dir={folder}",
+                   f'--checkpoint.storage_options={{"endpoint_url": "{server.url}"}}'))
+    assert [(e.step, e.kind) for e in scan(folder)] == [(2, "complete")]
+
+    def fresh() -> None:  # each command as a new process starts: no options registered
+        storage._options.clear()
+        storage.forget_clients()
+
+    fresh()
+    capsys.readouterr()
+    assert cli.main(["ls", folder]) == 1
+    err = capsys.readouterr().err
+    assert "cannot reach the object store" in err and "a --config job.toml" in err, err
+    fresh()
+    assert cli.main(["ls", folder, "--config", str(run / "config.toml")]) == 0
+    assert "step_0000002" in capsys.readouterr().out
+    fresh()
+    assert cli.main(["ls", "--config", str(run / "config.toml")]) == 0  # no DIR: the config's checkpoint folder
+    assert "step_0000002" in capsys.readouterr().out
+    fresh()
+    assert cli.main(["ls", str(run)]) == 0  # the run folder: its config.toml puts the checkpoints in the bucket
+    out, err = capsys.readouterr()
+    assert "step_0000002" in out and f"puts the checkpoints in {folder} (checkpoint.dir)" in err
+    fresh()
+    assert cli.main(["verify", str(run)]) == 0
+    assert f"OK {folder}/step_0000002: step 2" in capsys.readouterr().out
+    fresh()
+    assert cli.main(["export", folder, "--config", str(run), "--to", str(tmp_path / "m.safetensors")]) == 0
+    assert (tmp_path / "m.safetensors").is_file()
+    fresh()
+    assert sample.main([folder, "--config", str(run / "config.toml"), "--tokens", "3", "--temperature", "0"]) == 0
+    fresh()
+    assert sample.main([str(run), "--tokens", "3", "--temperature", "0"]) == 0
+    assert f"# {folder}/step_0000002 (step 2)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("server", KINDS[:1], indirect=True)
+def test_single_process_doctor_checks_a_bucket(server, monkeypatch, tmp_path, capsys):
+    """`meshrun doctor --ckpt-dir s3://...` without a launcher: write, read back and delete a probe object."""
+    from meshrun.diag import doctor
+
+    folder = server.folder("doctor_here")
+    assert doctor.main(["--ckpt-dir", folder]) == 0
+    out = capsys.readouterr().out
+    assert f"pass checkpoint folder: {folder}: writable, an object store (no free-space limit)" in out, out
+    assert "0 B" not in out and "checked on this host only" in out
+    assert _object_names(server, "doctor_here") == []  # the probe object is deleted
+    monkeypatch.setattr(storage, "_options", {})
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    storage.forget_clients()
+    assert doctor.main(["--ckpt-dir", folder]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"fail checkpoint folder: {folder}: node 0 (host " in out and "cannot reach the object store" in out
+    assert "writable" not in out  # no pass row beside the failure
+    job = tmp_path / "job.toml"  # the endpoint in the job's storage options
+    job.write_text(f'[checkpoint]\ndir = "{folder}"\n[checkpoint.storage_options]\nendpoint_url = "{server.url}"\n')
+    storage.forget_clients()
+    assert doctor.main(["--config", str(job)]) == 0
+    assert f"pass checkpoint folder: {folder}: writable, an object store (no free-space limit) for about" in \
+        capsys.readouterr().out

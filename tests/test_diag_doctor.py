@@ -158,3 +158,21 @@ def test_allreduce_check_reports_a_correct_sum_and_a_failing_backend():
         assert bad.detail == "4 MiB fp32: failed on 1 rank(s): rank 0: RuntimeError: NCCL error: unhandled system error"
     finally:
         dist.destroy_process_group()
+
+
+def test_local_doctor_checks_the_checkpoint_folder(tmp_path, capsys):
+    """Without a launcher --ckpt-dir is checked on this host (it used to be ignored); no size without --config."""
+    folder = tmp_path / "ck"
+    assert doctor.main(["--ckpt-dir", str(folder)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"pass checkpoint folder: {folder}: writable, at least " in out, out
+    assert "checkpoint size unknown: pass --config or --ckpt-bytes" in out and "about 0 B" not in out
+    assert folder.is_dir() and list(folder.iterdir()) == []  # the probe file is gone
+    assert doctor.main(["--ckpt-dir", str(folder), "--ckpt-bytes", "1G"]) == 0
+    assert "for about 1.0 GiB per checkpoint" in capsys.readouterr().out
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert doctor.main(["--ckpt-dir", str(blocker / "ck")]) == 1
+    assert f"fail checkpoint folder: {blocker / 'ck'}" in " ".join(capsys.readouterr().out.split())
+    assert doctor.main(["--config", str(tmp_path / "missing.toml")]) == 2
+    assert capsys.readouterr().out.strip().splitlines()[0].startswith("meshrun doctor: --config ")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from meshrun.ckpt import access
 from meshrun.ckpt.errors import CheckpointError
 from meshrun.ckpt.reader import resolve_checkpoint  # noqa: F401 - also meshrun.sample's, for report/cli
 from meshrun.config import ConfigError, JobConfig, load_config
@@ -23,7 +24,9 @@ EPILOG = """\
 examples:
   meshrun sample runs/default --prompt "def " --tokens 200
   meshrun sample runs/default/checkpoints/step_0000300 --temperature 0 --prompt "import "
+  meshrun sample s3://bucket/run1/checkpoints --config runs/run1/config.toml
 CHECKPOINT may be a checkpoint directory, a checkpoints folder or a run directory (the newest complete one is used).
+--config's checkpoint.storage_options (endpoint_url, ...) open an s3:// or gs:// CHECKPOINT.
 """
 
 
@@ -36,7 +39,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
     p.add_argument("--seed", type=int, default=0, help="random seed of the sampling (default 0)")
-    p.add_argument("--config", help="a config.toml to use instead of the config the checkpoint carries")
+    p.add_argument("--config", help="a config.toml (or a run directory) to use instead of the config the checkpoint "
+                                    "carries; its checkpoint.storage_options open an s3:// or gs:// CHECKPOINT")
     return p.parse_args(argv)
 
 
@@ -84,9 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     from meshrun.models.generate import generate
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    location = args.checkpoint
     try:
-        step_dir = resolve_checkpoint(args.checkpoint)
-        job = find_config(step_dir, args.config)
+        explicit = access.job_config(args.config) if args.config else None
+        location, note = access.open_location(args.checkpoint, explicit)  # a URL: fails within seconds, in one line
+        if note:
+            print(f"# {note}", file=sys.stderr)
+        step_dir = resolve_checkpoint(location)
+        job = explicit if explicit is not None else find_config(step_dir, None)
         if job.model.vocab_size and job.model.vocab_size > 256:
             raise ConfigError(f"{step_dir}: model.vocab_size={job.model.vocab_size} is not byte-level text; "
                               "meshrun sample decodes bytes only")
@@ -95,6 +104,12 @@ def main(argv: list[str] | None = None) -> int:
         model, manifest = load_model(step_dir, job)
     except (CheckpointError, ConfigError) as exc:
         print(f"meshrun sample: error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # the store's failures as `meshrun ckpt` words them (botocore's are not OSErrors)
+        line = access.failure_line(exc, location)
+        if line is None:
+            raise  # not an expected failure: its traceback
+        print(f"meshrun sample: error: {line}", file=sys.stderr)
         return 2
     prompt = list(args.prompt.encode()) or [10]  # an empty prompt starts after a newline
     out = generate(model, prompt, tokens=args.tokens, temperature=args.temperature, top_k=args.top_k,

@@ -1,12 +1,14 @@
 """``meshrun ckpt``: list, verify and export checkpoints. Parsing and printing only; the work is in reader.py.
 
-    meshrun ckpt ls [DIR]                          table of the checkpoints in DIR (or DIR/checkpoints)
+    meshrun ckpt ls [DIR] [--config TOML]          table of the checkpoints in DIR (or DIR/checkpoints)
     meshrun ckpt verify PATH [--no-checksums]      exit 1, naming each bad file, if PATH (or a run folder's newest
                                                    checkpoint) is not intact or would be refused by a resume
     meshrun ckpt export PATH --to model.safetensors   consolidated model weights of PATH (or of a run folder's
                                                    newest checkpoint) for inference
 
-DIR and PATH may be ``s3://`` or ``gs://`` URLs (credentials and endpoint from the environment, docs/checkpoints.md).
+DIR and PATH may be ``s3://`` or ``gs://`` URLs: credentials and endpoint from the environment, or from the
+``checkpoint.storage_options`` of ``--config job.toml`` (or of a run folder's config.toml); a run folder whose
+config.toml sets ``checkpoint.dir`` is read there (docs/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ from pathlib import Path
 
 from rich.console import Console
 
-from meshrun.ckpt import reader
+from meshrun.ckpt import access, reader
 from meshrun.ckpt.errors import CheckpointError
+from meshrun.ckpt.storage import store_for
+from meshrun.config import ConfigError
 from meshrun.help_format import PlainHelpFormatter
-from meshrun.ckpt.storage import is_url, store_for
 from meshrun.units import format_bytes
 
 
@@ -29,14 +32,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshrun ckpt", description="List, verify and export checkpoints.",
                                      formatter_class=PlainHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="{ls,verify,export}")
-    ls = sub.add_parser("ls", aliases=["list"], help="list the checkpoints of a folder, complete or not")
-    ls.add_argument("dir", nargs="?", help=f"checkpoint folder or run folder (default: {reader.DEFAULT_FOLDER})")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--config", metavar="TOML", help="a job's config (or a run folder): its "
+                        "checkpoint.storage_options open s3:// and gs:// URLs (endpoint_url, profile, ...)")
+    ls = sub.add_parser("ls", aliases=["list"], parents=[common],
+                        help="list the checkpoints of a folder, complete or not")
+    ls.add_argument("dir", nargs="?", help="checkpoint folder or run folder (default: --config's checkpoint "
+                    f"folder, else {reader.DEFAULT_FOLDER})")
     ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    verify = sub.add_parser("verify", help="check marker, manifest, sizes and SHA-256 of every file")
+    verify = sub.add_parser("verify", parents=[common],
+                            help="check marker, manifest, sizes and SHA-256 of every file")
     verify.add_argument("path", help="a checkpoint directory (step_NNNNNNN), or a checkpoints or run folder: its "
                         "newest complete checkpoint, the one a resume tries first")
     verify.add_argument("--no-checksums", action="store_true", help="check sizes only (fast)")
-    export = sub.add_parser("export", help="write the model weights (no optimizer) as one safetensors file")
+    export = sub.add_parser("export", parents=[common],
+                            help="write the model weights (no optimizer) as one safetensors file")
     export.add_argument("path", help="a checkpoint directory (step_NNNNNNN), or a checkpoints or run folder: its "
                         "newest complete checkpoint")
     export.add_argument("--to", required=True, type=Path, help="output file, e.g. model.safetensors")
@@ -45,16 +55,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    location = getattr(args, "dir", None) or getattr(args, "path", None) or ""
+    field = "dir" if args.command in ("ls", "list") else "path"
+    location = getattr(args, field) or ""
     try:
-        if is_url(location):  # fail within seconds, naming the URL and what to set, when the store cannot be reached
-            store_for(location).probe(location)
+        job = access.job_config(args.config) if args.config else None
+        if not location and job is not None:  # ls --config job.toml: that job's checkpoint folder
+            location = job.checkpoint.dir or str(Path(job.run.dir) / "checkpoints")
+        if location:  # a URL is asked first: fails within seconds, naming the URL and what to set
+            location, note = access.open_location(location, job)
+            if note:
+                print(f"meshrun ckpt {args.command}: {note}", file=sys.stderr)
+            setattr(args, field, location)
         return {"ls": _ls, "list": _ls, "verify": _verify, "export": _export}[args.command](args)
-    except CheckpointError as exc:
+    except (CheckpointError, ConfigError) as exc:
         print(f"meshrun ckpt {args.command}: {exc}", file=sys.stderr)
         return 1
-    except OSError as exc:
-        line = store_for(location).describe_error(exc, location) if is_url(location) else None
+    except Exception as exc:  # the store's failures (not all OSErrors: botocore's are not) in one line
+        line = access.failure_line(exc, location)
+        if line is None and not isinstance(exc, OSError):
+            raise  # not an expected failure: its traceback
         print(f"meshrun ckpt {args.command}: {line or f'{type(exc).__name__}: {exc}'}", file=sys.stderr)
         return 1
 

@@ -24,16 +24,15 @@ from meshrun.ckpt.storage import COMPLETE, Item, Store, _import_filesystem, atte
 
 _PROBE_TIMEOUT_S = 5.0
 _CREDENTIAL_HINT = {
-    "s3": "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or key and secret in "
-          "checkpoint.storage_options",
-    "gs": "set GOOGLE_APPLICATION_CREDENTIALS (or run `gcloud auth application-default login`), or token in "
-          "checkpoint.storage_options",
+    "s3": "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or key and secret in {options}",
+    "gs": "set GOOGLE_APPLICATION_CREDENTIALS (or run `gcloud auth application-default login`), or token in {options}",
 }
 _ENDPOINT_HINT = {
-    "s3": "check AWS_ENDPOINT_URL (or endpoint_url in checkpoint.storage_options) and that the server is up",
-    "gs": "check STORAGE_EMULATOR_HOST (or endpoint_url in checkpoint.storage_options) and that the server is up",
+    "s3": "check AWS_ENDPOINT_URL (or endpoint_url in {options}) and that the server is up",
+    "gs": "check STORAGE_EMULATOR_HOST (or endpoint_url in {options}) and that the server is up",
 }
-
+OPTIONS_IN = "checkpoint.storage_options"
+"""Where the hints say storage options go; a command that reads them elsewhere passes its own words."""
 
 class ObjectStore(Store):
     """A bucket through fsspec. Locations are URLs (``s3://bucket/prefix/...``)."""
@@ -144,9 +143,10 @@ class ObjectStore(Store):
         """Nothing to create: a prefix exists once an object is under it (buckets are never created here)."""
 
     # ---- errors
-    def probe(self, location: str) -> None:
-        """List ``location`` with a short timeout and no retries; one line naming the URL and the fix on failure."""
-        self._check_endpoint_port(location)
+    def probe(self, location: str, *, options_in: str = OPTIONS_IN) -> None:
+        """List ``location`` with a short timeout and no retries; one line naming the URL and the fix on failure
+        (``options_in``: where the fix says storage options are set)."""
+        self._check_endpoint_port(location, options_in=options_in)
         outcome: dict[str, BaseException | None] = {}
 
         def attempt() -> None:
@@ -172,13 +172,16 @@ class ObjectStore(Store):
         worker.join(_PROBE_TIMEOUT_S * 2)
         if "error" not in outcome:
             raise CheckpointError(f"{location}: the object store at {self.endpoint()} did not answer within "
-                                  f"{_PROBE_TIMEOUT_S * 2:.0f}s; {_ENDPOINT_HINT[self.scheme]}")
+                                  f"{_PROBE_TIMEOUT_S * 2:.0f}s; {self._hint(_ENDPOINT_HINT, options_in)}")
         exc = outcome["error"]
         if exc is not None:
-            raise CheckpointError(self.describe_error(exc, location) or
+            raise CheckpointError(self.describe_error(exc, location, options_in=options_in) or
                                   f"{location}: cannot be listed: {type(exc).__name__}: {exc}") from None
 
-    def _check_endpoint_port(self, location: str) -> None:
+    def _hint(self, hints: dict[str, str], options_in: str) -> str:
+        return hints[self.scheme].format(options=options_in)
+
+    def _check_endpoint_port(self, location: str, *, options_in: str) -> None:
         """A TCP connection to an explicit endpoint: refused at once, where the clients retry a closed port with
         backoff (gcsfs for about 30 s)."""
         parsed = urllib.parse.urlsplit(self.endpoint())
@@ -189,20 +192,20 @@ class ObjectStore(Store):
             socket.create_connection((parsed.hostname, port), timeout=_PROBE_TIMEOUT_S).close()
         except OSError as exc:
             raise CheckpointError(f"{location}: cannot reach the object store at {self.endpoint()} "
-                                  f"({type(exc).__name__}: {exc}); {_ENDPOINT_HINT[self.scheme]}") from None
+                                  f"({type(exc).__name__}: {exc}); {self._hint(_ENDPOINT_HINT, options_in)}") from None
 
-    def describe_error(self, exc: BaseException, location: str) -> str | None:
+    def describe_error(self, exc: BaseException, location: str, *, options_in: str = OPTIONS_IN) -> str | None:
         for cause in _causes(exc):
             name, text = type(cause).__name__, str(cause)
             if name in ("NoCredentialsError", "PartialCredentialsError") or "credentials" in text.lower():
                 return (f"{location}: no usable credentials for {self.scheme}:// ({name}); "
-                        f"{_CREDENTIAL_HINT[self.scheme]}")
+                        f"{self._hint(_CREDENTIAL_HINT, options_in)}")
             if isinstance(cause, FileNotFoundError) and "bucket" in text:
                 bucket = location.split("://", 1)[1].split("/")[0]
                 return (f"{location}: the bucket {bucket!r} does not exist at {self.endpoint()}; create it (meshrun "
                         "never creates buckets) or fix checkpoint.dir")
             if isinstance(cause, PermissionError) or "AccessDenied" in text or "Forbidden" in text:
-                return f"{location}: access denied ({_first_line(cause)}); {_CREDENTIAL_HINT[self.scheme]}"
+                return f"{location}: access denied ({_first_line(cause)}); {self._hint(_CREDENTIAL_HINT, options_in)}"
             if name == "FlexibleChecksumError":
                 return (f"{location}: the object store at {self.endpoint()} answered with a checksum that does not "
                         f"match the bytes it sent ({_first_line(cause)}). Either they were damaged on the way, or the "
@@ -213,7 +216,7 @@ class ObjectStore(Store):
             if (name in ("EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError",
                          "ServerDisconnectedError", "ClientOSError") or isinstance(cause, ConnectionError)):
                 return (f"{location}: cannot reach the object store at {self.endpoint()} ({_first_line(cause)}); "
-                        f"{_ENDPOINT_HINT[self.scheme]}")
+                        f"{self._hint(_ENDPOINT_HINT, options_in)}")
         return None
 
     # ---- the save protocol

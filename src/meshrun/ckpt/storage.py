@@ -178,10 +178,12 @@ class Store:
         """Free bytes where ``location`` lives, or None where that has no meaning or cannot be known."""
         return None
 
-    def probe(self, location: str) -> None:
-        """Raise a one-line CheckpointError within a few seconds when ``location`` cannot be reached."""
+    def probe(self, location: str, *, options_in: str = "checkpoint.storage_options") -> None:
+        """Raise a one-line CheckpointError within a few seconds when ``location`` cannot be reached; its fix names
+        ``options_in`` as where storage options are set."""
 
-    def describe_error(self, exc: BaseException, location: str) -> str | None:
+    def describe_error(self, exc: BaseException, location: str, *,
+                       options_in: str = "checkpoint.storage_options") -> str | None:
         """One line for a failure of this store (unreachable, no credentials), or None when it is not one."""
         return None
 

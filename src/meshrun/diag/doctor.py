@@ -11,7 +11,8 @@ any problem, 2 on a bad ``--config``. This module parses the command line and pr
 across ranks and their judgement are :mod:`.doctor_checks`.
 
 As a plain process it prints the local view: interfaces, the route and TCP reachability of ``--endpoint``,
-GPUs and versions.
+GPUs and versions, and with ``--config``, ``--ckpt-dir`` or ``--data`` the checkpoint folder (write, read back and
+delete a probe file or object) and the dataset as this host sees them.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from meshrun.diag import gpu_health, reach, rows
+from meshrun.diag import gpu_health, reach, rows, storage
 from meshrun.diag.doctor_checks import DoctorReport, comm_env_vars, job_targets, node_leaders, run_distributed
 from meshrun.diag.fingerprint import collect_fingerprint, mismatch_message
 from meshrun.env import DEFAULT_MASTER_PORT, ProcessPlacement
@@ -184,7 +185,15 @@ def _print_env_vars(report: DoctorReport, console: Console) -> None:
 # ---- a single process ------------------------------------------------------------------------------------------
 
 def run_local(args: argparse.Namespace, *, console: Console) -> int:
-    """The local view. Exit code 1 when ``--endpoint`` cannot be resolved or does not answer."""
+    """The local view. Exit code 1 when ``--endpoint`` cannot be resolved or does not answer, or the checkpoint
+    folder or dataset fails its check; 2 on a bad ``--config``."""
+    from meshrun.config import ConfigError
+
+    try:  # before anything is printed: a bad --config is the one line shown
+        targets = job_targets(args) if (args.config or args.ckpt_dir or args.data) else (None, None, 0)
+    except (ConfigError, ValueError) as exc:
+        console.print(f"meshrun doctor: {exc}", markup=False)
+        return 2
     env = ProcessPlacement.detect()
     fp = collect_fingerprint(env=env, script=args.script)
     console.print(f"[bold]meshrun doctor[/] (single process; run it under `meshrun launch` on every node for the "
@@ -202,7 +211,28 @@ def run_local(args: argparse.Namespace, *, console: Console) -> int:
                   ", ".join(f"{k} {v}" for k, v in fp.packages.items() if v and k != "torch"), markup=False)
     shown = ", ".join(f"{k}={v}" for k, v in comm_env_vars().items()) or "none set"
     console.print(f"communication variables: {shown}", markup=False)
-    return check_endpoint(args.endpoint, timeout_s=args.timeout, console=console) if args.endpoint else 0
+    code = check_endpoint(args.endpoint, timeout_s=args.timeout, console=console) if args.endpoint else 0
+    return max(code, check_storage_here(*targets, deep=args.deep, host=fp.host, console=console))
+
+
+def check_storage_here(data: str | None, folder: str | None, needed: int, *, deep: bool, host: str,
+                       console: Console) -> int:
+    """The checkpoint folder and dataset as this host sees them. 0: passed (or nothing to check); 1: a row failed."""
+    found = storage.check_checkpoint_folder_here(folder, host=host, needed=needed) if folder else []
+    if data:
+        found.append(storage.judge_data(data, [storage.data_facts(data, node=0, host=host, deep=deep)]))
+    if not found:
+        return 0
+    for line in rows.lines(found):
+        console.print(line)
+    console.print("[dim]checked on this host only; under `meshrun launch ... -m meshrun doctor` every node checks "
+                  "them, and doctor names the nodes that do not see the same folder and dataset[/]")
+    steps = rows.next_steps(found)
+    if steps:
+        console.print("[bold]what to run next[/]:")
+        for line in steps:
+            console.print(f"  {line}", markup=False)
+    return 1 if any(row.status == rows.FAIL for row in found) else 0
 
 
 def check_endpoint(endpoint: str, *, timeout_s: float, console: Console) -> int:

@@ -12,7 +12,8 @@
   (the same bucket contents seen by all nodes); free space has no meaning there.
 
 The collectives (``all_gather_object`` on the default group) are in :func:`check_dataset` and
-:func:`check_checkpoint_folder`; every rank must call them. The judging is pure logic.
+:func:`check_checkpoint_folder`; every rank must call them. A single process (doctor without a launcher) checks this
+host alone with :func:`check_checkpoint_folder_here` and :func:`data_facts`. The judging is pure logic.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from meshrun.ckpt.access import OPTIONS_IN, failure_line
 from meshrun.ckpt.errors import CheckpointError
 from meshrun.ckpt.storage import is_url, store_for
 from meshrun.diag.gather import gather_node_facts
@@ -123,14 +125,14 @@ def write_probe(folder: Path | str, token: str, node: int) -> str | None:
     location = str(folder)
     try:
         store = store_for(location)
-        store.probe(location)  # an object store that does not answer: within seconds, with what to set
+        store.probe(location, options_in=OPTIONS_IN)  # a store that does not answer: within seconds, what to set
         store.makedirs(location)
         store.write(store.join(location, _PROBE.format(token=token, node=node)), f"{token} {node}\n".encode())
         return None
     except CheckpointError as exc:
         return str(exc).removeprefix(f"{location}: ")
     except OSError as exc:
-        line = store_for(location).describe_error(exc, location) if is_url(location) else None
+        line = failure_line(exc, location)
         return line.removeprefix(f"{location}: ") if line else f"cannot write there ({exc.strerror or exc})"
 
 
@@ -167,6 +169,26 @@ def check_checkpoint_folder(env: ProcessPlacement, folder: str, *, host: str, ne
     return judge_folder(folder, facts, needed=needed)
 
 
+def check_checkpoint_folder_here(folder: str, *, host: str, needed: int) -> list[CheckRow]:
+    """This host alone, no process group: write a probe file (object), read it back, delete it; rows as
+    :func:`judge_folder` makes them for one node."""
+    token = uuid.uuid4().hex[:12]
+    error = write_probe(folder, token, 0)
+    free, seen = None, ()
+    if error is None:
+        store = store_for(folder)
+        seen = seen_probes(folder, token, 1)
+        if not seen:
+            error = "wrote a probe file but could not read it back"
+        free = store.free_bytes(folder)
+        try:
+            store.delete(store.join(folder, _PROBE.format(token=token, node=0)))
+        except OSError:
+            pass
+    facts = FolderFacts(node=0, host=host, writable=error is None, error=error, free=free, seen=seen)
+    return judge_folder(folder, [facts], needed=needed)
+
+
 def judge_folder(folder: str, facts: list[FolderFacts], *, needed: int) -> list[CheckRow]:
     """Rows for writability and room, and (several nodes) whether every node sees the same folder."""
     rows = []
@@ -175,8 +197,11 @@ def judge_folder(folder: str, facts: list[FolderFacts], *, needed: int) -> list[
         rows.append(CheckRow("checkpoint folder", FAIL, f"{folder}: " + "; ".join(
             f"{node_label(f.node, f.host)} {f.error}" for f in bad),
             fix="set checkpoint.dir to a folder every rank can write, or fix its permissions",
-            next_command=f"touch {folder}/probe on {', '.join(f.host for f in bad)}", hosts=tuple(f.host for f in bad)))
-    rows.append(_room_row(folder, [f for f in facts if f.writable], needed))
+            next_command=(f"meshrun ckpt ls {folder}" if is_url(folder) else  # the store's own one-line error
+                          f"touch {folder}/probe on {', '.join(f.host for f in bad)}"),
+            hosts=tuple(f.host for f in bad)))
+    if len(bad) < len(facts):  # room on the nodes that could write (none: no "writable" row)
+        rows.append(_room_row(folder, [f for f in facts if f.writable], needed))
     if len(facts) > 1 and not bad:
         rows.append(_shared_row(folder, facts))
     return rows
@@ -192,8 +217,11 @@ def _room_row(folder: str, facts: list[FolderFacts], needed: int) -> CheckRow:
     known = [f.free for f in facts if f.free is not None]
     room = (f"at least {format_bytes(min(known))} free" if known else "an object store (no free-space limit)"
             if is_url(folder) else "free space unknown")
-    return CheckRow("checkpoint folder", PASS, f"{folder}: writable, {room} for about {format_bytes(needed)} per "
-                                               "checkpoint")
+    if needed:
+        size = f" for about {format_bytes(needed)} per checkpoint"
+    else:  # an object store has no limit to compare with; a folder's free space is still worth a size
+        size = "" if is_url(folder) and not known else " (checkpoint size unknown: pass --config or --ckpt-bytes)"
+    return CheckRow("checkpoint folder", PASS, f"{folder}: writable, {room}{size}")
 
 
 def _shared_row(folder: str, facts: list[FolderFacts]) -> CheckRow:
