@@ -85,6 +85,8 @@ def test_socket_ifname_rules_of_nccl_and_gloo():
     assert row.status == FAIL and row.hosts == ("b",)
     assert "node 1 (host b): GLOO_SOCKET_IFNAME=^lo uses NCCL's '^' syntax" in row.detail
     assert "its route to node 0 (10.0.0.1) leaves through eth0, which NCCL_SOCKET_IFNAME=ib excludes" in row.detail
+    assert row.fix.startswith("set GLOO_SOCKET_IFNAME to one exact interface name (b: eth0, the interfaces of their "
+                              "routes to the other nodes)")  # the name that works there, not a guess
 
 
 def test_repair_gloo_keeps_doctor_running_and_returns_the_refused_value():

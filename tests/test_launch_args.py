@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import shutil
+import socket
 import subprocess
 
 import pytest
@@ -197,6 +199,19 @@ def test_multi_host_endpoint_on_own_nic_pins_socket_interfaces_unless_user_set_t
     assert kept.env_set == {"GLOO_SOCKET_IFNAME": iface} and kept.env_kept == {"NCCL_SOCKET_IFNAME": "ib0"}
     block = format_plan(kept)
     assert f"GLOO_SOCKET_IFNAME={iface}" in block and "NCCL_SOCKET_IFNAME=ib0 (yours)" in block
+    assert any(note.startswith("NCCL_SOCKET_IFNAME=ib0 matches no interface of ") and f"set it to {iface}" in note
+               for note in kept.notes)
+    with pytest.raises(LaunchUsageError, match=rf"^GLOO_SOCKET_IFNAME=nosuch0: no interface nosuch0 on "
+                       rf"{re.escape(socket.gethostname())} \(it has .*\); set it to {iface}, the interface of this "
+                       rf"host's route to {re.escape(addr)}, or unset it"):
+        plan_for(["--nnodes", "2", "--rdzv-endpoint", f"{addr}:29433", "s.py"], {"GLOO_SOCKET_IFNAME": "nosuch0"})
+
+
+def test_a_gloo_interface_this_host_lacks_is_refused_on_one_host_too():
+    with pytest.raises(LaunchUsageError, match=r"^GLOO_SOCKET_IFNAME=eth9: no interface eth9 on .*; unset it"):
+        plan_for(["--standalone", "--nproc-per-node", "2", "s.py"], {"GLOO_SOCKET_IFNAME": "eth9"})
+    assert plan_for(["--standalone", "--nproc-per-node", "2", "s.py"],
+                    {"GLOO_SOCKET_IFNAME": "lo"}).env_kept["GLOO_SOCKET_IFNAME"] == "lo"
 
 
 # --- SLURM -------------------------------------------------------------------------------------------------------

@@ -108,9 +108,12 @@ def judge_ifnames(nodes: list[IfnameFacts]) -> CheckRow:
                         else "NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME not set: the route to the master decides")
     bad = problems + warnings
     hosts = tuple(dict.fromkeys(n.host for n, _ in bad))
+    routed = {n.host: iface for n, _ in bad for _, _, iface in n.routes if iface and iface != "lo"}
+    names = (f" ({', '.join(f'{host}: {iface}' for host, iface in routed.items())}, the interfaces of their routes "
+             "to the other nodes)") if routed else " (e.g. eth0)"
     return CheckRow("socket interface", FAIL if problems else WARN,
                     "; ".join(f"{node_label(n.node, n.host)}: {why}" for n, why in bad),
-                    fix=f"set {GLOO_VAR} to one exact interface name (e.g. eth0) and {NCCL_VAR} to a prefix or "
+                    fix=f"set {GLOO_VAR} to one exact interface name{names} and {NCCL_VAR} to a prefix or "
                         "^exclusion that matches the NIC the nodes reach each other through",
                     next_command="ip -br addr and `ip route get <other node's address>` on " + ", ".join(hosts),
                     hosts=hosts)

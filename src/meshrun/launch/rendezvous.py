@@ -242,9 +242,32 @@ def _choose_socket_env(plan: LaunchPlan, environ: Mapping[str, str]) -> None:
             plan.env_kept[var] = environ[var]
         elif not plan.single_host and plan.iface:
             plan.env_set[var] = plan.iface
+    _check_socket_env(plan, environ)
     if not plan.single_host and not plan.iface:
         plan.notes.append(f"no interface owns {plan.local_addr}; set GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME "
                           "to the NIC that reaches the other nodes.")
+
+
+def _check_socket_env(plan: LaunchPlan, environ: Mapping[str, str]) -> None:
+    """Your GLOO_SOCKET_IFNAME must name interfaces of this host: gloo would fail each worker a few seconds in, and
+    its peers would wait out their whole timeout for it (LaunchUsageError here, naming the interface to use). A
+    NCCL_SOCKET_IFNAME that matches none is a note: it matters only where NCCL runs."""
+    from meshrun.diag.ifname import gloo_error, nccl_matches
+    from meshrun.launch.net import interface_addresses
+
+    gloo, nccl = environ.get("GLOO_SOCKET_IFNAME"), environ.get("NCCL_SOCKET_IFNAME")
+    if not gloo and not nccl:
+        return
+    interfaces = list(interface_addresses())
+    use = (f"set it to {plan.iface}, the interface of this host's route to {plan.endpoint_host}, or unset it (meshrun "
+           "then sets it so)" if plan.iface and not plan.single_host
+           else "unset it (on one host gloo picks loopback itself)")
+    if gloo and (why := gloo_error(gloo, interfaces)):
+        raise LaunchUsageError(f"{why.replace('this node', socket.gethostname())} (it has {', '.join(interfaces)}); "
+                               f"{use}")
+    if nccl and not nccl_matches(nccl, interfaces):
+        plan.notes.append(f"NCCL_SOCKET_IFNAME={nccl} matches no interface of {socket.gethostname()} (it has "
+                          f"{', '.join(interfaces)}): NCCL would find no socket interface; {use}")
 
 
 def _choose_thread_env(plan: LaunchPlan, environ: Mapping[str, str]) -> None:

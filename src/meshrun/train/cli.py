@@ -153,10 +153,19 @@ def _rank(trainer) -> int:
         return 0
 
 
+def _local_rank(trainer) -> int:
+    from meshrun.env import ProcessPlacement
+
+    try:
+        return trainer.env.local_rank if trainer is not None else ProcessPlacement.detect().local_rank
+    except ValueError:
+        return 0
+
+
 def _clean_error(exc: BaseException) -> tuple[str, int, bool] | None:
     """(line, exit code, every rank raises it alike) for the errors whose message says it all (no traceback helps),
-    else None. Checkpoint outcomes, version checks and the non-finite verdict are agreed by all ranks: rank 0 says
-    them once."""
+    else None. Checkpoint outcomes, version checks and the non-finite verdict are agreed by all ranks: the first
+    rank of each node says them once, so that every node's console holds the reason."""
     import errno
 
     from meshrun.ckpt.errors import CheckpointError
@@ -213,7 +222,7 @@ def run(job) -> int:
             return code
         if clean is not None:
             line, code, agreed = clean
-            if rank == 0 or not agreed:
+            if rank == 0 or not agreed or _local_rank(trainer) == 0:  # agreed: once per node, each node's console
                 _say(f"meshrun train: error: {line}", rank)
             return code
         _say(f"meshrun train: error: {ending[1]}", rank)
