@@ -362,3 +362,27 @@ def test_numa_binding_on_a_node_without_gpus_fails_at_the_command_line(monkeypat
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     with pytest.raises(LaunchUsageError, match="no CUDA GPU"):
         parse_launch_args(["--numa-binding", "node", "--nproc-per-node", "2", "train"])
+
+
+def test_a_store_host_that_went_away_is_named_as_such():
+    """A RendezvousError while the store's host no longer accepts connections (its node died mid-job) names that
+    host and the way out, not an --rdzv-id typo; torch's C++ frames after the error's first line are left out."""
+    import dataclasses
+
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+
+    from meshrun.launch.launcher import rendezvous_error_message
+    from meshrun.launch.net import free_port
+
+    port = free_port()  # nothing listens there: the store's host is gone
+    plan = dataclasses.replace(plan_for(["--standalone", "s.py"]), endpoint_host="127.0.0.1", endpoint_port=port,
+                               store_here=False)
+    error = RendezvousError("Failed to recv, got 0 bytes\nException raised from recvBytes at tcputils.hpp:133\n"
+                            "frame #0: c10::Error::Error")
+    line = rendezvous_error_message(plan, error, ran_s=42.0)
+    assert line.startswith(f"the rendezvous store at 127.0.0.1:{port} stopped answering 42s into the job, seen from ")
+    assert "127.0.0.1, the node that hosts it, went away" in line and "--rdzv-endpoint on a surviving node" in line
+    assert "frame #0" not in line and "Failed to recv, got 0 bytes" in line
+    here = dataclasses.replace(plan, store_here=True)  # this host serves it: the usual suspects
+    assert rendezvous_error_message(here, error, ran_s=1.0).endswith(
+        "check that every node uses the same --rdzv-endpoint and --rdzv-id.")

@@ -126,8 +126,7 @@ def launch(largs: LaunchArgs) -> int:
     except RendezvousTimeoutError as exc:
         raise LaunchError(rendezvous_timeout_message(plan)) from exc
     except RendezvousError as exc:
-        raise LaunchError(f"rendezvous at {plan.endpoint} failed on {_host(plan)}: {_with_cause(exc)}; check that "
-                          "every node uses the same --rdzv-endpoint and --rdzv-id.") from exc
+        raise LaunchError(rendezvous_error_message(plan, exc, ran_s=time.monotonic() - started)) from exc
     finally:
         forwarding.restore()
     return 0
@@ -159,9 +158,23 @@ def _hang_verdict(exc: ChildFailedError) -> str:
     return ""
 
 
+def rendezvous_error_message(plan: LaunchPlan, exc: BaseException, *, ran_s: float) -> str:
+    """The launcher's line for a failed rendezvous. Where another host serves the store and no longer accepts
+    connections, that host went away (its node died, or its launcher ended): say so, since no --rdzv-id or endpoint
+    typo explains a job that had been running; otherwise the usual suspects of a rendezvous that never formed."""
+    if plan.probe_first and not probe_tcp(plan.endpoint_host, plan.endpoint_port, timeout_s=3.0).ok:
+        return (f"the rendezvous store at {plan.endpoint} stopped answering {ran_s:.0f}s into the job, seen from "
+                f"{_host(plan)}: {plan.endpoint_host}, the node that hosts it, went away (its node died or its "
+                "launcher ended), and no node can rejoin without it; restart the job with --rdzv-endpoint on a "
+                f"surviving node (the newest checkpoint resumes it). ({_with_cause(exc)})")
+    return (f"rendezvous at {plan.endpoint} failed on {_host(plan)}: {_with_cause(exc)}; check that every node uses "
+            "the same --rdzv-endpoint and --rdzv-id.")
+
+
 def _with_cause(exc: BaseException) -> str:
-    """The error, and what caused it where torch chained one ('(cause: None)' said nothing)."""
-    text = str(exc).strip() or type(exc).__name__
+    """The error's first line, and what caused it where torch chained one ('(cause: None)' said nothing); torch's
+    C++ frames that follow a store error's first line are left out."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     cause = exc.__cause__ or exc.__context__
     detail = str(cause).strip().splitlines()[0] if cause is not None and str(cause).strip() else ""
     if cause is None or (detail and detail.split("] ")[-1] in text):  # nothing to add to what the error says
