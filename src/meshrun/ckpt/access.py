@@ -19,7 +19,7 @@ from meshrun.ckpt.storage import is_url, register_options, store_for
 if TYPE_CHECKING:
     from meshrun.config import JobConfig
 
-OPTIONS_IN = "the checkpoint.storage_options of a --config job.toml"
+CONFIG_OPTIONS_IN = "the checkpoint.storage_options of a --config job.toml"
 """Where a command's hints say storage options go (``endpoint_url``, ``key``, ``token``, ...)."""
 
 
@@ -45,7 +45,7 @@ def open_location(location: str, job: JobConfig | None) -> tuple[str, str | None
     if job is not None:
         register_options(location, job.checkpoint.storage_options)
     if is_url(location):
-        store_for(location).probe(location, options_in=OPTIONS_IN)
+        store_for(location).probe(location, options_in=CONFIG_OPTIONS_IN)
     return location, note
 
 
@@ -75,4 +75,4 @@ def failure_line(exc: BaseException, location: str) -> str | None:
     ``exc`` is not one (a local path, or a failure that is not the store's)."""
     if not is_url(location):
         return None
-    return store_for(location).describe_error(exc, location, options_in=OPTIONS_IN)
+    return store_for(location).describe_error(exc, location, options_in=CONFIG_OPTIONS_IN)

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystem
 
 from meshrun.ckpt.errors import CheckpointError
 from meshrun.ckpt.safe_metadata import SafeMetadataMixin
-from meshrun.ckpt.storage import COMPLETE, Item, Store, _import_filesystem, attempt_named
+from meshrun.ckpt.storage import COMPLETE, OPTIONS_IN, Item, Store, _import_filesystem, attempt_named
 
 _PROBE_TIMEOUT_S = 5.0
 _CREDENTIAL_HINT = {
@@ -31,8 +31,7 @@ _ENDPOINT_HINT = {
     "s3": "check AWS_ENDPOINT_URL (or endpoint_url in {options}) and that the server is up",
     "gs": "check STORAGE_EMULATOR_HOST (or endpoint_url in {options}) and that the server is up",
 }
-OPTIONS_IN = "checkpoint.storage_options"
-"""Where the hints say storage options go; a command that reads them elsewhere passes its own words."""
+
 
 class ObjectStore(Store):
     """A bucket through fsspec. Locations are URLs (``s3://bucket/prefix/...``)."""

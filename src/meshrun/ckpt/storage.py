@@ -121,6 +121,11 @@ def local_path(location: str | os.PathLike) -> str:
     return text[len("file://"):] if text.startswith("file://") else text
 
 
+OPTIONS_IN = "checkpoint.storage_options"
+"""Where a store's one-line errors say storage options are set (training's words; a command that reads them
+elsewhere passes its own: meshrun.ckpt.access)."""
+
+
 class Store:
     """The operations checkpoints need. Locations are strings (paths or URLs) as given; ``join`` builds them."""
 
@@ -178,12 +183,12 @@ class Store:
         """Free bytes where ``location`` lives, or None where that has no meaning or cannot be known."""
         return None
 
-    def probe(self, location: str, *, options_in: str = "checkpoint.storage_options") -> None:
+    def probe(self, location: str, *, options_in: str = OPTIONS_IN) -> None:
         """Raise a one-line CheckpointError within a few seconds when ``location`` cannot be reached; its fix names
         ``options_in`` as where storage options are set."""
 
     def describe_error(self, exc: BaseException, location: str, *,
-                       options_in: str = "checkpoint.storage_options") -> str | None:
+                       options_in: str = OPTIONS_IN) -> str | None:
         """One line for a failure of this store (unreachable, no credentials), or None when it is not one."""
         return None
 

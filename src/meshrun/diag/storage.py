@@ -18,6 +18,8 @@ host alone with :func:`check_checkpoint_folder_here` and :func:`data_facts`. The
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 import uuid
 from collections import Counter
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from meshrun.ckpt.access import OPTIONS_IN, failure_line
+from meshrun.ckpt.access import CONFIG_OPTIONS_IN, failure_line
 from meshrun.ckpt.errors import CheckpointError
 from meshrun.ckpt.storage import is_url, store_for
 from meshrun.diag.gather import gather_node_facts
@@ -125,7 +127,7 @@ def write_probe(folder: Path | str, token: str, node: int) -> str | None:
     location = str(folder)
     try:
         store = store_for(location)
-        store.probe(location, options_in=OPTIONS_IN)  # a store that does not answer: within seconds, what to set
+        store.probe(location, options_in=CONFIG_OPTIONS_IN)  # a store that does not answer: in seconds, what to set
         store.makedirs(location)
         store.write(store.join(location, _PROBE.format(token=token, node=node)), f"{token} {node}\n".encode())
         return None
@@ -153,19 +155,14 @@ def check_checkpoint_folder(env: ProcessPlacement, folder: str, *, host: str, ne
     """Collective (every rank): write, read back across nodes, clean up; rows on every rank."""
     token_box = [uuid.uuid4().hex[:12]]
     dist.broadcast_object_list(token_box, src=0)  # note: collective; one token for this run
-    token, path, leader = token_box[0], folder, env.local_rank == 0
-    store = store_for(folder)
-    error = write_probe(path, token, env.node_rank) if leader else None
+    token, leader = token_box[0], env.local_rank == 0
+    error = write_probe(folder, token, env.node_rank) if leader else None
     dist.barrier()  # note: collective; every node has written before anyone reads
-    mine = FolderFacts(node=env.node_rank, host=host, writable=error is None, error=error,
-                       free=store.free_bytes(path) if error is None else None,
-                       seen=seen_probes(path, token, env.num_nodes)) if leader else None
+    mine = _facts_after_writes(folder, token, node=env.node_rank, nodes=env.num_nodes, host=host,
+                               error=error) if leader else None
     facts = gather_node_facts(mine)  # also: every node has read before anyone removes its file
     if leader and error is None:
-        try:
-            store.delete(store.join(path, _PROBE.format(token=token, node=env.node_rank)))
-        except OSError:
-            pass
+        _remove_probe(folder, token, env.node_rank)
     return judge_folder(folder, facts, needed=needed)
 
 
@@ -174,19 +171,29 @@ def check_checkpoint_folder_here(folder: str, *, host: str, needed: int) -> list
     :func:`judge_folder` makes them for one node."""
     token = uuid.uuid4().hex[:12]
     error = write_probe(folder, token, 0)
-    free, seen = None, ()
+    facts = _facts_after_writes(folder, token, node=0, nodes=1, host=host, error=error)
     if error is None:
-        store = store_for(folder)
-        seen = seen_probes(folder, token, 1)
-        if not seen:
-            error = "wrote a probe file but could not read it back"
-        free = store.free_bytes(folder)
-        try:
-            store.delete(store.join(folder, _PROBE.format(token=token, node=0)))
-        except OSError:
-            pass
-    facts = FolderFacts(node=0, host=host, writable=error is None, error=error, free=free, seen=seen)
+        _remove_probe(folder, token, 0)
+        if not facts.seen:
+            facts = dataclasses.replace(facts, writable=False, error="wrote a probe file but could not read it back")
     return judge_folder(folder, [facts], needed=needed)
+
+
+def _facts_after_writes(folder: str, token: str, *, node: int, nodes: int, host: str,
+                        error: str | None) -> FolderFacts:
+    """This node's facts once every node has written its probe (or failed to): free space, and the probes of the
+    ``nodes`` nodes it reads back. A node that could not write reads nothing: the folder fails anyway, and the store
+    that refused it may refuse reads with errors of its own."""
+    if error is not None:
+        return FolderFacts(node=node, host=host, writable=False, error=error, free=None)
+    return FolderFacts(node=node, host=host, writable=True, error=None, free=store_for(folder).free_bytes(folder),
+                       seen=seen_probes(folder, token, nodes))
+
+
+def _remove_probe(folder: str, token: str, node: int) -> None:
+    store = store_for(folder)
+    with contextlib.suppress(OSError):
+        store.delete(store.join(folder, _PROBE.format(token=token, node=node)))
 
 
 def judge_folder(folder: str, facts: list[FolderFacts], *, needed: int) -> list[CheckRow]:

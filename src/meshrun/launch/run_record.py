@@ -72,24 +72,20 @@ def train_folders(target: Target) -> TrainFolders | None:
 
 
 def _train_config(args: list[str]) -> JobConfig | None:
-    from meshrun.config_checks import ConfigError
-    from meshrun.config_load import join_overrides, load_config
+    """The job the workers load from ``meshrun train``'s command line, read by train's own parser; None where it
+    refuses the line (the workers refused it too)."""
+    import contextlib
+    import io
 
-    config, rest, i = None, [], 0
-    while i < len(args):  # of `meshrun train`'s own flags, --config, --world-size and --gpus-per-node take a value
-        item = args[i]
-        name = item.split("=", 1)[0]
-        if name in ("--config", "--world-size", "--gpus-per-node"):
-            value = item.split("=", 1)[1] if "=" in item else (args[i + 1] if i + 1 < len(args) else None)
-            i += 1 if "=" in item else 2
-            config = value if name == "--config" else config
-            continue
-        if not (item.startswith("--") and "." not in name):  # --fresh, --profile, --dry-run, --print-config
-            rest.append(item)
-        i += 1
+    from meshrun.config_checks import ConfigError
+    from meshrun.config_load import load_config
+    from meshrun.train.cli import parse_args
+
     try:
-        return load_config(config, join_overrides(rest, command="meshrun train"))
-    except (ConfigError, OSError, ValueError):
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            flags, overrides = parse_args(args)  # argparse's refusals: said already by the workers
+        return load_config(flags.config, overrides)
+    except (ConfigError, OSError, ValueError, SystemExit):
         return None
 
 

@@ -19,10 +19,10 @@ from typing import IO, Mapping
 
 import torch
 
-from meshrun.launch.args import LaunchArgs, LaunchUsageError, check_target, parse_nnodes
+from meshrun.launch.args import LaunchArgs, LaunchUsageError, Target, check_target, parse_nnodes
 from meshrun.launch.net import free_port
 from meshrun.launch.rendezvous import parse_rdzv_conf
-from meshrun.launch.run_record import TrainFolders, record_killed_run, train_folders
+from meshrun.launch.run_record import record_killed_run, train_folders
 
 GRACE_S = 5.0
 """After one agent fails, how long the others get to finish on their own before being stopped. Survivors whose
@@ -66,7 +66,7 @@ def simulate(largs: LaunchArgs) -> int:
             print(f"[agent {i}] {' '.join(command)}", file=sys.stderr)
         return 0
     envs = [dict(os.environ, CUDA_VISIBLE_DEVICES=s) for s in slices] if slices else [None] * nodes
-    return _run_agents(commands, envs, folders=train_folders(largs.target))
+    return _run_agents(commands, envs, target=largs.target)
 
 
 def split_gpus(*, nodes: int, nproc: str, visible: list[str]) -> list[str] | None:
@@ -100,10 +100,9 @@ def _visible_gpus() -> list[str]:
     return listed[:count] if listed else [str(i) for i in range(count)]
 
 
-def _run_agents(commands: list[list[str]], envs: list[dict[str, str] | None], *,
-                folders: TrainFolders | None) -> int:
-    """Run the agents to the end. ``folders``: a ``train`` target's run folder, where summary.json is written after a
-    second Ctrl-C if no agent (nor worker) could write it."""
+def _run_agents(commands: list[list[str]], envs: list[dict[str, str] | None], *, target: Target) -> int:
+    """Run the agents to the end. After a second Ctrl-C, summary.json goes in a ``train`` ``target``'s run folder if
+    no agent (nor worker) could write it."""
     began_at = time.time()  # to tell this launch's records from earlier ones
     agents: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
@@ -127,7 +126,8 @@ def _run_agents(commands: list[list[str]], envs: list[dict[str, str] | None], *,
             pump.join(timeout=5)
     if stop.signum is not None:
         name = "Ctrl-C (SIGINT)" if stop.signum == signal.SIGINT else signal.Signals(stop.signum).name
-        done = (record_killed_run(folders, since=began_at).outcome() if stop.count > 1 and stop.signum == signal.SIGINT
+        killed = stop.count > 1 and stop.signum == signal.SIGINT
+        done = (record_killed_run(train_folders(target), since=began_at).outcome() if killed
                 else "forwarded to every agent, whose workers saved a checkpoint")
         print(f"meshrun launch: {name}: {done}; exit code {128 + stop.signum}.", file=sys.stderr, flush=True)
         return 128 + stop.signum

@@ -47,9 +47,12 @@ if TYPE_CHECKING:
     import torch
 
 
-def count_unique_params(modules: Iterable[nn.Module]) -> int:
-    """Parameters of ``modules`` together, each tensor counted once (tied weights, modules shared between parts)."""
-    return sum(p.numel() for p in {id(p): p for module in modules for p in module.parameters()}.values())
+def count_unique_params(modules: Iterable[nn.Module], *, local: bool = False) -> int:
+    """Parameters of ``modules`` together, each tensor counted once (tied weights, modules shared between parts).
+    ``local``: the elements this rank holds, a DTensor's local tensor (its shard under FSDP2 or TP, the whole
+    tensor where it is replicated)."""
+    unique = {id(p): p for module in modules for p in module.parameters()}.values()
+    return sum(p.to_local().numel() if local and hasattr(p, "to_local") else p.numel() for p in unique)
 
 
 def transformer_block_params(m: ModelShape) -> tuple[int, int]:

@@ -5,12 +5,9 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from torch import nn
-from torch.distributed.tensor import DTensor
-
+from meshrun.models.spec import count_unique_params
 from meshrun.parallel.apply import describe_layout, graphs_left_off, splits_backward, use_loss_parallel
 from meshrun.parallel.checks import bf16_stream, grad_reduce_bf16, use_comm_reorder, uses_fsdp
 from meshrun.parallel.comm_overlap import CTA_VAR, P2P_VAR
@@ -37,21 +34,13 @@ def start_record(trainer: Trainer) -> dict[str, Any]:
                                device=str(trainer.device))
 
 
-def local_param_count(modules: Iterable[nn.Module]) -> int:
-    """Parameter elements this rank holds for ``modules``, each tensor counted once (tied weights, modules shared
-    between pipeline stages): a DTensor's local tensor, which is its shard under FSDP2 or TP and the whole tensor
-    where it is replicated; a plain tensor whole."""
-    unique = {id(p): p for module in modules for p in module.parameters()}.values()
-    return sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in unique)
-
-
 def print_header(trainer: Trainer) -> None:
     """Rank 0's start-up lines (and each rank's placement in its own log): where it runs, the layout, the model,
     the data, the batch formula, what a resume changed, and the config when run.print_config."""
     env, b, m, sampler = trainer.env, trainer.batch, trainer.model_cfg, trainer.data.sampler
     log.info("rank %d of %d on %s: node %d of %d, local rank %d of %d (%s)", env.rank, env.world_size,
              socket.gethostname(), env.node_rank, env.num_nodes, env.local_rank, env.local_world_size, env.source)
-    params = local_param_count(trainer.engine.model_parts)  # this rank's shard under FSDP2 and TP, its stage under PP
+    params = count_unique_params(trainer.engine.model_parts, local=True)  # its shards (FSDP2, TP), its stage (PP)
     per_node = (f"{env.num_nodes} node(s) of different sizes" if env.nodes_differ
                 else f"{env.num_nodes} node(s) x {b.dp_size // max(1, env.num_nodes)} per node")
     lines = [
