@@ -15,6 +15,7 @@ from pathlib import Path
 from torch.distributed.run import get_args_parser
 
 from meshrun.help_format import PlainHelpFormatter
+from meshrun.launch.exit_barrier import DEFAULT_TIMEOUT_S as DEFAULT_EXIT_BARRIER_TIMEOUT_S
 from meshrun.placement import load_environment
 
 DEFAULT_RDZV_TIMEOUT_S = 120
@@ -81,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--rdzv-timeout", "--rdzv_timeout", type=int, default=DEFAULT_RDZV_TIMEOUT_S,
                        help="Seconds to wait for the endpoint to be reachable and for all nodes to join "
                             f"(c10d join_timeout; default {DEFAULT_RDZV_TIMEOUT_S}).")
+    group.add_argument("--exit-barrier-timeout", "--exit_barrier_timeout", metavar="SECONDS",
+                       default=str(DEFAULT_EXIT_BARRIER_TIMEOUT_S),  # a string: checked by parse_launch_args
+                       help="Once this node's workers finished, how long its launcher waits for the other nodes' "
+                            "launchers before it exits (torch's exit barrier; default "
+                            f"{DEFAULT_EXIT_BARRIER_TIMEOUT_S:g}). It stops sooner when the missing launchers' "
+                            "heartbeats to the c10d rendezvous stopped.")
     group.add_argument("--simulate-nodes", "--simulate_nodes", type=int, default=0, metavar="K",
                        help="Rehearse a K-node job on this machine: K elastic agents joined by a c10d rendezvous "
                             "on loopback.")
@@ -107,6 +114,7 @@ def parse_launch_args(argv: list[str]) -> LaunchArgs:
         raise LaunchUsageError(f"--max-restarts {ns.max_restarts}: must be 0 or more.")
     if ns.rdzv_timeout <= 0:
         raise LaunchUsageError(f"--rdzv-timeout {ns.rdzv_timeout}: must be a positive number of seconds.")
+    ns.exit_barrier_timeout = parse_exit_barrier_timeout(ns.exit_barrier_timeout)
     if ns.simulate_nodes < 0 or ns.simulate_nodes == 1:
         raise LaunchUsageError(f"--simulate-nodes {ns.simulate_nodes}: give 2 or more nodes to rehearse "
                                "(leave it out for a single-node job).")
@@ -118,6 +126,19 @@ def parse_launch_args(argv: list[str]) -> LaunchArgs:
             raise LaunchUsageError(str(exc)) from None
     tail = 1 + len(ns.training_script_args)
     return LaunchArgs(ns=ns, given=given, target=detect_target(ns), option_tokens=tuple(argv[:len(argv) - tail]))
+
+
+def parse_exit_barrier_timeout(value: str) -> float:
+    """'300' -> 300.0. Raise naming --exit-barrier-timeout unless it is a number of seconds, 0 or more."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):  # also refuses nan
+        raise LaunchUsageError(f"--exit-barrier-timeout {value!r}: give a number of seconds, 0 or more (how long a "
+                               "node whose workers finished waits for the other nodes' launchers; default "
+                               f"{DEFAULT_EXIT_BARRIER_TIMEOUT_S:g}, 0 does not wait).")
+    return seconds
 
 
 def check_numa_binding(mode: str | None, nproc: str, *, gpus: int | None = None) -> None:

@@ -26,6 +26,7 @@ from meshrun.ckpt.preemption import PREEMPTION_SIGNALS, PreemptionFlag, exit_cod
 from meshrun.launch import stores
 from meshrun.launch.stores import StoreAnswer, probe_store
 from meshrun.launch.args import LaunchArgs, check_target
+from meshrun.launch.exit_barrier import exit_barrier_agent
 from meshrun.launch.net import LOCAL_ADDR_VAR, ProbeResult, probe_tcp
 from meshrun.launch.rendezvous import LaunchPlan, apply_plan, format_plan, make_plan, parse_rdzv_conf
 from meshrun.launch.run_record import record_killed_run, train_folders
@@ -93,7 +94,9 @@ def launch(largs: LaunchArgs) -> int:
         config.signals_to_handle = os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"]
     started, began_at = time.monotonic(), time.time()  # began_at: to tell this launch's records from earlier ones
     try:
-        elastic_launch(config=config, entrypoint=entrypoint)(*entry_args)
+        # torch's agent, with an exit barrier that says what it waits for and gives up on dead launchers
+        with exit_barrier_agent(timeout_s=largs.ns.exit_barrier_timeout):
+            elastic_launch(config=config, entrypoint=entrypoint)(*entry_args)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         verdict = _hang_verdict(exc)

@@ -26,7 +26,8 @@ from meshrun.launch.run_record import record_killed_run, train_folders
 
 GRACE_S = 5.0
 """After one agent fails, how long the others get to finish on their own before being stopped. Survivors whose
-workers succeeded would otherwise sit in torch's exit barrier (300 s) waiting for the failed node."""
+workers succeeded would otherwise wait in the exit barrier for the failed node until its heartbeats expire (about
+20 s; launch/exit_barrier.py)."""
 SIGNAL_WAIT_S = 60.0
 """After a forwarded Ctrl-C or SIGTERM, how long the agents get to stop on their own: each waits up to torch's
 shutdown timeout (30 s) for its workers' final checkpoint."""
@@ -202,7 +203,7 @@ def _wait(agents: list[subprocess.Popen], stop: _Forward) -> int:
                 print(f"meshrun launch: agent {index} exited with code {first_failure}; the other agents get "
                       f"{GRACE_S:.0f}s to finish, then are stopped.", file=sys.stderr, flush=True)
         if deadline is not None and time.monotonic() > deadline:
-            break  # survivors wait in torch's exit barrier (300 s) for the failed node: stop them
+            break  # survivors would wait in the exit barrier for the failed node's heartbeats to expire: stop them
         time.sleep(0.2)
     codes = [agent.returncode for agent in agents if agent.returncode not in (None, 0)]
     return first_failure or (codes[0] if codes else 0)
