@@ -143,6 +143,27 @@ def test_two_nodes_with_different_entry_scripts(tmp_path):
         assert "GPU health: no GPUs: nothing to measure" in report and "cpu cpu" not in report
 
 
+def _doctor_with_a_missing_gloo_interface(rank: int, world_size: int) -> tuple[int, str]:
+    os.environ["GLOO_SOCKET_IFNAME"] = "mrnone9"  # an interface no host has: doctor stands in for it
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = doctor.main(["--timeout", "2", "--wait", "60", "--no-gpu-health"])
+    return code, " ".join(out.getvalue().split())  # rich wraps long lines
+
+
+def test_communication_variables_show_the_users_gloo_interface_not_doctors_stand_in():
+    """A GLOO_SOCKET_IFNAME this host lacks fails its row, and the variables line shows it as the user set it: the
+    interface doctor's own group used instead is named as such, never as the user's setting."""
+    [(code, out)] = run_distributed(_doctor_with_a_missing_gloo_interface, 1, init_pg=False, timeout=120)
+    assert code == 1 and "GLOO_SOCKET_IFNAME=mrnone9: no interface mrnone9 on this node" in out, out
+    line = re.search(r"communication variables \(same on every node\): (.*?) fail socket interface", out).group(1)
+    assert re.match(r"GLOO_SOCKET_IFNAME=mrnone9[, ]", line), line
+    stand_in = re.search(r"\(doctor's own group used (GLOO_SOCKET_IFNAME=\S+|no GLOO_SOCKET_IFNAME) instead\)$", line)
+    assert stand_in and "mrnone9" not in stand_in.group(1), line
+    if stand_in.group(1) != "no GLOO_SOCKET_IFNAME":  # the nodes table: the address came from the stand-in
+        assert f"{stand_in.group(1)} -> " in out and "doctor's stand-in for mrnone9)" in out, out
+
+
 def test_allreduce_check_reports_a_correct_sum_and_a_failing_backend():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

@@ -176,6 +176,7 @@ def test_doctor_across_namespaces_names_the_node_with_each_injected_fault(two_ho
     assert failing[0].strip().startswith("- host mrnode0 (node 0, 198.51.100.1) cannot reach"), report
     assert "network unreachable" in failing[0] or "no route to host" in failing[0], report
     assert "NCCL_SOCKET_IFNAME=mrside0" in report, report
+    assert "communication variables on node 1: GLOO_SOCKET_IFNAME=^lo, " in report, report  # as set, not the stand-in
     rows = _rows(report)
     assert "node 1 (host mrnode1): GLOO_SOCKET_IFNAME=^lo uses NCCL's '^' syntax" in rows["fail socket interface"]
     assert "node 1 (host mrnode1): its route to node 0 (198.51.100.1) leaves through mrveth1, which " \

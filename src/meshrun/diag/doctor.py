@@ -171,15 +171,21 @@ def _matrix_table(matrix: reach.ReachMatrix) -> Table:
 
 
 def _print_env_vars(report: DoctorReport, console: Console) -> None:
-    per_node = {f.node_rank: f.env_vars for f in node_leaders(report.facts)}
-    if len({tuple(v.items()) for v in per_node.values()}) <= 1:
-        values = next(iter(per_node.values()), {})
-        shown = ", ".join(f"{k}={v}" for k, v in values.items()) or "none set"
+    """The variables as the user set them on each node (not doctor's stand-ins, which follow in brackets)."""
+    per_node = {f.node_rank: _describe_env_vars(f.env_vars, f.stand_ins) for f in node_leaders(report.facts)}
+    if len(set(per_node.values())) <= 1:
+        shown = next(iter(per_node.values()), "none set")
         console.print(f"communication variables (same on every node): {shown}", markup=False)
         return
-    for node, values in per_node.items():
-        shown = ", ".join(f"{k}={v}" for k, v in values.items()) or "none set"
+    for node, shown in per_node.items():
         console.print(f"communication variables on node {node}: {shown}", markup=False)
+
+
+def _describe_env_vars(env_vars: dict[str, str], stand_ins: dict[str, str]) -> str:
+    """'GLOO_SOCKET_IFNAME=eth9, NCCL_DEBUG=INFO (doctor's own group used GLOO_SOCKET_IFNAME=eth0 instead)'."""
+    shown = ", ".join(f"{k}={v}" for k, v in env_vars.items()) or "none set"
+    used = [f"{k}={v}" if v else f"no {k}" for k, v in stand_ins.items()]
+    return shown + (f" (doctor's own group used {', '.join(used)} instead)" if used else "")
 
 
 # ---- a single process ------------------------------------------------------------------------------------------

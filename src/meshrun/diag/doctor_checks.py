@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -43,20 +43,37 @@ class NodeFacts:
     gpus: tuple[str, ...]
     nccl: bool
     env_vars: dict[str, str]
+    """The communication variables as the user set them (:func:`comm_env_vars`)."""
+    stand_ins: dict[str, str] = field(default_factory=dict)
+    """What doctor's own group used instead of a value it had to replace ('' for unset): {variable: value}."""
 
 
-def local_facts(env: ProcessPlacement) -> NodeFacts:
+def local_facts(env: ProcessPlacement, *, refused_gloo: str | None = None) -> NodeFacts:
+    """This rank's facts; ``refused_gloo``: the user's GLOO_SOCKET_IFNAME that doctor replaced in os.environ
+    (:func:`meshrun.diag.ifname.repair_gloo`), reported as set, with the stand-in beside it."""
     address, why = reach.advertised_address(env)
+    stand_ins: dict[str, str] = {}
+    if refused_gloo:
+        stand_ins[ifname.GLOO_VAR] = os.environ.get(ifname.GLOO_VAR, "")
+        if why.startswith(f"{ifname.GLOO_VAR}="):  # the stand-in chose the address, not the user's value
+            why += f", doctor's stand-in for {refused_gloo}"
     gpus = tuple(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())) \
         if torch.cuda.is_available() else ()
     return NodeFacts(rank=env.rank, node_rank=env.node_rank, local_rank=env.local_rank, host=socket.gethostname(),
                      address=address, address_why=why, gpus=gpus, nccl=dist.is_nccl_available(),
-                     env_vars=comm_env_vars())
+                     env_vars=comm_env_vars(user_environ(refused_gloo)), stand_ins=stand_ins)
 
 
-def comm_env_vars() -> dict[str, str]:
-    """NCCL/gloo/torch.distributed variables in effect (not rank variables: those come from ProcessPlacement)."""
-    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(_ENV_PREFIXES)}
+def comm_env_vars(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """NCCL/gloo/torch.distributed variables of ``environ`` (default: os.environ); not rank variables: those come
+    from ProcessPlacement."""
+    environ = os.environ if environ is None else environ
+    return {k: v for k, v in sorted(environ.items()) if k.startswith(_ENV_PREFIXES)}
+
+
+def user_environ(refused_gloo: str | None) -> dict[str, str]:
+    """os.environ as the user set it: with the GLOO_SOCKET_IFNAME that doctor replaced for its own group put back."""
+    return dict(os.environ) | ({ifname.GLOO_VAR: refused_gloo} if refused_gloo else {})
 
 
 @dataclass
@@ -93,7 +110,7 @@ def run_distributed(env: ProcessPlacement, args: argparse.Namespace) -> DoctorRe
     refused_gloo = ifname.repair_gloo(os.environ, master_addr=env.master_addr)
     init_distributed(env, DistConfig(backend="gloo", device="cpu", init_timeout_s=args.wait))
     try:
-        facts = _gather(local_facts(env))
+        facts = _gather(local_facts(env, refused_gloo=refused_gloo))
         fingerprints = gather_fingerprints(env=env, script=args.script)
         matrix = reach.check_reachability(env=env, timeout_s=args.timeout, wait_s=args.wait, tag="doctor")
         report = DoctorReport(env=env, facts=facts, fingerprints=fingerprints,
@@ -113,7 +130,7 @@ def job_checks(report: DoctorReport, args: argparse.Namespace, *, refused_gloo: 
     """The check rows: interfaces, clocks, GPUs, GPU speed, checkpoint folder, dataset. Collectives every rank
     must reach in the same order (the decisions below depend only on arguments and gathered facts)."""
     env, host, leader = report.env, socket.gethostname(), report.env.local_rank == 0
-    environ = dict(os.environ) | ({ifname.GLOO_VAR: refused_gloo} if refused_gloo else {})
+    environ = user_environ(refused_gloo)
     peers = {f.node_rank: f.address for f in node_leaders(report.facts)}
     mine = ifname.local_facts(environ, node=env.node_rank, host=host, peers=peers) if leader else None
     report.rows.append(ifname.judge_ifnames(gather_node_facts(mine)))
