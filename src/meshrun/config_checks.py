@@ -70,6 +70,11 @@ TRACKERS: tuple[str, ...] = get_args(TrackerName)
 class ConfigError(ValueError):
     """A user error in the configuration. The message's first line names the option and the fix."""
 
+    same_on_node: bool = False
+    """This node's local rank 0 raises this same message (this rank may be it): that rank says it for the node, and
+    the node's other ranks stay quiet. Set where that is known (the checks before the process group: train/plan.py);
+    otherwise each rank says its own."""
+
 
 _RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     *((f"model.{name}", lambda v: v >= 0, "give a positive value, or 0 to take the named size's")

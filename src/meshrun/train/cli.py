@@ -138,8 +138,9 @@ def _stopped(trainer, result) -> int:
 
 def _say(line: str, rank: int = 0) -> None:
     """One line on stderr in one write (ranks writing at the same moment never glue their lines together); other
-    ranks than 0 name themselves."""
-    text = line if rank == 0 else line.replace(": error: ", f": error: rank {rank}: ", 1)
+    ranks than 0 name themselves (once: a message that starts with its rank keeps it)."""
+    named = f": error: rank {rank}: "
+    text = line if rank == 0 or named in line else line.replace(": error: ", named, 1)
     sys.stderr.write(text.rstrip("\n") + "\n")  # one write of the whole line: stderr is line-buffered
     sys.stderr.flush()
 
@@ -162,10 +163,39 @@ def _local_rank(trainer) -> int:
         return 0
 
 
+NODE_LEADER_GRACE_S = 5.0
+"""How long a rank that leaves its refusal to the node's local rank 0 stays before exiting (the launcher's agent
+ends the wait sooner: see :func:`_outlast_the_node_leader`)."""
+
+
+def _outlast_the_node_leader(code: int) -> None:
+    """Stay until the node's local rank 0 has said the refusal this rank leaves to it, at most NODE_LEADER_GRACE_S.
+
+    Before the trainer exists each rank reaches its refusal at its own pace (imports, the corpus), and torch's agent
+    stops a node's other workers as soon as one exits: a quiet rank that left first could cut local rank 0 off
+    before it printed, and the launcher would name the quiet rank's empty output. Here the agent's SIGTERM, sent
+    once local rank 0 has exited, ends the wait, and this rank exits with ``code`` all the same; without an agent
+    (srun) the wait runs out and the rank returns ``code``."""
+    import signal
+    import time
+
+    try:
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(code))
+    except ValueError:  # not the main thread: no signal could end the wait
+        return
+    try:
+        time.sleep(NODE_LEADER_GRACE_S)
+    except KeyboardInterrupt:  # Ctrl-C reached the whole node: local rank 0 has it too; leave with ``code``
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _clean_error(exc: BaseException) -> tuple[str, int, bool] | None:
     """(line, exit code, every rank raises it alike) for the errors whose message says it all (no traceback helps),
-    else None. Checkpoint outcomes, version checks and the non-finite verdict are agreed by all ranks: the first
-    rank of each node says them once, so that every node's console holds the reason."""
+    else None. Checkpoint outcomes, version checks and the non-finite verdict are agreed by all ranks, and so is a
+    config refusal that reads no rank (``same_on_node``, train/plan.py): the first rank of each node says them once,
+    so that every node's console holds the reason."""
     import errno
 
     from meshrun.ckpt.errors import CheckpointError
@@ -174,7 +204,7 @@ def _clean_error(exc: BaseException) -> tuple[str, int, bool] | None:
     from meshrun.train.nonfinite import NonFiniteError
 
     if isinstance(exc, (ConfigError, PlacementError)):  # the message names the option or variable and the fix
-        return str(exc), 2, False
+        return str(exc), 2, isinstance(exc, ConfigError) and exc.same_on_node
     if isinstance(exc, (NonFiniteError, CheckpointError, FingerprintMismatch)):
         return str(exc), 1, True
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -224,6 +254,8 @@ def run(job) -> int:
             line, code, agreed = clean
             if rank == 0 or not agreed or _local_rank(trainer) == 0:  # agreed: once per node, each node's console
                 _say(f"meshrun train: error: {line}", rank)
+            elif trainer is None:
+                _outlast_the_node_leader(code)
             return code
         _say(f"meshrun train: error: {ending[1]}", rank)
         if trainer is not None and _is_peer_failure(exc):

@@ -6,12 +6,17 @@ shared checkpoint folder, the mesh degrees and the batch; and it checks the layo
 and the device (:func:`meshrun.parallel.checks.check_layout`), so a wrong combination fails before any process
 group or model exists. The trainer and its helpers read the plan; a resume that
 keeps the checkpoint's global batch at another world size builds a new plan (:meth:`RunPlan.keep_global_batch`).
+
+A refusal at this stage is often every rank's: :func:`resolve_on_node` and :func:`refused_alike_on_node` mark those
+that the node's local rank 0 meets too (``ConfigError.same_on_node``), so that train/cli.py says them once per node.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +30,17 @@ from meshrun.models.shape import ModelShape
 from meshrun.models.spec import ModelSpec
 from meshrun.parallel.checks import check_layout, compute_dtype
 from meshrun.train.replicas import group_checkpoint_dir, group_run_dir
+
+
+@contextmanager
+def refused_alike_on_node() -> Iterator[None]:
+    """Within: code that reads the options and this node's files but no rank, so that a ConfigError it raises is
+    raised alike by every rank of the node: it leaves marked ``same_on_node``."""
+    try:
+        yield
+    except ConfigError as exc:
+        exc.same_on_node = True
+        raise
 
 
 def validated(job: JobConfig) -> JobConfig:
@@ -99,3 +115,27 @@ class RunPlan:
         train = dataclasses.replace(self.job.train, global_batch=global_batch, grad_accum=0)
         return dataclasses.replace(self, job=dataclasses.replace(self.job, train=train),
                                    batch=plan_batch(train, self.dims, self.shape))
+
+
+def resolve_on_node(job: JobConfig, *, env: ProcessPlacement, vocab_size: int) -> RunPlan:
+    """:meth:`RunPlan.resolve` for this rank; its ConfigError is marked ``same_on_node`` when this node's local rank
+    0 meets the same one. The plan reads the placement only for the world's and the node's sizes and for this rank's
+    GPU, so resolving it as local rank 0 here gives what that rank meets, without a process group."""
+    try:
+        return RunPlan.resolve(job, env=env, vocab_size=vocab_size)
+    except ConfigError as exc:
+        exc.same_on_node = env.local_rank == 0 or _leader_refusal(job, env=env, vocab_size=vocab_size) == str(exc)
+        raise
+
+
+def _leader_refusal(job: JobConfig, *, env: ProcessPlacement, vocab_size: int) -> str | None:
+    """The ConfigError message that the local rank 0 of ``env``'s node meets resolving ``job``; None when it meets
+    none (or another error: never this refusal)."""
+    leader = dataclasses.replace(env, rank=env.rank - env.local_rank, local_rank=0)  # ranks fill nodes in order
+    try:
+        RunPlan.resolve(job, env=leader, vocab_size=vocab_size)  # selects GPU 0 here: this rank is about to exit
+    except ConfigError as exc:
+        return str(exc)
+    except Exception:  # noqa: BLE001 - whatever else it meets is not this refusal, and must not replace it
+        return None
+    return None

@@ -51,7 +51,7 @@ from meshrun.train.header import print_header, start_record
 from meshrun.train.nonfinite import NonFiniteGuard
 from meshrun.train.rank_timing import data_share, log_rank_timing, rank0_step_s
 from meshrun.train.profiling import IntervalMachine, SlowdownWatch, StepProfiler, build_profiler, profiled_ranks
-from meshrun.train.plan import RunPlan, validated
+from meshrun.train.plan import RunPlan, refused_alike_on_node, resolve_on_node, validated
 from meshrun.train.replicas import ReplicaGroups, ReplicaQuorumError, data_shard
 from meshrun.train.run_folder import RunFolder
 from meshrun.train.resuming import build_checkpointer, resume
@@ -85,10 +85,11 @@ class Trainer:
     config describes."""
 
     def __init__(self, job: JobConfig, *, env: ProcessPlacement | None = None, corpus: Corpus | None = None):
-        checked = validated(job)  # a checked copy: the JobConfig given is left as it was
         self.env = env or ProcessPlacement.detect()
-        self.corpus = corpus or load_corpus(checked.data)
-        self.plan = RunPlan.resolve(checked, env=self.env, vocab_size=self.corpus.vocab_size)
+        with refused_alike_on_node():  # a refusal here is every rank's: the node's local rank 0 says it (train/cli.py)
+            checked = validated(job)  # a checked copy: the JobConfig given is left as it was
+            self.corpus = corpus or load_corpus(checked.data)
+        self.plan = resolve_on_node(checked, env=self.env, vocab_size=self.corpus.vocab_size)
         """What this run trains with (train/plan.py); a resume that keeps the global batch replaces it."""
         job = self.job  # from here on, the resolved config
         if job.train.deterministic:

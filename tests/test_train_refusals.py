@@ -1,0 +1,116 @@
+"""Config refusals of `meshrun train` on several ranks: one that every rank of a node meets alike is said once per
+node, by its local rank 0; one that only some ranks meet (or that differs) is said by each, with its rank."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from meshrun.config import ConfigError, JobConfig, load_config
+from meshrun.env import ProcessPlacement
+from meshrun.train import cli
+from meshrun.train.plan import refused_alike_on_node, resolve_on_node, validated
+
+REFUSAL = "train.global_batch=3 is not divisible by train.micro_batch=8 x 2 data-parallel ranks = 16"
+
+
+def _rank(rank: int) -> ProcessPlacement:
+    """Rank ``rank`` of one node of 2 ranks."""
+    return ProcessPlacement(rank=rank, local_rank=rank, world_size=2, local_world_size=2, node_rank=0, num_nodes=1,
+                            master_addr="127.0.0.1", master_port=29500, source="torchrun")
+
+
+def _refusal(job: JobConfig, env: ProcessPlacement) -> ConfigError:
+    with pytest.raises(ConfigError) as caught:
+        resolve_on_node(validated(job), env=env, vocab_size=256)
+    return caught.value
+
+
+def test_a_refusal_that_reads_no_rank_is_the_node_leaders_to_say():
+    job = load_config(None, ["--train.global_batch=3"])
+    refusal = _refusal(job, _rank(1))
+    assert str(refusal).startswith(REFUSAL) and refusal.same_on_node
+    with pytest.raises(ConfigError) as caught, refused_alike_on_node():  # the options alone: validation
+        validated(load_config(None, ["--train.lr=-1"]))
+    assert caught.value.same_on_node
+    assert not ConfigError("raised elsewhere").same_on_node, "each rank says its own unless known otherwise"
+
+
+def test_a_refusal_of_this_ranks_gpu_alone_stays_this_ranks(monkeypatch):
+    """A node with one GPU and 2 ranks: local rank 1 has no GPU, local rank 0 has one; rank 1 says its refusal."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    refusal = _refusal(load_config(None, ["--dist.device=cuda", "--train.compile=false"]), _rank(1))
+    assert str(refusal).startswith("rank 1: local rank 1 needs GPU 1 but this node has 1")
+    assert not refusal.same_on_node
+
+
+def _run_as(rank: int, monkeypatch, tmp_path: Path, *overrides: str) -> int:
+    for name, value in {**_rank(rank).export(), "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(cli, "NODE_LEADER_GRACE_S", 0.0)
+    job = load_config(None, [f"--run.dir={tmp_path / 'run'}", f"--data.source={pytest.__file__}", *overrides])
+    return cli.run(job)
+
+
+def test_local_rank_1_leaves_a_shared_refusal_to_local_rank_0(monkeypatch, tmp_path, capsys):
+    assert _run_as(1, monkeypatch, tmp_path, "--train.global_batch=3") == 2
+    assert capsys.readouterr().err == ""
+    assert _run_as(0, monkeypatch, tmp_path, "--train.global_batch=3") == 2
+    assert capsys.readouterr().err.startswith(f"meshrun train: error: {REFUSAL}")
+    assert not (tmp_path / "run").exists()
+
+
+def _launch(tmp_path: Path, target: list[str], *overrides: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "meshrun", "launch", "--nproc-per-node", "2", *target, "--model.name=tiny",
+           "--train.steps=2", f"--data.source={pytest.__file__}", f"--run.dir={tmp_path / 'run'}", *overrides]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+ONE_GPU_WORKER = '''\
+"""`meshrun train` as on a node with one GPU: local rank 1 is refused its GPU (the same refusal as choose_device's),
+local rank 0 goes on (to wait at init for rank 1, until the launcher stops it)."""
+import sys
+
+from meshrun.config import ConfigError
+from meshrun.train import plan
+from meshrun.train.cli import main
+
+choose_device = plan.choose_device
+
+
+def one_gpu(env, cfg):
+    if env.local_rank >= 1:
+        raise ConfigError(f"rank {env.rank}: local rank {env.local_rank} needs GPU {env.local_rank} but this node "
+                          "has 1; use --nproc-per-node 1 or fewer")
+    return choose_device(env, cfg)
+
+
+plan.choose_device = one_gpu
+sys.exit(main(sys.argv[1:]))
+'''
+
+
+@pytest.mark.slow
+def test_two_ranks_say_a_shared_refusal_once_and_a_rank_s_own_with_its_rank(tmp_path):
+    """`meshrun launch --nproc-per-node 2 train` with a global batch that does not split: the refusal once (rank 0's),
+    no 'rank 1:' copy, exit code 2 from the launcher naming rank 0. A refusal only local rank 1 meets is still
+    said, naming rank 1."""
+    shared = _launch(tmp_path, ["train"], "--train.global_batch=3")
+    assert shared.returncode == 2, shared.stderr[-3000:]
+    assert shared.stderr.count(REFUSAL) == 1, shared.stderr[-3000:]
+    assert f"meshrun train: error: {REFUSAL}" in shared.stderr and "rank 1:" not in shared.stderr
+    assert "meshrun launch: worker rank 0 (local rank 0" in shared.stderr, shared.stderr[-3000:]
+    worker = tmp_path / "one_gpu_worker.py"
+    worker.write_text(ONE_GPU_WORKER)
+    own = _launch(tmp_path, [str(worker)])
+    assert own.returncode == 2, own.stderr[-3000:]
+    said = [line for line in own.stderr.splitlines() if line.startswith("meshrun train: error:")]
+    assert said == ["meshrun train: error: rank 1: local rank 1 needs GPU 1 but this node has 1; use "
+                    "--nproc-per-node 1 or fewer"], own.stderr[-3000:]  # its rank named once
