@@ -197,13 +197,15 @@ def test_the_round_records_every_node_by_group_rank(c10d_agents):
     assert {node.addr for node in nodes.values()} == {"127.0.0.1"} and nodes == c10d_agents[2]._round_nodes
 
 
-def test_missing_launchers_that_stopped_heart_beating_end_the_wait_early(c10d_agents, capsys):
+def test_missing_launchers_that_stopped_heart_beating_end_the_wait_early(c10d_agents, capsys, monkeypatch):
+    # the heartbeats expire about 5 s in, when the notice would also come: only the ending line is checked here
+    monkeypatch.setattr(exit_barrier, "NOTICE_AFTER_S", 60.0)
     me, dead_1, dead_2 = c10d_agents
     killed(dead_1)
     killed(dead_2)
     took = timed_barrier(me)  # heartbeats expire after 4 x 1 s; the barrier looks once per interval
     err = capsys.readouterr().err
-    assert took < 15, err
+    assert took < 20, err
     (line,) = lines(err)
     assert line.startswith("meshrun launch: stopped waiting after ")
     assert "the launcher on 127.0.0.1 (group rank 1, launcher pid" in line and "(group rank 2," in line
