@@ -31,7 +31,7 @@ def _refusal(job: JobConfig, env: ProcessPlacement) -> ConfigError:
 
 
 def test_a_refusal_that_reads_no_rank_is_the_node_leaders_to_say():
-    job = load_config(None, ["--train.global_batch=3"])
+    job = load_config(None, ["--train.global_batch=3", "--dist.device=cpu"])  # on CPU: no rank is refused a GPU
     refusal = _refusal(job, _rank(1))
     assert str(refusal).startswith(REFUSAL) and refusal.same_on_node
     with pytest.raises(ConfigError) as caught, refused_alike_on_node():  # the options alone: validation
@@ -55,7 +55,8 @@ def _run_as(rank: int, monkeypatch, tmp_path: Path, *overrides: str) -> int:
     for name, value in {**_rank(rank).export(), "LOCAL_WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(cli, "NODE_LEADER_GRACE_S", 0.0)
-    job = load_config(None, [f"--run.dir={tmp_path / 'run'}", f"--data.source={pytest.__file__}", *overrides])
+    job = load_config(None, [f"--run.dir={tmp_path / 'run'}", f"--data.source={pytest.__file__}", "--dist.device=cpu",
+                             *overrides])
     return cli.run(job)
 
 
@@ -69,7 +70,8 @@ def test_local_rank_1_leaves_a_shared_refusal_to_local_rank_0(monkeypatch, tmp_p
 
 def _launch(tmp_path: Path, target: list[str], *overrides: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "meshrun", "launch", "--nproc-per-node", "2", *target, "--model.name=tiny",
-           "--train.steps=2", f"--data.source={pytest.__file__}", f"--run.dir={tmp_path / 'run'}", *overrides]
+           "--train.steps=2", "--dist.device=cpu", f"--data.source={pytest.__file__}", f"--run.dir={tmp_path / 'run'}",
+           *overrides]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
