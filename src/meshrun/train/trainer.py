@@ -115,6 +115,8 @@ class Trainer:
         self.data, self.val = self.build_data()
         self.optimizer = self.build_optimizer()
         self.scheduler = build_scheduler(self.optimizer, job.train)
+        self.step_lr = self.scheduler.get_last_lr()[0]
+        """The learning rate of the last optimizer step (its log record's ``lr``)."""
         self.rank_infos = gather_rank_infos(self.env)  # collective: every rank; host names, gathered once
         self.fused_optimizer = bool(self.optimizer.param_groups[0].get("fused"))
         self.guard = NonFiniteGuard(job.train.nonfinite, device=self.device, rank=self.env.rank,
@@ -293,6 +295,7 @@ class Trainer:
             if first and self.optimizer.triton and not self.optimizer.triton_steps:
                 log.warning("train.adamw_kernel: meshrun's Triton AdamW could not take these parameters (not "
                             "contiguous fp32 tensors on one GPU); torch's fused AdamW steps them")
+        self.step_lr = self.scheduler.get_last_lr()[0]  # the rate this step used, which its log record names
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.progress.step = self.replicas.step if self.replicas is not None else self.progress.step + 1
@@ -423,7 +426,7 @@ class Trainer:
         totals = sums.take()
         values = PendingValues([totals[0], totals[1], grad_norm if grad_norm is not None else float("nan"),
                                 self.guard.count, self.guard.first_step], self.device)
-        return LogSnapshot(step=self.step, epoch=self.data.position.epoch, lr=self.scheduler.get_last_lr()[0],
+        return LogSnapshot(step=self.step, epoch=self.data.position.epoch, lr=self.step_lr,
                            tokens_seen=self.tokens_seen, steps=steps, values=values,
                            has_norm=grad_norm is not None, timing=self.health.timer.take_later(steps))
 
