@@ -29,6 +29,12 @@ from meshrun.launch.net import free_port
 from meshrun.launch.simulate import agent_command
 
 
+@pytest.fixture(autouse=True)
+def fresh_state(monkeypatch):
+    """Each test's barrier starts from a launch of its own (the launcher resets it per launch)."""
+    monkeypatch.setattr(exit_barrier, "STATE", exit_barrier.BarrierState())
+
+
 def store_server() -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
 
@@ -127,6 +133,7 @@ def test_a_signal_while_waiting_stops_the_barrier_as_in_torch(tmp_path):
         timer.cancel()
         signal.signal(signal.SIGUSR1, previous)
     assert agent._in_exit_barrier is False
+    assert exit_barrier.STATE.entered  # the launcher's last line: the workers had finished before the signal
 
 
 def test_a_store_that_went_away_ends_the_barrier_with_one_line(tmp_path, capsys):
@@ -210,6 +217,7 @@ def test_missing_launchers_that_stopped_heart_beating_end_the_wait_early(c10d_ag
     assert line.startswith("meshrun launch: stopped waiting after ")
     assert "the launcher on 127.0.0.1 (group rank 1, launcher pid" in line and "(group rank 2," in line
     assert "stopped heart-beating to the rendezvous" in line and "the job's result on this node stands" in line
+    assert exit_barrier.STATE.dead_nodes == 2  # the store host's shutdown does not wait for them (launch/stores.py)
 
 
 def test_a_launcher_that_counted_in_and_then_died_does_not_excuse_one_still_running(c10d_agents, capsys,

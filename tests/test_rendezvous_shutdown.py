@@ -5,6 +5,7 @@ import time
 
 import torch.distributed as dist
 
+from meshrun.launch import exit_barrier
 from meshrun.launch.stores import ShutdownBarrier
 
 
@@ -44,3 +45,15 @@ def test_a_node_that_never_shuts_down_holds_the_host_only_until_the_timeout():
     started = time.monotonic()
     host.shutdown()
     assert 0.3 <= time.monotonic() - started < 3
+
+
+def test_a_node_whose_launcher_the_exit_barrier_found_dead_is_not_waited_for(monkeypatch):
+    """The exit barrier gave up on a launcher whose heartbeats stopped: that launcher never shuts the rendezvous
+    down either, so the host leaves as soon as the live nodes have."""
+    monkeypatch.setattr(exit_barrier, "STATE", exit_barrier.BarrierState(entered=True, dead_nodes=1))
+    host = Handler([], "host")
+    ShutdownBarrier(host, dist.HashStore(), key="k", hosting=True, timeout_s=30)
+    host.next_rendezvous()  # 2 nodes: this one, and the dead one
+    started = time.monotonic()
+    host.shutdown()
+    assert time.monotonic() - started < 3

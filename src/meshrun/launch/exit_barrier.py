@@ -26,6 +26,7 @@ import functools
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from torch.distributed.elastic.agent.server import api as agent_api
 from torch.distributed.elastic.agent.server.api import WorkerGroup
@@ -45,6 +46,19 @@ POLL_S = 0.5
 """How often the barrier asks the store whether every node counted in. One cheap store call per node each time."""
 NAMED_UP_TO = 64
 """Up to this many nodes, the lines name the missing ones (one store call per node, once)."""
+
+@dataclass
+class BarrierState:
+    """What this launch's exit barrier went through, for the launcher's last line and the store host's wait."""
+
+    entered: bool = False
+    """This node's workers succeeded and its agent reached the exit barrier (a signal now stops no work)."""
+    dead_nodes: int = 0
+    """Nodes whose launchers the barrier found dead: they never close the rendezvous either (launch/stores.py)."""
+
+
+STATE = BarrierState()
+"""This process's launch (one per launcher process); reset by :func:`exit_barrier_agent`."""
 
 BARRIER_KEY: str = getattr(agent_api, "_TERMINAL_STATE_SYNC_ID", "torchelastic/agent/terminal_state")
 """torch's key prefix for the exit barrier (in the store of the rendezvous round, so one barrier per round)."""
@@ -77,6 +91,7 @@ class ExitBarrierAgent(LocalElasticAgent):
         if _barrier_nonblocking is None:  # a torch without the pieces: its own (silent) barrier, with the timeout
             return super()._exit_barrier()
         self._in_exit_barrier = True  # newer torch's health check reads it; older torch has no such attribute
+        STATE.entered = True
         started = time.monotonic()
         try:
             self._wait_for_nodes(started)
@@ -112,6 +127,7 @@ class ExitBarrierAgent(LocalElasticAgent):
             if now >= next_look:  # heartbeats change once per keep-alive interval: no need to read them each poll
                 dead, interval_s = self._dead_missing_nodes()
                 if dead:
+                    STATE.dead_nodes = len(dead)
                     _say(f"stopped waiting after {now - started:.0f}s: the launcher on {_join(dead)} stopped "
                          "heart-beating to the rendezvous before it finished (killed, or its host went down); "
                          "this node's workers finished, and the job's result on this node stands.")
@@ -186,6 +202,7 @@ def exit_barrier_agent(timeout_s: float) -> Iterator[None]:
     from torch.distributed.launcher import api
 
     torch_agent = api.LocalElasticAgent
+    STATE.entered, STATE.dead_nodes = False, 0
     api.LocalElasticAgent = functools.partial(ExitBarrierAgent, barrier_timeout_s=timeout_s)
     try:
         yield

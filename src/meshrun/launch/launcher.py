@@ -23,10 +23,9 @@ from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args
 
 from meshrun.ckpt.preemption import PREEMPTION_SIGNALS, PreemptionFlag, exit_code
-from meshrun.launch import stores
+from meshrun.launch import exit_barrier, stores
 from meshrun.launch.stores import StoreAnswer, probe_store
 from meshrun.launch.args import LaunchArgs, check_target
-from meshrun.launch.exit_barrier import exit_barrier_agent
 from meshrun.launch.net import LOCAL_ADDR_VAR, ProbeResult, probe_tcp
 from meshrun.launch.rendezvous import LaunchPlan, apply_plan, format_plan, make_plan, parse_rdzv_conf
 from meshrun.launch.run_record import record_killed_run, train_folders
@@ -95,7 +94,7 @@ def launch(largs: LaunchArgs) -> int:
     started, began_at = time.monotonic(), time.time()  # began_at: to tell this launch's records from earlier ones
     try:
         # torch's agent, with an exit barrier that says what it waits for and gives up on dead launchers
-        with exit_barrier_agent(timeout_s=largs.ns.exit_barrier_timeout):
+        with exit_barrier.exit_barrier_agent(timeout_s=largs.ns.exit_barrier_timeout):
             elastic_launch(config=config, entrypoint=entrypoint)(*entry_args)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
@@ -110,6 +109,11 @@ def launch(largs: LaunchArgs) -> int:
         return _exit_code(failure.exitcode)
     except SignalException as exc:  # SIGTERM/SIGINT (scancel, Ctrl-C): torch's agent has stopped the workers
         name = signal.Signals(exc.sigval).name
+        if exit_barrier.STATE.entered:  # the workers had succeeded: the signal ended the wait for other nodes only
+            what = "Ctrl-C (SIGINT)" if exc.sigval == signal.SIGINT else name
+            print(f"meshrun launch: {what} on {_host(plan)} while it waited for the other nodes' launchers; this "
+                  "node's workers had finished, so its result stands; exit code 0.", file=sys.stderr, flush=True)
+            return 0
         if exc.sigval in (*PREEMPTION_SIGNALS, signal.SIGINT):
             code = exit_code(name)
             what = "Ctrl-C (SIGINT)" if exc.sigval == signal.SIGINT else name

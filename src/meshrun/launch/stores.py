@@ -25,6 +25,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handl
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from meshrun.comm.store import bind_address, bound_tcp_store
+from meshrun.launch import exit_barrier
 
 BACKEND = "meshrun-c10d"
 """The name torch's launcher is given for this handler (the start-up block says c10d)."""
@@ -65,7 +66,8 @@ class ShutdownBarrier:
     that finished first and exited took the store with it, and the other nodes printed torch's "recvVector failed"
     with a C++ stack trace after a successful job. Installed on a handler, this makes each node count itself in
     under ``key`` once its own shutdown is done, and the host wait for every node of the last rendezvous round
-    (``timeout_s`` at most: a node that died never counts itself in).
+    (``timeout_s`` at most: a node that died never counts itself in), less the nodes whose launchers the exit
+    barrier found dead (launch/exit_barrier.py).
     """
 
     def __init__(self, handler: RendezvousHandler, store: dist.Store, *, key: str, hosting: bool,
@@ -86,7 +88,8 @@ class ShutdownBarrier:
         try:
             arrived = self.store.add(self.key, 1)
             deadline = time.monotonic() + self.timeout_s
-            while self.hosting and arrived < self.nodes and time.monotonic() < deadline:
+            expected = self.nodes - exit_barrier.STATE.dead_nodes  # launchers found dead never count in
+            while self.hosting and arrived < expected and time.monotonic() < deadline:
                 time.sleep(0.05)
                 arrived = self.store.add(self.key, 0)
         except RuntimeError:  # DistError: the store is gone already, nothing left to wait for
