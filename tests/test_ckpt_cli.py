@@ -110,8 +110,15 @@ def test_export_names_a_folder_that_holds_no_checkpoint(folder, tmp_path, capsys
     first = capsys.readouterr().err.strip().splitlines()[0]
     assert first.startswith(f"meshrun ckpt export: {other}: not a checkpoint directory, a checkpoints folder or a "
                             "run folder") and "damaged" not in first, first
-    assert main(["ckpt", "export", str(tmp_path / "missing"), "--to", str(out)]) == 1
-    assert f"{tmp_path / 'missing'}: no such folder; give a checkpoint directory" in capsys.readouterr().err
+    for command in (["export"], ["verify"], ["ls"]):  # a path that is not there: a usage error, exit 2 from each
+        extra = ["--to", str(out)] if command == ["export"] else []
+        assert main(["ckpt", *command, str(tmp_path / "missing"), *extra]) == 2
+        err = capsys.readouterr().err
+        assert f"{tmp_path / 'missing'}: no such folder; give a checkpoint directory" in err or \
+            f"{tmp_path / 'missing'} does not exist; give the checkpoint folder" in err, err
+    (other / "notes.txt").write_text("")
+    assert main(["ckpt", "verify", str(other / "notes.txt")]) == 2
+    assert "notes.txt: a file, not a folder; give a checkpoint directory" in capsys.readouterr().err
     for step in (1, 2):
         (path / step_dir_name(step) / COMPLETE).unlink()
     assert main(["ckpt", "export", str(path.parent), "--to", str(out)]) == 1

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
+import torch
 
 from dist_utils import run_distributed
 from meshrun.diag import bench, links
@@ -39,6 +41,31 @@ def test_sizes_parse_with_binary_units():
     assert [bench.parse_size(s) for s in ("4096", "64K", "1M", "1G", "16MB")] == [4096, 65536, 2**20, 2**30, 2**24]
     with pytest.raises(ValueError, match="--sizes: '1.5M' is not a size"):
         bench.parse_size("1.5M")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--sizes", "1X"], "--sizes: '1X' is not a size; use e.g. 64K"),
+    (["--sizes", "0"], "--sizes: '0' is 0 bytes; give a size above 0"),
+    (["--pairs", "0"], "--pairs: '0' is 0 bytes"),
+    (["--iters", "0"], "--iters 0: give 1 or more timed runs per size"),
+    (["--warmup", "-1"], "--warmup -1: give 0 or more"),
+    (["--groups", "world,nodes"], "--groups world,nodes: choose from world, intra, inter"),
+    (["--backend", "nccl"], "--backend nccl needs CUDA GPUs and none is available here; use --backend gloo"),
+])
+def test_bad_options_are_refused_once_before_the_workers_start(capsys, monkeypatch, argv, message):
+    from meshrun.launch.args import LaunchUsageError, check_target, parse_launch_args
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for command in (["bench"], ["-m", "meshrun", "bench"]):
+        with pytest.raises(LaunchUsageError, match="^bench: " + re.escape(message)):
+            check_target(parse_launch_args(["--nproc-per-node", "2", *command, "allreduce", *argv]).target)
+    for rank in (1, 0):  # under torchrun directly: every rank refuses before its process group, rank 0 says why
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        assert bench.main(["allreduce", *argv]) == 2
+        err = capsys.readouterr().err
+        assert (err.startswith(f"meshrun bench: error: {message}") and len(err.splitlines()) == 1) if rank == 0 \
+            else err == ""
 
 
 def test_single_process_explains_how_to_launch(capsys, monkeypatch):

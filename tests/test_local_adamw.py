@@ -190,3 +190,32 @@ def test_fsdp2_shards_step_locally_like_torchs_adamw(device_type):
             assert ran["specs"][1:] == [0, 0, 0], ran["specs"]
         assert any("adam" in op for op in result["partial_ops"]), "a Partial gradient goes through DTensor"
         assert result["partial_hook_calls"] == 1, "the step's hooks run once on torch's path too"
+
+
+@pytest.mark.parametrize("loop", ["single-tensor", "for-each"])
+def test_the_start_up_line_names_the_adamw_loop_that_runs(monkeypatch, loop):
+    """The 'foreach' kernel gives torch neither foreach nor fused (as the trainer builds it): torch then picks its
+    for-each kernels on CUDA and one tensor at a time on CPU, and the speed line says which."""
+    import torch.optim.adam as torch_adam
+
+    from meshrun.config import load_config
+    from meshrun.parallel.kernels import describe_speed, resolve_adamw_kernel
+
+    ran = []
+    for name in ("_single_tensor_adam", "_multi_tensor_adam"):
+        real = getattr(torch_adam, name)
+        monkeypatch.setattr(torch_adam, name,
+                            lambda *a, _real=real, _name=name, **k: (ran.append(_name), _real(*a, **k)))
+    device = torch.device("cpu")
+    if loop == "for-each":  # as on a CUDA GPU: torch's rule for the devices with for-each kernels says cpu too
+        import torch.optim.optimizer as torch_optimizer
+
+        monkeypatch.setattr(torch_optimizer, "_get_foreach_kernels_supported_devices", lambda: ["cuda", "cpu"])
+    job = load_config(None, ["--train.fused_optimizer=false"])
+    kernel = resolve_adamw_kernel(job, device)
+    params = [nn.Parameter(torch.randn(8, 4)), nn.Parameter(torch.randn(4))]
+    opt = LocalShardAdamW(params, lr=1e-2, fused=kernel != "foreach" or None)  # the trainer's arguments
+    sum(p.sum() for p in params).backward()
+    opt.step()
+    assert ran == [{"single-tensor": "_single_tensor_adam", "for-each": "_multi_tensor_adam"}[loop]]
+    assert f"| AdamW ({loop}) |" in describe_speed(job, device, None)

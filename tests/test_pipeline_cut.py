@@ -65,7 +65,7 @@ def test_train_dry_run_resolves_the_micro_batches_and_shows_the_cut(capsys):
     from meshrun.parallel.dryrun import dry_run
 
     job = load_config(None, ["--model.name=1b", "--parallel.pp=2", "--parallel.dp_replicate=1",
-                             "--train.micro_batch=2", "--train.grad_accum=3"])
+                             "--parallel.pp_schedule=1f1b", "--train.micro_batch=2", "--train.grad_accum=3"])
     assert dry_run(job, world_size=2, gpus_per_node=2, ranks=[1]) == 0  # pp_microbatches=0: 6 samples of 2048
     out = capsys.readouterr().out                                          # tokens, 3 micro-batches of 4096
     assert "3 micro-batches, blocks 10+8" in out and re.search(r"layers\s+10-17", out)  # rich may wrap the line

@@ -241,3 +241,33 @@ def test_fsdp_working_memory_counts_two_units_as_the_trainer_makes_them(override
     mats, norms = plan.spec.block_params(plan.model)
     extra = plan.memory[0]["bytes"]["params"] - one.memory[0]["bytes"]["params"]
     assert extra == (blocks - 2) * (mats + norms) * 2  # bf16 copies of the blocks gathered beyond two
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tokens", "1T", "--peak-tflops", "0"], "--peak-tflops 0: must be above 0"),
+    (["--tokens", "1T", "--peak-tflops", "-5"], "--peak-tflops -5: must be above 0"),
+    (["--tokens", "1T", "--tokens-per-s", "-100"], "--tokens-per-s -100: must be above 0"),
+    (["--tokens", "1T", "--tokens-per-s", "0"], "--tokens-per-s 0: must be above 0"),
+    (["--tokens", "1T", "--from-run", "/nonexistent"], "--from-run /nonexistent: no such folder"),
+    (["--tokens", "1T", "--from-run", ".", "--tokens-per-s", "5"], "--from-run and --tokens-per-s both give"),
+    (["--from-run", "/nonexistent"], "--from-run only shapes the time estimate; give --tokens too"),
+    (["--tokens-per-s", "100", "--mfu", "0.5"], "--mfu, --tokens-per-s only shape the time estimate; give --tokens"),
+])
+def test_bad_time_estimate_options_are_refused_not_replaced(capsys, argv, message):
+    assert planner.main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_dtype_auto_is_planned_as_bf16_and_json_writes_the_resolved_kv_heads(capsys):
+    out = run_json(capsys, "--model", "1b", "--dtype", "auto")
+    assert out["dtype"] == {"train_dtype": "auto", "compute": "bf16"} and out["model"]["n_kv_heads"] == 16
+    assert out["memory"] == run_json(capsys, "--model", "1b", "--dtype", "bf16")["memory"]
+    assert planner.main(["--model", "1b", "--dtype", "auto", "--ranks", "1"]) == 0
+    assert "compute dtype: bf16 (train.dtype=auto: bf16, as training picks on GPUs" in capsys.readouterr().out
+
+
+def test_the_doc_shows_the_cuts_plan_prints_for_1b_on_two_stages():
+    cut = lambda *argv: list(make_plan("--model", "1b", "--pp", "2", *argv).dims.pp_layers)  # noqa: E731
+    assert cut() == [5, 5, 5, 3] and cut("--pp-balance", "blocks") == [5, 5, 4, 4]  # auto: interleaved1f1b
+    assert cut("--pp-schedule", "1f1b") == [10, 8] and cut("--pp-schedule", "1f1b", "--pp-balance", "blocks") == [9, 9]

@@ -143,3 +143,21 @@ def test_the_forward_plot_shows_the_gpus_and_the_hosts_time_of_a_gpu_run(tmp_pat
     older = load_run(_write_run(tmp_path / "old", _records()))
     assert forward_times(cpu) == forward_times(older) == ([], [], [])
     assert plot_forward(cpu, tmp_path, "cpu.svg") is None
+
+
+def test_runs_table_shows_a_short_layout_cell_with_the_degrees_and_a_right_plural():
+    from meshrun.comm.mesh import ParallelDims
+    from meshrun.config import ParallelConfig
+    from meshrun.parallel.apply import describe_layout
+    from meshrun.report.runs import short_layout
+
+    def cell(world_size: int, **degrees) -> str:
+        dims = ParallelDims.from_config(ParallelConfig(**degrees), world_size=world_size)
+        return short_layout(describe_layout(dims))
+
+    assert cell(2, pp=2, pp_schedule="1f1b", pp_microbatches=4) == "PP 2 1f1b (2 ranks)"
+    assert cell(16, pp=2, tp=2, dp_shard=2, dp_replicate=-1, pp_schedule="1f1b", pp_microbatches=4) == \
+        "PP 2 1f1b + TP 2 + HSDP (16 ranks)"
+    assert cell(2) == "DDP (2 ranks)" and cell(1) == "single process"
+    assert short_layout("pp 1 x dp_replicate 1 x dp_shard 1 x tp 1 = 1 ranks") == "1 rank"  # an older run's line
+    assert short_layout(None) == "-"

@@ -269,7 +269,7 @@ def test_header_line_names_the_choices():
     job = load_config(None, ["--train.grad_clip=0"])
     line = describe_speed(job, CPU, None)
     assert line == ("speed: compile off (train.compile=auto) | fp32 | attention default | cross-entropy torch | "
-                    "AdamW (for-each) | no grad clip")
+                    "AdamW (single-tensor) | no grad clip")
     assert "| bf16 autocast |" in describe_speed(job, CPU, torch.bfloat16)
     assert "| bf16 parameters (FSDP2), fp32 gradient reduction |" in describe_speed(job, CPU, torch.bfloat16, fsdp=True)
     bf16 = load_config(None, ["--parallel.grad_reduce_dtype=bf16"])

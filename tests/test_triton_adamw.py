@@ -199,7 +199,7 @@ def test_fsdp2_and_tp_local_shards_step_through_the_kernel(monkeypatch):
 def test_auto_picks_the_kernel_on_cuda_only_and_triton_elsewhere_is_refused():
     job = load_config(None, [])
     assert resolve_adamw_kernel(job, torch.device("cpu")) == "foreach"
-    assert "AdamW (for-each)" in describe_speed(job, torch.device("cpu"), None)
+    assert "AdamW (single-tensor)" in describe_speed(job, torch.device("cpu"), None)
     job = load_config(None, ["--train.adamw_kernel=triton"])
     refused = r"^train.adamw_kernel=triton .*this run is on cpu.*--train.adamw_kernel=auto"
     with pytest.raises(ConfigError, match=refused):

@@ -4,7 +4,7 @@ writes as it updates the fp32 weights, and with one micro-batch a step their gra
 The arithmetic is autocast's (the same bf16 weights in the matmuls, the gradients' same values), so runs are compared
 bitwise with the same run without copies:
 
-* through the trainer on CPU (bf16 autocast, torch's for-each AdamW, which changes the weights itself, so each step
+* through the trainer on CPU (bf16 autocast, torch's single-tensor AdamW, which changes the weights itself, so each step
   casts the copies again), with one micro-batch a step and with two;
 * the Triton kernel, run by Triton's interpreter on CPU, writing the copies as it steps and reading bf16 gradients,
   against the same kernel without copies (bitwise copies; the gradient norm sums bf16 values in another order, so

@@ -25,7 +25,8 @@ examples:
   meshrun sample runs/default --prompt "def " --tokens 200
   meshrun sample runs/default/checkpoints/step_0000300 --temperature 0 --prompt "import "
   meshrun sample s3://bucket/run1/checkpoints --config runs/run1/config.toml
-CHECKPOINT may be a checkpoint directory, a checkpoints folder or a run directory (the newest complete one is used).
+CHECKPOINT may be a checkpoint directory (or its manifest.json), a checkpoints folder or a run directory (the newest
+complete one is used).
 --config's checkpoint.storage_options (endpoint_url, ...) open an s3:// or gs:// CHECKPOINT.
 """
 
@@ -44,16 +45,27 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def option_error(args: argparse.Namespace) -> str | None:
+    """The first sampling option that cannot work, in one line naming it and the fix; None when all can."""
+    if args.tokens < 1:
+        return f"--tokens {args.tokens}: give 1 or more"
+    if not args.temperature >= 0 or args.temperature == float("inf"):  # `not >=` also refuses nan
+        return f"--temperature {args.temperature:g}: give 0 (greedy) or more, e.g. 0.8"
+    if args.top_k < 0:
+        return f"--top-k {args.top_k}: give 0 (all tokens) or a number of the most likely tokens, e.g. 40"
+    return None
+
+
 def find_config(step_dir: Path | str, explicit: str | None) -> JobConfig:
     """The run's config: --config, else the one the checkpoint carries, else (a checkpoint of an older meshrun)
     config.toml in the run directory above the checkpoints folder."""
     from meshrun.ckpt.manifest import data_location, read_manifest
-    from meshrun.ckpt.run_config import job_from_dict, saved_config
+    from meshrun.ckpt.run_config import job_from_dict, trained_config
 
     if explicit:
         return load_config(explicit)
     try:
-        stored = saved_config(read_manifest(data_location(step_dir)))
+        stored = trained_config(read_manifest(data_location(step_dir)))  # tie_embeddings as the weights were trained
     except CheckpointError:
         stored = None  # verified (and named) when the weights are loaded
     if stored is not None:
@@ -88,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     from meshrun.models.generate import generate
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    problem = option_error(args)
+    if problem:
+        print(f"meshrun sample: error: {problem}", file=sys.stderr)
+        return 2
     location = args.checkpoint
     try:
         explicit = access.job_config(args.config) if args.config else None
@@ -99,8 +115,6 @@ def main(argv: list[str] | None = None) -> int:
         if job.model.vocab_size and job.model.vocab_size > 256:
             raise ConfigError(f"{step_dir}: model.vocab_size={job.model.vocab_size} is not byte-level text; "
                               "meshrun sample decodes bytes only")
-        if args.tokens < 1:
-            raise ConfigError(f"--tokens {args.tokens}: give 1 or more")
         model, manifest = load_model(step_dir, job)
     except (CheckpointError, ConfigError) as exc:
         print(f"meshrun sample: error: {exc}", file=sys.stderr)

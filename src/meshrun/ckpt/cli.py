@@ -3,6 +3,9 @@
     meshrun ckpt ls [DIR] [--config TOML]          table of the checkpoints in DIR (or DIR/checkpoints)
     meshrun ckpt verify PATH [--no-checksums]      exit 1, naming each bad file, if PATH (or a run folder's newest
                                                    checkpoint) is not intact or would be refused by a resume
+
+Exit codes: 0 done; 1 a checkpoint missing, damaged or refused; 2 a wrong command line, a path that does not exist
+included.
     meshrun ckpt export PATH --to model.safetensors   consolidated model weights of PATH (or of a run folder's
                                                    newest checkpoint) for inference
 
@@ -21,7 +24,7 @@ from pathlib import Path
 from rich.console import Console
 
 from meshrun.ckpt import access, reader
-from meshrun.ckpt.errors import CheckpointError
+from meshrun.ckpt.errors import CheckpointError, CheckpointPathError
 from meshrun.ckpt.storage import store_for
 from meshrun.config import ConfigError
 from meshrun.help_format import PlainHelpFormatter
@@ -69,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         return {"ls": _ls, "list": _ls, "verify": _verify, "export": _export}[args.command](args)
     except (CheckpointError, ConfigError) as exc:
         print(f"meshrun ckpt {args.command}: {exc}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(exc, CheckpointPathError) else 1
     except Exception as exc:  # the store's failures (not all OSErrors: botocore's are not) in one line
         line = access.failure_line(exc, location)
         if line is None and not isinstance(exc, OSError):
@@ -80,8 +83,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _ls(args: argparse.Namespace) -> int:
     folder = reader.resolve_folder(args.dir)
-    if not store_for(folder).is_dir(folder):
-        print(f"meshrun ckpt ls: {folder} does not exist; give the checkpoint folder (checkpoint.dir) or the "
+    store = store_for(folder)
+    if not store.is_dir(folder):
+        what = "is a file, not a folder" if store.exists(folder) else "does not exist"
+        print(f"meshrun ckpt ls: {folder} {what}; give the checkpoint folder (checkpoint.dir) or the "
               "run folder (run.dir)", file=sys.stderr)
         return 2
     rows = reader.list_checkpoints(folder)

@@ -19,10 +19,10 @@ import torch.distributed.checkpoint as dcp
 from rich.table import Table
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from meshrun.ckpt.errors import CheckpointError
+from meshrun.ckpt.errors import CheckpointError, CheckpointPathError
 from meshrun.ckpt.folder import STEP_RE, complete_steps, scan, step_dir_name
 from meshrun.ckpt.manifest import check_checksums, check_structure, data_location, read_manifest
-from meshrun.ckpt.run_config import saved_config
+from meshrun.ckpt.run_config import trained_config
 from meshrun.ckpt.safe_metadata import METADATA_FILE, load_metadata
 from meshrun.ckpt.storage import Store, is_url, store_for
 from meshrun.units import format_bytes
@@ -61,17 +61,21 @@ def resolve_folder(arg: str | None) -> str:
 def resolve_checkpoint(path: Path | str) -> Path | str:
     """A step directory from a step directory, a checkpoints folder or a run directory (its newest complete one, the
     one a resume picks first); paths or ``s3://`` / ``gs://`` URLs. A step directory is returned as it is, complete
-    or not (verify and export then name what is wrong with it); anything else that holds no complete checkpoint
-    raises CheckpointError naming the path and what was expected."""
+    or not (verify and export then name what is wrong with it), and so is the one whose manifest.json or COMPLETE file
+    is given; anything else that holds no complete checkpoint raises CheckpointError naming the path and what was
+    expected."""
     store, location = store_for(path), str(path).rstrip("/")
     name = location.rsplit("/", 1)[-1]
+    if name in ("manifest.json", "COMPLETE") and store.exists(location) and not store.is_dir(location):
+        return resolve_checkpoint(store.parent(location) or ".")  # a checkpoint's own file: the checkpoint it is in
     if (store.exists(store.join(location, "COMPLETE")) or store.exists(store.join(location, "manifest.json"))
             or STEP_RE.match(name)):
         return location if is_url(location) else Path(location)
     expected = ("give a checkpoint directory (step_NNNNNNN), a checkpoints folder (step_* directories inside) or a "
                 "run folder (checkpoints/ inside), e.g. runs/default")
     if not store.is_dir(location):
-        raise CheckpointError(f"{path}: no such folder; {expected}")
+        what = "a file, not a folder" if store.exists(location) else "no such folder"
+        raise CheckpointPathError(f"{path}: {what}; {expected}")
     inner = store.join(location, "checkpoints")
     for folder in (location, inner):
         entries = scan(folder) if store.is_dir(folder) else []
@@ -192,7 +196,7 @@ def export_model(path: Path | str, out: Path) -> dict[str, Any]:
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.name + ".partial")
     metadata = {"format": "pt", "step": str(manifest["step"]), "source": str(path)}
-    config = saved_config(manifest)
+    config = trained_config(manifest)  # tie_embeddings as trained: false for a checkpoint saved under a pipeline
     if config is not None:  # what the weights need to be rebuilt: the model section, and the whole job
         metadata.update(model_config=json.dumps(config.get("model", {}), sort_keys=True),
                         meshrun_config=json.dumps(config, sort_keys=True))

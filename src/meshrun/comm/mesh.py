@@ -299,7 +299,7 @@ class ParallelDims:
 
     def describe(self) -> str:
         parts = [f"{name} {self.degree(name)}" for name in MESH_DIMS]
-        text = " x ".join(parts) + f" = {self.world_size} ranks"
+        text = " x ".join(parts) + f" = {self.world_size} rank{'' if self.world_size == 1 else 's'}"
         if self.pp > 1:
             text += f"; pipeline {self.pp_schedule}, {self.pp_microbatches} micro-batches"
             if self.pp_virtual_stages > 1:

@@ -53,12 +53,45 @@ class BenchRow:
     busbw_gbps: float
 
 
-def parse_size(text: str) -> int:
-    """'1M' -> 1048576 bytes; '64K', '1G', '4096' work too (binary units, as nccl-tests)."""
+def parse_size(text: str, option: str = "--sizes") -> int:
+    """'1M' -> 1048576 bytes; '64K', '1G', '4096' work too (binary units, as nccl-tests). ValueError naming
+    ``option`` for anything else, 0 included."""
     match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)B?\s*", text.upper())
     if not match:
-        raise ValueError(f"--sizes: {text!r} is not a size; use e.g. 64K, 16M, 1G")
-    return int(match.group(1)) * _UNITS[match.group(2)]
+        raise ValueError(f"{option}: {text!r} is not a size; use e.g. 64K, 16M, 1G")
+    size = int(match.group(1)) * _UNITS[match.group(2)]
+    if size == 0:
+        raise ValueError(f"{option}: {text!r} is 0 bytes; give a size above 0, e.g. 64K")
+    return size
+
+
+def usage_error(args: argparse.Namespace, *, cuda: bool) -> str | None:
+    """The first problem of a bench command line, in one line that names the option and the fix; None when it can
+    run. Pure: `meshrun launch` asks before it starts workers, and every worker asks again before its process
+    group exists (so all ranks refuse alike, and rank 0 alone says why)."""
+    try:
+        for text in (args.sizes or "1M").split(","):
+            parse_size(text)
+        if args.pairs is not None:
+            parse_size(args.pairs, "--pairs")
+    except ValueError as exc:
+        return str(exc)
+    if args.iters is not None and args.iters < 1:
+        return f"--iters {args.iters}: give 1 or more timed runs per size (default 20 on GPU, 5 on CPU)"
+    if args.warmup < 0:
+        return f"--warmup {args.warmup}: give 0 or more untimed runs per size (default 3)"
+    groups = [g.strip() for g in args.groups.split(",") if g.strip()]
+    if not groups or set(groups) - set(GROUPS):
+        return f"--groups {args.groups}: choose from {', '.join(GROUPS)} (comma-separated)"
+    if args.backend == "nccl" and not cuda:
+        return "--backend nccl needs CUDA GPUs and none is available here; use --backend gloo (or auto, the default)"
+    return None
+
+
+def launch_usage_error(argv: list[str]) -> str | None:
+    """usage_error for the arguments `meshrun launch ... bench ARGV` hands to every worker, asked once before they
+    start. argparse's own errors and --help exit here, once, as a plain `meshrun bench` would."""
+    return usage_error(build_parser().parse_args(argv), cuda=torch.cuda.is_available())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("op", choices=(*OPS, "all"), help="operation to measure (all: each in turn)")
     parser.add_argument("--sizes", help="comma-separated buffer sizes (default 1M,16M,256M,1G on GPU, "
                                         "64K,1M,8M on CPU)")
-    parser.add_argument("--iters", type=int, default=0, help="timed runs per size (default 20 on GPU, 5 on CPU)")
+    parser.add_argument("--iters", type=int, help="timed runs per size (default 20 on GPU, 5 on CPU)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed runs per size first (default 3)")
     parser.add_argument("--dtype", choices=DTYPES, help="element type (default bf16 on GPU, fp32 on CPU)")
     parser.add_argument("--backend", choices=BACKENDS, default="auto",
@@ -89,10 +122,12 @@ def main(argv: list[str] | None = None) -> int:
         console.print("meshrun bench measures collectives between processes: run it as `meshrun launch "
                       f"--nproc-per-node 2 bench {args.op}` (or under torchrun)", markup=False)
         return 2
-    groups = [g.strip() for g in args.groups.split(",") if g.strip()]
-    if not groups or set(groups) - set(GROUPS):
-        console.print(f"--groups {args.groups}: choose from {', '.join(GROUPS)}", markup=False)
+    problem = usage_error(args, cuda=torch.cuda.is_available())
+    if problem:
+        if env.is_rank_zero:  # every rank refuses alike, before any process group: one says why
+            print(f"meshrun bench: error: {problem}", file=sys.stderr)
         return 2
+    groups = [g.strip() for g in args.groups.split(",") if g.strip()]
     from meshrun.config import DistConfig
     from meshrun.comm.process_group import init_distributed, shutdown
 
@@ -115,7 +150,7 @@ def run_bench(args: argparse.Namespace, *, env: ProcessPlacement, device: torch.
     gpu = device.type == "cuda"
     sizes = [parse_size(s) for s in (args.sizes or ("1M,16M,256M,1G" if gpu else "64K,1M,8M")).split(",")]
     dtype = DTYPES[args.dtype or ("bf16" if gpu else "fp32")]
-    iters = args.iters or (20 if gpu else 5)
+    iters = args.iters if args.iters is not None else (20 if gpu else 5)
     ops = OPS if args.op == "all" else (args.op,)
     measured, skipped = bench_groups(groups, env=env, device=device)
     rows = [measure(op, size, dtype=dtype, device=device, iters=iters, warmup=args.warmup, group=group, name=name)
@@ -125,8 +160,8 @@ def run_bench(args: argparse.Namespace, *, env: ProcessPlacement, device: torch.
               "dtype": str(dtype).removeprefix("torch."), "iters": iters, "warmup": args.warmup,
               "torch": torch.__version__, "rows": [asdict(row) for row in rows], "skipped_groups": skipped}
     if args.pairs:
-        matrix = links.measure_pairs(size_bytes=parse_size(args.pairs), dtype=dtype, device=device, iters=iters,
-                                     warmup=args.warmup)
+        matrix = links.measure_pairs(size_bytes=parse_size(args.pairs, "--pairs"), dtype=dtype, device=device,
+                                     iters=iters, warmup=args.warmup)
         result["pairs"] = {"size_bytes": matrix.size_bytes, "gbps": matrix.gbps, "slowest": matrix.slowest(),
                            "nodes": [r // env.local_world_size for r in range(env.world_size)]}
     return result

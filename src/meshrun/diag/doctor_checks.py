@@ -157,7 +157,7 @@ def job_targets(args: argparse.Namespace) -> tuple[str | None, str | None, int]:
     from meshrun.diag.bench import parse_size
 
     data, folder = args.data, args.ckpt_dir
-    needed = parse_size(args.ckpt_bytes) if args.ckpt_bytes else 0
+    needed = parse_size(args.ckpt_bytes, "--ckpt-bytes") if args.ckpt_bytes else 0
     if args.config:
         from meshrun.config import load_config
         from meshrun.models.build import model_shape, model_spec

@@ -203,8 +203,9 @@ misplaced launch option, not one of the command's (``--dry-run`` and ``--environ
 
 
 def check_target(target: Target) -> None:
-    """Fail before starting agents when a script does not exist, or when a launch option was put after a meshrun
-    command, which would hand it to every worker (torchrun would start N workers that all fail)."""
+    """Fail before starting agents when a script does not exist, when a launch option was put after a meshrun
+    command, which would hand it to every worker (torchrun would start N workers that all fail), or when
+    ``bench``'s own options cannot run."""
     if target.kind == "script" and not Path(target.name).is_file():
         raise LaunchUsageError(f"script {target.name!r} not found (cwd {Path.cwd()}); give a path to a Python "
                                f"file, `-m module`, or a meshrun command ({', '.join(WORKER_COMMANDS)}).")
@@ -216,6 +217,22 @@ def check_target(target: Target) -> None:
             raise LaunchUsageError(f"{option} comes after `{target.name}`, so it would go to every worker, not to the "
                                    f"launcher; put launch options before the command: meshrun launch {option} ... "
                                    f"{target.name} ...")
+    bench_args = _bench_args(target)
+    if bench_args is not None:  # refused once, here, rather than by every worker
+        from meshrun.diag.bench import launch_usage_error
+
+        problem = launch_usage_error(bench_args)
+        if problem:
+            raise LaunchUsageError(f"bench: {problem}")
+
+
+def _bench_args(target: Target) -> list[str] | None:
+    """The options of `meshrun bench` when the workers run it (``bench ...`` or ``-m meshrun bench ...``)."""
+    if target.kind == "meshrun" and target.name == "bench":
+        return list(target.args)
+    if target.kind == "module" and target.name == "meshrun" and target.args[:1] == ("bench",):
+        return list(target.args[1:])
+    return None
 
 
 def apply_target(ns: argparse.Namespace, target: Target) -> None:

@@ -8,17 +8,25 @@ Validation happens in three places, each with one job, and a training run goes t
 3. this module (:func:`check_layout`): the layout against the options it runs with (float8, async TP, CUDA graphs,
    the chunked loss, context parallelism) and the device type.
 
+:func:`resolve_layout` runs 2 and 3 for one world and device, with the choices the options leave open; the real start
+(``RunPlan.resolve``), ``meshrun plan`` and ``meshrun train --dry-run`` all go through it, so they refuse alike.
 ``build_engine`` runs :func:`check_layout` again, for callers that build an engine without a plan (Session, tests);
 the checks read only their arguments, so a second run changes nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 import torch
 
-from meshrun.comm.dp_choice import reduces_in_bf16
+from meshrun.comm.dp_choice import choose_data_parallel, reduces_in_bf16
 from meshrun.comm.mesh import ParallelDims
-from meshrun.config import MULTI_STAGE_SCHEDULES, ConfigError, JobConfig
+from meshrun.comm.process_group import choose_backend
+from meshrun.comm.schedule_choice import choose_pp_schedule
+from meshrun.config import MULTI_STAGE_SCHEDULES, BatchPlan, ConfigError, JobConfig, ParallelConfig, TrainConfig, \
+    resolve_batch
 from meshrun.config_checks import tri_state
 from meshrun.models.shape import ModelShape
 from meshrun.models.spec import ModelSpec
@@ -26,7 +34,8 @@ from meshrun.parallel.async_tp import check_async_tp
 from meshrun.parallel.context_parallel import check_context_parallel
 from meshrun.parallel.data_parallel import FSDP_ONE_UNIT_PARAMS, WHOLE_MODEL, symm_mem_supported
 from meshrun.parallel.float8 import check_float8
-from meshrun.parallel.kernels import bf16_by_default, compile_enabled, require_compiled_cuda
+from meshrun.parallel.kernels import (bf16_by_default, compile_enabled, require_compiled_cuda, resolve_adamw_kernel,
+                                      resolve_cross_entropy)
 from meshrun.parallel.pipeline import effective_model_config
 
 
@@ -230,6 +239,76 @@ def check_layout(job: JobConfig, spec: ModelSpec, shape: ModelShape, dims: Paral
         refusal = weight_copies_refusal(job, dims, fp32=fp32)
         if refusal:
             raise ConfigError(refusal)
+
+
+def check_device_choices(job: JobConfig, dims: ParallelDims, device: torch.device) -> None:
+    """Refuse the options that the process group, the engine and the optimizer resolve for ``device`` only once
+    built (dist.backend, train.cross_entropy, train.adamw_kernel), so that a run refuses them before it starts."""
+    if dims.world_size > 1:  # one process starts no process group
+        choose_backend(device, job.dist)
+    resolve_cross_entropy(job.train.cross_entropy, device, compiled=compile_enabled(job.train.compile, device))
+    resolve_adamw_kernel(job, device)
+
+
+def plan_batch(train: TrainConfig, dims: ParallelDims, shape: ModelShape) -> BatchPlan:
+    """train.micro_batch, grad_accum and global_batch over this world's data-parallel ranks; with PP, checked
+    against parallel.pp_microbatches (resolved here when 0). The engine and the data loaders use this one plan."""
+    batch = resolve_batch(train, dp_size=dims.dp_size, seq_len=shape.seq_len)
+    dims.resolve_pipeline_batch(batch.micro_batch * batch.grad_accum, seq_len=batch.seq_len)
+    return batch
+
+
+@dataclass(frozen=True)
+class CheckedLayout:
+    """A job's layout on one world and device, resolved and checked (:func:`resolve_layout`)."""
+
+    job: JobConfig
+    """The job with the parallel options that run (parallel.data_parallel and pp_schedule=auto resolved)."""
+    dims: ParallelDims
+    batch: BatchPlan
+    data_parallel_note: str
+    """What parallel.data_parallel chose, for the start-up header ('' when the degrees were given or stay DDP)."""
+    schedule_note: str
+    """What parallel.pp_schedule=auto chose ('' unless it chose an interleaved schedule)."""
+
+    @property
+    def note(self) -> str:
+        return " | ".join(n for n in (self.data_parallel_note, self.schedule_note) if n)
+
+
+def resolve_layout(job: JobConfig, spec: ModelSpec, shape: ModelShape, *, world_size: int, gpus_per_node: int,
+                   device: torch.device) -> CheckedLayout:
+    """``job``'s layout on ``world_size`` ranks, ``gpus_per_node`` of them per node (0: not known), on ``device``
+    (its type is what matters: a machine without GPUs checks a GPU job with ``torch.device('cuda')``): the choices
+    the options leave open made, the degrees checked against the world and the model (ParallelDims), the options
+    against the layout and the device (:func:`check_layout`, :func:`check_device_choices`), and the batch planned.
+    Everything a run refuses before its process group exists except the files and this rank's GPU; ConfigError names
+    the option."""
+    on_gpu = device.type == "cuda"
+    parallel, dp_note = choose_data_parallel(job.parallel, params=spec.count_params(shape), on_gpu=on_gpu,
+                                             world_size=world_size)
+    auto, schedule_note = choose_pp_schedule(parallel, n_layers=shape.n_layers, on_gpu=on_gpu,
+                                             world_size=world_size, cuda_graphs=job.train.cuda_graphs)
+    where = {"spec": spec, "shape": shape, "world_size": world_size, "gpus_per_node": gpus_per_node,
+             "device": device}
+    try:
+        return _checked(job, auto, dp_note, schedule_note, **where)
+    except ConfigError:
+        if not schedule_note:
+            raise
+        # the step's samples do not split into micro-batches the interleaved schedule takes: 1F1B, as before auto
+        return _checked(job, dataclasses.replace(parallel, pp_schedule="1f1b"), dp_note, "", **where)
+
+
+def _checked(job: JobConfig, parallel: ParallelConfig, dp_note: str, schedule_note: str, *, spec: ModelSpec,
+             shape: ModelShape, world_size: int, gpus_per_node: int, device: torch.device) -> CheckedLayout:
+    job = dataclasses.replace(job, parallel=parallel)
+    dims = ParallelDims.from_config(parallel, world_size=world_size, gpus_per_node=gpus_per_node, model=shape,
+                                    spec=spec)
+    check_layout(job, spec, shape, dims, device=device, compute_dtype=compute_dtype(job, device))
+    check_device_choices(job, dims, device)
+    return CheckedLayout(job=job, dims=dims, batch=plan_batch(job.train, dims, shape), data_parallel_note=dp_note,
+                         schedule_note=schedule_note)
 
 
 SYMM_MEM_NCCL = (2, 28)

@@ -5,8 +5,9 @@ collective and returns at once, so one process can pretend to be rank r of a 512
 plan, FSDP2 sharding and the pipeline split all run exactly as in the real job, on the meta device (no memory).
 What comes out is each simulated rank's parameter shards: shapes, placements and bytes.
 
-``meshrun train --dry-run --world-size N`` calls :func:`dry_run`; ``meshrun plan ... --dry-run`` calls
-:func:`simulate_rank` for the ranks it shows.
+``meshrun train --dry-run --world-size N`` calls :func:`dry_run`, which first runs the checks a real start runs before
+its process group exists (:func:`meshrun.parallel.checks.resolve_layout`, as ``meshrun plan`` does), for the target
+machine's device; ``meshrun plan ... --dry-run`` calls :func:`simulate_rank` for the ranks it shows.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import re
 import sys
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
-from meshrun.config import ConfigError, JobConfig, resolve_batch
+from meshrun.config import ConfigError, JobConfig
 from meshrun.comm.mesh import ParallelDims, RankCoords
 from meshrun.models.build import model_shape, model_spec
 from meshrun.models.shape import ModelShape
@@ -122,28 +124,54 @@ def default_ranks(dims: ParallelDims) -> list[int]:
     return sorted({0, dims.world_size - 1})
 
 
+def target_device(job: JobConfig, *, gpus_per_node: int) -> torch.device:
+    """The device the dry run checks ``job`` for: the target machine's, not this one's. CUDA GPUs, as ``meshrun
+    plan`` assumes, unless dist.device=cpu or ``--gpus-per-node 0`` (nodes without GPUs) asks for CPU processes."""
+    if job.dist.device == "cpu" or (job.dist.device == "auto" and gpus_per_node == 0):
+        return torch.device("cpu")
+    if gpus_per_node == 0:
+        raise ConfigError("--gpus-per-node 0 describes nodes without GPUs, and dist.device=cuda asks for GPUs: give "
+                          "the GPUs per node, or set --dist.device=cpu")
+    return torch.device("cuda")
+
+
+def describe_target(device: torch.device, *, gpus_per_node: int) -> str:
+    """What the dry run assumed about the target machine, and how to assume the other device."""
+    if device.type == "cuda":
+        return f"CUDA GPUs, {gpus_per_node} per node (--gpus-per-node; --dist.device=cpu checks CPU processes)"
+    per_node = f", {gpus_per_node} per node" if gpus_per_node else ""
+    return f"CPU processes{per_node} (dist.device=cpu or --gpus-per-node 0)"
+
+
 def dry_run(job: JobConfig, *, world_size: int, gpus_per_node: int = 8, ranks: list[int] | None = None) -> int:
-    """``meshrun train --dry-run``: check ``job``'s layout for ``world_size`` ranks and print each simulated rank's
-    parameter shards. Returns the exit code (2 for a configuration error, printed with the option to change)."""
+    """``meshrun train --dry-run``: check ``job``'s layout for ``world_size`` ranks on the target machine
+    (:func:`target_device`) as a real start does before its process group exists
+    (:func:`meshrun.parallel.checks.resolve_layout`, the same checks as RunPlan.resolve and ``meshrun plan``), then
+    print each simulated rank's parameter shards. Returns the exit code (2 for a configuration error, printed with
+    the option to change)."""
     from rich.console import Console
 
     from meshrun.parallel.apply import describe_layout
+    from meshrun.parallel.checks import resolve_layout
 
     console = Console(width=None if sys.stdout.isatty() else 160)
     try:
-        model_cfg = model_shape(job)
         if world_size <= 0:
             raise ConfigError("--world-size N is needed with --dry-run (the number of ranks to simulate)")
-        dims = ParallelDims.from_config(job.parallel, world_size=world_size, gpus_per_node=gpus_per_node,
-                                        model=model_cfg, spec=model_spec(job))
-        batch = resolve_batch(job.train, dp_size=dims.dp_size, seq_len=model_cfg.seq_len)
-        dims.resolve_pipeline_batch(batch.micro_batch * batch.grad_accum, seq_len=batch.seq_len)
-        layouts = [simulate_rank(job, model_cfg, dims, r) for r in (ranks or default_ranks(dims))]
+        device = target_device(job, gpus_per_node=gpus_per_node)
+        model_cfg, spec = model_shape(job), model_spec(job)
+        checked = resolve_layout(job, spec, model_cfg, world_size=world_size, gpus_per_node=gpus_per_node,
+                                 device=device)
+        dims = checked.dims
+        layouts = [simulate_rank(checked.job, model_cfg, dims, r) for r in (ranks or default_ranks(dims))]
     except (ConfigError, ValueError) as exc:
-        print(f"meshrun: error: {exc}", file=sys.stderr)
+        print(f"meshrun train: error: {exc}", file=sys.stderr)
         return 2
-    console.print(f"dry run: {describe_layout(dims)} ({gpus_per_node} GPUs per node); fake process group, meta "
+    console.print(f"dry run: {describe_layout(dims)}")
+    console.print(f"checked for {describe_target(device, gpus_per_node=gpus_per_node)}; fake process group, meta "
                   "device")
+    if checked.note:
+        console.print(checked.note)
     for layout in layouts:
         print_rank_layout(console, layout, dims, gpus_per_node=gpus_per_node)
     return 0

@@ -103,6 +103,8 @@ def _triton_blocked(device: torch.device) -> str:
 
     if device.type != "cuda":
         return f"this run is on {device}"
+    if not torch.cuda.is_available():  # a machine without GPUs checking a GPU job (meshrun plan, --dry-run)
+        return ""  # the target's Triton is not known here: taken as present, as cuda_capability takes a recent GPU
     if not triton_ce.available():
         return "the triton package is not installed"
     capability = cuda_capability(device)
@@ -153,6 +155,14 @@ def resolve_adamw_kernel(job: JobConfig, device: torch.device) -> str:
     if not (t.fused_optimizer and device.type == "cuda"):
         return "foreach"
     return "torch" if blocked or t.adamw_kernel == "torch" else "triton"
+
+
+def torch_adamw_loop(device: torch.device) -> str:
+    """What torch's AdamW runs, given neither ``foreach`` nor ``fused`` (as LocalShardAdamW is for the 'foreach'
+    kernel): its for-each kernels on the devices that have them (CUDA, ...), else one tensor at a time (CPU)."""
+    from torch.optim.optimizer import _get_foreach_kernels_supported_devices  # torch's own rule (private)
+
+    return "for-each" if device.type in _get_foreach_kernels_supported_devices() else "single-tensor"
 
 
 def describe_speed(job: JobConfig, device: torch.device, compute_dtype: torch.dtype | None, *,
@@ -209,7 +219,7 @@ def describe_speed(job: JobConfig, device: torch.device, compute_dtype: torch.dt
              precision, f"attention {resolve_attention(t.attention, device)}",
              f"cross-entropy {loss}",
              {"triton": "fused AdamW (Triton)", "torch": "fused AdamW (torch)",
-              "foreach": "AdamW (for-each)"}[resolve_adamw_kernel(job, device)],
+              "foreach": f"AdamW ({torch_adamw_loop(device)})"}[resolve_adamw_kernel(job, device)],
              f"grad clip {t.grad_clip:g}" if t.grad_clip else "no grad clip",
              *([f"pipeline sends and receives on at most {p2p_channels} NCCL channels"] if p2p_channels else []),
              *([fsdp_units] if fsdp_units and fsdp else []),

@@ -66,8 +66,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     _alias(b, "micro-batch", "samples per micro-batch per data-parallel rank (B_local)", type=int)
     _alias(b, "grad-accum", "micro-batches per optimizer step (A)", type=int)
     _alias(b, "global-batch", "samples per optimizer step (derives A)", type=int)
-    _alias(b, "dtype", "compute dtype (default: auto, which is bf16 on GPUs)",
-           choices=[d for d in TRAIN_DTYPES if d != "auto"])
+    _alias(b, "dtype", "compute dtype (default auto: bf16, as training picks on GPUs of compute capability 8.0+)",
+           choices=TRAIN_DTYPES)
     _add_planner_options(p)
     args, rest = p.parse_known_args(argv)
     flags = [flag for action in p._actions for flag in action.option_strings if flag.startswith("--")]
@@ -93,7 +93,7 @@ def _add_layout_aliases(d) -> None:
     _alias(d, "pp-balance", "cut the blocks into stages by estimated cost or by count", choices=PIPELINE_BALANCES)
     _alias(d, "pp-microbatches", "pipeline micro-batches per step (0: the bubble weighed against each one's cost)",
            type=int)
-    _alias(d, "pp-virtual-stages", "stages per rank for interleaved1f1b", type=int)
+    _alias(d, "pp-virtual-stages", "stages per rank for interleaved1f1b, interleavedzb and loopedbfs", type=int)
     _alias(d, "sequence-parallel", "shard norms along the sequence", action="store_const", const="true")
     _alias(d, "activation-checkpoint", "none, selective or full", choices=ACTIVATION_CHECKPOINT_MODES)
     _alias(d, "allow-tp-across-nodes", "permit TP groups that span nodes", action="store_const", const="true")
@@ -103,9 +103,8 @@ def _add_planner_options(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("time for a token budget (6 x N x tokens FLOPs)")
     t.add_argument("--tokens", help="token budget, e.g. 1T or 300B: prints the wall-clock estimate")
     t.add_argument("--params", help="N for the FLOP count, e.g. 100B (default: the model's parameters)")
-    t.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilisation (default 0.4)")
-    t.add_argument("--peak-tflops", type=float, default=0.0,
-                   help="dense bf16 peak per GPU in TFLOP/s (default 989, an H100)")
+    t.add_argument("--mfu", type=float, help="assumed model FLOPs utilisation (default 0.4)")
+    t.add_argument("--peak-tflops", type=float, help="dense bf16 peak per GPU in TFLOP/s (default 989, an H100)")
     t.add_argument("--tokens-per-s", type=float, help="throughput of the whole job, measured or expected")
     t.add_argument("--from-run", help="take --tokens-per-s from this run directory's summary.json")
     o = p.add_argument_group("output")

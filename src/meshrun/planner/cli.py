@@ -52,16 +52,33 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+TIME_OPTIONS = ("params", "mfu", "peak_tflops", "tokens_per_s", "from_run")
+"""The options that only shape the --tokens estimate."""
+
+
 def plan_time_estimate(plan: Plan, args: argparse.Namespace) -> tuple[dict[str, Any] | None, str]:
-    """(estimate, where N came from) for --tokens, or (None, '') without it."""
+    """(estimate, where N came from) for --tokens, or (None, '') without it. Raises ConfigError for an option of the
+    estimate given without --tokens, or a throughput or peak that is not above 0."""
     if not args.tokens:
+        given = [f"--{name.replace('_', '-')}" for name in TIME_OPTIONS if getattr(args, name) is not None]
+        if given:
+            raise ConfigError(f"{', '.join(given)} only shape{'s' if len(given) == 1 else ''} the time estimate; "
+                              "give --tokens too (a token budget, e.g. --tokens 1T)")
         return None, ""
+    for name in ("peak_tflops", "tokens_per_s"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:  # `not >` also refuses nan
+            raise ConfigError(f"--{name.replace('_', '-')} {value:g}: must be above 0"
+                              + (" (989 for an H100's dense bf16)" if name == "peak_tflops" else ""))
+    if args.from_run and args.tokens_per_s is not None:
+        raise ConfigError("--from-run and --tokens-per-s both give the throughput; give only one of them")
     params, params_from = (parse_count(args.params, "--params"), "--params") if args.params else (
         float(plan.spec.count_params(plan.model)), describe_size(plan.job.model))
     throughput = measured_tokens_per_s(args.from_run) if args.from_run else args.tokens_per_s
-    peak = (args.peak_tflops or DEFAULT_PEAK_TFLOPS) * 1e12
+    peak = (DEFAULT_PEAK_TFLOPS if args.peak_tflops is None else args.peak_tflops) * 1e12
     return time_estimate(params=params, tokens=parse_count(args.tokens, "--tokens"), gpus=plan.world_size,
-                         peak_flops=peak, mfu=args.mfu, tokens_per_s=throughput), params_from
+                         peak_flops=peak, mfu=0.4 if args.mfu is None else args.mfu,
+                         tokens_per_s=throughput), params_from
 
 
 def describe_size(model: ModelConfig) -> str:

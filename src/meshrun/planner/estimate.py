@@ -3,14 +3,12 @@ and warnings. Formulas, not measurements: docs/plan.md gives each one."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshrun.config import BatchPlan, ConfigError, JobConfig, ParallelConfig, resolve_batch
+from meshrun.config import BatchPlan, ConfigError, JobConfig, ParallelConfig
 from meshrun.comm.dp_choice import auto_unit_blocks
-from meshrun.comm.mesh import FLAT_DIMS, FSDP_AUTO_PARAMS, MESH_DIMS, ParallelDims, choose_data_parallel
-from meshrun.comm.schedule_choice import choose_pp_schedule
+from meshrun.comm.mesh import FLAT_DIMS, FSDP_AUTO_PARAMS, MESH_DIMS, ParallelDims
 from meshrun.models.shape import ModelShape
 from meshrun.models.spec import ModelSpec
 from meshrun.units import format_bytes
@@ -73,7 +71,7 @@ def build_plan(job: JobConfig, *, nodes: int, gpus_per_node: int, gpu_mem_gib: f
     import torch
 
     from meshrun.models.build import model_shape, model_spec
-    from meshrun.parallel.checks import check_layout, compute_dtype, grad_reduce_bf16, use_cast_once
+    from meshrun.parallel.checks import compute_dtype, grad_reduce_bf16, resolve_layout, use_cast_once
     from meshrun.parallel.kernels import compile_enabled
 
     model, spec = model_shape(job), model_spec(job)
@@ -81,27 +79,11 @@ def build_plan(job: JobConfig, *, nodes: int, gpus_per_node: int, gpu_mem_gib: f
         raise ConfigError(f"model.dim={model.dim} (--hidden) is not divisible by model.n_heads={model.n_heads}")
     world = nodes * gpus_per_node
     params = spec.count_params(model)
-    parallel, note = choose_data_parallel(job.parallel, params=params, on_gpu=True)  # as the trainer on GPUs
     given = job.parallel
-    chosen, auto_note = choose_pp_schedule(parallel, n_layers=model.n_layers, on_gpu=True, world_size=world,
-                                           cuda_graphs=job.train.cuda_graphs)
     gpu = torch.device("cuda")
-
-    def layout(parallel: ParallelConfig) -> tuple[JobConfig, ParallelDims, BatchPlan]:
-        planned = dataclasses.replace(job, parallel=parallel)
-        dims = ParallelDims.from_config(parallel, world_size=world, gpus_per_node=gpus_per_node, model=model,
-                                        spec=spec)
-        check_layout(planned, spec, model, dims, device=gpu, compute_dtype=compute_dtype(planned, "cuda"))
-        batch = resolve_batch(planned.train, dp_size=dims.dp_size, seq_len=model.seq_len)
-        dims.resolve_pipeline_batch(batch.micro_batch * batch.grad_accum, seq_len=batch.seq_len)
-        return planned, dims, batch
-
-    try:
-        job, dims, batch = layout(chosen)
-    except ConfigError:
-        if not auto_note:
-            raise
-        job, dims, batch = layout(dataclasses.replace(parallel, pp_schedule="1f1b"))  # as RunPlan.resolve falls back
+    # the same resolution and checks as the trainer's start (RunPlan.resolve) on GPUs, and meshrun train --dry-run
+    layout = resolve_layout(job, spec, model, world_size=world, gpus_per_node=gpus_per_node, device=gpu)
+    job, dims, batch, note = layout.job, layout.dims, layout.batch, layout.data_parallel_note
     plan = Plan(nodes=nodes, gpus_per_node=gpus_per_node, world_size=world, model=model, spec=spec, dims=dims,
                 batch=batch, job=job,
                 data_parallel=note or data_parallel_line(given, dims, params=params),

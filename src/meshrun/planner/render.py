@@ -15,7 +15,9 @@ def to_json(plan: Plan) -> dict[str, Any]:
     d, b = plan.dims, plan.batch
     return {
         "world_size": plan.world_size, "nodes": plan.nodes, "gpus_per_node": plan.gpus_per_node,
-        "model": dataclasses.asdict(plan.model) | {"ffn_dim": plan.model.hidden_dim},
+        "model": dataclasses.asdict(plan.model) | {"ffn_dim": plan.model.hidden_dim,
+                                                   "n_kv_heads": plan.model.kv_heads},
+        "dtype": {"train_dtype": plan.job.train.dtype, "compute": compute_dtype_name(plan)},
         "parallel": d.degrees() | {"dp_size": d.dp_size, "pp_schedule": d.pp_schedule,
                                    "pp_microbatches": d.pp_microbatches, "pp_virtual_stages": d.pp_virtual_stages,
                                    "pp_balance": d.pp_balance},
@@ -31,6 +33,17 @@ def to_json(plan: Plan) -> dict[str, Any]:
                      "blocks_per_stage": list(d.pp_layers), "cost_share_per_stage": list(d.pp_shares)},
         "communication": plan.comm, "warnings": plan.warnings,
     }
+
+
+def compute_dtype_name(plan: Plan) -> str:
+    """train.dtype as training resolves it on the GPUs the plan assumes: auto is bf16 there."""
+    return "fp32" if plan.job.train.dtype == "fp32" else "bf16"
+
+
+def dtype_source(plan: Plan) -> str:
+    if plan.job.train.dtype == "auto":
+        return "train.dtype=auto: bf16, as training picks on GPUs of compute capability 8.0+; fp32 on older ones"
+    return f"train.dtype={plan.job.train.dtype}"
 
 
 def shown_ranks(plan: Plan, spec: str) -> list[int]:
@@ -54,6 +67,7 @@ def print_plan(plan: Plan, *, ranks: str, console) -> None:
     console.print(f"model: dim {m.dim}, {m.n_layers} layers, {m.n_heads} heads ({m.kv_heads} kv), MLP {m.hidden_dim}, "
                   f"vocab {m.vocab_size}, seq {m.seq_len}, {'tied' if m.tie_embeddings and d.pp == 1 else 'untied'}"
                   " embeddings")
+    console.print(f"compute dtype: {compute_dtype_name(plan)} ({dtype_source(plan)})", highlight=False)
     console.print(plan.data_parallel, highlight=False)
     console.print(f"global batch: {batch_formula(plan)} samples = {plan.batch.tokens_per_step:,} tokens per step")
     print_rank_table(plan, ranks=ranks, console=console)

@@ -34,13 +34,17 @@ def parse_count(text: str, option: str) -> float:
 
 def measured_tokens_per_s(run_dir: str) -> float:
     """A finished or stopped run's steady throughput (over all its ranks) from its summary.json."""
+    if not Path(run_dir).is_dir():
+        raise ConfigError(f"--from-run {run_dir}: no such folder; give a run folder (`meshrun runs` lists them), "
+                          "or --tokens-per-s")
     path = Path(run_dir) / "summary.json"
     try:
-        value = json.loads(path.read_text()).get("tokens_per_s")
+        summary = json.loads(path.read_text())
     except (OSError, ValueError):
         raise ConfigError(f"--from-run {run_dir}: cannot read {path}; give a run that has ended, or --tokens-per-s")
-    if not value:
-        raise ConfigError(f"--from-run {run_dir}: {path} has no tokens_per_s; give --tokens-per-s")
+    value = summary.get("tokens_per_s") if isinstance(summary, dict) else None
+    if not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"--from-run {run_dir}: {path} has no tokens_per_s above 0; give --tokens-per-s")
     return float(value)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,28 @@ def row(run: Run) -> dict[str, Any]:
     return {"run": str(run.path), **{key: s.get(key) for key in FIELDS}, "exit_reason": s.get("exit_reason")}
 
 
+def short_layout(layout: str | None) -> str:
+    """The table's layout cell from the start record's line (parallel.apply.describe_layout: 'pp 2 x dp_replicate 1
+    x ... = 2 ranks; pipeline 1f1b, ... | PP 1f1b | pipeline bubble ...'): the parallelisms with their degrees and
+    the rank count, e.g. 'PP 2 1f1b + TP 4 + HSDP (64 ranks)', 'DDP (2 ranks)', 'single process'. The JSON keeps
+    the whole line."""
+    if not layout:
+        return "-"
+    degrees, _, rest = layout.partition(" | ")
+    name = rest.partition(" | ")[0]
+    found = re.search(r"= (\d+) ranks?\b", degrees)
+    if not name:  # an older run's line: the degrees alone
+        return degrees if found is None else f"{found.group(1)} {'rank' if found.group(1) == '1' else 'ranks'}"
+    if name == "single process" or found is None:
+        return name
+    for dim in ("pp", "tp", "cp"):  # 'PP 1f1b' -> 'PP 2 1f1b', 'TP' -> 'TP 4'
+        degree = re.search(rf"\b{dim} (\d+)\b", degrees)
+        if degree:
+            name = re.sub(rf"\b{dim.upper()}\b", f"{dim.upper()} {degree.group(1)}", name, count=1)
+    ranks = int(found.group(1))
+    return f"{name} ({ranks} {'rank' if ranks == 1 else 'ranks'})"
+
+
 def render_table(rows: list[dict[str, Any]], root: Path):
     from rich.table import Table
 
@@ -45,11 +68,10 @@ def render_table(rows: list[dict[str, Any]], root: Path):
     colors = {"finished": "green", "running": "cyan", "stopped early": "yellow", "interrupted": "yellow",
               "failed": "red"}
     for r in rows:
-        degrees, _, name = (r["layout"] or "-").partition(" | ")  # 'pp 1 x ... = 2 ranks', 'DDP'
         table.add_row(r["run"], f"[{colors.get(r['status'], 'white')}]{r['status']}[/]", f"{r['steps']:,}",
                       f"{r['tokens']:,}", "-" if r["best_val_loss"] is None else f"{r['best_val_loss']:.4f}",
                       "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:,.0f}",
-                      f"{name} ({degrees.rpartition('= ')[2]})" if name else degrees,
+                      short_layout(r["layout"]),
                       "-" if r["last_checkpoint_step"] is None else str(r["last_checkpoint_step"]),
                       str(r["restarts"]))
     return table

@@ -31,9 +31,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="start a new run instead of resuming the one in run.dir, which is moved to "
                         "<run.dir>.N first (--run.fresh=true; docs/training.md)")
     parser.add_argument("--dry-run", action="store_true",
-                        help="build the mesh and apply the layout with a fake process group, then exit")
-    parser.add_argument("--world-size", type=int, default=0, help="with --dry-run: the world size to check")
-    parser.add_argument("--gpus-per-node", type=int, default=8, help="with --dry-run: GPUs per node")
+                        help="check the layout for --world-size ranks as a real start does (as `meshrun plan` "
+                        "does), apply it with a fake process group, print each rank's shards, then exit")
+    parser.add_argument("--world-size", type=int, help="with --dry-run only: the number of ranks to check")
+    parser.add_argument("--gpus-per-node", type=int,
+                        help="with --dry-run only: GPUs per node of the machine checked for (default 8; 0: CPU "
+                        "processes)")
     parser.add_argument("--profile", action="store_true",
                         help="record steps 10-12 (the last 3 of a shorter run) with the torch profiler: "
                         "--run.profile_steps=10-12 unless that is set; on --run.profile_ranks (default 0); traces "
@@ -54,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         args, overrides = parse_args(argv)
+        refuse_dry_run_options(args)
         job = load_config(args.config, overrides)
         if args.fresh:
             job.run.fresh = True
@@ -71,8 +75,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         from meshrun.parallel.dryrun import dry_run
 
-        return dry_run(job, world_size=args.world_size, gpus_per_node=args.gpus_per_node)
+        return dry_run(job, world_size=args.world_size or 0,
+                       gpus_per_node=8 if args.gpus_per_node is None else args.gpus_per_node)
     return run(job)
+
+
+def refuse_dry_run_options(args: argparse.Namespace) -> None:
+    """--world-size and --gpus-per-node describe the machine a --dry-run checks for; a real run takes its world
+    from the launcher, so there they would be ignored: refused, naming the fix."""
+    if args.dry_run:
+        return
+    if args.world_size is not None:
+        raise ConfigError(f"--world-size {args.world_size} sets the ranks a --dry-run checks, and this is a real run "
+                          "(its ranks come from the launcher): add --dry-run, or start the ranks with `meshrun launch "
+                          f"--nproc-per-node {max(args.world_size, 1)} train ...`")
+    if args.gpus_per_node is not None:
+        raise ConfigError(f"--gpus-per-node {args.gpus_per_node} describes the machine a --dry-run checks for, and "
+                          "this is a real run (on this machine's GPUs): add --dry-run, or start one rank per GPU "
+                          f"with `meshrun launch --nproc-per-node {max(args.gpus_per_node, 1)} train ...`")
 
 
 def _with_model_shape(job: JobConfig) -> JobConfig:
@@ -193,9 +213,10 @@ def _outlast_the_node_leader(code: int) -> None:
 
 def _clean_error(exc: BaseException) -> tuple[str, int, bool] | None:
     """(line, exit code, every rank raises it alike) for the errors whose message says it all (no traceback helps),
-    else None. Checkpoint outcomes, version checks and the non-finite verdict are agreed by all ranks, and so is a
-    config refusal that reads no rank (``same_on_node``, train/plan.py): the first rank of each node says them once,
-    so that every node's console holds the reason."""
+    else None. Version checks and the non-finite verdict are agreed by all ranks, and so are the checkpoint errors
+    decided on rank 0 or from gathered findings (``same_on_every_rank``, ckpt/errors.py) and a config refusal that
+    reads no rank (``same_on_node``, train/plan.py): the first rank of each node says them once, so that every
+    node's console holds the reason. Any other is said by the rank that raised it: its peers may have met nothing."""
     import errno
 
     from meshrun.ckpt.errors import CheckpointError
@@ -205,7 +226,9 @@ def _clean_error(exc: BaseException) -> tuple[str, int, bool] | None:
 
     if isinstance(exc, (ConfigError, PlacementError)):  # the message names the option or variable and the fix
         return str(exc), 2, isinstance(exc, ConfigError) and exc.same_on_node
-    if isinstance(exc, (NonFiniteError, CheckpointError, FingerprintMismatch)):
+    if isinstance(exc, CheckpointError):
+        return str(exc), 1, exc.same_on_every_rank
+    if isinstance(exc, (NonFiniteError, FingerprintMismatch)):
         return str(exc), 1, True
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return (f"{exc.filename or 'a file'}: no space left on the device ({exc.strerror}); free space or choose "

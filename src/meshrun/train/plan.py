@@ -3,9 +3,10 @@
 :meth:`RunPlan.resolve` checks a copy of the config (``validate`` normalises it), then fills in what the options
 leave open: the named size's model shape, the data parallelism that runs (parallel.data_parallel), replica groups'
 shared checkpoint folder, the mesh degrees and the batch; and it checks the layout against the options, the model
-and the device (:func:`meshrun.parallel.checks.check_layout`), so a wrong combination fails before any process
-group or model exists. The trainer and its helpers read the plan; a resume that
-keeps the checkpoint's global batch at another world size builds a new plan (:meth:`RunPlan.keep_global_batch`).
+and the device (:func:`meshrun.parallel.checks.resolve_layout`, which ``meshrun plan`` and ``meshrun train
+--dry-run`` run too), so a wrong combination fails before any process group or model exists. The trainer and its
+helpers read the plan; a resume that keeps the checkpoint's global batch at another world size builds a new plan
+(:meth:`RunPlan.keep_global_batch`).
 
 A refusal at this stage is often every rank's: :func:`resolve_on_node` and :func:`refused_alike_on_node` mark those
 that the node's local rank 0 meets too (``ConfigError.same_on_node``), so that train/cli.py says them once per node.
@@ -20,16 +21,18 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshrun.comm.mesh import ParallelDims, choose_data_parallel
-from meshrun.comm.schedule_choice import choose_pp_schedule
-from meshrun.comm.process_group import choose_device, wants_cuda
-from meshrun.config import BatchPlan, ConfigError, JobConfig, TrainConfig, resolve_batch
+from meshrun.comm.mesh import ParallelDims
+from meshrun.comm.process_group import choose_device
+from meshrun.config import BatchPlan, ConfigError, JobConfig
 from meshrun.env import ProcessPlacement
 from meshrun.models.build import model_shape, model_spec, resolved_model
 from meshrun.models.shape import ModelShape
 from meshrun.models.spec import ModelSpec
-from meshrun.parallel.checks import check_layout, compute_dtype
+from meshrun.parallel.checks import plan_batch, resolve_layout
+from meshrun.report import trackers
+from meshrun.train.profiling import profiled_ranks
 from meshrun.train.replicas import group_checkpoint_dir, group_run_dir
+from meshrun.watch import prometheus
 
 
 @contextmanager
@@ -49,14 +52,6 @@ def validated(job: JobConfig) -> JobConfig:
     checked = copy.deepcopy(job)
     checked.validate()
     return checked
-
-
-def plan_batch(train: TrainConfig, dims: ParallelDims, shape: ModelShape) -> BatchPlan:
-    """train.micro_batch, grad_accum and global_batch over this world's data-parallel ranks; with PP, checked
-    against parallel.pp_microbatches (resolved here when 0). The engine and the data loaders use this one plan."""
-    batch = resolve_batch(train, dp_size=dims.dp_size, seq_len=shape.seq_len)
-    dims.resolve_pipeline_batch(batch.micro_batch * batch.grad_accum, seq_len=batch.seq_len)
-    return batch
 
 
 @dataclass(frozen=True)
@@ -82,39 +77,42 @@ class RunPlan:
     def resolve(cls, job: JobConfig, *, env: ProcessPlacement, vocab_size: int) -> RunPlan:
         """The plan of ``job`` (validated: see :func:`validated`) on this world, for a corpus of ``vocab_size``
         tokens. Raises ConfigError naming the option."""
+        world_options(job, env=env)
         spec = model_spec(job)
         shape = model_shape(job, vocab_size)
-        parallel, note = choose_data_parallel(job.parallel, params=spec.count_params(shape),
-                                              on_gpu=wants_cuda(job.dist), world_size=env.world_size)
-        auto, schedule_note = choose_pp_schedule(parallel, n_layers=shape.n_layers, on_gpu=wants_cuda(job.dist),
-                                                 world_size=env.world_size, cuda_graphs=job.train.cuda_graphs)
-        try:
-            return cls._resolved(job, auto, " | ".join(n for n in (note, schedule_note) if n), spec=spec,
-                                 shape=shape, env=env)
-        except ConfigError:
-            if not schedule_note:
-                raise
-            # the step's samples do not split into micro-batches the interleaved schedule takes: 1F1B, as before auto
-            return cls._resolved(job, dataclasses.replace(parallel, pp_schedule="1f1b"), note, spec=spec,
-                                 shape=shape, env=env)
-
-    @classmethod
-    def _resolved(cls, job: JobConfig, parallel, note: str, *, spec: ModelSpec, shape: ModelShape,
-                  env: ProcessPlacement) -> RunPlan:
-        job = dataclasses.replace(job, model=resolved_model(job.model, shape), parallel=parallel,
-                                  checkpoint=dataclasses.replace(job.checkpoint, dir=group_checkpoint_dir(job)))
-        dims = ParallelDims.from_config(parallel, world_size=env.world_size, gpus_per_node=env.local_world_size,
-                                        model=shape, spec=spec)
         device = choose_device(env, job.dist)  # this rank's GPU, or the CPU; ConfigError when it is missing
-        check_layout(job, spec, shape, dims, device=device, compute_dtype=compute_dtype(job, device))
-        return cls(job=job, spec=spec, shape=shape, dims=dims, batch=plan_batch(job.train, dims, shape),
-                   layout_note=note, run_dir=group_run_dir(job))
+        # the same resolution and checks as `meshrun plan` and `meshrun train --dry-run` (parallel/checks.py)
+        layout = resolve_layout(job, spec, shape, world_size=env.world_size, gpus_per_node=env.local_world_size,
+                                device=device)
+        job = dataclasses.replace(layout.job, model=resolved_model(job.model, shape),
+                                  checkpoint=dataclasses.replace(job.checkpoint, dir=group_checkpoint_dir(job)))
+        return cls(job=job, spec=spec, shape=shape, dims=layout.dims, batch=layout.batch, layout_note=layout.note,
+                   run_dir=group_run_dir(job))
 
     def keep_global_batch(self, global_batch: int) -> RunPlan:
         """This plan with ``global_batch`` kept and accumulation re-derived (a resume at another world size)."""
         train = dataclasses.replace(self.job.train, global_batch=global_batch, grad_accum=0)
         return dataclasses.replace(self, job=dataclasses.replace(self.job, train=train),
                                    batch=plan_batch(train, self.dims, self.shape))
+
+    def untie_embeddings(self) -> RunPlan:
+        """This plan with ``model.tie_embeddings`` off (a resume of a checkpoint that trained them untied, in a
+        layout without a pipeline); the layout and the batch do not depend on it."""
+        model = dataclasses.replace(self.job.model, tie_embeddings=False)
+        return dataclasses.replace(self, job=dataclasses.replace(self.job, model=model),
+                                   shape=dataclasses.replace(self.shape, tie_embeddings=False))
+
+
+def world_options(job: JobConfig, *, env: ProcessPlacement) -> None:
+    """The options checked against this world rather than the config alone, here so that their refusal comes before
+    anything is written into run.dir (train/run_folder.py): run.profile_ranks against the world size, run.tracker's
+    packages on rank 0 (which alone logs to them), and prometheus-client on the node leaders that serve
+    run.prometheus_port."""
+    profiled_ranks(job.run, env.world_size)
+    if env.is_rank_zero:
+        trackers.check_installed(job)
+    if env.local_rank == 0 and job.run.prometheus_port and job.run.system_sample_s > 0:
+        prometheus.check_installed()
 
 
 def resolve_on_node(job: JobConfig, *, env: ProcessPlacement, vocab_size: int) -> RunPlan:
