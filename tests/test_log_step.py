@@ -2,17 +2,21 @@
 does not run dry while the host writes them. The records are those the log step would have written at once:
 compared field by field with a run that writes them at once (CPU); a step that fails right after a log step still
 leaves that log step's record; the runs that must write at once (the last step, an evaluation, a checkpoint by
-steps, train.nonfinite=stop) do. On a GPU, taking the snapshot makes no host sync.
+steps, train.nonfinite=stop) do. On a GPU, taking the snapshot makes no host sync. Each record's tokens/s and step
+time cover exactly its own steps, though its record is written a step late (on a stand-in clock; and on a GPU).
 """
 
 from __future__ import annotations
 
 import json
+import statistics
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from meshrun.train.log_step import PendingValues
+from meshrun.train import log_step
+from meshrun.train.log_step import IntervalClock, PendingValues
 from meshrun.train.trainer import Trainer
 
 from test_resume import job
@@ -78,6 +82,83 @@ def test_steps_that_must_write_at_once_do(tmp_path, extra, at_once):
     assert [step for step, when in written if step == when and step != 7] == at_once, written
 
 
+def _clocked_run(run_dir, monkeypatch, *, steps: int, extra=()) -> tuple[list[dict], int]:
+    """Train in one process on a stand-in clock that moves 1 s in each training step and 100 s in each evaluation
+    and checkpoint save, and nowhere else; returns the train records and the tokens of one step."""
+    now = [0.0]
+    monkeypatch.setattr(log_step, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    trainer = Trainer(job(run_dir, steps=steps, extra=(*SMALL, *extra)))
+
+    def taking(seconds, work):
+        def timed(*args, **kwargs):
+            result = work(*args, **kwargs)
+            now[0] += seconds
+            return result
+        return timed
+
+    trainer.train_step = taking(1.0, trainer.train_step)
+    trainer.evaluate = taking(100.0, trainer.evaluate)
+    trainer.save_checkpoint = taking(100.0, trainer.save_checkpoint)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r["kind"] == "train"], trainer.batch.tokens_per_step
+
+
+@pytest.mark.parametrize("extra", [
+    ("--train.log_every=1",),
+    ("--train.log_every=2",),
+    # evaluations and saves inside intervals (steps 3, 9, 15) and after log steps (6, 12, 18; 10, 20)
+    ("--train.log_every=2", "--train.eval_every=3", "--train.eval_samples=8", "--checkpoint.interval_steps=5"),
+])
+def test_each_record_times_exactly_its_own_steps(tmp_path, monkeypatch, extra):
+    """A record written a step late (after the next step ran) still times its own steps, not the next one, and the
+    record after it (the last step's, an evaluation's) all of its own; evaluations and saves are left out. The old
+    reading of the clock when the record was written gave 1.5 s, 1.0 s, ..., 0.5 s a step here (log_every=2)."""
+    records, tokens_per_step = _clocked_run(tmp_path, monkeypatch, steps=20, extra=extra)
+    assert [r["step_time_s"] for r in records] == pytest.approx([1.0] * len(records))
+    assert [r["tokens_per_s"] for r in records] == pytest.approx([tokens_per_step] * len(records))
+    steps = [r["step"] - before["step"] for before, r in zip([{"step": 0}, *records], records)]
+    assert sum(steps) == 20 and sum(r["step_time_s"] * n for r, n in zip(records, steps)) == pytest.approx(20.0)
+    assert sum(r["tokens_per_s"] * r["step_time_s"] * n for r, n in zip(records, steps)) == 20 * tokens_per_step
+
+
+def test_interval_clock_leaves_pauses_out_and_tiles_the_rest(monkeypatch):
+    """An interval is its stretches of training up to where it was taken, not to where it is read."""
+    now = [0.0]
+    monkeypatch.setattr(log_step, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    clock = IntervalClock(torch.device("cpu"))
+    now[0] = 3.0
+    clock.pause()
+    now[0] = 50.0  # an evaluation of 47 s
+    clock.resume()
+    now[0] = 52.0
+    first = clock.take()
+    now[0] = 58.0
+    second = clock.take()
+    now[0] = 100.0  # both read later
+    assert first() == pytest.approx(5.0) and second() == pytest.approx(6.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("log_every", [1, 2])
+def test_on_a_gpu_each_record_times_its_own_steps(tmp_path, log_every):
+    """The real clock (CUDA events behind each log step): no record's step time is far off the run's median, where
+    the last one's read up to 800x short with train.log_every=1 before."""
+    trainer = Trainer(job(tmp_path, steps=40, extra=(*SMALL, f"--train.log_every={log_every}")))
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    times = [r["step_time_s"] for r in records if r["kind"] == "train"][2:]  # after the warm-up (compilation)
+    median = statistics.median(times)
+    assert all(median / 3 < t < 3 * median for t in times), times
+
+
 def test_pending_values_read_what_was_queued_before_them():
     value = torch.tensor(2.0)
     pending = PendingValues([value, 3, float("nan")], torch.device("cpu"))
@@ -97,6 +178,7 @@ def test_on_a_gpu_taking_a_log_snapshot_makes_no_host_sync(tmp_path):
             loss_sum, tokens, grad_norm = trainer.train_step()
             sums.add(loss_sum=loss_sum, tokens=tokens)
         torch.cuda.synchronize()
+        trainer.clock = IntervalClock(trainer.device)  # the loop's; its timing events make no sync either
         torch.cuda.set_sync_debug_mode("error")
         try:
             snapshot = trainer.take_log(sums, 3, grad_norm)

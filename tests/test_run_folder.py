@@ -9,6 +9,7 @@ import hashlib
 import json
 import logging
 import shutil
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -103,6 +104,29 @@ def test_refused_and_noop_invocations_in_a_new_run_dir_leave_no_folder_behind(tr
     assert sorted(p.name for p in (tmp_path / "new").iterdir()) == ["notes.txt"]  # only what it created is gone
 
 
+@pytest.mark.parametrize("options, message", [
+    (("--run.profile_steps=6", "--run.profile_ranks=5"),
+     "run.profile_ranks='5' names rank 5, but the world size is 1 (ranks 0..0)"),
+    (("--run.tracker=mlflow",), "run.tracker=mlflow needs the mlflow package: pip install 'meshrun[mlflow]'"),
+    (("--run.prometheus_port=9464",), "run.prometheus_port needs prometheus-client: pip install 'meshrun[prometheus]'"),
+])
+def test_options_refused_against_the_world_leave_the_run_folder_as_it_was(trained, tmp_path, capsys, monkeypatch,
+                                                                          options, message):
+    """Refused with the plan, before the run folder is written; they were refused after config.toml (and a start
+    record) were written, so a finished run read 'running', and a new folder was left behind."""
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # as if mlflow and prometheus-client were not installed
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)
+    run_dir = copy_of(trained, tmp_path)
+    before = snapshot(run_dir)
+    assert train(run_dir, 8, *options) == 2
+    err = capsys.readouterr().err
+    assert f"meshrun train: error: {message}" in err and "Traceback" not in err, err
+    assert snapshot(run_dir) == before, "config.toml, metrics.jsonl, logs and summary.json must be untouched"
+    assert train(tmp_path / "new" / "a", 8, *options) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+
+
 def test_sample_and_export_read_the_config_the_checkpoint_carries(trained, tmp_path, capsys):
     from meshrun.sample import main as sample_main
     from safetensors import safe_open
@@ -117,6 +141,21 @@ def test_sample_and_export_read_the_config_the_checkpoint_carries(trained, tmp_p
         metadata = handle.metadata()
     assert json.loads(metadata["model_config"])["dim"] == 64
     assert json.loads(metadata["meshrun_config"])["train"]["steps"] == 4
+
+
+def test_sample_takes_a_checkpoints_manifest_as_its_folder_and_refuses_bad_sampling_options(trained, capsys):
+    from meshrun.sample import main as sample_main
+
+    manifest = trained / "checkpoints" / "step_0000004" / "manifest.json"
+    assert sample_main([str(manifest), "--tokens", "2", "--temperature", "0"]) == 0, capsys.readouterr().err
+    assert "step_0000004 (step 4)" in capsys.readouterr().err
+    for argv, message in ((["--temperature", "-1"], "--temperature -1: give 0 (greedy) or more"),
+                          (["--top-k", "-3"], "--top-k -3: give 0 (all tokens) or a number"),
+                          (["--tokens", "0"], "--tokens 0: give 1 or more")):
+        assert sample_main([str(trained), *argv]) == 2
+        assert capsys.readouterr().err.startswith(f"meshrun sample: error: {message}")
+    assert sample_main([str(trained / "config.toml")]) == 2
+    assert "config.toml: a file, not a folder; give a checkpoint directory" in capsys.readouterr().err
 
 
 def test_ckpt_verify_accepts_a_run_folder_and_checks_its_newest(trained, capsys):
@@ -216,7 +255,8 @@ def test_errors_that_say_it_all_have_no_traceback_and_keep_their_exit_code(capsy
     from meshrun.ckpt.errors import CheckpointError
     from meshrun.diag.fingerprint import FingerprintMismatch
 
-    assert _clean_error(CheckpointError("x"))[1:] == (1, True)
+    assert _clean_error(CheckpointError("x"))[1:] == (1, False), "raised by this rank alone unless known otherwise"
+    assert _clean_error(CheckpointError("x", same_on_every_rank=True))[1:] == (1, True)
     assert _clean_error(FingerprintMismatch("node b runs other code"))[:2] == ("node b runs other code", 1)
     full = _clean_error(OSError(errno.ENOSPC, "No space left on device", "/ckpt/x"))
     assert full[0].startswith("/ckpt/x: no space left on the device") and full[1] == 1

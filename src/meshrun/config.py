@@ -138,10 +138,12 @@ class TrainConfig:
     """Validation samples per evaluation over all ranks together (0 = the whole validation split)."""
     log_every: int = 10
     """Print and record metrics every N steps. Reading them back waits for the GPU; in one process the record is
-    written after the next step is queued, so the GPU never runs dry for it (train/log_step.py)."""
+    written after the next step is queued, so the GPU never runs dry for it (train/log_step.py). A record's tokens/s
+    and step time are over its own steps: from the end of the previous log step to the end of its own, evaluations
+    and checkpoint saves left out."""
     fused_optimizer: bool = True
     """Use a fused AdamW kernel (one pass over each parameter) where the device has one (train.adamw_kernel);
-    false: torch's for-each AdamW."""
+    false: torch's for-each AdamW (on CPU, where torch has no for-each kernels, its single-tensor one)."""
     adamw_kernel: AdamWKernel = "auto"
     """The fused AdamW's kernel: auto (on CUDA GPUs with Triton meshrun's, one launch over all parameters that
     leaves the gradients unwritten, where torch's fused kernel writes the clipped gradients back: the 1b training

@@ -184,7 +184,8 @@ class Checkpointer:
                 _delete_quietly(self.store, job.tmp)
             if isinstance(exc, (OSError, CheckpointException)) or self.store.describe_error(exc, self.folder):
                 raise CheckpointError(f"{describe_failure(exc, self.folder, job.needed)} (save of step {job.step} "
-                                      f"to {job.tmp})") from exc
+                                      f"to {job.tmp})",  # DCP's CheckpointException holds every rank's failure
+                                      same_on_every_rank=isinstance(exc, CheckpointException)) from exc
             raise
 
     def _new_job(self, step: int, tree: dict[str, Any], **fields: Any) -> _SaveJob:
@@ -201,7 +202,7 @@ class Checkpointer:
             verdict = {"error": no_room} if no_room else {"token": secrets.token_hex(4)}
         verdict = self.coord.broadcast(verdict)
         if "error" in verdict:
-            raise CheckpointError(f"{verdict['error']} (save of step {step})")
+            raise CheckpointError(f"{verdict['error']} (save of step {step})", same_on_every_rank=True)
         final = self.store.join(self.folder, step_dir_name(step))
         return _SaveJob(step=step, tmp=self.store.attempt_path(self.folder, final, verdict["token"]), needed=needed,
                         **fields)
@@ -245,7 +246,8 @@ class Checkpointer:
             raise CheckpointError(
                 f"save of step {step}: ranks disagree with rank 0 on state that DCP stores once for all ({detail}; "
                 f"rank 0 saves step {step}); the trainer must call save at the same step on every rank and keep "
-                "counters, scheduler and metrics identical on all ranks (reduce metrics before storing them)")
+                "counters, scheduler and metrics identical on all ranks (reduce metrics before storing them)",
+                same_on_every_rank=True)
 
     def _staging_writer(self) -> _StagingWriter:
         if self._writer is None:
@@ -273,7 +275,7 @@ class Checkpointer:
         outcome = self._publish(job, contributions) if self.coord.rank == 0 else None
         outcome = self.coord.broadcast(outcome, group="io")
         if outcome is not None:
-            raise CheckpointError(outcome)
+            raise CheckpointError(outcome, same_on_every_rank=True)
         job.timings["total_s"] = time.perf_counter() - job.started
         self._last_step = job.step
 

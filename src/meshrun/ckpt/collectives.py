@@ -119,7 +119,7 @@ def check_shared_folder(coord: Coordinator, folder: str) -> None:
                        f"{store.describe_error(exc, folder) or exc}")
     nonce, failure = coord.broadcast((nonce, failure))
     if failure:
-        raise CheckpointError(failure)
+        raise CheckpointError(failure, same_on_every_rank=True)
     probe = store.join(folder, f".shared-check-{nonce}")
     coord.barrier(f"checkpoint folder check of {folder}")
     seen = _sees(store, probe, nonce, SHARED_CHECK_WAIT_S if coord.rank != 0 else 0.0)
@@ -131,7 +131,8 @@ def check_shared_folder(coord: Coordinator, folder: str) -> None:
         raise CheckpointError(
             f"checkpoint.dir={folder} is not on storage shared by all ranks: {', '.join(blind)} cannot see the file "
             f"rank 0 on {reports[0][1]} wrote there; point checkpoint.dir at a file system that every node mounts "
-            "at the same path (NFS, Lustre, GPFS, ...) or at one bucket URL with the same endpoint on every node")
+            "at the same path (NFS, Lustre, GPFS, ...) or at one bucket URL with the same endpoint on every node",
+            same_on_every_rank=True)
 
 
 def _sees(store: Store, probe: str, nonce: str, wait_s: float) -> bool:

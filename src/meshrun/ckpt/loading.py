@@ -12,15 +12,18 @@ Choosing (collective on the checkpointer's ctl group):
 Loading reads DCP's own ``.metadata`` (checked against the manifest first, and unpickled by a restricted
 unpickler that refuses any global DCP's metadata does not use, see :mod:`meshrun.ckpt.safe_metadata`) to size the
 JSON blobs, drops the optional entries the checkpoint lacks (RNG streams of ranks that did not exist), reads
-entries an older checkpoint holds under another key from there (``MOVED_KEYS``), and refuses entries stored as
-pickled objects: DCP then only reads tensors, with ``torch.load(weights_only=True)``, into the Stateful entries.
+entries an older checkpoint holds under another key from there (``MOVED_KEYS``), and a parameter that this run
+trains apart from the one it was tied to, from that one's (ModelOptimState's ``tied_key``), and refuses entries
+stored as pickled objects: DCP then only reads tensors, with ``torch.load(weights_only=True)``, into the Stateful
+entries. A refusal to load is gathered first, so that every rank raises it, naming the rank that met it (a pipeline
+stage alone may lack a key).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -57,18 +60,35 @@ def choose(coord: Coordinator, folder: str, *, explicit: str | None, strict: boo
         if pick is None:
             return None
         if "error" in pick:
-            raise CheckpointError(pick["error"])
+            raise CheckpointError(pick["error"], same_on_every_rank=True)
         path, manifest = pick["path"], pick["manifest"]
         problems = _verify_shares(coord, path, manifest, threads) if verify_checksums else []
         if not problems:
             return path, manifest
         message = f"checkpoint {path} is damaged: {'; '.join(problems)}"
         if refusal is not None:
-            raise CheckpointError(message + refusal)
+            raise CheckpointError(message + refusal, same_on_every_rank=True)
         notes.append(message + "; falling back to the previous complete checkpoint")
         if coord.rank == 0:
             log.warning(notes[-1])
         pick = None
+
+
+def peek(folder: str, explicit: str | None) -> dict[str, Any] | None:
+    """The manifest of the checkpoint a resume tries first (``explicit``, else the newest complete one in ``folder``)
+    if it passes the cheap checks; None when there is none, or it cannot be read. No collective, no checksums, nothing
+    logged: for what must be known before the state to load exists (the model's shape); :func:`choose` then decides,
+    and the load checks that the state fits the checkpoint it chose."""
+    try:
+        paths = ([explicit] if explicit is not None
+                 else [entry.path for entry in reversed(scan(folder)) if entry.kind == "complete"])
+        for path in paths:
+            manifest, problems = check_structure(path)
+            if not problems:
+                return manifest
+    except Exception:  # noqa: BLE001 - choose() meets the same failure and names it
+        return None
+    return None
 
 
 def _candidates(folder: str, explicit: str | None, notes: list[str]) -> list[str]:
@@ -133,28 +153,31 @@ def load_into(coord: Coordinator, state: dict[str, Any], path: str | os.PathLike
     blind = [r for r, ok in enumerate(seen) if not ok]
     if blind:
         raise CheckpointError(f"{path}: rank(s) {blind} cannot read this checkpoint's .metadata; it must be on "
-                              "storage every rank mounts at the same path, or in one bucket every rank reaches")
+                              "storage every rank mounts at the same path, or in one bucket every rank reaches",
+                              same_on_every_rank=True)
     reader = store.dcp_reader(data)
     saved = reader.read_metadata().state_dict_metadata
-    optional = {name for name, obj in state.items() if getattr(obj, "missing_ok", False)}
     tree = {name: obj.state_dict() if isinstance(obj, Stateful) else obj for name, obj in state.items()}
-    missing: list[str] = []
-    moved: dict[str, _Moved] = {}
-    targets = {name: _prepare(sub, name + ".", saved, path=path, optional=name in optional, missing=missing,
-                              moved=moved)
-               if isinstance(sub, dict) else sub for name, sub in tree.items()}
-    if missing:
-        raise CheckpointError(f"{path}: has no entry for {len(missing)} key(s) this run needs, e.g. {missing[:4]}; "
-                              "it was saved from a different model, optimizer or state dict")
+    moved: list[tuple[str, _Moved]] = []
+    try:
+        targets = _load_targets(state, tree, saved, path=path, moved=moved)
+        problem = None
+    except CheckpointError as exc:
+        problem = str(exc)
+    # What a rank lacks depends on what it holds (a pipeline's last stage alone holds the output head): every rank
+    # learns every rank's refusal, so that all of them raise it and none waits in DCP's load for the others.
+    _raise_any(coord.all_gather(problem))
     to_load: dict[str, Any] = {name: _Targets(obj, targets[name]) if isinstance(obj, Stateful) else targets[name]
                                for name, obj in state.items()}
     # An entry an older checkpoint holds under another key is read from there: a top-level key "trainer.epoch"
     # flattens to the same DCP key as {"trainer": {"epoch": ...}}. Where another entry loads that key too (a
-    # CountersState beside the StepBatches), both share its tensor.
+    # CountersState beside the StepBatches, the first name of a tied parameter on this rank), both share its tensor.
     loaded_too = dict(walk({name: _drop_moved(sub) for name, sub in targets.items() if isinstance(sub, dict)}))
-    for source, target in moved.items():
+    for source, target in moved:
         if source in loaded_too:
             target.tensor = loaded_too[source]
+        elif source in to_load:
+            target.tensor = to_load[source]
         else:
             to_load[source] = target.tensor
     try:
@@ -163,7 +186,52 @@ def load_into(coord: Coordinator, state: dict[str, Any], path: str | os.PathLike
         line = store.describe_error(exc, path)  # an object store's failures as one line naming the fix
         if line is None:
             raise
-        raise CheckpointError(line) from None
+        raise CheckpointError(line, same_on_every_rank=isinstance(exc, CheckpointException)) from None
+
+
+def _load_targets(state: dict[str, Any], tree: dict[str, Any], saved: dict[str, Any], *, path: str,
+                  moved: list[tuple[str, _Moved]]) -> dict[str, Any]:
+    """This rank's load targets of every entry of ``tree`` (``state``'s state dicts); CheckpointError for a
+    checkpoint this rank cannot load: a refusal of an entry's own (``load_refusal``), a key it lacks, a shape that
+    differs."""
+    for name, obj in state.items():
+        refusal = getattr(obj, "load_refusal", None)
+        reason = refusal(saved.keys(), name + ".") if refusal is not None else None
+        if reason:
+            raise CheckpointError(f"{path}: {reason}")
+    missing: list[str] = []
+    targets = {name: _prepare(sub, name + ".", saved, path=path, optional=getattr(state[name], "missing_ok", False),
+                              missing=missing, moved=moved, tied=_tied_key(state[name], name + "."))
+               if isinstance(sub, dict) else sub for name, sub in tree.items()}
+    if missing:
+        raise CheckpointError(f"{path}: has no entry for {len(missing)} key(s) this run needs, e.g. {missing[:4]}; "
+                              "it was saved from a different model, optimizer or state dict")
+    return targets
+
+
+def _tied_key(obj: Any, prefix: str) -> Callable[[str], str | None] | None:
+    """The entry's ``tied_key`` (ModelOptimState's) on whole DCP keys: where a tied checkpoint holds a key it lacks."""
+    method = getattr(obj, "tied_key", None)
+    if method is None:
+        return None
+
+    def tied(dotted: str) -> str | None:
+        key = method(dotted.removeprefix(prefix))
+        return prefix + key if key is not None else None
+
+    return tied
+
+
+def _raise_any(problems: list[str | None]) -> None:
+    """Raise, on every rank, the refusal of the first rank that has one (``problems``: gathered by rank)."""
+    found = [(rank, problem) for rank, problem in enumerate(problems) if problem]
+    if not found:
+        return
+    rank, problem = found[0]
+    if all(p == problem for _, p in found) and len(found) == len(problems):
+        raise CheckpointError(problem, same_on_every_rank=True)
+    others = f" (and {len(found) - 1} other rank(s))" if len(found) > 1 else ""
+    raise CheckpointError(f"rank {rank}{others}: {problem}", same_on_every_rank=True)
 
 
 class _Targets(Stateful):
@@ -181,10 +249,11 @@ class _Targets(Stateful):
 
 
 class _Moved:
-    """A target tensor the checkpoint holds under an older key (see MOVED_KEYS); read from there."""
+    """A target tensor the checkpoint holds under another key: an older one (see MOVED_KEYS), or a tied parameter's
+    first name (``copy``: the entry gets its own copy, for the tensor may be the first name's own target)."""
 
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
+    def __init__(self, tensor: torch.Tensor, *, copy: bool = False):
+        self.tensor, self.copy = tensor, copy
 
 
 def _drop_moved(node: dict[str, Any]) -> dict[str, Any]:
@@ -192,23 +261,33 @@ def _drop_moved(node: dict[str, Any]) -> dict[str, Any]:
 
 
 def _with_moved(node: dict[str, Any]) -> dict[str, Any]:
-    return {k: _with_moved(v) if isinstance(v, dict) else v.tensor if isinstance(v, _Moved) else v
+    return {k: _with_moved(v) if isinstance(v, dict) else _moved_tensor(v) if isinstance(v, _Moved) else v
             for k, v in node.items()}
 
 
+def _moved_tensor(moved: _Moved) -> torch.Tensor:
+    return moved.tensor.clone() if moved.copy else moved.tensor
+
+
 def _prepare(node: dict[str, Any], prefix: str, saved: dict[str, Any], *, path: str, optional: bool,
-             missing: list[str], moved: dict[str, _Moved]) -> dict[str, Any]:
+             missing: list[str], moved: list[tuple[str, _Moved]],
+             tied: Callable[[str], str | None] | None = None) -> dict[str, Any]:
     """The load targets under ``node``: blobs sized from the checkpoint, absent optional entries dropped, entries
-    an older checkpoint holds under another key marked ``_Moved`` (and listed in ``moved`` by that key)."""
+    the checkpoint holds under another key (an older one, or, by ``tied``, a tied parameter's first name) marked
+    ``_Moved`` (and listed in ``moved`` with that key)."""
     out: dict[str, Any] = {}
     for key, value in node.items():
         dotted = f"{prefix}{key}"
         if isinstance(value, dict):
-            sub = _prepare(value, dotted + ".", saved, path=path, optional=optional, missing=missing, moved=moved)
+            sub = _prepare(value, dotted + ".", saved, path=path, optional=optional, missing=missing, moved=moved,
+                           tied=tied)
             if sub or not value:  # a branch emptied by dropped optional entries is absent, as in the checkpoint
                 out[key] = sub
             continue
         source = dotted if dotted in saved or MOVED_KEYS.get(dotted) not in saved else MOVED_KEYS[dotted]
+        copied = source not in saved and tied is not None and tied(dotted) in saved
+        if copied:  # a tied checkpoint holds this untied parameter's state under the name it was tied to
+            source = tied(dotted)
         entry = saved.get(source)
         if entry is None:
             if not optional:
@@ -227,5 +306,6 @@ def _prepare(node: dict[str, Any], prefix: str, saved: dict[str, Any], *, path: 
         else:
             out[key] = value
         if source != dotted:
-            out[key] = moved[source] = _Moved(out[key])
+            out[key] = _Moved(out[key], copy=copied)
+            moved.append((source, out[key]))
     return out

@@ -27,6 +27,28 @@ def saved_config(manifest: dict[str, Any]) -> dict[str, Any] | None:
     return config if isinstance(config, dict) else None
 
 
+def saved_embeddings_tied(manifest: dict[str, Any]) -> bool | None:
+    """Whether the checkpoint holds the token embedding and the output head as one matrix (tied), as it was trained;
+    None when it carries no config (a Session's checkpoint, or an older meshrun's).
+
+    The trainer records the model it trained (``model.tie_embeddings=false`` under a pipeline, which unties them);
+    checkpoints of an older meshrun recorded the option as given, so a pipeline in their ``layout`` says untied."""
+    model = (saved_config(manifest) or {}).get("model")
+    if not isinstance(model, dict) or "tie_embeddings" not in model:
+        return None
+    return bool(model["tie_embeddings"]) and int((manifest.get("layout") or {}).get("pp", 1)) == 1
+
+
+def trained_config(manifest: dict[str, Any]) -> dict[str, Any] | None:
+    """:func:`saved_config` with ``model.tie_embeddings`` as the weights were trained (:func:`saved_embeddings_tied`):
+    what rebuilds the model of these weights (export, sample)."""
+    config = saved_config(manifest)
+    tied = saved_embeddings_tied(manifest)
+    if config is None or tied is None or config["model"]["tie_embeddings"] == tied:
+        return config
+    return {**config, "model": {**config["model"], "tie_embeddings": tied}}
+
+
 def job_from_dict(config: dict[str, Any]) -> JobConfig:
     """A JobConfig from a stored config; options this meshrun no longer knows are left out."""
     job = JobConfig()

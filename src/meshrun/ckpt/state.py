@@ -34,7 +34,7 @@ import json
 import logging
 import random
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterator, Sequence
+from typing import Any, ClassVar, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -92,11 +92,19 @@ class ModelOptimState(Stateful):
     and TP parameters stay sharded DTensors, and keys are the original FQNs.
 
     ``optimizers``: one per part (as torchtitan builds them), one over all parts, or none (model only).
+
+    ``ties``: each parameter name that the model ties to another when built with its weights tied -> that other
+    name (``{"output.weight": "tok_embeddings.weight"}``: the output head to the token embedding). A tied run saves
+    the optimizer state of the one parameter under the first name only; with ``ties`` known, a run that trains the
+    two apart (a pipeline) reads the missing second name's state from there (:meth:`tied_key`), and a run that ties
+    them refuses a checkpoint that trained them apart (:meth:`load_refusal`) instead of merging two matrices.
     """
 
-    def __init__(self, parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer] = ()):
+    def __init__(self, parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer] = (), *,
+                 ties: Mapping[str, str] | None = None):
         self.parts = list(parts)
         self.optimizers = list(optimizers)
+        self.ties = dict(ties or {})
         if not self.parts:
             raise ValueError("ModelOptimState: no model parts given")
         if len(self.optimizers) == 1 and len(self.parts) > 1:
@@ -106,6 +114,43 @@ class ModelOptimState(Stateful):
         else:
             raise ValueError(f"ModelOptimState: got {len(self.parts)} model parts and {len(self.optimizers)} "
                              "optimizers; build one optimizer per model part, or one over all of them")
+
+    def _held_as_one(self) -> dict[str, bool]:
+        """For each tied name of ``ties`` that this rank's parts hold: whether it is the same parameter as the name it
+        is tied to (False: this run trains them apart, or this rank holds only this one: a pipeline stage)."""
+        params = {name: param for module in self.modules
+                  for name, param in module.named_parameters(remove_duplicate=False)}
+        return {name: params.get(first) is params[name] for name, first in self.ties.items() if name in params}
+
+    def tied_key(self, key: str) -> str | None:
+        """Where a checkpoint that trained a tied parameter as one holds ``key`` of this state dict, when ``key`` is
+        the second name's and this run trains the two apart: 'optim.state.output.weight.exp_avg' ->
+        'optim.state.tok_embeddings.weight.exp_avg'; else None. Loading reads it from there only when the checkpoint
+        lacks ``key``: both parameters then start from the one's values and optimizer moments, which is exactly
+        untying them at the step loaded."""
+        apart = [name for name, one in self._held_as_one().items() if not one]
+        for head in ("model.", "optim.state.", "optim_extra."):
+            rest = key.removeprefix(head)
+            if rest == key:
+                continue
+            for name in apart:
+                if rest == name or rest.startswith(name + "."):
+                    return head + self.ties[name] + rest[len(name):]
+        return None
+
+    def load_refusal(self, saved: Iterable[str], prefix: str) -> str | None:
+        """Why a checkpoint holding DCP keys ``saved`` (this entry's under ``prefix``) cannot be loaded here: it has
+        optimizer state of its own for a name that this run ties to another (it trained the two apart: under a
+        pipeline, or untied by the model's option), and loading both matrices into one parameter would keep only one
+        of them. None when it can."""
+        one = [name for name, held_as_one in self._held_as_one().items() if held_as_one]
+        own = {name for name in one for key in saved if key.startswith(f"{prefix}optim.state.{name}.")}
+        if not own:
+            return None
+        name = sorted(own)[0]
+        return (f"it trained {name} and {self.ties[name]} as two parameters (untied, e.g. under a pipeline), "
+                "which this run ties into one, so loading would keep only one of the two matrices; untie them for "
+                "this resume (meshrun train: --model.tie_embeddings=false), or start a new run with --fresh")
 
     def state_dict(self) -> dict[str, Any]:
         model: dict[str, Any] = {}

@@ -17,14 +17,19 @@ are made: two names in different FSDP2 units (:meth:`SharedParams.check_units`) 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Hashable
+from typing import TYPE_CHECKING, Callable, Hashable
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from meshrun.config import ConfigError
+
+if TYPE_CHECKING:
+    from meshrun.models.shape import ModelShape
+    from meshrun.models.spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -99,6 +104,15 @@ def find_shared(model: nn.Module) -> SharedParams:
     for name, param in model.named_parameters(remove_duplicate=False):
         by_tensor.setdefault(id(param), []).append(name)
     return SharedParams(tuple(tuple(names) for names in by_tensor.values() if len(names) > 1))
+
+
+def tie_partners(spec: ModelSpec, shape: ModelShape) -> dict[str, str]:
+    """Each name of a parameter that ``spec``'s model ties when built with ``model.tie_embeddings`` on -> the first
+    name of its group, the one a tied run's checkpoint holds its optimizer state under ({"output.weight":
+    "tok_embeddings.weight"}); {} when the model ties nothing. Built on the meta device: no memory."""
+    with torch.device("meta"):
+        model = spec.build(dataclasses.replace(shape, tie_embeddings=True))
+    return {name: names[0] for names in find_shared(model).groups for name in names[1:]}
 
 
 def _holds(model: nn.Module, name: str) -> bool:

@@ -12,6 +12,7 @@ Each tracker is an optional extra; without it, the first line of the error names
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import time
@@ -144,6 +145,19 @@ def tracker_names(job: JobConfig) -> list[str]:
     return names
 
 
+def check_installed(job: JobConfig) -> None:
+    """ConfigError naming the extra of a tracker in run.tracker whose package is not installed (each extra installs
+    the module of its name): asked at start-up (train/plan.py), before anything is written into run.dir."""
+    for name in tracker_names(job):
+        extra = TRACKERS[name][1]
+        if importlib.util.find_spec(extra) is None:
+            raise ConfigError(_missing(name, extra))
+
+
+def _missing(name: str, extra: str) -> str:
+    return f"run.tracker={name} needs the {extra} package: pip install 'meshrun[{extra}]' (or set run.tracker=none)"
+
+
 class Trackers(Tracker):
     """Several trackers at once (run.tracker=mlflow,tensorboard): every call goes to each, in order."""
 
@@ -183,8 +197,7 @@ def open_tracker(job: JobConfig, run_dir: Path) -> Tracker | None:
         try:
             tracker = cls(run_dir, project=job.run.tracker_project, uri=job.run.tracker_uri, run_id=known.get(name))
         except ImportError as exc:
-            raise ConfigError(f"run.tracker={name} needs the {extra} package: pip install 'meshrun[{extra}]' "
-                              f"(or set run.tracker=none)") from exc
+            raise ConfigError(_missing(name, extra)) from exc
         if getattr(tracker, "id", None):
             known[name] = tracker.id
         opened.append(tracker)

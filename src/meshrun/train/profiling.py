@@ -124,7 +124,8 @@ def build_profiler(run: RunConfig, *, rank: int, world_size: int, device: torch.
 
 
 def profiled_ranks(run: RunConfig, world_size: int) -> frozenset[int] | None:
-    """run.profile_ranks (None: all), checked against the world size."""
+    """run.profile_ranks (None: all), checked against the world size (the run plan checks it first, before anything
+    is written into run.dir: train/plan.py)."""
     ranks = run.profiled_ranks()
     if ranks is not None and max(ranks) >= world_size:
         raise ConfigError(f"run.profile_ranks={run.profile_ranks!r} names rank {max(ranks)}, but the world size is "

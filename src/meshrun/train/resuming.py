@@ -1,7 +1,12 @@
 """The trainer's checkpointer, and starting a run: resume the newest checkpoint (the default), or start anew.
 
 A resume restores the state in place and then says what it changed: the global batch kept at another world size
-(accumulation re-derived), and a learning rate that jumps because train.steps or the schedule's options changed.
+(accumulation re-derived), a learning rate that jumps because train.steps or the schedule's options changed, and
+tied embeddings (``model.tie_embeddings``) that the layout change unties or keeps untied. A pipeline trains them
+untied; before the model is built, :func:`embeddings_as_saved` reads whether the checkpoint to resume holds them
+untied, and a layout without a pipeline then builds them untied too, so that training continues exactly. A tied
+checkpoint resumed under a pipeline gives the output head the token embedding's values and optimizer state
+(ModelOptimState's ``ties``): untying them at that step.
 """
 
 from __future__ import annotations
@@ -10,14 +15,21 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch.distributed as dist
+
+from meshrun.ckpt import loading
 from meshrun.ckpt.checkpointer import Checkpointer
 from meshrun.ckpt.preemption import announce, install_sigterm_handler
-from meshrun.ckpt.run_config import config_fingerprint, saved_config
+from meshrun.ckpt.run_config import config_fingerprint, saved_config, saved_embeddings_tied
 from meshrun.ckpt.state import ModelOptimState, RNGState, SchedulerState
+from meshrun.ckpt.storage import register_options
 from meshrun.config import ConfigError
+from meshrun.env import ProcessPlacement
+from meshrun.parallel.tied import tie_partners
 from meshrun.train.schedule import describe_lr_change
 
 if TYPE_CHECKING:
+    from meshrun.train.plan import RunPlan
     from meshrun.train.trainer import Trainer
 
 log = logging.getLogger("meshrun")
@@ -30,7 +42,7 @@ def build_checkpointer(trainer: Trainer) -> tuple[Checkpointer, dict[str, Any]]:
     gloo groups)."""
     job, env, dims, batch = trainer.job, trainer.env, trainer.dims, trainer.batch
     cfg = job.checkpoint
-    folder = cfg.dir if cfg.dir else trainer.run_dir / "checkpoints"  # a path, or an s3:// / gs:// URL
+    folder = checkpoint_folder(trainer.plan)
     preemption = (install_sigterm_handler(grace_s=cfg.signal_grace_s, interrupt=True,
                                           announce=announce if env.is_rank_zero else None)
                   if cfg.final else None)
@@ -41,12 +53,51 @@ def build_checkpointer(trainer: Trainer) -> tuple[Checkpointer, dict[str, Any]]:
     ckpt = Checkpointer(cfg, folder=folder, env=env, layout=layout, config_fingerprint=config_fingerprint(config),
                         preemption=preemption)
     ckpt.config = config
-    state = {"model_optim": ModelOptimState(trainer.engine.model_parts, [trainer.optimizer]),
+    ties = tie_partners(trainer.spec, trainer.model_cfg)  # where a tied checkpoint holds the output head's state
+    state = {"model_optim": ModelOptimState(trainer.engine.model_parts, [trainer.optimizer], ties=ties),
              "scheduler": SchedulerState(trainer.scheduler), "trainer": trainer.progress, "data": trainer.data,
              "rng": RNGState(env, seed=job.train.seed)}
     if trainer.replicas is not None:
         state["replicas"] = trainer.replicas  # the manager's step; loading it re-derives the random streams
     return ckpt, state
+
+
+def checkpoint_folder(plan: RunPlan) -> str:
+    """Where this run's checkpoints go: checkpoint.dir (a path or an s3:// / gs:// URL), else <run.dir>/checkpoints."""
+    return plan.job.checkpoint.dir or str(plan.run_dir / "checkpoints")
+
+
+def embeddings_as_saved(plan: RunPlan, env: ProcessPlacement) -> RunPlan:
+    """The plan to build the model from: with the embeddings untied when the checkpoint this run resumes trained them
+    untied (under a pipeline, or with the option off) and this layout would tie them again. Before the model exists:
+    rank 0 reads the manifest of the checkpoint a resume tries first (loading.peek), and every rank gets its answer.
+
+    Collective with several ranks (a broadcast on the default process group): every rank must call it."""
+    job = plan.job
+    resumes = job.checkpoint.resume != "none" and not (job.run.fresh and env.restart_count == 0)
+    if not (resumes and job.model.tie_embeddings and plan.dims.pp == 1):
+        return plan
+    found = None
+    if env.is_rank_zero:
+        folder = checkpoint_folder(plan)
+        explicit = None if job.checkpoint.resume == "auto" else job.checkpoint.resume
+        for location in (folder, explicit):
+            if location:
+                register_options(location, job.checkpoint.storage_options)
+        manifest = loading.peek(folder, explicit)
+        if manifest is not None and saved_embeddings_tied(manifest) is False:
+            found = (manifest.get("step"), (manifest.get("layout") or {}).get("pp", 1))
+    if env.is_distributed and dist.is_initialized():
+        box = [found]
+        dist.broadcast_object_list(box, src=0)  # collective: every rank builds the model rank 0's answer asks for
+        found = box[0]
+    if found is None:
+        return plan
+    step, saved_pp = found
+    how = f"trained under parallel.pp={saved_pp}" if saved_pp > 1 else "trained with model.tie_embeddings=false"
+    log.warning("the checkpoint to resume (step %s) has untied embeddings (%s): building them untied here too, as "
+                "model.tie_embeddings=false (config.toml records it)", step, how)
+    return plan.untie_embeddings()
 
 
 def resume(trainer: Trainer) -> dict[str, Any] | None:
@@ -70,7 +121,24 @@ def resume(trainer: Trainer) -> dict[str, Any] | None:
     if lr_change and trainer.step < trainer.job.train.steps:
         trainer.ckpt.notes.append(lr_change)
         log.warning(lr_change)
+    ties_change = describe_ties_change(manifest, trainer)
+    if ties_change:
+        trainer.ckpt.notes.append(ties_change)
+        log.warning(ties_change)
     return manifest
+
+
+def describe_ties_change(manifest: dict[str, Any], trainer: Trainer) -> str:
+    """The line that says that this run unties the embeddings that the checkpoint holds tied (at this step: the
+    output head starts as the embedding); '' when it does not, or the model ties nothing. (A checkpoint with untied
+    embeddings was said by :func:`embeddings_as_saved`, which built them untied.)"""
+    if not saved_embeddings_tied(manifest) or not trainer.app_state["model_optim"].ties:
+        return ""
+    if trainer.job.model.tie_embeddings and trainer.dims.pp == 1:
+        return ""
+    why = f"parallel.pp={trainer.dims.pp}" if trainer.dims.pp > 1 else "model.tie_embeddings=false"
+    return (f"the checkpoint of step {manifest['step']} has tied embeddings; {why} trains them untied from here: the "
+            "output head starts as a copy of the token embedding, with its optimizer state")
 
 
 def keep_global_batch(trainer: Trainer, layout: dict[str, Any]) -> None:

@@ -29,6 +29,7 @@ from meshrun.models.shape import ModelShape
 from meshrun.models.spec import ModelSpec
 from meshrun.rng import seed_rank_streams
 from meshrun.parallel.apply import build_engine
+from meshrun.parallel.pipeline import effective_model_config
 from meshrun.parallel.checks import compute_dtype, p2p_channels
 from meshrun.parallel.comm_overlap import set_p2p_channels, set_zero_cta
 from meshrun.parallel.engine import Engine
@@ -44,7 +45,7 @@ from meshrun.watch.health import JobHealth
 from meshrun.watch.stragglers import gather_rank_infos
 from meshrun.train.gc_control import StepCollector
 from meshrun.report.trackers import open_tracker
-from meshrun.train.log_step import LogSnapshot, PendingValues
+from meshrun.train.log_step import IntervalClock, LogSnapshot, PendingValues
 from meshrun.train.metrics import MetricsSink, SumMetrics, peak_flops
 from meshrun.watch.node import SystemWatch
 from meshrun.train.header import print_header, start_record
@@ -54,7 +55,7 @@ from meshrun.train.profiling import IntervalMachine, SlowdownWatch, StepProfiler
 from meshrun.train.plan import RunPlan, refused_alike_on_node, resolve_on_node, validated
 from meshrun.train.replicas import ReplicaGroups, ReplicaQuorumError, data_shard
 from meshrun.train.run_folder import RunFolder
-from meshrun.train.resuming import build_checkpointer, resume
+from meshrun.train.resuming import build_checkpointer, embeddings_as_saved, resume
 from meshrun.train.schedule import build_scheduler
 
 log = logging.getLogger("meshrun")
@@ -105,6 +106,8 @@ class Trainer:
         self.folder = RunFolder(job, self.env, path=self.run_dir)  # nothing written into it until the run proceeds
         if self.env.is_distributed and job.health.check_versions:
             check_consistency(env=self.env, strict=True, script=sys.argv[0])  # collective: every rank
+        self.plan = embeddings_as_saved(self.plan, self.env)  # collective: untied in the checkpoint stays untied
+        job = self.job
         self.mesh = self.dims.build_mesh(self.device.type)  # collective: every rank
         set_mesh_timeouts(self.dims.all_meshes(), job.dist.timeout_s)
         self.compute_dtype = compute_dtype(job, self.device)
@@ -206,8 +209,11 @@ class Trainer:
 
     def run_config(self) -> dict[str, Any]:
         """The resolved config each checkpoint carries (sample, export and resume read it), with the data's
-        content fingerprint."""
-        return {**self.job.to_dict(), "data_fingerprint": self.corpus.fingerprint}
+        content fingerprint. It records the model as trained: ``model.tie_embeddings`` false under a pipeline."""
+        config = self.job.to_dict()
+        tied = effective_model_config(self.model_cfg, pp=self.dims.pp).tie_embeddings
+        return {**config, "model": {**config["model"], "tie_embeddings": tied},
+                "data_fingerprint": self.corpus.fingerprint}
 
     def build_data(self) -> tuple[StepBatches, list]:
         seq_len = self.model_cfg.seq_len
@@ -351,7 +357,7 @@ class Trainer:
             print(f"nothing to train: resumed at step {self.step} >= train.steps={job.train.steps}; {self.run_dir} is "
                   "left as it was; raise --train.steps, or start a new run with --fresh", flush=True)
         sums = SumMetrics(("loss_sum", "tokens"), self.device)
-        self.interval_start, interval_steps = time.perf_counter(), 0
+        self.clock, interval_steps = IntervalClock(self.device), 0  # each record's time (train/log_step.py)
         pending: LogSnapshot | None = None
         try:
             while self.step < job.train.steps:
@@ -373,15 +379,17 @@ class Trainer:
                     else:
                         self.write_log(snapshot, result)
                 if job.train.eval_every and (self.step % job.train.eval_every == 0 or self.step == job.train.steps):
+                    self.clock.pause()  # evaluation time is not training throughput
                     result.val_loss = self.evaluate()
                     self.sink.log({"kind": "eval", "step": self.step, "loss": result.val_loss})
-                    self.interval_start = time.perf_counter()  # evaluation time is not training throughput
+                    self.clock.resume()
                 if self.checkpoint_due():
                     if pending is not None:  # a checkpoint asked for by time or a signal: its records first
                         self.write_log(pending, result)
                         pending = None
+                    self.clock.pause()
                     self.save_checkpoint(final=self.ckpt.stop_requested)  # SIGTERM: the job's last save, final
-                    self.interval_start = time.perf_counter()
+                    self.clock.resume()
                     if self.ckpt.stop_requested:
                         result.stopped_by = self.stop_signal()
                         self.sink.print(f"stopping at step {self.step} after {signal_label(result.stopped_by)} "
@@ -423,12 +431,14 @@ class Trainer:
     def take_log(self, sums: SumMetrics, steps: int, grad_norm: torch.Tensor | None) -> LogSnapshot:
         """At a log step: what its records need, without waiting for the GPU (train/log_step.py). Collective: the
         loss sums' all-reduce, queued on every rank."""
+        seconds = self.clock.take()  # the interval ends with this step's work, before the log step's own
         totals = sums.take()
         values = PendingValues([totals[0], totals[1], grad_norm if grad_norm is not None else float("nan"),
                                 self.guard.count, self.guard.first_step], self.device)
         return LogSnapshot(step=self.step, epoch=self.data.position.epoch, lr=self.step_lr,
                            tokens_seen=self.tokens_seen, steps=steps, values=values,
-                           has_norm=grad_norm is not None, timing=self.health.timer.take_later(steps))
+                           has_norm=grad_norm is not None, timing=self.health.timer.take_later(steps),
+                           seconds=seconds)
 
     def defers_log(self) -> bool:
         """Whether this log step's records are written after the next step is queued (train/log_step.py): in one
@@ -446,8 +456,7 @@ class Trainer:
         """A log step's records: the train record, the non-finite report, the ``ranks`` record and straggler check,
         the system records and the slowdown watch. Collective on several ranks (their gathers)."""
         totals, gnorm, bad, first = snapshot.read()
-        now = time.perf_counter()
-        elapsed = now - self.interval_start
+        elapsed = snapshot.seconds()  # up to the end of the log step's work, not to now: see IntervalClock
         record = self.train_record(snapshot, totals, elapsed, gnorm)
         result.losses.append(record["loss"])
         self.sink.log(record)
@@ -456,9 +465,6 @@ class Trainer:
         self.beat("system_metrics")
         system = self.system.log_interval(snapshot.step, record, self.sink)  # collective when on: every rank
         self.watch_slowdown(table, snapshot.steps, system, step=snapshot.step)
-        # the next interval starts now, not after this logging: its gathers and records are training's own cost,
-        # so the intervals tile the training time and tokens/s is what the wall clock says
-        self.interval_start = now
 
     def check_nonfinite(self, step: int, *, count: int | None = None, first: int | None = None) -> None:
         """At log steps: warn about steps whose gradient norm was NaN or inf (train.nonfinite=stop raises);

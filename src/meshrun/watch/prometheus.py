@@ -10,12 +10,21 @@ port above it is used; the record of each node says which.
 from __future__ import annotations
 
 import errno
+import importlib.util
 from typing import Any
 
 from meshrun.config import ConfigError
 
 PORT_TRIES = 64
 """Ports tried from run.prometheus_port upwards."""
+MISSING = "run.prometheus_port needs prometheus-client: pip install 'meshrun[prometheus]' (or set run.prometheus_port=0)"
+
+
+def check_installed() -> None:
+    """ConfigError when prometheus-client is not installed: asked at start-up (train/plan.py), before anything is
+    written into run.dir."""
+    if importlib.util.find_spec("prometheus_client") is None:
+        raise ConfigError(MISSING)
 
 
 class MetricsEndpoint:
@@ -25,8 +34,7 @@ class MetricsEndpoint:
         try:
             from prometheus_client import CollectorRegistry, Gauge, start_http_server
         except ImportError as exc:
-            raise ConfigError("run.prometheus_port needs prometheus-client: pip install 'meshrun[prometheus]' (or "
-                              "set run.prometheus_port=0)") from exc
+            raise ConfigError(MISSING) from exc
         self.node = str(node)
         self.registry = CollectorRegistry()
         gauge = lambda name, doc, labels=(): Gauge(name, doc, ["node", *labels], registry=self.registry)  # noqa: E731
