@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from meshrun.ckpt import loading
 from meshrun.ckpt.checkpointer import Checkpointer
+from meshrun.ckpt.errors import CheckpointError
 from meshrun.ckpt.preemption import announce, install_sigterm_handler
 from meshrun.ckpt.run_config import config_fingerprint, saved_config, saved_embeddings_tied
 from meshrun.ckpt.state import ModelOptimState, RNGState, SchedulerState
@@ -109,6 +110,9 @@ def resume(trainer: Trainer) -> dict[str, Any] | None:
         manifest = trainer.ckpt.load(trainer.app_state, resume="none" if fresh else None)
         if manifest is None:
             return None
+        refusal = model_change_refusal(manifest, trainer.job.model)
+        if refusal:
+            raise CheckpointError(refusal, same_on_every_rank=True)
         layout = manifest.get("layout", {})
         if layout.get("global_batch", trainer.batch.global_batch) != trainer.batch.global_batch:
             keep_global_batch(trainer, layout)
@@ -126,6 +130,27 @@ def resume(trainer: Trainer) -> dict[str, Any] | None:
         trainer.ckpt.notes.append(ties_change)
         log.warning(ties_change)
     return manifest
+
+
+SHAPE_FIELDS = ("arch", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
+"""The model options that decide which parameters exist and their shapes (seq_len, dropout, rope_theta and norm_eps
+may change on a resume; tie_embeddings is followed, see :func:`embeddings_as_saved`)."""
+
+
+def model_change_refusal(manifest: dict[str, Any], model: Any) -> str:
+    """Why this run's model cannot continue the checkpoint's: '' when its shape options are the checkpoint's (or the
+    checkpoint carries no config). DCP loads the parameters a model asks for, so a model with fewer blocks than the
+    checkpoint's loads a part of it without a word; one with more, or wider, fails later on a missing key or shape."""
+    saved = (saved_config(manifest) or {}).get("model") or {}
+    differ = [name for name in SHAPE_FIELDS  # 0 or empty: a value left to the named size or the data, not recorded
+              if saved.get(name) not in (None, 0, "") and getattr(model, name, saved[name]) != saved[name]]
+    if not differ:
+        return ""
+    changed = [f"model.{name} {saved[name]} -> {getattr(model, name)}" for name in differ]
+    given = " ".join(f"--model.{name}={saved[name]}" for name in differ)
+    return (f"the checkpoint of step {manifest.get('step')} holds another model than this run builds "
+            f"({', '.join(changed)}): it would load only in part. Resume with the checkpoint's model ({given}), or "
+            "start a new run with --fresh or another --run.dir")
 
 
 def describe_ties_change(manifest: dict[str, Any], trainer: Trainer) -> str:
