@@ -68,6 +68,34 @@ def test_local_rank_1_leaves_a_shared_refusal_to_local_rank_0(monkeypatch, tmp_p
     assert not (tmp_path / "run").exists()
 
 
+def _second_node(monkeypatch, local_rank: int) -> None:
+    """The environment of local rank ``local_rank`` on the second of 2 nodes of 2 ranks, as torch's agent sets it."""
+    placement = ProcessPlacement(rank=2 + local_rank, local_rank=local_rank, world_size=4, local_world_size=2,
+                                 node_rank=1, num_nodes=2, master_addr="127.0.0.1", master_port=29500,
+                                 source="torchrun")
+    for name, value in placement.export().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(cli, "NODE_LEADER_GRACE_S", 0.0)
+
+
+def test_the_second_nodes_leader_says_a_shared_refusal_without_a_rank_of_its_own(monkeypatch, tmp_path, capsys):
+    _second_node(monkeypatch, 0)
+    job = load_config(None, [f"--run.dir={tmp_path / 'run'}", f"--data.source={pytest.__file__}", "--dist.device=cpu",
+                             "--train.global_batch=3"])
+    assert cli.run(job) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("meshrun train: error: train.global_batch=3 is not divisible") and "rank 2:" not in err
+
+
+def test_a_command_line_refusal_is_said_by_each_nodes_leader_under_a_launcher(monkeypatch, capsys):
+    _second_node(monkeypatch, 0)
+    assert cli.main(["--train.lr=-1"]) == 2
+    assert capsys.readouterr().err.startswith("meshrun train: error: train.lr")
+    _second_node(monkeypatch, 1)
+    assert cli.main(["--train.lr=-1"]) == 2
+    assert capsys.readouterr().err == ""  # the node's local rank 0 says it on this node's console
+
+
 def _launch(tmp_path: Path, target: list[str], *overrides: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "meshrun", "launch", "--nproc-per-node", "2", *target, "--model.name=tiny",
            "--train.steps=2", "--dist.device=cpu", f"--data.source={pytest.__file__}", f"--run.dir={tmp_path / 'run'}",

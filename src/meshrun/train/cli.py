@@ -66,8 +66,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             job = _with_model_shape(job)
     except ConfigError as exc:
-        if _first_of_the_step():
-            print(f"meshrun train: error: {exc}", file=sys.stderr)
+        speaks, launched = _first_of_the_step()
+        if speaks:
+            print(f"meshrun train: error: {exc}", file=sys.stderr, flush=True)
+        elif launched:
+            _outlast_the_node_leader(2)
         return 2
     if args.print_config:
         print(job.to_toml())
@@ -105,15 +108,20 @@ def _with_model_shape(job: JobConfig) -> JobConfig:
     return dataclasses.replace(job, model=resolved_model(job.model, model_shape(job)))
 
 
-def _first_of_the_step() -> bool:
-    """Every task of `srun meshrun train ...` reads the same command line, so a command-line refusal is the same on
-    all of them: rank 0 says it once (any process whose layout cannot be read says it too)."""
+def _first_of_the_step() -> tuple[bool, bool]:
+    """(whether this process says a command-line refusal, whether a launcher's agent started it). Every process reads
+    the same command line, so the refusal is the same on all of them. Under a launcher (meshrun launch, torchrun)
+    each node has a console of its own: the node's local rank 0 says it there. The tasks of `srun meshrun train ...`
+    share srun's one output: rank 0 says it once. A process whose layout cannot be read says it too."""
     from meshrun.env import ProcessPlacement
 
     try:
-        return ProcessPlacement.detect().is_rank_zero
+        placement = ProcessPlacement.detect()
     except ValueError:
-        return True
+        return True, False
+    if placement.source == "torchrun":
+        return placement.local_rank == 0, True
+    return placement.is_rank_zero, False
 
 
 def _first_line(exc: BaseException) -> str:
@@ -276,7 +284,7 @@ def run(job) -> int:
         if clean is not None:
             line, code, agreed = clean
             if rank == 0 or not agreed or _local_rank(trainer) == 0:  # agreed: once per node, each node's console
-                _say(f"meshrun train: error: {line}", rank)
+                _say(f"meshrun train: error: {line}", 0 if agreed else rank)  # agreed: no rank of its own to name
             elif trainer is None:
                 _outlast_the_node_leader(code)
             return code
