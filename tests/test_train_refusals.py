@@ -144,3 +144,12 @@ def test_two_ranks_say_a_shared_refusal_once_and_a_rank_s_own_with_its_rank(tmp_
     said = [line for line in own.stderr.splitlines() if line.startswith("meshrun train: error:")]
     assert said == ["meshrun train: error: rank 1: local rank 1 needs GPU 1 but this node has 1; use "
                     "--nproc-per-node 1 or fewer"], own.stderr[-3000:]  # its rank named once
+
+
+def test_print_config_under_a_launcher_is_printed_by_each_nodes_first_rank(monkeypatch, capsys):
+    _second_node(monkeypatch, 1)
+    assert cli.main(["--print-config"]) == 0
+    assert capsys.readouterr().out == ""
+    _second_node(monkeypatch, 0)
+    assert cli.main(["--print-config"]) == 0
+    assert "[model]" in capsys.readouterr().out

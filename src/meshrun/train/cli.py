@@ -72,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         elif launched:
             _outlast_the_node_leader(2)
         return 2
+    if (args.print_config or args.dry_run) and not _first_of_the_step()[0]:
+        return 0  # the same printout on every rank of a launch: each node's first rank prints it
     if args.print_config:
         print(job.to_toml())
         return 0
