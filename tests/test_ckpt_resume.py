@@ -87,11 +87,39 @@ def test_truncated_shard_and_manifest_fall_back(history):
     shard.write_bytes(shard.read_bytes()[:-10])
     _, manifest, notes = _resume(folder)
     assert manifest["step"] == 1 and any("__0_0.distcp: size" in n for n in notes)
+    assert any("falling back to the previous complete checkpoint" in n for n in notes), notes
     text = (folder / step_dir_name(1) / MANIFEST).read_text()
     (folder / step_dir_name(1) / MANIFEST).write_text(text[:100])
-    job, manifest, notes = _resume(folder)
-    assert manifest is None, "nothing valid left: start fresh"
-    assert any("step_0000001/manifest.json: not valid JSON" in n for n in notes)
+    records, log = _Records(), logging.getLogger("meshrun.ckpt")
+    log.addHandler(records)
+    try:  # nothing valid left: refused, not a new run among the earlier run's checkpoints
+        with pytest.raises(CheckpointError, match=r"^checkpoint\.resume=auto: the complete checkpoints in .* are all "
+                           r"damaged \(step_0000002, step_0000001; each named above\): .*--fresh") as refused:
+            _resume(folder)
+    finally:
+        log.removeHandler(records)
+    assert refused.value.same_on_every_rank
+    damaged = [m for m in records.messages if m.startswith("checkpoint ")]
+    assert len(damaged) == 2 and "step_0000001/manifest.json: not valid JSON" in damaged[1], damaged
+    assert damaged[0].endswith("falling back to the previous complete checkpoint"), damaged[0]
+    assert damaged[1].endswith("no earlier complete checkpoint is left"), "no fallback promised after the oldest"
+
+
+def test_the_oldest_checkpoint_damaged_in_its_data_promises_no_fallback(history):
+    """A shard of the only complete checkpoint fails its SHA-256 (found after the cheap checks): the line says none
+    is left, and the resume is refused; a folder with no complete checkpoint at all starts fresh."""
+    folder, _ = history
+    shutil.rmtree(folder / step_dir_name(2))
+    _flip_byte(folder / step_dir_name(1) / "__0_0.distcp")
+    job = Job(ENV, seed=42)
+    ckpt = checkpointer(folder, ENV)
+    with pytest.raises(CheckpointError, match=r"are all damaged \(step_0000001;"):
+        ckpt.load(job.state)
+    assert len(ckpt.notes) == 1 and "__0_0.distcp: sha256" in ckpt.notes[0], ckpt.notes
+    assert ckpt.notes[0].endswith("; no earlier complete checkpoint is left"), ckpt.notes[0]
+    (folder / step_dir_name(1) / COMPLETE).unlink()
+    _, manifest, notes = _resume(folder)
+    assert manifest is None and any("no complete checkpoint" in n for n in notes), notes
 
 
 def test_strict_refuses_to_fall_back(history):

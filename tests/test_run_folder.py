@@ -184,6 +184,60 @@ def test_fresh_moves_the_earlier_run_aside(trained, tmp_path, capsys):
     assert snapshot(tmp_path / "run.1") == snapshot(trained), "the earlier run is moved whole, not changed"
 
 
+def test_every_checkpoint_damaged_is_refused_and_leaves_the_run_as_it_was(trained, tmp_path, capsys):
+    """The only checkpoint fails its checks: no fallback is promised, the resume is refused in one line (not a new run
+    mixing its records with the earlier run's), the folder is left as it was, and --fresh then moves it aside."""
+    run_dir = copy_of(trained, tmp_path)
+    shard = run_dir / "checkpoints" / "step_0000004" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-1])
+    before = snapshot(run_dir)
+    assert train(run_dir, 8) == 1
+    captured = capsys.readouterr()
+    assert "falling back" not in captured.err and "new run in" not in captured.out, captured
+    assert "step_0000004/__0_0.distcp: size" in captured.err
+    assert "no earlier complete checkpoint is left" in captured.err
+    lines = [line for line in captured.err.splitlines() if line.startswith("meshrun train: error:")]
+    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
+    assert lines[0].startswith(f"meshrun train: error: checkpoint.resume=auto: the complete checkpoints in "
+                               f"{run_dir / 'checkpoints'} are all damaged (step_0000004; each named above)"), lines[0]
+    assert "--fresh (the earlier run is moved aside)" in lines[0]
+    assert snapshot(run_dir) == before, "config.toml, metrics.jsonl, logs and summary.json must be untouched"
+    assert train(run_dir, 2, "--fresh") == 0
+    assert f"new run in {run_dir}; the earlier run was moved to {run_dir}.1" in capsys.readouterr().out
+    assert snapshot(tmp_path / "run.1") == before
+
+
+def test_a_kept_global_batch_is_said_only_when_its_split_changes(tmp_path, capsys):
+    """A run with accumulation 2 (global batch 4) resumed without train.grad_accum keeps the checkpoint's batch; on the
+    same ranks with the same accumulation nothing changes, so no line says so, nor after 'nothing to train'."""
+    run_dir = tmp_path / "run"
+    assert train(run_dir, 2, "--train.grad_accum=2") == 0
+    capsys.readouterr()
+    for steps, said in ((4, "resumed at step 2"), (4, "nothing to train")):
+        assert train(run_dir, steps) == 0
+        captured = capsys.readouterr()
+        assert said in captured.out and "keeping the checkpoint's global batch" not in captured.err, captured.err
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r.get("kind") == "train"] == [2, 4]
+    assert "global_batch = 4" in (run_dir / "config.toml").read_text()
+
+
+def test_async_saves_make_the_last_steps_save_the_final_synchronous_one(tmp_path, capsys):
+    """checkpoint.interval_steps falling on the last step with async_save: that save is the final one (published
+    before the run ends, manifest and record final), the earlier ones are written in the background."""
+    run_dir = tmp_path / "run"
+    assert train(run_dir, 4, "--checkpoint.async_save=true", "--checkpoint.interval_steps=2") == 0
+    out = capsys.readouterr().out
+    assert "checkpoint step 2 -> " in out and "(staged; writing in the background" in out.split("checkpoint step 2")[1]
+    assert "(published" in out.split("checkpoint step 4")[1].splitlines()[0], out
+    manifests = {step: json.loads((run_dir / "checkpoints" / f"step_000000{step}" / "manifest.json").read_text())
+                 for step in (2, 4)}
+    assert (manifests[2]["final"], manifests[2]["async_save"]) == (False, True)
+    assert (manifests[4]["final"], manifests[4]["async_save"]) == (True, False)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["final"]) for r in records if r.get("kind") == "checkpoint"] == [(2, False), (4, True)]
+
+
 def test_an_empty_data_file_is_one_line_naming_the_option(tmp_path, capsys):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
@@ -231,6 +285,23 @@ def test_world_size_change_names_the_checkpoints_data_parallel_ranks():
     assert (job.train.global_batch, plan.job.train.global_batch) == (0, 0), "a new plan; no config changed in place"
 
 
+def test_a_kept_global_batch_with_the_checkpoints_split_says_nothing():
+    """1 rank resumes a checkpoint of global batch 16 from 1 rank with accumulation 2 (this run's options alone give
+    8): the batch is kept, and the split is the checkpoint's own, so no line or note says it."""
+    job = JobConfig()
+    env = ProcessPlacement(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, num_nodes=1,
+                     master_addr="127.0.0.1", master_port=29500, source="single")
+    plan = RunPlan.resolve(validated(job), env=env, vocab_size=256)
+    notes: list[str] = []
+    data = SimpleNamespace(position=0, seek=lambda position: None)
+    trainer = SimpleNamespace(plan=plan, app_state={}, data=data, build_data=lambda: (data, []),
+                              ckpt=SimpleNamespace(layout={}, notes=notes), replicas=None)
+    keep_global_batch(trainer, {"global_batch": 16, "dp_replicate": 1, "dp_shard": 1, "grad_accum": 2})
+    assert notes == []
+    assert (trainer.plan.batch.global_batch, trainer.plan.batch.grad_accum) == (16, 2)
+    assert trainer.ckpt.layout == {"global_batch": 16, "grad_accum": 2}
+
+
 def test_a_kept_global_batch_that_does_not_split_names_the_micro_batch_that_does():
     """A TP 2 run (global batch 8 on one data-parallel rank) resumed as DDP on 2 ranks of 8 samples: 8 does not split
     into 2 x 8, so the error names the micro-batch that fits (4) instead of a global batch the user never set."""
@@ -241,12 +312,24 @@ def test_a_kept_global_batch_that_does_not_split_names_the_micro_batch_that_does
     trainer = SimpleNamespace(plan=plan, ckpt=SimpleNamespace(layout={}, notes=[]))
     with pytest.raises(ConfigError, match=r"^train.micro_batch=8: the checkpoint's global batch 4 \(2 data-parallel "
                        r"ranks then\), kept .* not divisible by 8 x 1 data-parallel ranks now; resume with "
-                       r"--train.micro_batch=4 \(accumulating the rest\), or start a new run with --fresh$"):
+                       r"--train.micro_batch=4 \(4 x 1 ranks, no accumulation\), or start a new run with "
+                       r"--fresh$") as refused:
         keep_global_batch(trainer, {"global_batch": 4, "dp_replicate": 2, "dp_shard": 1, "grad_accum": 1})
+    assert refused.value.same_on_node, "every rank refuses alike: each node's first rank says it, not every rank"
     assert kept_batch_fix(8, micro_batch=8, dp_size=2, saved_dp=1).endswith("resume with --train.micro_batch=4 "
-                                                                            "(accumulating the rest), or start a new "
-                                                                            "run with --fresh")
+                                                                            "(4 x 2 ranks, no accumulation), or start "
+                                                                            "a new run with --fresh")
+    # 16 samples from 1 rank resumed on 4 ranks of 8: 4 x 4 ranks, nothing accumulated (it said "accumulating the rest")
+    assert kept_batch_fix(16, micro_batch=8, dp_size=4, saved_dp=1).endswith(
+        "resume with --train.micro_batch=4 (4 x 4 ranks, no accumulation), or start a new run with --fresh")
+    assert kept_batch_fix(24, micro_batch=8, dp_size=2, saved_dp=1).endswith(
+        "resume with --train.micro_batch=6 (6 x 2 ranks x 2 accumulated micro-batches), or start a new run with "
+        "--fresh")
     assert kept_batch_fix(12, micro_batch=8, dp_size=1, saved_dp=2).count("--train.micro_batch=6") == 1
+    trainer.plan.job.train.global_batch = 8
+    with pytest.raises(ConfigError, match=r"^train.global_batch=8 differs from the checkpoint's 4") as refused:
+        keep_global_batch(trainer, {"global_batch": 4, "dp_replicate": 2, "dp_shard": 1, "grad_accum": 1})
+    assert refused.value.same_on_node
     assert "nor by 4 ranks with any micro-batch; resume on a layout whose data-parallel ranks divide 6" in \
         kept_batch_fix(6, micro_batch=8, dp_size=4, saved_dp=2)
 

@@ -375,8 +375,9 @@ class Checkpointer:
 
         ``resume`` (default: checkpoint.resume): "none" starts fresh; "auto" loads the newest checkpoint that has
         COMPLETE and checks out (sizes of each candidate, SHA-256 of the chosen one split over ranks), skipping and
-        reporting the others, or refusing when checkpoint.strict; a path loads exactly that or raises. Returns the
-        manifest loaded, or None when starting fresh. What was skipped or changed is in ``notes`` (and logged).
+        reporting the others, or refusing when checkpoint.strict; it starts fresh where no checkpoint has COMPLETE,
+        and refuses where every one that has is damaged; a path loads exactly that or raises. Returns the manifest
+        loaded, or None when starting fresh. What was skipped or changed is in ``notes`` (and logged).
         """
         resume = self.cfg.resume if resume is None else resume
         self.wait()

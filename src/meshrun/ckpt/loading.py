@@ -7,7 +7,10 @@ Choosing (collective on the checkpointer's ctl group):
 * the candidate is broadcast; every rank hashes its share of the files (balanced by size), and the findings are
   all-gathered, so each byte is hashed once, not once per rank;
 * on a mismatch, the file is named and the previous complete checkpoint is tried, unless checkpoint.strict or
-  an explicit path was asked for, which raise.
+  an explicit path was asked for, which raise;
+* when complete checkpoints exist but every one is damaged, the resume is refused on every rank: starting anew
+  would put a new run among the earlier run's checkpoints and records (``--fresh`` moves that run aside first).
+  A folder without a complete checkpoint (a job stopped before its first save) starts fresh.
 
 Loading reads DCP's own ``.metadata`` (checked against the manifest first, and unpickled by a restricted
 unpickler that refuses any global DCP's metadata does not use, see :mod:`meshrun.ckpt.safe_metadata`) to size the
@@ -43,7 +46,9 @@ log = logging.getLogger("meshrun.ckpt")
 
 def choose(coord: Coordinator, folder: str, *, explicit: str | None, strict: bool, verify_checksums: bool,
            threads: int, notes: list[str]) -> tuple[str, dict[str, Any]] | None:
-    """Collective. The checkpoint to load and its manifest, or None (auto, and nothing valid: start fresh)."""
+    """Collective. The checkpoint to load and its manifest, or None (auto, and no complete checkpoint: start fresh).
+    CheckpointError on every rank where every complete checkpoint is damaged (auto), or the one that checkpoint.strict
+    or an explicit path asks for is."""
     refusal = _refusal_hint(explicit, strict) if explicit is not None or strict else None
     candidates: list[str] = []
     pick: dict[str, Any] | None = None
@@ -56,6 +61,8 @@ def choose(coord: Coordinator, folder: str, *, explicit: str | None, strict: boo
     while True:
         if coord.rank == 0 and pick is None:
             pick, position = _next_sound(candidates, position, refusal=refusal, notes=notes)
+            if pick is None and candidates:
+                pick = {"error": _all_damaged(folder, candidates)}
         pick, notes[:] = coord.broadcast((pick, notes))
         if pick is None:
             return None
@@ -68,7 +75,7 @@ def choose(coord: Coordinator, folder: str, *, explicit: str | None, strict: boo
         message = f"checkpoint {path} is damaged: {'; '.join(problems)}"
         if refusal is not None:
             raise CheckpointError(message + refusal, same_on_every_rank=True)
-        notes.append(message + "; falling back to the previous complete checkpoint")
+        notes.append(message + _fallback(pick["more"]))
         if coord.rank == 0:
             log.warning(notes[-1])
         pick = None
@@ -117,14 +124,30 @@ def _next_sound(candidates: list[str], position: int, *, refusal: str | None,
             manifest, problems = check_structure(path)
         except OSError as exc:
             manifest, problems = None, [f"{path}: cannot be read: {exc}"]
+        more = index + 1 < len(candidates)  # a complete checkpoint older than this one is left to try
         if not problems:
-            return {"path": path, "manifest": manifest}, index + 1
+            return {"path": path, "manifest": manifest, "more": more}, index + 1
         message = f"checkpoint {path} is damaged: {'; '.join(problems[:3])}"
         if refusal is not None:
             return {"error": message + refusal}, index + 1
-        notes.append(message + "; falling back to the previous complete checkpoint")
+        notes.append(message + _fallback(more))
         log.warning(notes[-1])
     return None, len(candidates)
+
+
+def _fallback(more: bool) -> str:
+    """What a resume does after a damaged candidate: try the previous one, or (the oldest) nothing is left."""
+    return "; falling back to the previous complete checkpoint" if more else "; no earlier complete checkpoint is left"
+
+
+def _all_damaged(folder: str, candidates: list[str]) -> str:
+    """Rank 0: the refusal of a resume whose every complete checkpoint (``candidates``, newest first) is damaged."""
+    names = ", ".join(os.path.basename(path.rstrip("/")) for path in candidates[:3])
+    more = f" and {len(candidates) - 3} more" if len(candidates) > 3 else ""
+    return (f"checkpoint.resume=auto: the complete checkpoints in {folder} are all damaged ({names}{more}; each "
+            "named above): nothing to resume, and a new run started here would mix with the earlier run's "
+            "checkpoints and records. Start a new run with --fresh (the earlier run is moved aside) or in another "
+            "--run.dir, or resume a sound copy with --checkpoint.resume=<step_* directory>")
 
 
 def _refusal_hint(explicit: str | None, strict: bool) -> str:

@@ -27,6 +27,7 @@ from meshrun.ckpt.storage import register_options
 from meshrun.config import ConfigError
 from meshrun.env import ProcessPlacement
 from meshrun.parallel.tied import tie_partners
+from meshrun.train.plan import refused_alike_on_node
 from meshrun.train.schedule import describe_lr_change
 
 if TYPE_CHECKING:
@@ -167,17 +168,21 @@ def describe_ties_change(manifest: dict[str, Any], trainer: Trainer) -> str:
 
 
 def keep_global_batch(trainer: Trainer, layout: dict[str, Any]) -> None:
-    """The world size changed: keep the checkpoint's global batch (its ``layout``'s) by re-deriving accumulation,
-    or refuse."""
+    """This run's options give another global batch than the checkpoint's (its ``layout``'s): keep the checkpoint's
+    by re-deriving accumulation, or refuse. Said (a warning and a note) only where the data-parallel ranks or the
+    accumulation differ from the checkpoint's: a later resume of a run whose batch was kept re-derives the same
+    split silently. The refusals read only the options and the manifest every rank loaded: raised alike on every
+    rank (``same_on_node``: each node's first rank says them)."""
     train, saved = trainer.plan.job.train, layout["global_batch"]
-    if train.global_batch and train.global_batch != saved:
-        raise ConfigError(f"train.global_batch={train.global_batch} differs from the checkpoint's {saved}; the data "
-                          f"position cannot continue exactly. Set --train.global_batch={saved} or start a new run "
-                          "with --fresh")
     saved_dp = layout.get("dp_replicate", 1) * layout.get("dp_shard", 1)
     dp = trainer.plan.dims.dp_size
-    if saved % (train.micro_batch * dp):
-        raise ConfigError(kept_batch_fix(saved, micro_batch=train.micro_batch, dp_size=dp, saved_dp=saved_dp))
+    with refused_alike_on_node():  # the options and the manifest every rank loaded: every rank refuses alike
+        if train.global_batch and train.global_batch != saved:
+            raise ConfigError(f"train.global_batch={train.global_batch} differs from the checkpoint's {saved}; the "
+                              f"data position cannot continue exactly. Set --train.global_batch={saved} or start a "
+                              "new run with --fresh")
+        if saved % (train.micro_batch * dp):
+            raise ConfigError(kept_batch_fix(saved, micro_batch=train.micro_batch, dp_size=dp, saved_dp=saved_dp))
     trainer.plan = plan = trainer.plan.keep_global_batch(saved)  # a new plan; the config is not changed in place
     position = trainer.data.position  # global: the new per-rank batches continue from it
     trainer.data, trainer.val = trainer.build_data()
@@ -186,6 +191,8 @@ def keep_global_batch(trainer: Trainer, layout: dict[str, Any]) -> None:
     if trainer.replicas is not None:
         trainer.replicas.data = trainer.data  # a healing peer continues this loader's position
     trainer.ckpt.layout.update(global_batch=plan.batch.global_batch, grad_accum=plan.batch.grad_accum)
+    if saved_dp == plan.batch.dp_size and layout.get("grad_accum") == plan.batch.grad_accum:
+        return  # the checkpoint's own split: nothing changes
     message = (f"keeping the checkpoint's global batch {saved}: {saved_dp} -> {plan.batch.dp_size} data-parallel "
                f"ranks, accumulation {layout.get('grad_accum', '?')} -> {plan.batch.grad_accum}")
     trainer.ckpt.notes.append(message)
@@ -201,5 +208,9 @@ def kept_batch_fix(saved: int, *, micro_batch: int, dp_size: int, saved_dp: int)
     if saved % dp_size:
         return (f"{head}, nor by {dp_size} ranks with any micro-batch; resume on a layout whose data-parallel ranks "
                 f"divide {saved}, or start a new run with --fresh")
-    fit = max(m for m in range(1, micro_batch + 1) if (saved // dp_size) % m == 0)
-    return f"{head}; resume with --train.micro_batch={fit} (accumulating the rest), or start a new run with --fresh"
+    per_rank = saved // dp_size
+    fit = max(m for m in range(1, micro_batch + 1) if per_rank % m == 0)
+    accum = per_rank // fit
+    split = (f"{fit} x {dp_size} ranks, no accumulation" if accum == 1
+             else f"{fit} x {dp_size} ranks x {accum} accumulated micro-batches")
+    return f"{head}; resume with --train.micro_batch={fit} ({split}), or start a new run with --fresh"

@@ -388,7 +388,9 @@ class Trainer:
                         self.write_log(pending, result)
                         pending = None
                     self.clock.pause()
-                    self.save_checkpoint(final=self.ckpt.stop_requested)  # SIGTERM: the job's last save, final
+                    # SIGTERM, or the last step with checkpoint.final: the job's last save, final (synchronous)
+                    last = job.checkpoint.final and self.step == job.train.steps
+                    self.save_checkpoint(final=self.ckpt.stop_requested or last)
                     self.clock.resume()
                     if self.ckpt.stop_requested:
                         result.stopped_by = self.stop_signal()
