@@ -46,3 +46,8 @@ def test_meshrun_train_refuses_to_resume_four_blocks_into_two(tmp_path):
     assert again.returncode != 0
     assert "holds another model than this run builds (model.n_layers 4 -> 2)" in again.stderr, again.stderr[-3000:]
     assert "Traceback" not in again.stderr
+    more = subprocess.run([*base, "--model.n_layers=6", "--train.steps=4"], capture_output=True, text=True,
+                          timeout=240)  # more blocks than the checkpoint's: refused before the load, not by a key
+    assert more.returncode != 0
+    assert "holds another model than this run builds (model.n_layers 4 -> 6)" in more.stderr, more.stderr[-3000:]
+    assert "has no entry for" not in more.stderr

@@ -97,6 +97,19 @@ def test_export_writes_the_tie_state_the_weights_were_trained_with(tmp_path):
         assert not torch.equal(f.get_tensor("output.weight"), f.get_tensor("tok_embeddings.weight"))
 
 
+def test_sample_with_a_runs_config_builds_the_model_as_the_checkpoint_trained_it(tmp_path):
+    """A pipeline run's config.toml says tie_embeddings=true (the option as given); `meshrun sample --config` must
+    still build the untied model its checkpoint holds, or one matrix would silently replace the other."""
+    from meshrun.config import load_config
+    from meshrun.sample import find_config
+
+    path, _ = _saved(tmp_path / "ck", _untied(), layout={"pp": 2}, tied_option=True)
+    config = tmp_path / "config.toml"
+    config.write_text(load_config(None, ["--model.name=tiny"]).to_toml())
+    assert load_config(config).model.tie_embeddings is True
+    assert find_config(path, str(config)).model.tie_embeddings is False
+
+
 def test_a_tied_checkpoint_loads_untied_as_untying_at_that_step(tmp_path):
     """The reference unties in memory: the output head a copy of the embedding, its AdamW state a copy of the tied
     parameter's. Loading the tied checkpoint into an untied model must give the same next steps, bitwise."""

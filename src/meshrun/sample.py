@@ -60,14 +60,19 @@ def find_config(step_dir: Path | str, explicit: str | None) -> JobConfig:
     """The run's config: --config, else the one the checkpoint carries, else (a checkpoint of an older meshrun)
     config.toml in the run directory above the checkpoints folder."""
     from meshrun.ckpt.manifest import data_location, read_manifest
-    from meshrun.ckpt.run_config import job_from_dict, trained_config
+    from meshrun.ckpt.run_config import job_from_dict, saved_embeddings_tied, trained_config
 
-    if explicit:
-        return load_config(explicit)
     try:
-        stored = trained_config(read_manifest(data_location(step_dir)))  # tie_embeddings as the weights were trained
+        manifest = read_manifest(data_location(step_dir))
     except CheckpointError:
-        stored = None  # verified (and named) when the weights are loaded
+        manifest = None  # verified (and named) when the weights are loaded
+    if explicit:  # a run's config.toml says tie_embeddings as given: the checkpoint says how the weights were trained
+        job = load_config(explicit)
+        tied = saved_embeddings_tied(manifest) if manifest is not None else None
+        if tied is not None:
+            job.model.tie_embeddings = tied
+        return job
+    stored = trained_config(manifest) if manifest is not None else None  # tie_embeddings as the weights were trained
     if stored is not None:
         return job_from_dict(stored)
     if not isinstance(step_dir, Path):

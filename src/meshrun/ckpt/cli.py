@@ -3,11 +3,11 @@
     meshrun ckpt ls [DIR] [--config TOML]          table of the checkpoints in DIR (or DIR/checkpoints)
     meshrun ckpt verify PATH [--no-checksums]      exit 1, naming each bad file, if PATH (or a run folder's newest
                                                    checkpoint) is not intact or would be refused by a resume
+    meshrun ckpt export PATH --to model.safetensors   consolidated model weights of PATH (or of a run folder's
+                                                   newest checkpoint) for inference
 
 Exit codes: 0 done; 1 a checkpoint missing, damaged or refused; 2 a wrong command line, a path that does not exist
 included.
-    meshrun ckpt export PATH --to model.safetensors   consolidated model weights of PATH (or of a run folder's
-                                                   newest checkpoint) for inference
 
 DIR and PATH may be ``s3://`` or ``gs://`` URLs: credentials and endpoint from the environment, or from the
 ``checkpoint.storage_options`` of ``--config job.toml`` (or of a run folder's config.toml); a run folder whose

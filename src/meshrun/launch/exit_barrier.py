@@ -58,7 +58,8 @@ class BarrierState:
 
 
 STATE = BarrierState()
-"""This process's launch (one per launcher process); reset by :func:`exit_barrier_agent`."""
+"""This process's launch (one per launcher process): reset as :func:`exit_barrier_agent` starts one, and read after
+it ended (the launcher's last line comes after torch's agent returned)."""
 
 BARRIER_KEY: str = getattr(agent_api, "_TERMINAL_STATE_SYNC_ID", "torchelastic/agent/terminal_state")
 """torch's key prefix for the exit barrier (in the store of the rendezvous round, so one barrier per round)."""

@@ -106,12 +106,13 @@ class RunPlan:
 def world_options(job: JobConfig, *, env: ProcessPlacement) -> None:
     """The options checked against this world rather than the config alone, here so that their refusal comes before
     anything is written into run.dir (train/run_folder.py): run.profile_ranks against the world size, run.tracker's
-    packages on rank 0 (which alone logs to them), and prometheus-client on the node leaders that serve
-    run.prometheus_port."""
+    packages (rank 0 alone logs to them) and prometheus-client (the node leaders serve run.prometheus_port), each
+    asked on every rank."""
     profiled_ranks(job.run, env.world_size)
-    if env.is_rank_zero:
-        trackers.check_installed(job)
-    if env.local_rank == 0 and job.run.prometheus_port and job.run.system_sample_s > 0:
+    # every rank asks (a lookup, no import), so that every rank refuses alike: a refusal on rank 0 alone would leave
+    # the others waiting in the process group's start-up where no launcher stops them (srun)
+    trackers.check_installed(job)
+    if job.run.prometheus_port and job.run.system_sample_s > 0:
         prometheus.check_installed()
 
 

@@ -72,14 +72,16 @@ def checkpoint_folder(plan: RunPlan) -> str:
 def embeddings_as_saved(plan: RunPlan, env: ProcessPlacement) -> RunPlan:
     """The plan to build the model from: with the embeddings untied when the checkpoint this run resumes trained them
     untied (under a pipeline, or with the option off) and this layout would tie them again. Before the model exists:
-    rank 0 reads the manifest of the checkpoint a resume tries first (loading.peek), and every rank gets its answer.
+    rank 0 reads the manifest of the checkpoint a resume tries first (loading.peek), and every rank gets its answer;
+    a checkpoint of another model shape is refused here (:func:`model_change_refusal`), on every rank.
 
     Collective with several ranks (a broadcast on the default process group): every rank must call it."""
     job = plan.job
     resumes = job.checkpoint.resume != "none" and not (job.run.fresh and env.restart_count == 0)
-    if not (resumes and job.model.tie_embeddings and plan.dims.pp == 1):
+    if not resumes:
         return plan
-    found = None
+    found: tuple[int, int] | None = None  # (step, pipeline degree) of an untied checkpoint this layout would tie
+    refusal = ""
     if env.is_rank_zero:
         folder = checkpoint_folder(plan)
         explicit = None if job.checkpoint.resume == "auto" else job.checkpoint.resume
@@ -87,12 +89,16 @@ def embeddings_as_saved(plan: RunPlan, env: ProcessPlacement) -> RunPlan:
             if location:
                 register_options(location, job.checkpoint.storage_options)
         manifest = loading.peek(folder, explicit)
-        if manifest is not None and saved_embeddings_tied(manifest) is False:
-            found = (manifest.get("step"), (manifest.get("layout") or {}).get("pp", 1))
+        if manifest is not None:
+            refusal = model_change_refusal(manifest, job.model)  # before the model exists: any change of shape
+            if job.model.tie_embeddings and plan.dims.pp == 1 and saved_embeddings_tied(manifest) is False:
+                found = (manifest.get("step"), (manifest.get("layout") or {}).get("pp", 1))
     if env.is_distributed and dist.is_initialized():
-        box = [found]
+        box = [(found, refusal)]
         dist.broadcast_object_list(box, src=0)  # collective: every rank builds the model rank 0's answer asks for
-        found = box[0]
+        found, refusal = box[0]
+    if refusal:
+        raise CheckpointError(refusal, same_on_every_rank=True)
     if found is None:
         return plan
     step, saved_pp = found

@@ -52,7 +52,7 @@ from meshrun.train.header import print_header, start_record
 from meshrun.train.nonfinite import NonFiniteGuard
 from meshrun.train.rank_timing import data_share, log_rank_timing, rank0_step_s
 from meshrun.train.profiling import IntervalMachine, SlowdownWatch, StepProfiler, build_profiler, profiled_ranks
-from meshrun.train.plan import RunPlan, refused_alike_on_node, resolve_on_node, validated
+from meshrun.train.plan import refused_alike_on_node, resolve_on_node, validated
 from meshrun.train.replicas import ReplicaGroups, ReplicaQuorumError, data_shard
 from meshrun.train.run_folder import RunFolder
 from meshrun.train.resuming import build_checkpointer, embeddings_as_saved, resume
