@@ -253,6 +253,8 @@ def test_torchs_launcher_builds_the_agent_with_the_timeout_while_a_launch_runs(t
                                       start_method="spawn", log_line_prefix_template=None)
     assert isinstance(agent, ExitBarrierAgent) and agent._exit_barrier_timeout == 12.5
     assert api.LocalElasticAgent is LocalElasticAgent
+    # torch's launch_agent must look the name up in its module when it runs, or the swap above would not reach it
+    assert "LocalElasticAgent" in api.launch_agent.__code__.co_names
 
 
 # --- the option ---------------------------------------------------------------------------------------------------
