@@ -269,16 +269,23 @@ def test_changed_options_are_named():
     assert describe_changes(before, after) == "model.dim 0 -> 128, train.lr 0.003 -> 0.001"
 
 
-def test_world_size_change_names_the_checkpoints_data_parallel_ranks():
-    """2 ranks saved global batch 16 (micro 8, no accumulation); 1 rank resumes it: 2 -> 1 ranks, 1 -> 2 steps."""
-    job = JobConfig()
+def _one_rank_trainer(job: JobConfig) -> tuple[SimpleNamespace, list[str]]:
+    """What keep_global_batch reads of a trainer, for one process planning ``job``; and its checkpoint notes."""
     env = ProcessPlacement(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, num_nodes=1,
-                     master_addr="127.0.0.1", master_port=29500, source="single")
+                           master_addr="127.0.0.1", master_port=29500, source="single")
     plan = RunPlan.resolve(validated(job), env=env, vocab_size=256)
     notes: list[str] = []
     data = SimpleNamespace(position=0, seek=lambda position: None)
     trainer = SimpleNamespace(plan=plan, app_state={}, data=data, build_data=lambda: (data, []),
                               ckpt=SimpleNamespace(layout={}, notes=notes), replicas=None)
+    return trainer, notes
+
+
+def test_world_size_change_names_the_checkpoints_data_parallel_ranks():
+    """2 ranks saved global batch 16 (micro 8, no accumulation); 1 rank resumes it: 2 -> 1 ranks, 1 -> 2 steps."""
+    job = JobConfig()
+    trainer, notes = _one_rank_trainer(job)
+    plan = trainer.plan
     keep_global_batch(trainer, {"global_batch": 16, "dp_replicate": 2, "dp_shard": 1, "grad_accum": 1})
     assert notes == ["keeping the checkpoint's global batch 16: 2 -> 1 data-parallel ranks, accumulation 1 -> 2"]
     assert (trainer.plan.job.train.global_batch, trainer.plan.batch.grad_accum) == (16, 2)
@@ -288,14 +295,7 @@ def test_world_size_change_names_the_checkpoints_data_parallel_ranks():
 def test_a_kept_global_batch_with_the_checkpoints_split_says_nothing():
     """1 rank resumes a checkpoint of global batch 16 from 1 rank with accumulation 2 (this run's options alone give
     8): the batch is kept, and the split is the checkpoint's own, so no line or note says it."""
-    job = JobConfig()
-    env = ProcessPlacement(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, num_nodes=1,
-                     master_addr="127.0.0.1", master_port=29500, source="single")
-    plan = RunPlan.resolve(validated(job), env=env, vocab_size=256)
-    notes: list[str] = []
-    data = SimpleNamespace(position=0, seek=lambda position: None)
-    trainer = SimpleNamespace(plan=plan, app_state={}, data=data, build_data=lambda: (data, []),
-                              ckpt=SimpleNamespace(layout={}, notes=notes), replicas=None)
+    trainer, notes = _one_rank_trainer(JobConfig())
     keep_global_batch(trainer, {"global_batch": 16, "dp_replicate": 1, "dp_shard": 1, "grad_accum": 2})
     assert notes == []
     assert (trainer.plan.batch.global_batch, trainer.plan.batch.grad_accum) == (16, 2)
