@@ -16,7 +16,7 @@ MODEL = ("--model.name=tiny", "--model.n_layers=4")  # 4 blocks: PP 2 x 2 virtua
 
 REFUSED = {
     "fsdp whole unit with TP": ("--parallel.tp=2", "--parallel.dp_shard=2", "--parallel.fsdp_unit_blocks=-1"),
-    "weight copies over 4 ranks": ("--train.weight_copies=true",),
+    "weight copies with TP": ("--train.weight_copies=true", "--parallel.tp=2"),
     "cast once with FSDP2": ("--parallel.pp=2", "--parallel.pp_cast_once=true", "--parallel.dp_shard=2"),
     "graphs of an interleaved schedule": ("--parallel.pp=2", "--parallel.pp_schedule=interleaved1f1b",
                                           "--train.cuda_graphs=true"),
@@ -27,7 +27,7 @@ REFUSED = {
 }
 """Layouts of 4 ranks that the dry run passed before it ran the start's checks (a user walkthrough)."""
 
-DEVICE_FREE = ("fsdp whole unit with TP", "weight copies over 4 ranks", "graphs of an interleaved schedule",
+DEVICE_FREE = ("fsdp whole unit with TP", "weight copies with TP", "graphs of an interleaved schedule",
                "symmetric memory under DDP", "chunked loss with TP")
 """The cases whose refusal reads no device: a CPU run here refuses them alike."""
 

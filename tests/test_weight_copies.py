@@ -1,5 +1,6 @@
-"""train.weight_copies: one process's linear layers hold bf16 copies of their weights, which meshrun's Triton AdamW
-writes as it updates the fp32 weights, and with one micro-batch a step their gradients stay bf16.
+"""train.weight_copies: the linear layers hold bf16 copies of their weights, which meshrun's Triton AdamW writes as it
+updates the fp32 weights, and with one micro-batch a step their gradients stay bf16; under DDP the copies are DDP's
+parameters, their gradients all-reduced in bf16.
 
 The arithmetic is autocast's (the same bf16 weights in the matmuls, the gradients' same values), so runs are compared
 bitwise with the same run without copies:
@@ -10,6 +11,8 @@ bitwise with the same run without copies:
   against the same kernel without copies (bitwise copies; the gradient norm sums bf16 values in another order, so
   the weights are a unit in the last place apart); a weight changed outside the optimizer (a checkpoint loaded) is
   cast again before the next step uses it;
+* under DDP on 2 gloo ranks: rank 0's fp32 weights reach every rank, the gradients handed to the fp32 weights are the
+  ranks' mean within one bf16 rounding, and the trainer's DDP with and without copies tracks one process;
 * and the refusals, ``auto``'s choice and the start-up line.
 """
 
@@ -26,6 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dist_utils import run_distributed
 from meshrun.comm.mesh import ParallelDims
 from meshrun.config import ConfigError, load_config
 from meshrun.models.gpt import gpt_config
@@ -174,40 +178,61 @@ def test_torchs_adamw_steps_bf16_gradients_like_their_fp32_values():
     assert torch.equal(runs[0], runs[1])
 
 
-def _dims(*overrides: str, world_size: int = 1) -> ParallelDims:
+def _dims(*overrides: str, world_size: int = 1, gpus_per_node: int = 0) -> ParallelDims:
     job = load_config(None, ["--model.name=tiny", *overrides])
-    return ParallelDims.from_config(job.parallel, world_size=world_size, model=gpt_config("tiny", n_layers=4),
-                                    spec=get_model_spec("gpt"))
+    return ParallelDims.from_config(job.parallel, world_size=world_size, gpus_per_node=gpus_per_node,
+                                    model=gpt_config("tiny", n_layers=4), spec=get_model_spec("gpt"))
 
 
-@pytest.mark.parametrize("overrides,world_size,fp32,message", [
-    ((), 2, False,
-     r"^train.weight_copies=true runs in one process, not for DDP over 2 ranks .*drop --train.weight_copies"),
-    (("--parallel.pp=2", "--parallel.dp_replicate=1"), 2, False, r"^train.weight_copies=true runs in one process, not for PP .*parallel.pp_cast_once gives a pipeline's"),
-    ((), 1, True, r"^train.weight_copies=true copies weights for bf16 compute.*set --train.dtype=bf16"),
-    (("--train.float8=true",), 1, False, r"^train.weight_copies=true: train.float8 layers"),
-    (("--replicas.groups=2", "--replicas.lighthouse=localhost:29510"), 1, False,
+@pytest.mark.parametrize("overrides,world_size,fp32,grad_accum,message", [
+    (("--parallel.tp=2", "--parallel.dp_replicate=1"), 2, False, 1,
+     r"^train.weight_copies=true runs in one process or under DDP, not for TP over 2 ranks .*FSDP2's sharding"),
+    (("--parallel.pp=2", "--parallel.dp_replicate=1"), 2, False, 1,
+     r"^train.weight_copies=true runs in one process or under DDP, not for PP .*parallel.pp_cast_once gives"),
+    (("--parallel.dp_shard=2", "--parallel.dp_replicate=1"), 2, False, 1,
+     r"^train.weight_copies=true runs in one process or under DDP, not for FSDP"),
+    ((), 1, True, 1, r"^train.weight_copies=true copies weights for bf16 compute.*set --train.dtype=bf16"),
+    (("--train.float8=true",), 1, False, 1, r"^train.weight_copies=true: train.float8 layers"),
+    (("--replicas.groups=2", "--replicas.lighthouse=localhost:29510"), 1, False, 1,
      r"^train.weight_copies=true: replica groups"),
+    ((), 2, False, 2, r"^train.weight_copies=true under DDP needs one micro-batch per step: DDP would add the 2 "),
+    (("--parallel.grad_reduce_dtype=fp32",), 2, False, 1,
+     r"^train.weight_copies=true under DDP puts the linear layers' bf16 gradients in DDP's buckets.*fp32"),
 ])
-def test_it_is_refused_where_it_cannot_serve(overrides, world_size, fp32, message):
+def test_it_is_refused_where_it_cannot_serve(overrides, world_size, fp32, grad_accum, message):
     job = load_config(None, ["--model.name=tiny", "--train.weight_copies=true", *overrides])
-    assert re.match(message, weight_copies_refusal(job, _dims(*overrides, world_size=world_size), fp32=fp32))
+    assert re.match(message, weight_copies_refusal(job, _dims(*overrides, world_size=world_size), fp32=fp32,
+                                                   grad_accum=grad_accum))
 
 
-def test_the_layout_check_refuses_it_for_ddp():
+def test_it_serves_one_process_and_ddp_and_the_layout_check_refuses_ddp_with_accumulation():
     job = load_config(None, ["--model.name=tiny", "--train.weight_copies=true"])
-    with pytest.raises(ConfigError, match=r"^train.weight_copies=true runs in one process, not for DDP"):
-        check_layout(job, get_model_spec("gpt"), gpt_config("tiny", n_layers=4), _dims(world_size=2),
-                     device=torch.device("cpu"), compute_dtype=torch.bfloat16)
+    assert weight_copies_refusal(job, _dims(), fp32=False) is None
+    assert weight_copies_refusal(job, _dims(world_size=2), fp32=False) is None
+    spec, shape, cpu = get_model_spec("gpt"), gpt_config("tiny", n_layers=4), torch.device("cpu")
+    check_layout(job, spec, shape, _dims(world_size=2), device=cpu, compute_dtype=torch.bfloat16)
+    accumulating = load_config(None, ["--model.name=tiny", "--train.weight_copies=true", "--train.micro_batch=4",
+                                      "--train.global_batch=16"])  # 2 ranks of 4 samples: 2 micro-batches each
+    with pytest.raises(ConfigError, match=r"^train.weight_copies=true under DDP needs one micro-batch per step"):
+        check_layout(accumulating, spec, shape, _dims(world_size=2), device=cpu, compute_dtype=torch.bfloat16)
 
 
-def test_auto_is_on_for_one_process_on_gpus_with_the_triton_adamw(monkeypatch):
+def test_auto_is_on_for_one_process_and_ddp_within_a_node_on_gpus_with_the_triton_adamw(monkeypatch):
     job = load_config(None, ["--model.name=tiny"])
-    one, two = _dims(), _dims(world_size=2)
+    one, ddp, nodes = _dims(), _dims(world_size=2, gpus_per_node=2), _dims(world_size=2, gpus_per_node=1)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     monkeypatch.setattr(kernels, "resolve_adamw_kernel", lambda job, device: "triton")
     assert use_weight_copies(job, one, cuda, torch.bfloat16)
-    assert not use_weight_copies(job, two, cuda, torch.bfloat16)  # DDP
+    # DDP on the GPUs of one node takes the copies' bf16 gradients where an fp32 weight can hold them (torch 2.10)
+    assert use_weight_copies(job, ddp, cuda, torch.bfloat16) == hasattr(torch.Tensor, "grad_dtype")
+    assert not use_weight_copies(job, nodes, cuda, torch.bfloat16)  # two nodes: bf16 sums not measured there
+    assert not use_weight_copies(job, _dims(world_size=2), cuda, torch.bfloat16)  # processes per node not known
+    assert not use_weight_copies(job, ddp, cuda, torch.bfloat16, grad_accum=2)
+    fp32_reduce = load_config(None, ["--model.name=tiny", "--parallel.grad_reduce_dtype=fp32"])
+    assert not use_weight_copies(fp32_reduce, _dims("--parallel.grad_reduce_dtype=fp32", world_size=2,
+                                                    gpus_per_node=2), cuda, torch.bfloat16)
+    tp = _dims("--parallel.tp=2", "--parallel.dp_replicate=1", world_size=2, gpus_per_node=2)
+    assert not use_weight_copies(job, tp, cuda, torch.bfloat16)
     assert not use_weight_copies(job, one, cuda, None)  # fp32 compute
     assert not use_weight_copies(job, one, cpu, torch.bfloat16)
     monkeypatch.setattr(kernels, "resolve_adamw_kernel", lambda job, device: "torch")
@@ -215,6 +240,96 @@ def test_auto_is_on_for_one_process_on_gpus_with_the_triton_adamw(monkeypatch):
     assert use_weight_copies(load_config(None, ["--train.weight_copies=true"]), one, cpu, torch.bfloat16)
     with pytest.raises(ConfigError, match="train.weight_copies"):
         load_config(None, ["--train.weight_copies=maybe"])
+
+
+def _ddp_worker(rank: int, world_size: int, keep: bool) -> dict:
+    """One step of a small model under DDP with copies, each rank its own input: what DDP's start and the step's
+    end leave in the fp32 weights and their gradients."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from meshrun.parallel.data_parallel import apply_ddp
+    from meshrun.parallel.step_weights import StepWeights
+
+    torch.manual_seed(rank)  # each rank starts from other weights: DDP's start must give them all rank 0's
+    model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 8))
+    copies = StepWeights([model], torch.bfloat16, grads_in_dtype=keep, reduced_by_ddp=True)
+    ddp = apply_ddp(model, init_device_mesh("cpu", (world_size,)), torch.device("cpu"), copies=copies)
+    registered = sorted({str(p.dtype) for p in ddp._module_parameters})
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(100 + rank))
+    with copies.held(micro_batches=1), torch.autocast("cpu", torch.bfloat16):
+        ddp(x).float().square().sum().backward()
+    return {"weights": weights, "x": x, "registered": registered,
+            "grads": {name: p.grad.clone() for name, p in model.named_parameters()},
+            "copy_grads": [c.grad for _, c in copies.pairs]}
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_ddp_sums_the_copies_gradients_in_bf16_and_hands_them_to_the_fp32_weights(keep):
+    """DDP on 2 gloo ranks holding the copies: rank 0's fp32 weights reach every rank; the linear layers'
+    gradients are the mean of the ranks' autocast gradients within one bf16 rounding of the sum (rtol 8e-3), left
+    in bf16 where the step keeps them (``keep``: torch 2.10's ``Tensor.grad_dtype``) and cast otherwise; the norm's
+    fp32 gradients are the fp32 mean (rtol 1e-5); every rank ends with the same gradients."""
+    if keep and not hasattr(torch.Tensor, "grad_dtype"):
+        pytest.skip(f"torch {torch.__version__} lets no fp32 parameter hold a bf16 gradient (2.10 and newer)")
+    from torch import nn
+
+    results = run_distributed(_ddp_worker, 2, keep, timeout=120)
+    assert results[0]["registered"] == ["torch.bfloat16", "torch.float32"]  # the copies and the norm
+    reference = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 8))
+    reference.load_state_dict(results[0]["weights"])
+    means = {}
+    for result in results:
+        assert all(torch.equal(result["weights"][n], t) for n, t in results[0]["weights"].items())
+        assert result["copy_grads"] == [None] * 4, "each copy (2 weights, 2 biases) hands its gradient on"
+        reference.zero_grad()
+        with torch.autocast("cpu", torch.bfloat16):
+            reference(result["x"]).float().square().sum().backward()
+        for name, p in reference.named_parameters():
+            means[name] = means.get(name, 0) + p.grad / len(results)
+    for name, grad in results[0]["grads"].items():
+        linear = not name.startswith("1.")
+        assert grad.dtype == (torch.bfloat16 if linear and keep else torch.float32), name
+        torch.testing.assert_close(grad.float(), means[name], rtol=8e-3 if linear else 1e-5, atol=1e-6)
+        assert torch.equal(results[1]["grads"][name], grad), name
+
+
+def _trainer_worker(rank: int, world_size: int, initial: dict) -> dict:
+    from test_parallel_layouts import build, load_full, model_config, train
+
+    out = {}
+    for copies in ("false", "true"):
+        _, engine = build(model_config(tied=False), {"dp_replicate": 2}, grad_accum=1,
+                          train={"dtype": "bf16", "weight_copies": copies}, compute_dtype=torch.bfloat16)
+        load_full(engine, initial)
+        out[copies] = train(engine, grad_accum=1) | {
+            "by_ddp": engine.step_weights is not None and engine.step_weights.reduced_by_ddp}
+    return out
+
+
+@pytest.mark.slow
+def test_ddp_with_copies_trains_like_one_process():
+    """The trainer's DDP on 2 gloo ranks (bf16 autocast, an output head of its own) with and without copies, from the
+    same weights, against one process with autocast's casts: losses within 2e-3 (near 5.5), gradient norms and the
+    validation loss likewise (rtol 1e-2, 2e-3), as test_residual_dtype allows DDP's bf16 runs."""
+    from test_parallel_layouts import model_config
+    from test_residual_dtype import LOSS_ATOL, NORM_RTOL, _reference
+    from meshrun.models.gpt import GPT
+
+    torch.manual_seed(0)
+    model = GPT(model_config(tied=False))
+    model.init_weights()
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    ref = _reference(False, "bf16", initial)
+    results = run_distributed(_trainer_worker, 2, initial, timeout=300)
+    for result in results:
+        assert not result["false"]["by_ddp"] and result["true"]["by_ddp"]
+        for copies in ("false", "true"):
+            got = result[copies]
+            assert got["losses"] == pytest.approx(ref["losses"], abs=LOSS_ATOL), copies
+            assert got["norms"] == pytest.approx(ref["norms"], rel=NORM_RTOL), copies
+            assert got["val"] == pytest.approx(ref["val"], abs=LOSS_ATOL), copies
 
 
 def test_the_speed_line_says_how_the_copies_are_made():

@@ -149,15 +149,19 @@ class TrainConfig:
     leaves the gradients unwritten, where torch's fused kernel writes the clipped gradients back: the 1b training
     step ran 1.020x torch's on an H200; torch's elsewhere), triton, or torch (torch's fused AdamW)."""
     weight_copies: str = "auto"
-    """One process computing in bf16: the linear layers hold bf16 copies of their weights, which meshrun's Triton
-    AdamW writes as it updates the fp32 weights, so no step casts the weights (autocast casts each weight in every
-    forward pass, a read of 4 bytes and a write of 2 per parameter), and with one micro-batch a step (no gradient
-    accumulation) their gradients stay bf16 (no cast of them to fp32, 2 bytes less for the optimizer to read; torch
-    2.10 and newer). The arithmetic is autocast's: the same bf16 weights in the matmuls, the gradients' same values.
-    A weight shared with an embedding keeps autocast's cast. auto: on for one process on CUDA GPUs with the Triton
-    AdamW (train.adamw_kernel; on one H200 the 1b step ran 1.026x and the 124m step 1.027x autocast's casts, at the
-    same peak memory); true refuses the layouts it cannot serve (DDP and the other multi-process layouts,
-    fp32 compute, float8, replica groups; pipelines have parallel.pp_cast_once); false: autocast casts."""
+    """bf16 compute in one process or under DDP: the linear layers hold bf16 copies of their weights, which meshrun's
+    Triton AdamW writes as it updates the fp32 weights, so no step casts the weights (autocast casts each weight in
+    every forward pass, a read of 4 bytes and a write of 2 per parameter), and with one micro-batch a step (no
+    gradient accumulation) their gradients stay bf16 (no cast of them to fp32, 2 bytes less for the optimizer to
+    read; torch 2.10 and newer). The arithmetic is autocast's: the same bf16 weights in the matmuls, the gradients'
+    same values. Under DDP the copies are DDP's parameters, so their gradients are all-reduced in bf16 (half the
+    bytes, each sum rounded to bf16), whatever parallel.grad_reduce_dtype says for the others. A weight shared
+    with an embedding keeps autocast's cast. auto: on with the Triton AdamW (train.adamw_kernel) on CUDA GPUs, for
+    one process (on one H200 the 1b step ran 1.026x and the 124m step 1.027x autocast's casts, at the same peak
+    memory) and for DDP on the GPUs of one node with one micro-batch a step on torch 2.10 and newer (124m on 2
+    H200s: 1.02x; losses within 0.1% of fp32 all-reduce's in a GPU test); true refuses the layouts it cannot serve
+    (FSDP, TP, pipelines, which have parallel.pp_cast_once; DDP with gradient accumulation or with
+    parallel.grad_reduce_dtype=fp32; fp32 compute, float8, replica groups); false: autocast casts."""
     loss: LossMode = "full"
     """full (the logits of the whole micro-batch at once) or chunked (the output head and cross-entropy a few
     thousand tokens at a time: the B x T x V logits never exist whole; one process and DDP)."""
@@ -289,6 +293,8 @@ class ParallelConfig:
     1.02-1.03x fp32 reduction; losses within 0.1% of fp32's in a GPU test), fp32 otherwise (DDP, HSDP, several
     nodes, gradient accumulation or a pipeline, where FSDP2 would add the micro-batches' gradients in bf16, fp32
     compute, CPU). DDP uses torch's bf16 compression hook, FSDP2 and HSDP their mixed-precision reduce dtype.
+    Under DDP, train.weight_copies (on by default on the GPUs of one node) sums the linear layers' gradients in bf16
+    anyway, without the hook's casts; fp32 here then turns the copies off.
     Layouts without data parallelism reduce nothing and ignore it; the sum across replica groups (replicas.groups)
     stays fp32."""
     activation_checkpoint: ActivationCheckpointMode = "none"

@@ -89,5 +89,6 @@ def reduces_in_bf16(*, fsdp: bool, replicate: int, bf16: bool, on_gpu: bool, one
     unsharded gradients in bf16 instead of fp32, which is precision lost per micro-batch: fp32 there. DDP keeps fp32:
     torch's bf16 compression hook costs more casts than the all-reduce saves within a node (124m: 449.9k against
     456.7k tokens/s per GPU); so do replicas and several nodes, where more ranks' sums are rounded and nothing here
-    measured them."""
+    measured them. (DDP's linear layers still sum in bf16 on one node: train.weight_copies makes their bf16 copies
+    DDP's parameters, with no casts; meshrun.parallel.checks.use_weight_copies.)"""
     return fsdp and replicate == 1 and bf16 and on_gpu and one_node and not accumulates

@@ -105,7 +105,7 @@ def build_engine(*, job: JobConfig, model_cfg: ModelShape, dims: ParallelDims, m
                                reduce_bf16=reduce_bf16)
     if local:
         return _local_engine(job, spec, cfg, dims, device, rank=rank, autocast_dtype=None if fp32 else compute_dtype,
-                             options=options, cuda_graphs=graphs)
+                             options=options, cuda_graphs=graphs, grad_accum=batch.grad_accum)
     ids = stage_ids(dims.coords(rank).pp, pp=dims.pp, virtual_stages=dims.pp_virtual_stages) if dims.pp > 1 else [0]
     parts = build_parts(cfg, dims, ids, spec=spec, options=options)
     materialize(parts, device=device, seed=job.train.seed, dims=dims, rank=rank, spec=spec)
@@ -387,7 +387,7 @@ def ddp_bucket_mb(choice: int, *, cuda_graphs: bool) -> int:
 
 def _local_engine(job: JobConfig, spec: ModelSpec, cfg: ModelShape, dims: ParallelDims, device: torch.device, *,
                   rank: int, autocast_dtype: torch.dtype | None, options: ParallelOptions,
-                  cuda_graphs: bool) -> LocalEngine:
+                  cuda_graphs: bool, grad_accum: int = 1) -> LocalEngine:
     """One process, or DDP over dp_replicate: every rank holds the whole model, initialised like 1 process.
 
     Compile covers the whole model and its loss (``LossStep``), not each block: one graph lets inductor fuse the
@@ -421,16 +421,17 @@ def _local_engine(job: JobConfig, spec: ModelSpec, cfg: ModelShape, dims: Parall
         torch._dynamo.config.optimize_ddp = split
     if compiled and not overlap:
         step = torch.compile(step, mode=mode)
+    copies = None
+    if autocast_dtype is not None and use_weight_copies(job, dims, device, autocast_dtype,
+                                                        grad_accum=grad_accum):
+        # with one micro-batch a step the gradients stay bf16 where the Triton AdamW reads them
+        copies = StepWeights([model], autocast_dtype, grads_in_dtype=resolve_adamw_kernel(job, device) == "triton",
+                             reduced_by_ddp=ddp)
     if ddp:
         step = apply_ddp(step, dims.get_mesh("dp_replicate"), device,
                          bucket_mb=ddp_bucket_mb(job.parallel.ddp_bucket_mb, cuda_graphs=cuda_graphs),
-                         reduce_dtype=options.reduce_dtype)
+                         reduce_dtype=options.reduce_dtype, copies=copies)
     if overlap:
         step = torch.compile(step, mode=mode)  # dynamo's DDP optimizer splits the graph at bucket boundaries
-    copies = None
-    if autocast_dtype is not None and use_weight_copies(job, dims, device, autocast_dtype):
-        # with one micro-batch a step the gradients stay bf16 where the Triton AdamW reads them
-        copies = StepWeights([model], autocast_dtype,
-                             grads_in_dtype=resolve_adamw_kernel(job, device) == "triton")
     return LocalEngine(model, step=step, autocast_dtype=autocast_dtype, dp_rank=dims.dp_rank(rank),
                        dp_size=dims.dp_size, cuda_graphs=cuda_graphs, step_weights=copies)

@@ -6,6 +6,7 @@ norm and output head stay in the root's group, which keeps tied embeddings in on
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
@@ -16,6 +17,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 # the sizes and rule of parallel.fsdp_unit_blocks=0, re-exported from where the planner reads them without torch
 from meshrun.comm.dp_choice import FSDP_ONE_UNIT_PARAMS, FSDP_UNIT_PARAMS, auto_unit_blocks  # noqa: F401
+from meshrun.parallel.step_weights import StepWeights
 
 try:  # the symmetric-memory pool that parallel.fsdp_symm_mem gathers into (symm_mem_supported)
     from torch.distributed import _symmetric_memory as symm_mem
@@ -201,27 +203,43 @@ def gather_in_pool(model: nn.Module) -> torch.utils.hooks.RemovableHandle | None
     return model.register_forward_pre_hook(gather, prepend=True)
 
 
+DDP_BROADCAST_BYTES = 250 * 1024 * 1024
+"""DDP's own bucket size for broadcasting rank 0's parameters at its start (its ``broadcast_bucket_size``)."""
+
+
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device, *, bucket_mb: int = 25,
-              sync_buffers: bool = False, reduce_dtype: torch.dtype = torch.float32) -> nn.Module:
+              sync_buffers: bool = False, reduce_dtype: torch.dtype = torch.float32,
+              copies: StepWeights | None = None) -> nn.Module:
     """Wrap in DistributedDataParallel over ``dp_mesh``'s group; returns the wrapper (the model keeps its names).
 
     ``sync_buffers`` broadcasts rank 0's buffers before every forward (models with running statistics, such as
     BatchNorm, need it; the trainer's models compute their buffers identically everywhere and skip it).
     ``reduce_dtype=torch.bfloat16`` all-reduces each gradient bucket in bf16 (torch's ``bf16_compress_hook``:
-    cast to bf16, divide by the world size, all-reduce, copy back into the fp32 bucket).
+    cast to bf16, divide by the world size, all-reduce, copy back into the fp32 bucket). ``copies``: the linear
+    layers' bf16 copies of their weights (train.weight_copies, built with ``reduced_by_ddp``), which DDP takes as
+    its parameters in their place: their gradients are all-reduced in bf16 buckets.
 
     Collective: every rank of the dp group must call this (DDP broadcasts rank 0's parameters).
     """
+    from torch.distributed.utils import _sync_module_states
     from torch.nn.parallel import DistributedDataParallel
+
+    held = contextlib.nullcontext()
+    if copies is not None:
+        # DDP would broadcast only the copies it holds: rank 0's fp32 weights first, with the broadcast DDP's own
+        # start uses (torch's _sync_module_states); the copies are cast from them at each step's start
+        _sync_module_states(model, dp_mesh.get_group(), DDP_BROADCAST_BYTES, 0, set())
+        held = copies.registered_by()
 
     # The trainer's models compute their buffers (e.g. a RoPE table) identically everywhere: syncing them before
     # every forward would be a wasted collective per step. Newer torch renames the switch (the old name warns).
     no_buffer_sync = ({"forward_sync_buffers": sync_buffers}
                       if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
                       else {"broadcast_buffers": sync_buffers})
-    ddp = DistributedDataParallel(model, process_group=dp_mesh.get_group(),
-                                  device_ids=[device.index] if device.type == "cuda" else None,
-                                  gradient_as_bucket_view=True, bucket_cap_mb=bucket_mb, **no_buffer_sync)
+    with held:
+        ddp = DistributedDataParallel(model, process_group=dp_mesh.get_group(),
+                                      device_ids=[device.index] if device.type == "cuda" else None,
+                                      gradient_as_bucket_view=True, bucket_cap_mb=bucket_mb, **no_buffer_sync)
     if reduce_dtype == torch.bfloat16:
         ddp.register_comm_hook(dp_mesh.get_group(), bf16_all_reduce)
     elif reduce_dtype != torch.float32:
