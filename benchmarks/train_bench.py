@@ -78,7 +78,8 @@ LAYOUTS = {  # meshrun overrides for a layout on G GPUs
 TUNE = {  # --tune: the documented settings each layout's defaults choose between (docs/performance.md), one row each
     "ddp": {"whole": "--parallel.ddp_graph=whole", "b25": "--parallel.ddp_bucket_mb=25",
             "b200": "--parallel.ddp_bucket_mb=200", "launched": "--train.cuda_graphs=false",
-            # DDP sums in fp32 by default; the 1b model's FSDP2 (by size) in bf16 on one node
+            # DDP sums in fp32 by default (on GPUs the linear layers' bf16 copies in bf16: fp32-reduce turns them
+            # off); the 1b model's FSDP2 (by size) in bf16 on one node
             "bf16-reduce": "--parallel.grad_reduce_dtype=bf16", "fp32-reduce": "--parallel.grad_reduce_dtype=fp32",
             # DDP and FSDP2: parallel.data_parallel=auto picks one by model size (FSDP2 from 1B parameters on GPUs)
             "dp-ddp": "--parallel.data_parallel=ddp", "dp-fsdp": "--parallel.data_parallel=fsdp"},
@@ -104,8 +105,10 @@ TUNE_BF16 = {"pp": {"casts": "--parallel.pp_cast_once=false"} | FP32_STREAM, "dd
 # on CUDA GPUs: torch's cross-entropy against meshrun's Triton kernel (train.cross_entropy=auto); TP's loss on
 # vocabulary shards has its own
 CE_TORCH = {"ce-torch": "--train.cross_entropy=torch"}
-# and FSDP2's all-gathers on the copy engines (parallel.fsdp_symm_mem: NCCL 2.28+, a torch that has it)
-TUNE_CUDA = {"ddp": CE_TORCH, "fsdp": CE_TORCH | {"symm-mem": "--parallel.fsdp_symm_mem=true"}, "pp": CE_TORCH}
+# and FSDP2's all-gathers on the copy engines (parallel.fsdp_symm_mem: NCCL 2.28+, a torch that has it); for DDP
+# autocast's casts and fp32 all-reduce against the linear layers' bf16 copies (train.weight_copies, Triton AdamW)
+TUNE_CUDA = {"ddp": CE_TORCH | {"casts": "--train.weight_copies=false"},
+             "fsdp": CE_TORCH | {"symm-mem": "--parallel.fsdp_symm_mem=true"}, "pp": CE_TORCH}
 DEFAULTS_WITHIN = 0.03  # the defaults should be within 3% of the best setting --tune finds
 WORKLOAD_OPTIONS = ("--model.", "--train.micro_batch", "--train.grad_accum", "--train.global_batch")
 """Overrides that change what a step trains (the model or the samples per step): a variant with one of them is a

@@ -428,6 +428,8 @@ def test_tune_adds_each_layouts_documented_settings_and_tags_meshrun_rows(monkey
     pp_gpu, _ = tb.make_plan(tb.parse_args(["--layouts", "pp", "--peers", "", "--tune"]), "cuda")
     assert "pp/casts" not in dict(pp_cpu.variants), "fp32 on CPU: parallel.pp_cast_once has nothing to cast"
     assert dict(pp_gpu.variants)["pp/casts"] == ["--parallel.pp_cast_once=false"]
+    ddp_gpu, _ = tb.make_plan(tb.parse_args(["--layouts", "ddp", "--peers", "", "--tune"]), "cuda")
+    assert dict(ddp_gpu.variants)["ddp/casts"] == ["--train.weight_copies=false"]  # CUDA only: the Triton AdamW
     monkeypatch.setattr(tb, "run_script", lambda s, c, p, e: {"tokens_per_s_per_gpu": 1.0})
     monkeypatch.setattr(tb, "run_meshrun",
                         lambda c, lay, p, e, o, run_dir, launch_extra=(): {"tokens_per_s_per_gpu": 2.0})
