@@ -145,6 +145,8 @@ def test_runs_lists_the_run(run_dir, capsys):
     rows = [r for r in json.loads(capsys.readouterr().out) if r["run"] == str(run_dir)]
     assert rows[0]["status"] == "finished" and rows[0]["steps"] == 12 and rows[0]["last_checkpoint_step"] == 12
     assert "FSDP" in rows[0]["layout"]
+    parallel = rows[0]["parallel"]  # the start record's layout as data, which the table's cell reads
+    assert parallel["parallelisms"] == ["FSDP"] and (parallel["dp_shard"], parallel["world_size"]) == (2, 2)
 
 
 @pytest.fixture(scope="session")

@@ -161,3 +161,61 @@ def test_runs_table_shows_a_short_layout_cell_with_the_degrees_and_a_right_plura
     assert cell(2) == "DDP (2 ranks)" and cell(1) == "single process"
     assert short_layout("pp 1 x dp_replicate 1 x dp_shard 1 x tp 1 = 1 ranks") == "1 rank"  # an older run's line
     assert short_layout(None) == "-"
+
+
+def _dims(world_size: int, **degrees):
+    from meshrun.comm.mesh import ParallelDims
+    from meshrun.config import ParallelConfig
+
+    return ParallelDims.from_config(ParallelConfig(**degrees), world_size=world_size)
+
+
+LAYOUTS = [(2, {"pp": 2, "pp_schedule": "1f1b", "pp_microbatches": 4}),
+           (16, {"pp": 2, "tp": 2, "dp_shard": 2, "dp_replicate": -1, "pp_schedule": "interleaved1f1b",
+                 "pp_microbatches": 4}),
+           (8, {"cp": 2, "dp_shard": -1}), (4, {"tp": 2, "dp_replicate": 2}), (2, {}), (1, {})]
+
+
+@pytest.mark.parametrize("world_size, degrees", LAYOUTS)
+def test_the_start_records_layout_data_gives_the_cell_the_layout_line_gives(world_size, degrees):
+    """The start record's ``parallel`` entry (what a run writes now) and its layout line (all an older run wrote)
+    give one cell for the same layout."""
+    from meshrun.parallel.apply import describe_layout
+    from meshrun.report.runs import layout_cell, short_layout
+    from meshrun.train.header import parallel_record
+
+    dims = _dims(world_size, **degrees)
+    parallel = json.loads(json.dumps(parallel_record(dims)))  # as metrics.jsonl holds it
+    assert layout_cell(parallel, None) == short_layout(describe_layout(dims)) != "-"
+    assert parallel["world_size"] == world_size and parallel["pp"] == dims.pp and parallel["tp"] == dims.tp
+
+
+def _start(**fields) -> dict:
+    return {"time": 1000.0, "kind": "start", "step": 0, "world_size": 2, "nodes": 1, "global_batch": 16, **fields}
+
+
+def test_runs_reads_the_layout_cell_from_the_start_records_data_and_an_older_runs_line(tmp_path, monkeypatch,
+                                                                                        capsys):
+    """A run folder whose start record holds the layout as data shows the cell from it, whatever its layout line
+    says; one written before (the line alone) shows the cell read out of the line; one with neither shows '-'."""
+    from meshrun.parallel.apply import describe_layout
+    from meshrun.report.runs import main
+    from meshrun.train.header import parallel_record
+
+    dims = _dims(2, pp=2, pp_schedule="1f1b", pp_microbatches=4)
+    train = _records()[1:]
+    _write_run(tmp_path / "new", [_start(layout="a line in words this version no longer reads back",
+                                         parallel=parallel_record(dims)), *train])
+    _write_run(tmp_path / "old", [_start(layout=describe_layout(_dims(4, tp=2, dp_shard=-1))), *train])
+    _write_run(tmp_path / "neither", [_start(), *train])
+    _write_run(tmp_path / "odd", [_start(layout=describe_layout(_dims(2)), parallel={"parallelisms": "PP"}), *train])
+    monkeypatch.chdir(tmp_path)
+    assert main([".", "--json"]) == 0
+    rows = {r["run"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["new"]["parallel"]["parallelisms"] == ["PP"] and rows["old"]["parallel"] is None
+    assert main(["."]) == 0
+    out = capsys.readouterr().out
+    cells = {line.split("│")[1].strip(): line.split("│")[7].strip() for line in out.splitlines()
+             if line.count("│") == 10}
+    assert cells == {"new": "PP 2 1f1b (2 ranks)", "old": "TP 2 + FSDP (4 ranks)", "neither": "-",
+                     "odd": "DDP (2 ranks)"}, out

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from meshrun.comm.process_group import choose_device
 from meshrun.config import ConfigError, JobConfig, load_config
 from meshrun.env import ProcessPlacement
-from meshrun.train import cli
+from meshrun.train import cli, plan
 from meshrun.train.plan import refused_alike_on_node, resolve_on_node, validated
 
 REFUSAL = "train.global_batch=3 is not divisible by train.micro_batch=8 x 2 data-parallel ranks = 16"
@@ -49,6 +50,58 @@ def test_a_refusal_of_this_ranks_gpu_alone_stays_this_ranks(monkeypatch):
     refusal = _refusal(load_config(None, ["--dist.device=cuda", "--train.compile=false"]), _rank(1))
     assert str(refusal).startswith("rank 1: local rank 1 needs GPU 1 but this node has 1")
     assert not refusal.same_on_node
+
+
+def _cyclic(rank: int) -> ProcessPlacement:
+    """Rank ``rank`` of 4 on 2 nodes of 2, as srun's cyclic distribution places them: ranks 0 and 2 on node 0, ranks
+    1 and 3 on node 1 (rank 2 is local rank 1 of node 0, whose local rank 0 is rank 0, not rank 2 - 1)."""
+    return ProcessPlacement(rank=rank, local_rank=rank // 2, world_size=4, local_world_size=2, node_rank=rank % 2,
+                            num_nodes=2, master_addr="127.0.0.1", master_port=29500, source="slurm")
+
+
+def _one_gpu_per_node(monkeypatch, selected: list) -> None:
+    """CUDA as a node with one GPU shows it, without touching a GPU; the GPUs selected are kept in ``selected``."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", selected.append)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+
+
+def test_ranks_that_do_not_fill_the_nodes_in_order_are_judged_by_their_nodes_leader(monkeypatch):
+    """Under srun's cyclic distribution a rank's node leader is not rank - local rank: the refusal every rank meets
+    is still the leader's to say, and one of a rank's own GPU still its own. The plan is resolved only as placements
+    that exist: the leader's needs no global rank."""
+    placements = {(env.rank, env.local_rank, env.node_rank) for env in map(_cyclic, range(4))}
+    resolved = []
+
+    def recording(env, cfg):
+        resolved.append((env.rank, env.local_rank, env.node_rank))
+        return choose_device(env, cfg)
+
+    monkeypatch.setattr(plan, "choose_device", recording)
+    shared = load_config(None, ["--train.global_batch=3", "--dist.device=cpu"])
+    for rank in (2, 3):  # local rank 1 of node 0, and of node 1
+        refusal = _refusal(shared, _cyclic(rank))
+        assert str(refusal).startswith("train.global_batch=3 is not divisible") and refusal.same_on_node
+    selected = []
+    _one_gpu_per_node(monkeypatch, selected)
+    own = _refusal(load_config(None, ["--dist.device=cuda", "--train.compile=false"]), _cyclic(2))
+    assert str(own).startswith("rank 2: local rank 1 needs GPU 1 but this node has 1") and not own.same_on_node
+    assert set(resolved) <= placements, f"resolved as {sorted(set(resolved) - placements)}, which no rank is"
+    assert selected == []
+
+
+def test_the_node_leaders_plan_is_judged_without_selecting_a_gpu(monkeypatch):
+    """Local rank 1 on a node of 2 GPUs meets a refusal that local rank 0 meets too. Finding that out selects no GPU:
+    selecting GPU 0 would make a CUDA context there (hundreds of MB) in a rank about to exit. Its own plan selected
+    its own GPU, 1, as a start does."""
+    selected = []
+    _one_gpu_per_node(monkeypatch, selected)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    refusal = _refusal(load_config(None, ["--train.global_batch=3", "--dist.device=cuda", "--train.compile=false"]),
+                       _rank(1))
+    assert str(refusal).startswith(REFUSAL) and refusal.same_on_node
+    assert selected == [1]
 
 
 def _run_as(rank: int, monkeypatch, tmp_path: Path, *overrides: str) -> int:

@@ -41,16 +41,28 @@ def wants_cuda(cfg: DistConfig) -> bool:
 
 
 def choose_device(env: ProcessPlacement, cfg: DistConfig) -> torch.device:
+    """This process's device, selected (``torch.cuda.set_device``, which makes its CUDA context): its local rank's
+    GPU, or the CPU (:func:`device_of`). ConfigError when it is missing."""
+    device = device_of(cfg, local_rank=env.local_rank, rank=env.rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(env.local_rank)
+    return device
+
+
+def device_of(cfg: DistConfig, *, local_rank: int, rank: int | None = None) -> torch.device:
+    """The device of the process of ``local_rank`` on this node (GPU ``local_rank``, or the CPU) as
+    :func:`choose_device` selects it, found without selecting it: no CUDA context is made. ConfigError when it is
+    missing; ``rank``, the process's global rank, is named in it when given."""
     if not wants_cuda(cfg):
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ConfigError("dist.device='cuda' but CUDA is not available here; use --dist.device=cpu")
     count = torch.cuda.device_count()
-    if env.local_rank >= count:
-        raise ConfigError(f"rank {env.rank}: local rank {env.local_rank} needs GPU {env.local_rank} but this node "
-                          f"has {count}; use --nproc-per-node {count} or fewer")
-    torch.cuda.set_device(env.local_rank)
-    return torch.device("cuda", env.local_rank)
+    if local_rank >= count:
+        who = "" if rank is None else f"rank {rank}: "
+        raise ConfigError(f"{who}local rank {local_rank} needs GPU {local_rank} but this node has {count}; use "
+                          f"--nproc-per-node {count} or fewer")
+    return torch.device("cuda", local_rank)
 
 
 def choose_backend(device: torch.device, cfg: DistConfig) -> str:

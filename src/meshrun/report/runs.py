@@ -18,7 +18,8 @@ from typing import Any
 from meshrun.help_format import PlainHelpFormatter
 from meshrun.report.load import Run, is_run_dir, load_run
 
-FIELDS = ("status", "steps", "tokens", "best_val_loss", "tokens_per_s", "layout", "last_checkpoint_step", "restarts")
+FIELDS = ("status", "steps", "tokens", "best_val_loss", "tokens_per_s", "layout", "parallel", "last_checkpoint_step",
+          "restarts")
 
 
 def find_runs(root: Path) -> list[Path]:
@@ -36,11 +37,41 @@ def row(run: Run) -> dict[str, Any]:
     return {"run": str(run.path), **{key: s.get(key) for key in FIELDS}, "exit_reason": s.get("exit_reason")}
 
 
+def layout_cell(parallel: Any, layout: str | None) -> str:
+    """The table's layout cell: the parallelisms with their degrees and the rank count, e.g. 'PP 2 1f1b + TP 4 +
+    HSDP (64 ranks)', 'DDP (2 ranks)', 'single process', from the start record's ``parallel`` entry
+    (train/header.py: parallel_record). A run folder written before meshrun recorded that entry has only the
+    layout line (``layout``), read by :func:`short_layout`; '-' when the start record has neither."""
+    cell = _parallel_cell(parallel)
+    return cell if cell is not None else short_layout(layout)
+
+
+def _parallel_cell(parallel: Any) -> str | None:
+    """The layout cell from a ``parallel`` entry; None when there is none, or it is not one this version reads."""
+    if not isinstance(parallel, dict) or not isinstance(parallel.get("parallelisms"), list):
+        return None
+    try:
+        parts = []
+        for name in parallel["parallelisms"]:
+            if name == "PP":  # 'PP 2 1f1b'
+                parts.append(f"PP {int(parallel['pp'])} {parallel['pp_schedule']}")
+            elif name in ("TP", "CP"):  # 'TP 4'
+                parts.append(f"{name} {int(parallel[name.lower()])}")
+            else:  # the data parallelism: 'DDP', 'FSDP', 'HSDP', 'FSDP-replicate'
+                parts.append(str(name))
+        ranks = int(parallel["world_size"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    if not parts:
+        return "single process"
+    return f"{' + '.join(parts)} ({ranks} {'rank' if ranks == 1 else 'ranks'})"
+
+
 def short_layout(layout: str | None) -> str:
-    """The table's layout cell from the start record's line (parallel.apply.describe_layout: 'pp 2 x dp_replicate 1
-    x ... = 2 ranks; pipeline 1f1b, ... | PP 1f1b | pipeline bubble ...'): the parallelisms with their degrees and
-    the rank count, e.g. 'PP 2 1f1b + TP 4 + HSDP (64 ranks)', 'DDP (2 ranks)', 'single process'. The JSON keeps
-    the whole line."""
+    """The layout cell read back out of the start record's line (parallel.apply.describe_layout: 'pp 2 x
+    dp_replicate 1 x ... = 2 ranks; pipeline 1f1b, ... | PP 1f1b | pipeline bubble ...'), as :func:`layout_cell`
+    gives it; '-' without a line. Kept only for run folders written before the start record held the layout as
+    data (``parallel``): a newer run's cell comes from that, whatever wording the line has."""
     if not layout:
         return "-"
     degrees, _, rest = layout.partition(" | ")
@@ -71,7 +102,7 @@ def render_table(rows: list[dict[str, Any]], root: Path):
         table.add_row(r["run"], f"[{colors.get(r['status'], 'white')}]{r['status']}[/]", f"{r['steps']:,}",
                       f"{r['tokens']:,}", "-" if r["best_val_loss"] is None else f"{r['best_val_loss']:.4f}",
                       "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:,.0f}",
-                      short_layout(r["layout"]),
+                      layout_cell(r.get("parallel"), r["layout"]),
                       "-" if r["last_checkpoint_step"] is None else str(r["last_checkpoint_step"]),
                       str(r["restarts"]))
     return table

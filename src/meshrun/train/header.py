@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from meshrun.models.spec import count_unique_params
 from meshrun.parallel.apply import describe_layout, graphs_left_off, splits_backward, use_loss_parallel
-from meshrun.parallel.checks import bf16_stream, grad_reduce_bf16, use_comm_reorder, uses_fsdp
+from meshrun.parallel.checks import bf16_stream, grad_reduce_bf16, layout_name, use_comm_reorder, uses_fsdp
 from meshrun.parallel.comm_overlap import CTA_VAR, P2P_VAR
 from meshrun.parallel.data_parallel import WHOLE_MODEL, describe_units
 from meshrun.parallel.kernels import describe_speed
@@ -17,6 +17,7 @@ from meshrun.train import runlog
 from meshrun.train.run_folder import describe_resume
 
 if TYPE_CHECKING:
+    from meshrun.comm.mesh import ParallelDims
     from meshrun.train.trainer import Trainer
 
 log = logging.getLogger("meshrun")
@@ -28,10 +29,22 @@ def start_record(trainer: Trainer) -> dict[str, Any]:
     formula = (f"{b.global_batch} = {b.micro_batch} (B_local) x {b.dp_size // max(1, env.num_nodes)} (G) x "
                f"{env.num_nodes} (N) x {b.grad_accum} (A)")
     return runlog.start_record(step=trainer.step, restart=env.restart_count, world_size=env.world_size,
-                               nodes=env.num_nodes, layout=describe_layout(trainer.dims), batch_formula=formula,
+                               nodes=env.num_nodes, layout=describe_layout(trainer.dims),
+                               parallel=parallel_record(trainer.dims), batch_formula=formula,
                                global_batch=b.global_batch, tokens_per_step=b.tokens_per_step,
                                model=trainer.job.model.name, params=trainer.spec.count_params(trainer.model_cfg),
                                device=str(trainer.device))
+
+
+def parallel_record(dims: ParallelDims) -> dict[str, Any]:
+    """The start record's ``parallel`` entry: the layout as data rather than the header's line. ``parallelisms``
+    names what applies the degrees, in the line's order (``PP``, ``TP``, ``CP``, then ``DDP``, ``FSDP``, ``HSDP``
+    or ``FSDP-replicate``; none in a single process), beside each mesh degree, the pipeline schedule and the world
+    size: {"parallelisms": ["PP", "TP", "HSDP"], "pp": 2, "dp_replicate": 2, "dp_shard": 4, "cp": 1, "tp": 4,
+    "pp_schedule": "1f1b", "world_size": 64}."""
+    parts = layout_name(dims).split(" + ") if dims.world_size > 1 else []  # one process: 'single process'
+    return {"parallelisms": [part.split(" ")[0] for part in parts],  # 'PP 1f1b': the schedule has its own key
+            **dims.degrees(), "pp_schedule": dims.pp_schedule, "world_size": dims.world_size}
 
 
 def print_header(trainer: Trainer) -> None:

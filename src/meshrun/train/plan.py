@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from meshrun.comm.mesh import ParallelDims
-from meshrun.comm.process_group import choose_device
-from meshrun.config import BatchPlan, ConfigError, JobConfig
+from meshrun.comm.process_group import choose_device, device_of
+from meshrun.config import BatchPlan, ConfigError, DistConfig, JobConfig
 from meshrun.env import ProcessPlacement
 from meshrun.models.build import model_shape, model_spec, resolved_model
 from meshrun.models.shape import ModelShape
@@ -76,14 +78,31 @@ class RunPlan:
     @classmethod
     def resolve(cls, job: JobConfig, *, env: ProcessPlacement, vocab_size: int) -> RunPlan:
         """The plan of ``job`` (validated: see :func:`validated`) on this world, for a corpus of ``vocab_size``
-        tokens. Raises ConfigError naming the option."""
-        world_options(job, env=env)
+        tokens; this rank's GPU is selected. Raises ConfigError naming the option."""
+        return cls._resolve(job, world_size=env.world_size, gpus_per_node=env.local_world_size,
+                            vocab_size=vocab_size, find_device=lambda dist: choose_device(env, dist))
+
+    @classmethod
+    def resolve_as_node_leader(cls, job: JobConfig, *, world_size: int, gpus_per_node: int,
+                               vocab_size: int) -> RunPlan:
+        """The plan that local rank 0 of a node of ``gpus_per_node`` ranks resolves in a world of ``world_size``,
+        with the same ConfigError, resolved from any rank of that node (:func:`resolve_on_node`): it needs no
+        global rank (ranks need not fill the nodes in order: srun's cyclic distribution), and it finds GPU 0
+        without selecting it, so that no CUDA context is made on GPU 0 for it."""
+        return cls._resolve(job, world_size=world_size, gpus_per_node=gpus_per_node, vocab_size=vocab_size,
+                            find_device=lambda dist: device_of(dist, local_rank=0))
+
+    @classmethod
+    def _resolve(cls, job: JobConfig, *, world_size: int, gpus_per_node: int, vocab_size: int,
+                 find_device: Callable[[DistConfig], torch.device]) -> RunPlan:
+        """The plan on a world of ``world_size`` ranks, ``gpus_per_node`` of them on this node, on the device that
+        ``find_device`` gives for dist (a GPU, or the CPU; ConfigError when it is missing)."""
+        world_options(job, world_size=world_size)
         spec = model_spec(job)
         shape = model_shape(job, vocab_size)
-        device = choose_device(env, job.dist)  # this rank's GPU, or the CPU; ConfigError when it is missing
+        device = find_device(job.dist)
         # the same resolution and checks as `meshrun plan` and `meshrun train --dry-run` (parallel/checks.py)
-        layout = resolve_layout(job, spec, shape, world_size=env.world_size, gpus_per_node=env.local_world_size,
-                                device=device)
+        layout = resolve_layout(job, spec, shape, world_size=world_size, gpus_per_node=gpus_per_node, device=device)
         job = dataclasses.replace(layout.job, model=resolved_model(job.model, shape),
                                   checkpoint=dataclasses.replace(job.checkpoint, dir=group_checkpoint_dir(job)))
         return cls(job=job, spec=spec, shape=shape, dims=layout.dims, batch=layout.batch, layout_note=layout.note,
@@ -103,12 +122,12 @@ class RunPlan:
                                    shape=dataclasses.replace(self.shape, tie_embeddings=False))
 
 
-def world_options(job: JobConfig, *, env: ProcessPlacement) -> None:
+def world_options(job: JobConfig, *, world_size: int) -> None:
     """The options checked against this world rather than the config alone, here so that their refusal comes before
     anything is written into run.dir (train/run_folder.py): run.profile_ranks against the world size, run.tracker's
     packages (rank 0 alone logs to them) and prometheus-client (the node leaders serve run.prometheus_port), each
     asked on every rank."""
-    profiled_ranks(job.run, env.world_size)
+    profiled_ranks(job.run, world_size)
     # every rank asks (a lookup, no import), so that every rank refuses alike: a refusal on rank 0 alone would leave
     # the others waiting in the process group's start-up where no launcher stops them (srun)
     trackers.check_installed(job)
@@ -119,7 +138,7 @@ def world_options(job: JobConfig, *, env: ProcessPlacement) -> None:
 def resolve_on_node(job: JobConfig, *, env: ProcessPlacement, vocab_size: int) -> RunPlan:
     """:meth:`RunPlan.resolve` for this rank; its ConfigError is marked ``same_on_node`` when this node's local rank
     0 meets the same one. The plan reads the placement only for the world's and the node's sizes and for this rank's
-    GPU, so resolving it as local rank 0 here gives what that rank meets, without a process group."""
+    GPU, so :meth:`RunPlan.resolve_as_node_leader` gives here what that rank meets, without a process group."""
     try:
         return RunPlan.resolve(job, env=env, vocab_size=vocab_size)
     except ConfigError as exc:
@@ -129,10 +148,11 @@ def resolve_on_node(job: JobConfig, *, env: ProcessPlacement, vocab_size: int) -
 
 def _leader_refusal(job: JobConfig, *, env: ProcessPlacement, vocab_size: int) -> str | None:
     """The ConfigError message that the local rank 0 of ``env``'s node meets resolving ``job``; None when it meets
-    none (or another error: never this refusal)."""
-    leader = dataclasses.replace(env, rank=env.rank - env.local_rank, local_rank=0)  # ranks fill nodes in order
+    none (or another error: never this refusal). Its global rank is not known here, and not needed; its GPU is not
+    selected (this rank is about to exit)."""
     try:
-        RunPlan.resolve(job, env=leader, vocab_size=vocab_size)  # selects GPU 0 here: this rank is about to exit
+        RunPlan.resolve_as_node_leader(job, world_size=env.world_size, gpus_per_node=env.local_world_size,
+                                       vocab_size=vocab_size)
     except ConfigError as exc:
         return str(exc)
     except Exception:  # noqa: BLE001 - whatever else it meets is not this refusal, and must not replace it

@@ -55,9 +55,12 @@ def read_summary(run_dir: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def start_record(*, step: int, restart: int, world_size: int, nodes: int, layout: str, batch_formula: str,
-                 global_batch: int, tokens_per_step: int, model: str, params: int, device: str) -> dict[str, Any]:
-    """The ``start`` record a process group writes once it is ready to train (after any resume)."""
+def start_record(*, step: int, restart: int, world_size: int, nodes: int, layout: str, parallel: dict[str, Any],
+                 batch_formula: str, global_batch: int, tokens_per_step: int, model: str, params: int,
+                 device: str) -> dict[str, Any]:
+    """The ``start`` record a process group writes once it is ready to train (after any resume). ``layout`` is the
+    start-up header's line, for people; ``parallel`` the same layout as data (train/header.py: parallel_record),
+    for the tools that read it (``meshrun runs``)."""
     return {"kind": "start", "step": step, "restart": restart, "world_size": world_size, "nodes": nodes,
-            "layout": layout, "batch_formula": batch_formula, "global_batch": global_batch,
+            "layout": layout, "parallel": parallel, "batch_formula": batch_formula, "global_batch": global_batch,
             "tokens_per_step": tokens_per_step, "model": model, "params": params, "device": device}

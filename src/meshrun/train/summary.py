@@ -66,6 +66,7 @@ def compute_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
         "restarts": max(len(starts) - 1, 0),
         "last_checkpoint_step": ckpts[-1]["step"] if ckpts else None,
         "layout": starts[-1].get("layout") if starts else None,
+        "parallel": starts[-1].get("parallel") if starts else None,  # None from a run before it was recorded
         "world_size": starts[-1].get("world_size") if starts else None,
         "global_batch": starts[-1].get("global_batch") if starts else None,
     }
