@@ -12,6 +12,11 @@ Choosing (collective on the checkpointer's ctl group):
   would put a new run among the earlier run's checkpoints and records (``--fresh`` moves that run aside first).
   A folder without a complete checkpoint (a job stopped before its first save) starts fresh.
 
+What must be known before the state to load exists (the model's shape, which the checkpoint's tie state decides)
+reads the same walk: :func:`peek`, the manifests of the checkpoints that pass the cheap checks, quietly; where the
+answer depends on which of them the checksums let through, :func:`foresee` runs the choice quietly beforehand, and
+the choice that loads takes what it found rather than hashing the files again.
+
 Loading reads DCP's own ``.metadata`` (checked against the manifest first, and unpickled by a restricted
 unpickler that refuses any global DCP's metadata does not use, see :mod:`meshrun.ckpt.safe_metadata`) to size the
 JSON blobs, drops the optional entries the checkpoint lacks (RNG streams of ranks that did not exist), reads
@@ -26,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -48,28 +53,73 @@ def choose(coord: Coordinator, folder: str, *, explicit: str | None, strict: boo
            threads: int, notes: list[str]) -> tuple[str, dict[str, Any]] | None:
     """Collective. The checkpoint to load and its manifest, or None (auto, and no complete checkpoint: start fresh).
     CheckpointError on every rank where every complete checkpoint is damaged (auto), or the one that checkpoint.strict
-    or an explicit path asks for is."""
+    or an explicit path asks for is. A checkpoint that :func:`foresee` hashed just before is not hashed again: what it
+    found is taken (once, by this call)."""
+    findings = dict(_FINDINGS) if verify_checksums else {}
+    _FINDINGS.clear()
+    return _choose(coord, folder, explicit=explicit, strict=strict, verify_checksums=verify_checksums,
+                   threads=threads, notes=notes, say=log.warning, findings=findings)
+
+
+def foresee(coord: Coordinator, folder: str, *, explicit: str | None, strict: bool,
+            threads: int) -> tuple[str, dict[str, Any]] | None:
+    """Collective. What :func:`choose` with checksums will pick, found now and quietly, for what must be known before
+    the state to load exists (the model's shape); None too where it will refuse (it says why). The checksums are
+    split over the ranks as choose splits them, and rank 0 keeps what they found for the next choose, which takes it
+    instead of hashing the same files again (a checkpoint whose manifest changed since is hashed anew)."""
+    _FINDINGS.clear()
+    findings: dict[str, tuple[dict[str, Any], list[str]]] = {}
+    try:
+        chosen = _choose(coord, folder, explicit=explicit, strict=strict, verify_checksums=True, threads=threads,
+                         notes=[], say=_quiet, findings=findings)
+    except CheckpointError:  # raised on every rank alike; choose raises it again, after saying what it met
+        chosen = None
+    if coord.rank == 0:
+        _FINDINGS.update(findings)
+    return chosen
+
+
+_FINDINGS: dict[str, tuple[dict[str, Any], list[str]]] = {}
+"""Rank 0: the checksum problems :func:`foresee` found in each checkpoint it hashed (path -> its manifest then, the
+problems), until the next :func:`choose` takes them."""
+
+
+def _choose(coord: Coordinator, folder: str, *, explicit: str | None, strict: bool, verify_checksums: bool,
+            threads: int, notes: list[str], say: Callable[[str], None],
+            findings: dict[str, tuple[dict[str, Any], list[str]]]) -> tuple[str, dict[str, Any]] | None:
+    """:func:`choose`, saying each note with ``say`` on rank 0; ``findings`` (rank 0's): checksum problems known
+    already, by path, taken in place of hashing a checkpoint whose manifest is the same, and added to."""
     refusal = _refusal_hint(explicit, strict) if explicit is not None or strict else None
     candidates: list[str] = []
     pick: dict[str, Any] | None = None
     if coord.rank == 0:
         try:
-            candidates = _candidates(folder, explicit, notes)
+            candidates = _candidates(folder, explicit, notes, say)
         except CheckpointError as exc:  # raised on every rank below, not on rank 0 alone
             pick = {"error": str(exc)}
     position = 0
     while True:
         if coord.rank == 0 and pick is None:
-            pick, position = _next_sound(candidates, position, refusal=refusal, notes=notes)
+            pick, position = _next_sound(candidates, position, refusal=refusal, notes=notes, say=say)
             if pick is None and candidates:
                 pick = {"error": _all_damaged(folder, candidates)}
+            elif pick is not None and "path" in pick:
+                known = findings.get(pick["path"])
+                if known is not None and known[0] == pick["manifest"]:
+                    pick["found"] = known[1]
         pick, notes[:] = coord.broadcast((pick, notes))
         if pick is None:
             return None
         if "error" in pick:
             raise CheckpointError(pick["error"], same_on_every_rank=True)
         path, manifest = pick["path"], pick["manifest"]
-        problems = _verify_shares(coord, path, manifest, threads) if verify_checksums else []
+        if not verify_checksums:
+            problems = []
+        elif "found" in pick:  # every rank: rank 0 sent them
+            problems = pick["found"]
+        else:
+            problems = _verify_shares(coord, path, manifest, threads)
+            findings[path] = (manifest, problems)
         if not problems:
             return path, manifest
         message = f"checkpoint {path} is damaged: {'; '.join(problems)}"
@@ -77,53 +127,68 @@ def choose(coord: Coordinator, folder: str, *, explicit: str | None, strict: boo
             raise CheckpointError(message + refusal, same_on_every_rank=True)
         notes.append(message + _fallback(pick["more"]))
         if coord.rank == 0:
-            log.warning(notes[-1])
+            say(notes[-1])
         pick = None
 
 
-def peek(folder: str, explicit: str | None) -> dict[str, Any] | None:
-    """The manifest of the checkpoint a resume tries first (``explicit``, else the newest complete one in ``folder``)
-    if it passes the cheap checks; None when there is none, or it cannot be read. No collective, no checksums, nothing
-    logged: for what must be known before the state to load exists (the model's shape); :func:`choose` then decides,
-    and the load checks that the state fits the checkpoint it chose."""
+def peek(folder: str, explicit: str | None) -> Iterator[dict[str, Any]]:
+    """The manifests of the checkpoints a resume may load, in the order it tries them (``explicit``, else the complete
+    ones in ``folder``, newest first), of those that pass the cheap checks; it stops where the folder cannot be read.
+    No collective, no checksums, nothing logged: for what must be known before the state to load exists (the model's
+    shape); :func:`choose` then decides (:func:`foresee` tells what it will), and the load checks that the state fits
+    the checkpoint it chose."""
     try:
-        paths = ([explicit] if explicit is not None
-                 else [entry.path for entry in reversed(scan(folder)) if entry.kind == "complete"])
-        for path in paths:
-            manifest, problems = check_structure(path)
+        candidates, _ = _listed(folder, explicit)
+        for _, _, manifest, problems in _checked(candidates):
             if not problems:
-                return manifest
+                yield manifest
     except Exception:  # noqa: BLE001 - choose() meets the same failure and names it
-        return None
-    return None
+        return
 
 
-def _candidates(folder: str, explicit: str | None, notes: list[str]) -> list[str]:
-    """Rank 0: the paths to try, newest first; the directories passed over are noted."""
+_PASSED_OVER = {"incomplete": "has no COMPLETE marker", "tmp": "is an unfinished save",
+                "symlink": "is a symlink (not followed)"}
+"""The directories of a checkpoint folder that a resume passes over (by the kind :func:`scan` gives), and why."""
+
+
+def _listed(folder: str, explicit: str | None) -> tuple[list[str], list[tuple[str, str]]]:
+    """The checkpoints a resume tries, newest first (``explicit`` alone, else the complete ones in ``folder``), and the
+    directories it passes over, each with why. Quiet: :func:`choose` says them, :func:`peek` does not."""
     if explicit is not None:
-        if not store_for(explicit).is_dir(explicit):
-            raise CheckpointError(f"checkpoint.resume={explicit}: no such checkpoint directory; give a step_* "
-                                  "directory, 'auto' or 'none'")
-        return [explicit]
+        return [explicit], []
     entries = scan(folder)
-    reasons = {"incomplete": "has no COMPLETE marker", "tmp": "is an unfinished save",
-               "symlink": "is a symlink (not followed)"}
-    for entry in entries:
-        if entry.kind in reasons:
-            notes.append(f"skipped {entry.path}: it {reasons[entry.kind]}")
-            log.warning(notes[-1])
-    return [e.path for e in reversed(entries) if e.kind == "complete"]
+    passed = [(entry.path, _PASSED_OVER[entry.kind]) for entry in entries if entry.kind in _PASSED_OVER]
+    return [entry.path for entry in reversed(entries) if entry.kind == "complete"], passed
 
 
-def _next_sound(candidates: list[str], position: int, *, refusal: str | None,
-                notes: list[str]) -> tuple[dict[str, Any] | None, int]:
-    """Rank 0: the first candidate from ``position`` that passes the cheap checks, as a broadcastable dict."""
+def _checked(candidates: list[str], position: int = 0) -> Iterator[tuple[int, str, dict[str, Any] | None, list[str]]]:
+    """Each candidate from ``position`` on, with what the cheap checks find: (index, path, manifest, problems), sound
+    where problems is empty. Quiet: :func:`choose` says the problems, :func:`peek` does not."""
     for index in range(position, len(candidates)):
         path = candidates[index]
         try:
             manifest, problems = check_structure(path)
         except OSError as exc:
             manifest, problems = None, [f"{path}: cannot be read: {exc}"]
+        yield index, path, manifest, problems
+
+
+def _candidates(folder: str, explicit: str | None, notes: list[str], say: Callable[[str], None]) -> list[str]:
+    """Rank 0: the paths to try, newest first; the directories passed over are noted."""
+    if explicit is not None and not store_for(explicit).is_dir(explicit):
+        raise CheckpointError(f"checkpoint.resume={explicit}: no such checkpoint directory; give a step_* "
+                              "directory, 'auto' or 'none'")
+    candidates, passed = _listed(folder, explicit)
+    for path, why in passed:
+        notes.append(f"skipped {path}: it {why}")
+        say(notes[-1])
+    return candidates
+
+
+def _next_sound(candidates: list[str], position: int, *, refusal: str | None, notes: list[str],
+                say: Callable[[str], None]) -> tuple[dict[str, Any] | None, int]:
+    """Rank 0: the first candidate from ``position`` that passes the cheap checks, as a broadcastable dict."""
+    for index, path, manifest, problems in _checked(candidates, position):
         more = index + 1 < len(candidates)  # a complete checkpoint older than this one is left to try
         if not problems:
             return {"path": path, "manifest": manifest, "more": more}, index + 1
@@ -131,8 +196,12 @@ def _next_sound(candidates: list[str], position: int, *, refusal: str | None,
         if refusal is not None:
             return {"error": message + refusal}, index + 1
         notes.append(message + _fallback(more))
-        log.warning(notes[-1])
+        say(notes[-1])
     return None, len(candidates)
+
+
+def _quiet(message: str) -> None:
+    """Says nothing (:func:`foresee`: the choose that follows says it)."""
 
 
 def _fallback(more: bool) -> str:

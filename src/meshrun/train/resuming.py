@@ -3,8 +3,9 @@
 A resume restores the state in place and then says what it changed: the global batch kept at another world size
 (accumulation re-derived), a learning rate that jumps because train.steps or the schedule's options changed, and
 tied embeddings (``model.tie_embeddings``) that the layout change unties or keeps untied. A pipeline trains them
-untied; before the model is built, :func:`embeddings_as_saved` reads whether the checkpoint to resume holds them
-untied, and a layout without a pipeline then builds them untied too, so that training continues exactly. A tied
+untied; before the model is built, :func:`embeddings_as_saved` reads whether the checkpoint the load will pick holds
+them untied (verifying its checksums first, once, where a fallback past a damaged one would change the answer), and
+a layout without a pipeline then builds them untied too, so that training continues exactly. A tied
 checkpoint resumed under a pipeline gives the output head the token embedding's values and optimizer state
 (ModelOptimState's ``ties``): untying them at that step.
 """
@@ -12,6 +13,7 @@ checkpoint resumed under a pipeline gives the output head the token embedding's 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +21,7 @@ import torch.distributed as dist
 
 from meshrun.ckpt import loading
 from meshrun.ckpt.checkpointer import Checkpointer
+from meshrun.ckpt.collectives import Coordinator
 from meshrun.ckpt.errors import CheckpointError
 from meshrun.ckpt.preemption import announce, install_sigterm_handler
 from meshrun.ckpt.run_config import config_fingerprint, saved_config, saved_embeddings_tied
@@ -71,32 +74,39 @@ def checkpoint_folder(plan: RunPlan) -> str:
 
 def embeddings_as_saved(plan: RunPlan, env: ProcessPlacement) -> RunPlan:
     """The plan to build the model from: with the embeddings untied when the checkpoint this run resumes trained them
-    untied (under a pipeline, or with the option off) and this layout would tie them again. Before the model exists:
-    rank 0 reads the manifest of the checkpoint a resume tries first (loading.peek), and every rank gets its answer;
-    a checkpoint of another model shape is refused here (:func:`model_change_refusal`), on every rank.
+    untied (under a pipeline, or with the option off) and this layout would tie them again. Before the model exists,
+    from the checkpoint the load will pick: rank 0 reads the manifests of those it may pick (loading.peek: the first
+    that passes the cheap checks, and with resume=auto and checkpoint.strict off the older ones it falls back to
+    where the checksums find that one damaged). Where they all ask for the same model, that is the answer, with no
+    checksums yet; where they differ (trained under a pipeline, then resumed tied, say), every rank verifies now as
+    the load does (loading.foresee, whose findings the load takes instead of hashing again), and the one that passes
+    decides. A checkpoint of another model shape is refused here (:func:`model_change_refusal`), on every rank.
 
-    Collective with several ranks (a broadcast on the default process group): every rank must call it."""
+    Collective with several ranks (a broadcast on the default process group; where the checksums decide, the gloo
+    groups they are split over are created): every rank must call it."""
     job = plan.job
-    resumes = job.checkpoint.resume != "none" and not (job.run.fresh and env.restart_count == 0)
+    cfg = job.checkpoint
+    resumes = cfg.resume != "none" and not (job.run.fresh and env.restart_count == 0)
     if not resumes:
         return plan
-    found: tuple[int, int] | None = None  # (step, pipeline degree) of an untied checkpoint this layout would tie
-    refusal = ""
+    folder = checkpoint_folder(plan)
+    explicit = None if cfg.resume == "auto" else cfg.resume
+    for location in (folder, explicit):
+        if location:  # on every rank: each hashes its share where the checksums decide
+            register_options(location, cfg.storage_options)
+    answer: tuple[tuple[int, int] | None, str] = (None, "")
+    checksums_decide = False
     if env.is_rank_zero:
-        folder = checkpoint_folder(plan)
-        explicit = None if job.checkpoint.resume == "auto" else job.checkpoint.resume
-        for location in (folder, explicit):
-            if location:
-                register_options(location, job.checkpoint.storage_options)
-        manifest = loading.peek(folder, explicit)
-        if manifest is not None:
-            refusal = model_change_refusal(manifest, job.model)  # before the model exists: any change of shape
-            if job.model.tie_embeddings and plan.dims.pp == 1 and saved_embeddings_tied(manifest) is False:
-                found = (manifest.get("step"), (manifest.get("layout") or {}).get("pp", 1))
+        answer, checksums_decide = _answer_before_checksums(plan, folder, explicit)
     if env.is_distributed and dist.is_initialized():
-        box = [(found, refusal)]
+        box = [(answer, checksums_decide)]
         dist.broadcast_object_list(box, src=0)  # collective: every rank builds the model rank 0's answer asks for
-        found, refusal = box[0]
+        answer, checksums_decide = box[0]
+    if checksums_decide:  # collective: every rank creates the groups and hashes its share, as the load does
+        chosen = loading.foresee(Coordinator(timeout_s=cfg.timeout_s), folder, explicit=explicit, strict=cfg.strict,
+                                 threads=_hash_threads(env))
+        answer = _answer(chosen[1], plan) if chosen is not None else (None, "")  # None: the load refuses, saying why
+    found, refusal = answer
     if refusal:
         raise CheckpointError(refusal, same_on_every_rank=True)
     if found is None:
@@ -106,6 +116,46 @@ def embeddings_as_saved(plan: RunPlan, env: ProcessPlacement) -> RunPlan:
     log.warning("the checkpoint to resume (step %s) has untied embeddings (%s): building them untied here too, as "
                 "model.tie_embeddings=false (config.toml records it)", step, how)
     return plan.untie_embeddings()
+
+
+def _answer_before_checksums(plan: RunPlan, folder: str,
+                             explicit: str | None) -> tuple[tuple[tuple[int, int] | None, str], bool]:
+    """Rank 0: :func:`_answer` for the first checkpoint a resume tries that passes the cheap checks (none: nothing
+    to change), and whether the checksums decide instead: an older one the load would fall back to, past a first one
+    they find damaged, asks for another model (:func:`_model_asked`)."""
+    falls_back = explicit is None and not plan.job.checkpoint.strict
+    first: tuple[bool, dict[str, Any]] | None = None
+    answer: tuple[tuple[int, int] | None, str] = (None, "")
+    for manifest in loading.peek(folder, explicit):
+        asked = _model_asked(manifest, plan)
+        if first is None:
+            first, answer = asked, _answer(manifest, plan)
+        elif asked != first:
+            return answer, True
+        if not falls_back:
+            break
+    return answer, False
+
+
+def _model_asked(manifest: dict[str, Any], plan: RunPlan) -> tuple[bool, dict[str, Any]]:
+    """What the checkpoint asks of the model this run builds: its embeddings untied (it trained them untied, and this
+    layout would tie them), and the shape options it holds other values of (:func:`shape_changes`)."""
+    model = plan.job.model
+    untie = model.tie_embeddings and plan.dims.pp == 1 and saved_embeddings_tied(manifest) is False
+    return untie, shape_changes(manifest, model)
+
+
+def _answer(manifest: dict[str, Any], plan: RunPlan) -> tuple[tuple[int, int] | None, str]:
+    """The model to build for the checkpoint: (its step, its pipeline degree) where the embeddings are to be built
+    untied, else None; and why it cannot be resumed ('' where it can: :func:`model_change_refusal`)."""
+    untie, _ = _model_asked(manifest, plan)
+    found = (manifest.get("step"), (manifest.get("layout") or {}).get("pp", 1)) if untie else None
+    return found, model_change_refusal(manifest, plan.job.model)
+
+
+def _hash_threads(env: ProcessPlacement) -> int:
+    """Threads each rank hashes its share of a checkpoint's files on: the checkpointer's default (its io_threads)."""
+    return max(1, min(4, (os.cpu_count() or 1) // max(1, env.local_world_size)))
 
 
 def resume(trainer: Trainer) -> dict[str, Any] | None:
@@ -148,16 +198,23 @@ def model_change_refusal(manifest: dict[str, Any], model: Any) -> str:
     """Why this run's model cannot continue the checkpoint's: '' when its shape options are the checkpoint's (or the
     checkpoint carries no config). DCP loads the parameters a model asks for, so a model with fewer blocks than the
     checkpoint's loads a part of it without a word; one with more, or wider, fails later on a missing key or shape."""
-    saved = (saved_config(manifest) or {}).get("model") or {}
-    differ = [name for name in SHAPE_FIELDS  # 0 or empty: a value left to the named size or the data, not recorded
-              if saved.get(name) not in (None, 0, "") and getattr(model, name, saved[name]) != saved[name]]
-    if not differ:
+    saved = shape_changes(manifest, model)
+    if not saved:
         return ""
-    changed = [f"model.{name} {saved[name]} -> {getattr(model, name)}" for name in differ]
-    given = " ".join(f"--model.{name}={saved[name]}" for name in differ)
+    changed = [f"model.{name} {value} -> {getattr(model, name)}" for name, value in saved.items()]
+    given = " ".join(f"--model.{name}={value}" for name, value in saved.items())
     return (f"the checkpoint of step {manifest.get('step')} holds another model than this run builds "
             f"({', '.join(changed)}): it would load only in part. Resume with the checkpoint's model ({given}), or "
             "start a new run with --fresh or another --run.dir")
+
+
+def shape_changes(manifest: dict[str, Any], model: Any) -> dict[str, Any]:
+    """The shape options (:data:`SHAPE_FIELDS`) that the checkpoint's config holds other values of than ``model``:
+    name -> the checkpoint's value. 0 or empty in the checkpoint is a value left to the named size or the data, not
+    recorded."""
+    saved = (saved_config(manifest) or {}).get("model") or {}
+    return {name: saved[name] for name in SHAPE_FIELDS
+            if saved.get(name) not in (None, 0, "") and getattr(model, name, saved[name]) != saved[name]}
 
 
 def describe_ties_change(manifest: dict[str, Any], trainer: Trainer) -> str:
