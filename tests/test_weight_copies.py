@@ -184,28 +184,26 @@ def _dims(*overrides: str, world_size: int = 1, gpus_per_node: int = 0) -> Paral
                                     model=gpt_config("tiny", n_layers=4), spec=get_model_spec("gpt"))
 
 
-@pytest.mark.parametrize("overrides,world_size,fp32,grad_accum,message", [
-    (("--parallel.tp=2", "--parallel.dp_replicate=1"), 2, False, 1,
+@pytest.mark.parametrize("overrides,world_size,fp32,message", [
+    (("--parallel.tp=2", "--parallel.dp_replicate=1"), 2, False,
      r"^train.weight_copies=true runs in one process or under DDP, not for TP over 2 ranks .*FSDP2's sharding"),
-    (("--parallel.pp=2", "--parallel.dp_replicate=1"), 2, False, 1,
+    (("--parallel.pp=2", "--parallel.dp_replicate=1"), 2, False,
      r"^train.weight_copies=true runs in one process or under DDP, not for PP .*parallel.pp_cast_once gives"),
-    (("--parallel.dp_shard=2", "--parallel.dp_replicate=1"), 2, False, 1,
+    (("--parallel.dp_shard=2", "--parallel.dp_replicate=1"), 2, False,
      r"^train.weight_copies=true runs in one process or under DDP, not for FSDP"),
-    ((), 1, True, 1, r"^train.weight_copies=true copies weights for bf16 compute.*set --train.dtype=bf16"),
-    (("--train.float8=true",), 1, False, 1, r"^train.weight_copies=true: train.float8 layers"),
-    (("--replicas.groups=2", "--replicas.lighthouse=localhost:29510"), 1, False, 1,
+    ((), 1, True, r"^train.weight_copies=true copies weights for bf16 compute.*set --train.dtype=bf16"),
+    (("--train.float8=true",), 1, False, r"^train.weight_copies=true: train.float8 layers"),
+    (("--replicas.groups=2", "--replicas.lighthouse=localhost:29510"), 1, False,
      r"^train.weight_copies=true: replica groups"),
-    ((), 2, False, 2, r"^train.weight_copies=true under DDP needs one micro-batch per step: DDP would add the 2 "),
-    (("--parallel.grad_reduce_dtype=fp32",), 2, False, 1,
+    (("--parallel.grad_reduce_dtype=fp32",), 2, False,
      r"^train.weight_copies=true under DDP puts the linear layers' bf16 gradients in DDP's buckets.*fp32"),
 ])
-def test_it_is_refused_where_it_cannot_serve(overrides, world_size, fp32, grad_accum, message):
+def test_it_is_refused_where_it_cannot_serve(overrides, world_size, fp32, message):
     job = load_config(None, ["--model.name=tiny", "--train.weight_copies=true", *overrides])
-    assert re.match(message, weight_copies_refusal(job, _dims(*overrides, world_size=world_size), fp32=fp32,
-                                                   grad_accum=grad_accum))
+    assert re.match(message, weight_copies_refusal(job, _dims(*overrides, world_size=world_size), fp32=fp32))
 
 
-def test_it_serves_one_process_and_ddp_and_the_layout_check_refuses_ddp_with_accumulation():
+def test_it_serves_one_process_and_ddp_with_or_without_accumulation():
     job = load_config(None, ["--model.name=tiny", "--train.weight_copies=true"])
     assert weight_copies_refusal(job, _dims(), fp32=False) is None
     assert weight_copies_refusal(job, _dims(world_size=2), fp32=False) is None
@@ -213,8 +211,7 @@ def test_it_serves_one_process_and_ddp_and_the_layout_check_refuses_ddp_with_acc
     check_layout(job, spec, shape, _dims(world_size=2), device=cpu, compute_dtype=torch.bfloat16)
     accumulating = load_config(None, ["--model.name=tiny", "--train.weight_copies=true", "--train.micro_batch=4",
                                       "--train.global_batch=16"])  # 2 ranks of 4 samples: 2 micro-batches each
-    with pytest.raises(ConfigError, match=r"^train.weight_copies=true under DDP needs one micro-batch per step"):
-        check_layout(accumulating, spec, shape, _dims(world_size=2), device=cpu, compute_dtype=torch.bfloat16)
+    check_layout(accumulating, spec, shape, _dims(world_size=2), device=cpu, compute_dtype=torch.bfloat16)
 
 
 def test_auto_is_on_for_one_process_and_ddp_within_a_node_on_gpus_with_the_triton_adamw(monkeypatch):
@@ -299,12 +296,15 @@ def _trainer_worker(rank: int, world_size: int, initial: dict) -> dict:
     from test_parallel_layouts import build, load_full, model_config, train
 
     out = {}
-    for copies in ("false", "true"):
-        _, engine = build(model_config(tied=False), {"dp_replicate": 2}, grad_accum=1,
+    for copies, accum in (("false", 1), ("true", 1), ("true", 2)):
+        _, engine = build(model_config(tied=False), {"dp_replicate": 2}, grad_accum=accum,
                           train={"dtype": "bf16", "weight_copies": copies}, compute_dtype=torch.bfloat16)
         load_full(engine, initial)
-        out[copies] = train(engine, grad_accum=1) | {
-            "by_ddp": engine.step_weights is not None and engine.step_weights.reduced_by_ddp}
+        skipped = []  # the micro-batches whose all-reduce DDP's no_sync skips
+        no_sync = engine.step.no_sync
+        engine.step.no_sync = lambda: skipped.append(1) or no_sync()
+        out[(copies, accum)] = train(engine, grad_accum=accum) | {
+            "by_ddp": engine.step_weights is not None and engine.step_weights.reduced_by_ddp, "skipped": len(skipped)}
     return out
 
 
@@ -312,7 +312,9 @@ def _trainer_worker(rank: int, world_size: int, initial: dict) -> dict:
 def test_ddp_with_copies_trains_like_one_process():
     """The trainer's DDP on 2 gloo ranks (bf16 autocast, an output head of its own) with and without copies, from the
     same weights, against one process with autocast's casts: losses within 2e-3 (near 5.5), gradient norms and the
-    validation loss likewise (rtol 1e-2, 2e-3), as test_residual_dtype allows DDP's bf16 runs."""
+    validation loss likewise (rtol 1e-2, 2e-3), as test_residual_dtype allows DDP's bf16 runs. With copies also 2
+    micro-batches a step (as a resume that keeps the checkpoint's global batch on fewer ranks re-derives): each
+    micro-batch all-reduced and added in fp32, not added in bf16 under DDP's no_sync."""
     from test_parallel_layouts import model_config
     from test_residual_dtype import LOSS_ATOL, NORM_RTOL, _reference
     from meshrun.models.gpt import GPT
@@ -324,12 +326,12 @@ def test_ddp_with_copies_trains_like_one_process():
     ref = _reference(False, "bf16", initial)
     results = run_distributed(_trainer_worker, 2, initial, timeout=300)
     for result in results:
-        assert not result["false"]["by_ddp"] and result["true"]["by_ddp"]
-        for copies in ("false", "true"):
-            got = result[copies]
-            assert got["losses"] == pytest.approx(ref["losses"], abs=LOSS_ATOL), copies
-            assert got["norms"] == pytest.approx(ref["norms"], rel=NORM_RTOL), copies
-            assert got["val"] == pytest.approx(ref["val"], abs=LOSS_ATOL), copies
+        assert not result[("false", 1)]["by_ddp"] and result[("true", 1)]["by_ddp"] and result[("true", 2)]["by_ddp"]
+        assert result[("true", 2)]["skipped"] == 0, "with copies DDP all-reduces every micro-batch"
+        for case, got in result.items():
+            assert got["losses"] == pytest.approx(ref["losses"], abs=LOSS_ATOL), case
+            assert got["norms"] == pytest.approx(ref["norms"], rel=NORM_RTOL), case
+            assert got["val"] == pytest.approx(ref["val"], abs=LOSS_ATOL), case
 
 
 def test_the_speed_line_says_how_the_copies_are_made():

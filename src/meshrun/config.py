@@ -159,9 +159,11 @@ class TrainConfig:
     with an embedding keeps autocast's cast. auto: on with the Triton AdamW (train.adamw_kernel) on CUDA GPUs, for
     one process (on one H200 the 1b step ran 1.026x and the 124m step 1.027x autocast's casts, at the same peak
     memory) and for DDP on the GPUs of one node with one micro-batch a step on torch 2.10 and newer (124m on 2
-    H200s: 1.02x; losses within 0.1% of fp32 all-reduce's in a GPU test); true refuses the layouts it cannot serve
-    (FSDP, TP, pipelines, which have parallel.pp_cast_once; DDP with gradient accumulation or with
-    parallel.grad_reduce_dtype=fp32; fp32 compute, float8, replica groups); false: autocast casts."""
+    H200s: 1.02x; losses within 0.1% of fp32 all-reduce's in a GPU test); true serves DDP with several micro-batches
+    a step too, all-reducing each one (DDP's no_sync would add them in bf16) and adding them in fp32, as a resume
+    that keeps the checkpoint's global batch on fewer ranks does under auto, and refuses the layouts it cannot
+    serve (FSDP, TP, pipelines, which have parallel.pp_cast_once; DDP with parallel.grad_reduce_dtype=fp32; fp32
+    compute, float8, replica groups); false: autocast casts."""
     loss: LossMode = "full"
     """full (the logits of the whole micro-batch at once) or chunked (the output head and cross-entropy a few
     thousand tokens at a time: the B x T x V logits never exist whole; one process and DDP)."""

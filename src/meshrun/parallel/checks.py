@@ -236,8 +236,7 @@ def check_layout(job: JobConfig, spec: ModelSpec, shape: ModelShape, dims: Paral
     if tri_state("parallel.pp_cast_once", job.parallel.pp_cast_once) == "true":
         check_cast_once(dims, fp32=fp32, float8=job.train.float8)
     if tri_state("train.weight_copies", job.train.weight_copies) == "true":
-        grad_accum = resolve_batch(job.train, dp_size=dims.dp_size, seq_len=shape.seq_len).grad_accum
-        refusal = weight_copies_refusal(job, dims, fp32=fp32, grad_accum=grad_accum)
+        refusal = weight_copies_refusal(job, dims, fp32=fp32)
         if refusal:
             raise ConfigError(refusal)
 
@@ -392,11 +391,12 @@ def use_weight_copies(job: JobConfig, dims: ParallelDims, device: torch.device,
     choice = tri_state("train.weight_copies", job.train.weight_copies)
     if choice != "auto":
         return choice == "true"
-    one_node = dims.world_size == 1 or (0 < dims.world_size <= dims.gpus_per_node
+    # under DDP with several micro-batches a step each one is all-reduced (DDP's no_sync would add them in bf16):
+    # more collectives, not measured, so auto leaves that to train.weight_copies=true
+    one_node = dims.world_size == 1 or (0 < dims.world_size <= dims.gpus_per_node and grad_accum == 1
                                         and hasattr(torch.Tensor, "grad_dtype"))
     return (device.type == "cuda" and one_node and resolve_adamw_kernel(job, device) == "triton"
-            and weight_copies_refusal(job, dims, fp32=compute_dtype in (None, torch.float32),
-                                      grad_accum=grad_accum) is None)
+            and weight_copies_refusal(job, dims, fp32=compute_dtype in (None, torch.float32)) is None)
 
 
 def is_plain_ddp(dims: ParallelDims) -> bool:
@@ -404,9 +404,9 @@ def is_plain_ddp(dims: ParallelDims) -> bool:
     return (dims.dp_replicate > 1 and dims.dp_shard == 1 and dims.tp == 1 and dims.cp == 1 and dims.pp == 1)
 
 
-def weight_copies_refusal(job: JobConfig, dims: ParallelDims, *, fp32: bool, grad_accum: int = 1) -> str | None:
+def weight_copies_refusal(job: JobConfig, dims: ParallelDims, *, fp32: bool) -> str | None:
     """Why train.weight_copies cannot serve this run (the error's text), or None where it can: one process, or
-    DDP with one micro-batch per step, whose buckets then hold the copies' bf16 gradients and sum them in bf16."""
+    DDP, whose buckets then hold the copies' bf16 gradients and sum them in bf16."""
     option = "train.weight_copies=true"
     if dims.world_size > 1 and not is_plain_ddp(dims):
         fix = ("parallel.pp_cast_once gives a pipeline's stages such copies" if dims.pp > 1 else
@@ -422,10 +422,6 @@ def weight_copies_refusal(job: JobConfig, dims: ParallelDims, *, fp32: bool, gra
     if job.replicas.groups:
         return (f"{option}: replica groups (replicas.groups) average the fp32 gradients across groups; drop "
                 "--train.weight_copies")
-    if dims.world_size > 1 and grad_accum > 1:
-        return (f"{option} under DDP needs one micro-batch per step: DDP would add the {grad_accum} micro-batches' "
-                "gradients (train.grad_accum) in the copies' bf16; drop --train.weight_copies, or raise "
-                "--train.micro_batch to the samples each rank takes per step")
     if dims.world_size > 1 and job.parallel.grad_reduce_dtype == "fp32":
         return (f"{option} under DDP puts the linear layers' bf16 gradients in DDP's buckets, which sum them in "
                 "bf16, and parallel.grad_reduce_dtype=fp32 asks for fp32: drop one of --train.weight_copies and "

@@ -186,15 +186,20 @@ class LocalEngine:
         loss_sum = torch.zeros((), dtype=torch.float32, device=batches[0][0].device)
         tokens = 0
         new_replay_generation(self.cuda_graphs)
-        held = (self.step_weights.held(micro_batches=len(batches)) if self.step_weights is not None
-                else contextlib.nullcontext())
+        copies = self.step_weights
+        held = copies.held(micro_batches=len(batches)) if copies is not None else contextlib.nullcontext()
+        # DDP holding bf16 copies all-reduces every micro-batch: under no_sync it would add them in bf16
+        every = copies is not None and copies.reduced_by_ddp
         with held:
             for i, (inputs, targets) in enumerate(batches):
                 last = i == len(batches) - 1
-                sync = contextlib.nullcontext() if last or not hasattr(self.step, "no_sync") else self.step.no_sync()
+                sync = (contextlib.nullcontext() if last or every or not hasattr(self.step, "no_sync")
+                        else self.step.no_sync())
                 with sync:
                     summed = self.step(inputs, targets)
                     (summed / (targets.numel() * len(batches))).backward()
+                if every:
+                    copies.hand_over()  # this micro-batch's averaged gradients, added in fp32 to the others'
                 loss_sum += summed.detach()
                 tokens += targets.numel()
         return loss_sum, count_tensor(tokens, loss_sum.device)

@@ -28,11 +28,14 @@ parameter hold it, ``Tensor.grad_dtype``): no cast of it to fp32, and the optimi
 Steps of several micro-batches add their gradients in fp32 as above. A weight that an embedding shares (tied
 embeddings) gets no copy: its other use would add an fp32 gradient to the copy's.
 
-Under DDP (``reduced_by_ddp``, one micro-batch a step) DDP is built while the layers hold the copies
-(:meth:`registered_by`), so the copies are its parameters: their gradients land in bf16 buckets, which it divides by
-the world size and all-reduces as it does fp32 ones, half the bytes, each element's sum rounded to bf16 (once on 2
-ranks). No hook takes a copy's gradient as it arrives (DDP's reducer reads it after the hook); when the step's
-backward has ended, and with it DDP's all-reduce, :meth:`held` hands each averaged gradient to its fp32 parameter.
+Under DDP (``reduced_by_ddp``) DDP is built while the layers hold the copies (:meth:`registered_by`), so the copies
+are its parameters: their gradients land in bf16 buckets, which it divides by the world size and all-reduces as it
+does fp32 ones, half the bytes, each element's sum rounded to bf16 (once on 2 ranks; on 8, as NCCL's ring adds the
+ranks' shares, up to 7 times). No hook takes a copy's gradient as it arrives (DDP's reducer reads it after the hook);
+when a backward pass has ended, and with it DDP's all-reduce, :meth:`hand_over` gives each averaged gradient to its
+fp32 parameter. A step of several micro-batches (a resume that keeps the checkpoint's global batch on fewer ranks
+re-derives accumulation) cannot skip the all-reduce until the last, as DDP's ``no_sync`` does, for DDP would add the
+micro-batches in bf16: the engine all-reduces each one and :meth:`hand_over` adds them in fp32.
 
 Adding a bf16 gradient into an fp32 one runs, in eager torch on a GPU, in an unvectorised mixed-dtype kernel: on 2
 H200s (1b, PP 2, 8 micro-batches) 14.7 ms of a 254 ms step on the first stage. Where the blocks are compiled on a
@@ -191,19 +194,25 @@ class StepWeights:
         try:
             yield
             if self.reduced_by_ddp:
-                self._hand_over()
+                self.hand_over()
         finally:
             for module, name, param, _ in self.slots:
                 module._parameters[name] = param
 
-    def _hand_over(self) -> None:
-        """Under DDP, once the step's backward passes are done (and with them DDP's all-reduce of each bucket): each
-        copy's averaged gradient becomes its fp32 parameter's, in the copy's dtype where the step keeps it
-        (``keep_grads``), else cast."""
+    def hand_over(self) -> None:
+        """Under DDP, once a backward pass has ended (and with it DDP's all-reduce of each bucket): each copy's
+        averaged gradient becomes its fp32 parameter's, in the copy's dtype where the step keeps it (``keep_grads``:
+        one micro-batch), else cast to fp32, or added in fp32 to the earlier micro-batches' (the engine all-reduces
+        each micro-batch then: DDP would add them in the copies' bf16 under ``no_sync``). Nothing to do where no
+        copy holds a gradient (called again at the step's end)."""
         for master, copy in self.pairs:
-            if copy.grad is not None:
-                grad, copy.grad = copy.grad, None
+            if copy.grad is None:
+                continue
+            grad, copy.grad = copy.grad, None
+            if master.grad is None:
                 master.grad = grad if self.keep_grads else grad.to(master.dtype)
+            else:
+                master.grad.add_(grad)
 
     @contextmanager
     def registered_by(self) -> Iterator[None]:
