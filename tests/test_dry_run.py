@@ -66,7 +66,7 @@ def test_the_dry_run_of_a_cpu_job_refuses_what_its_start_refuses(capsys, tmp_pat
 def test_the_dry_run_says_which_device_it_checked_for(capsys):
     job = load_config(None, [*MODEL, "--parallel.dp_shard=2"])
     assert dry_run(job, world_size=2, gpus_per_node=2) == 0
-    assert "checked for CUDA GPUs, 2 per node" in capsys.readouterr().out
+    assert "checked for CUDA GPUs of a recent generation, 2 per node" in capsys.readouterr().out
     assert dry_run(job, world_size=2, gpus_per_node=0) == 0
     assert "checked for CPU processes" in capsys.readouterr().out
     cp = load_config(None, [*MODEL, "--parallel.cp=2"])
@@ -86,3 +86,31 @@ def test_dry_run_options_without_dry_run_are_refused(capsys, tmp_path, option):
     assert code == 2 and err.count("\n") == 1, err
     assert err.startswith(f"meshrun train: error: {option} 4 ") and "add --dry-run" in err
     assert not any(tmp_path.iterdir())  # nothing started
+
+
+def test_the_dry_run_and_the_planner_check_the_targets_gpus_not_this_hosts(monkeypatch, capsys):
+    """On a host with an older GPU (a login node's T4, compute capability 7.5, here faked), a real start there would
+    turn bf16 off and refuse float8; the dry run and `meshrun plan` check the target's GPUs, taken as a recent
+    generation as on a machine without GPUs. Outside them this host's GPU is asked."""
+    import torch
+
+    from meshrun.parallel import kernels
+    from meshrun.parallel.float8 import check_float8
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    cuda = torch.device("cuda")
+    assert kernels.cuda_capability(cuda) == (7, 5) and not kernels.bf16_by_default(cuda)
+    with pytest.raises(ConfigError, match=r"^train.float8=true needs an NVIDIA GPU with float8 matmuls"):
+        check_float8(cuda, tp=1)
+    with kernels.gpus_elsewhere():
+        assert kernels.cuda_capability(cuda) is None and kernels.bf16_by_default(cuda)
+        assert kernels.resolve_attention("auto", cuda) == "cudnn"
+    assert kernels.cuda_capability(cuda) == (7, 5)  # the block restores it
+    seen = []
+    real = kernels.cuda_capability
+    monkeypatch.setattr(kernels, "cuda_capability", lambda device: seen.append(real(device)) or real(device))
+    assert dry_run(load_config(None, [*MODEL, "--parallel.dp_shard=2"]), world_size=2, gpus_per_node=2) == 0
+    assert plan_main(["--model", "tiny", "--nodes", "1", "--gpus-per-node", "2"]) == 0
+    capsys.readouterr()
+    assert seen and set(seen) == {None}, "asked this host's GPU inside the dry run or the planner"

@@ -138,7 +138,8 @@ def target_device(job: JobConfig, *, gpus_per_node: int) -> torch.device:
 def describe_target(device: torch.device, *, gpus_per_node: int) -> str:
     """What the dry run assumed about the target machine, and how to assume the other device."""
     if device.type == "cuda":
-        return f"CUDA GPUs, {gpus_per_node} per node (--gpus-per-node; --dist.device=cpu checks CPU processes)"
+        return (f"CUDA GPUs of a recent generation, {gpus_per_node} per node (--gpus-per-node; --dist.device=cpu "
+                "checks CPU processes)")
     per_node = f", {gpus_per_node} per node" if gpus_per_node else ""
     return f"CPU processes{per_node} (dist.device=cpu or --gpus-per-node 0)"
 
@@ -153,6 +154,7 @@ def dry_run(job: JobConfig, *, world_size: int, gpus_per_node: int = 8, ranks: l
 
     from meshrun.parallel.apply import describe_layout
     from meshrun.parallel.checks import resolve_layout
+    from meshrun.parallel.kernels import gpus_elsewhere
 
     console = Console(width=None if sys.stdout.isatty() else 160)
     try:
@@ -160,10 +162,11 @@ def dry_run(job: JobConfig, *, world_size: int, gpus_per_node: int = 8, ranks: l
             raise ConfigError("--world-size N is needed with --dry-run (the number of ranks to simulate)")
         device = target_device(job, gpus_per_node=gpus_per_node)
         model_cfg, spec = model_shape(job), model_spec(job)
-        checked = resolve_layout(job, spec, model_cfg, world_size=world_size, gpus_per_node=gpus_per_node,
-                                 device=device)
-        dims = checked.dims
-        layouts = [simulate_rank(checked.job, model_cfg, dims, r) for r in (ranks or default_ranks(dims))]
+        with gpus_elsewhere():  # the target's GPUs, whatever this host has
+            checked = resolve_layout(job, spec, model_cfg, world_size=world_size, gpus_per_node=gpus_per_node,
+                                     device=device)
+            dims = checked.dims
+            layouts = [simulate_rank(checked.job, model_cfg, dims, r) for r in (ranks or default_ranks(dims))]
     except (ConfigError, ValueError) as exc:
         print(f"meshrun train: error: {exc}", file=sys.stderr)
         return 2

@@ -13,12 +13,14 @@ import torch
 from torch import nn
 
 from meshrun.config import ConfigError
+from meshrun.parallel.kernels import cuda_capability
 
 
 def check_float8(device: torch.device, *, tp: int) -> None:
     """Refuse train.float8 where it cannot run, naming the reason."""
-    # without CUDA here (the planner checks a GPU layout on a laptop) the GPU's generation is not known: allowed
-    if device.type != "cuda" or (torch.cuda.is_available() and torch.cuda.get_device_capability(device) < (8, 9)):
+    # the target's GPU not asked here (the planner checks a GPU layout on a laptop or a login node): allowed
+    capability = cuda_capability(device)
+    if device.type != "cuda" or (capability is not None and capability < (8, 9)):
         raise ConfigError("train.float8=true needs an NVIDIA GPU with float8 matmuls (Ada, Hopper or newer); "
                           f"this run is on {device}. Drop --train.float8")
     if tp > 1:

@@ -9,6 +9,10 @@ into the graph when it traces.
 
 from __future__ import annotations
 
+import contextvars
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 
 from meshrun.config import ConfigError, JobConfig
@@ -23,11 +27,33 @@ BF16_MIN_CAPABILITY = (8, 0)
 """The oldest GPUs with bf16 matmuls (Ampere); older ones have none (autocast turns itself off there)."""
 
 
+_TARGET_ELSEWHERE: contextvars.ContextVar[bool] = contextvars.ContextVar("meshrun_target_elsewhere", default=False)
+
+
+@contextmanager
+def gpus_elsewhere() -> Iterator[None]:
+    """Within the block CUDA devices are the target machine's GPUs, not this host's (``meshrun plan`` and ``meshrun
+    train --dry-run``, which check a job for the machine it will run on): their generation and Triton are not asked
+    here, as on a machine without GPUs (:func:`cuda_capability` gives None, which ``auto`` choices take as a recent
+    GPU). A login node's older GPU then neither refuses float8 nor turns bf16 or compilation off for the target."""
+    token = _TARGET_ELSEWHERE.set(True)
+    try:
+        yield
+    finally:
+        _TARGET_ELSEWHERE.reset(token)
+
+
+def gpu_here() -> bool:
+    """Whether a CUDA device means a GPU of this host that can be asked (not inside :func:`gpus_elsewhere`)."""
+    return torch.cuda.is_available() and not _TARGET_ELSEWHERE.get()
+
+
 def cuda_capability(device: torch.device | str) -> tuple[int, int] | None:
     """(major, minor) of ``device``'s GPU (the current one when it has no index); None for other devices and where
-    no CUDA GPU can be asked (a CPU machine planning a GPU job), which ``auto`` choices take as a recent GPU."""
+    no CUDA GPU of the target can be asked (a CPU machine planning a GPU job, or :func:`gpus_elsewhere`), which
+    ``auto`` choices take as a recent GPU."""
     device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
+    if device.type != "cuda" or not gpu_here():
         return None
     return torch.cuda.get_device_capability(device if device.index is not None else None)
 
@@ -77,8 +103,8 @@ def resolve_attention(choice: str, device: torch.device) -> str:
         return choice
     if device.type != "cuda" or not hasattr(torch.backends.cuda, "cudnn_sdp_enabled"):
         return "default"
-    major, _ = torch.cuda.get_device_capability(device)
-    return "cudnn" if major >= 9 else "default"
+    capability = cuda_capability(device)  # None: the target's GPU, not asked here, taken as a recent one
+    return "cudnn" if capability is None or capability[0] >= 9 else "default"
 
 
 def select_attention(choice: str, device: torch.device) -> str:
@@ -103,7 +129,7 @@ def _triton_blocked(device: torch.device) -> str:
 
     if device.type != "cuda":
         return f"this run is on {device}"
-    if not torch.cuda.is_available():  # a machine without GPUs checking a GPU job (meshrun plan, --dry-run)
+    if not gpu_here():  # a machine checking a GPU job for another (meshrun plan, --dry-run)
         return ""  # the target's Triton is not known here: taken as present, as cuda_capability takes a recent GPU
     if not triton_ce.available():
         return "the triton package is not installed"

@@ -68,6 +68,14 @@ def build_plan(job: JobConfig, *, nodes: int, gpus_per_node: int, gpu_mem_gib: f
         dtype_bytes = 4 if job.train.dtype == "fp32" else 2
     if nodes < 1 or gpus_per_node < 1:
         raise ConfigError(f"--nodes {nodes} and --gpus-per-node {gpus_per_node} must both be >= 1")
+    from meshrun.parallel.kernels import gpus_elsewhere
+
+    with gpus_elsewhere():  # the target's GPUs, whatever this host has
+        return _build_plan(job, nodes=nodes, gpus_per_node=gpus_per_node, gpu_mem_gib=gpu_mem_gib,
+                           dtype_bytes=dtype_bytes)
+
+
+def _build_plan(job: JobConfig, *, nodes: int, gpus_per_node: int, gpu_mem_gib: float, dtype_bytes: int) -> Plan:
     import torch
 
     from meshrun.models.build import model_shape, model_spec
