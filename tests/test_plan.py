@@ -62,6 +62,25 @@ def test_fsdp_traffic_counts_the_reduction_in_the_dtype_the_trainer_picks():
     assert rows[2]["bytes_per_step"] == pytest.approx(rows[1]["bytes_per_step"])
 
 
+def test_ddp_traffic_counts_the_linear_layers_bf16_copies_and_the_compression_hook():
+    """124m on one node of 2 GPUs: DDP with the linear layers' bf16 copies (train.weight_copies=auto), so their 85M
+    gradients travel at 2 bytes and the rest (the tied embedding, the norms) at 4; across 2 nodes (no copies by
+    default) all at 4; DDP's bf16 compression hook (parallel.grad_reduce_dtype=bf16) all at 2."""
+    one = make_plan("--nodes", "1", "--gpus-per-node", "2", "--model", "124m")
+    two = planner.build_plan(load_config(None, ["--model.name=124m", "--parallel.dp_replicate=2"]), nodes=2,
+                             gpus_per_node=1)
+    hook = planner.build_plan(load_config(None, ["--model.name=124m", "--parallel.grad_reduce_dtype=bf16"]),
+                              nodes=1, gpus_per_node=2)
+    assert one.weight_copies and not two.weight_copies
+    rows = [{r["dim"]: r for r in plan.comm}["dp_replicate"] for plan in (one, two, hook)]
+    assert rows[0]["what"] == "gradient all-reduce (linear layers in bf16)" and rows[1]["what"] == "gradient all-reduce"
+    mats, _ = one.spec.block_params(one.model)
+    linear, total = mats * one.model.n_layers, one.spec.count_params(one.model)
+    assert rows[0]["bytes_per_step"] == pytest.approx(rows[1]["bytes_per_step"] * (linear * 2 + (total - linear) * 4)
+                                                      / (total * 4))
+    assert rows[2]["what"].endswith("(bf16)") and rows[2]["bytes_per_step"] == pytest.approx(rows[1]["bytes_per_step"] / 2)
+
+
 def test_bubble_of_4_stages_and_32_microbatches(capsys):
     assert bubble_fraction(4, 32) == pytest.approx(0.09375)
     assert bubble_fraction(4, 32, virtual_stages=2) == pytest.approx(3 / 64)

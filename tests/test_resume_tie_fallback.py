@@ -90,10 +90,10 @@ def test_peek_walks_the_checkpoints_as_choose_does_and_says_nothing(history, ckp
     assert ckpt_log.messages == notes
 
 
-def _choose(folder: Path) -> tuple[str, list[str]]:
+def _choose(folder: Path, known: loading.Findings | None = None) -> tuple[str, list[str]]:
     notes: list[str] = []
     path, _ = loading.choose(Coordinator(timeout_s=60), str(folder), explicit=None, strict=False,
-                             verify_checksums=True, threads=1, notes=notes)
+                             verify_checksums=True, threads=1, notes=notes, known=known)
     return path, notes
 
 
@@ -104,26 +104,27 @@ def test_choose_takes_what_foresee_found_instead_of_hashing_again(history, ckpt_
     assert hashed == [step_dir_name(2), step_dir_name(1)]
     hashed.clear()
     ckpt_log.messages.clear()
-    path, manifest = loading.foresee(Coordinator(timeout_s=60), str(folder), explicit=None, strict=False, threads=1)
+    (path, manifest), known = loading.foresee(Coordinator(timeout_s=60), str(folder), explicit=None, strict=False,
+                                              threads=1)
     assert manifest["step"] == 1 and path == without[0]
     assert ckpt_log.messages == [], "foresee is quiet: choose says what it finds"
-    assert _choose(folder) == without
+    assert _choose(folder, known) == without
     assert hashed == [step_dir_name(2), step_dir_name(1)], "each checkpoint hashed once, by foresee"
     assert ckpt_log.messages == without[1]
-    _choose(folder)  # foresee's findings serve the next choose only
+    _choose(folder)  # only a choose given the findings takes them: nothing is kept between calls
     assert hashed == [step_dir_name(2), step_dir_name(1)] * 2
 
 
 def test_a_checkpoint_changed_after_foresee_is_hashed_again(history, hashed):  # noqa: F811
     """Findings are taken for the checkpoint foresee hashed, not for one saved again at that step."""
     folder, _ = history
-    loading.foresee(Coordinator(timeout_s=60), str(folder), explicit=None, strict=False, threads=1)
+    _, known = loading.foresee(Coordinator(timeout_s=60), str(folder), explicit=None, strict=False, threads=1)
     assert hashed == [step_dir_name(2)]
     job = Job(ENV)
     job.train(1, data_seed=7)
     shutil.rmtree(folder / step_dir_name(2))
     checkpointer(folder, ENV).save(2, job.state)
-    assert _choose(folder)[0].endswith(step_dir_name(2))
+    assert _choose(folder, known)[0].endswith(step_dir_name(2))
     assert hashed == [step_dir_name(2)] * 2
 
 
@@ -132,9 +133,9 @@ def test_foresee_finds_nothing_where_choose_refuses(history):  # noqa: F811
     for step in (1, 2):
         _flip_byte(folder / step_dir_name(step) / "__0_0.distcp")
     coord = Coordinator(timeout_s=60)
-    assert loading.foresee(coord, str(folder), explicit=None, strict=False, threads=1) is None
+    assert loading.foresee(coord, str(folder), explicit=None, strict=False, threads=1)[0] is None
     assert loading.foresee(coord, str(folder), explicit=str(folder / "step_0000009"), strict=False,
-                           threads=1) is None
+                           threads=1)[0] is None
 
 
 # ---- through the trainer ---------------------------------------------------------------------------------------

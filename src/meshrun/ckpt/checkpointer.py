@@ -71,6 +71,13 @@ class _SaveJob:
     """The writer's file system, holding the SHA-256 of each file as it was written."""
 
 
+def default_io_threads(local_world_size: int) -> int:
+    """Files per rank, written and hashed on as many threads: SHA-256 runs at ~1 GB/s per core, so one file per rank
+    would make hashing as slow as the write. This rank's share of the node's cores (``local_world_size`` ranks on
+    it), up to 4."""
+    return max(1, min(4, (os.cpu_count() or 1) // max(1, local_world_size)))
+
+
 class Checkpointer:
     """Sharded checkpoints of one training job in ``folder``.
 
@@ -92,9 +99,7 @@ class Checkpointer:
         self.config_fingerprint = config_fingerprint
         self.preemption = preemption
         self.verify_checksums = verify_checksums
-        # Files per rank, written and hashed on as many threads: SHA-256 runs at ~1 GB/s per core, so one file per
-        # rank would make hashing as slow as the write. Default: this rank's share of the node's cores, up to 4.
-        self.io_threads = io_threads or max(1, min(4, (os.cpu_count() or 1) // max(1, env.local_world_size)))
+        self.io_threads = io_threads or default_io_threads(env.local_world_size)
         self.coord = Coordinator(process_group=process_group, timeout_s=cfg.timeout_s)
         self.code = code_version() if self.coord.rank == 0 else {}
         self.stop_requested = False
@@ -370,14 +375,16 @@ class Checkpointer:
         self.store.sync(self.folder)
 
     # ------------------------------------------------------------------ load
-    def load(self, state: dict[str, Any], resume: str | None = None) -> dict[str, Any] | None:
+    def load(self, state: dict[str, Any], resume: str | None = None, *,
+             known: loading.Findings | None = None) -> dict[str, Any] | None:
         """Resume into ``state`` (the dict given to save). Collective.
 
         ``resume`` (default: checkpoint.resume): "none" starts fresh; "auto" loads the newest checkpoint that has
         COMPLETE and checks out (sizes of each candidate, SHA-256 of the chosen one split over ranks), skipping and
         reporting the others, or refusing when checkpoint.strict; it starts fresh where no checkpoint has COMPLETE,
         and refuses where every one that has is damaged; a path loads exactly that or raises. Returns the manifest
-        loaded, or None when starting fresh. What was skipped or changed is in ``notes`` (and logged).
+        loaded, or None when starting fresh. What was skipped or changed is in ``notes`` (and logged). ``known``:
+        what checksums this start already verified (loading.foresee, rank 0's), not hashed again.
         """
         resume = self.cfg.resume if resume is None else resume
         self.wait()
@@ -389,7 +396,8 @@ class Checkpointer:
         if explicit is None:
             self._ensure_folder_checked()
         chosen = loading.choose(self.coord, self.folder, explicit=explicit, strict=self.cfg.strict,
-                                verify_checksums=self.verify_checksums, threads=self.io_threads, notes=self.notes)
+                                verify_checksums=self.verify_checksums, threads=self.io_threads, notes=self.notes,
+                                known=known)
         if chosen is None:
             self._report("no complete checkpoint in %s; starting fresh" % self.folder, level=logging.INFO)
             return None

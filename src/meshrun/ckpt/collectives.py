@@ -48,6 +48,15 @@ class Coordinator:
     def distributed(self) -> bool:
         return self.ctl is not None
 
+    def close(self) -> None:
+        """Destroy the two groups (their gloo connections to every other rank), for a Coordinator used once; every
+        rank calls it. Afterwards every call is local again."""
+        for group in (self.ctl, self.io):
+            if group is not None:
+                dist.destroy_process_group(group)
+        self.ctl = self.io = None
+        self.rank, self.size, self.root = 0, 1, 0
+
     def group(self, name: str) -> dist.ProcessGroup | None:
         return self.io if name == "io" else self.ctl
 

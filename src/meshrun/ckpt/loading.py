@@ -49,44 +49,39 @@ from meshrun.ckpt.storage import store_for
 log = logging.getLogger("meshrun.ckpt")
 
 
+Findings = dict[str, tuple[dict[str, Any], list[str]]]
+"""Checksum problems found per checkpoint (rank 0's): path -> (its manifest then, the problems; none: sound)."""
+
+
 def choose(coord: Coordinator, folder: str, *, explicit: str | None, strict: bool, verify_checksums: bool,
-           threads: int, notes: list[str]) -> tuple[str, dict[str, Any]] | None:
+           threads: int, notes: list[str], known: Findings | None = None) -> tuple[str, dict[str, Any]] | None:
     """Collective. The checkpoint to load and its manifest, or None (auto, and no complete checkpoint: start fresh).
     CheckpointError on every rank where every complete checkpoint is damaged (auto), or the one that checkpoint.strict
-    or an explicit path asks for is. A checkpoint that :func:`foresee` hashed just before is not hashed again: what it
-    found is taken (once, by this call)."""
-    findings = dict(_FINDINGS) if verify_checksums else {}
-    _FINDINGS.clear()
+    or an explicit path asks for is. ``known`` (rank 0's, from :func:`foresee` moments before, in the same start):
+    what the checksums found in checkpoints whose manifest is still the same, taken instead of hashing them again."""
     return _choose(coord, folder, explicit=explicit, strict=strict, verify_checksums=verify_checksums,
-                   threads=threads, notes=notes, say=log.warning, findings=findings)
+                   threads=threads, notes=notes, say=log.warning,
+                   findings=dict(known) if verify_checksums and known else {})
 
 
 def foresee(coord: Coordinator, folder: str, *, explicit: str | None, strict: bool,
-            threads: int) -> tuple[str, dict[str, Any]] | None:
+            threads: int) -> tuple[tuple[str, dict[str, Any]] | None, Findings]:
     """Collective. What :func:`choose` with checksums will pick, found now and quietly, for what must be known before
     the state to load exists (the model's shape); None too where it will refuse (it says why). The checksums are
-    split over the ranks as choose splits them, and rank 0 keeps what they found for the next choose, which takes it
-    instead of hashing the same files again (a checkpoint whose manifest changed since is hashed anew)."""
-    _FINDINGS.clear()
-    findings: dict[str, tuple[dict[str, Any], list[str]]] = {}
+    split over the ranks as choose splits them; what they found comes back (rank 0's; empty elsewhere) for the
+    choose of the same start to take (``known``) instead of hashing the same files again."""
+    findings: Findings = {}
     try:
         chosen = _choose(coord, folder, explicit=explicit, strict=strict, verify_checksums=True, threads=threads,
                          notes=[], say=_quiet, findings=findings)
     except CheckpointError:  # raised on every rank alike; choose raises it again, after saying what it met
         chosen = None
-    if coord.rank == 0:
-        _FINDINGS.update(findings)
-    return chosen
-
-
-_FINDINGS: dict[str, tuple[dict[str, Any], list[str]]] = {}
-"""Rank 0: the checksum problems :func:`foresee` found in each checkpoint it hashed (path -> its manifest then, the
-problems), until the next :func:`choose` takes them."""
+    return chosen, findings if coord.rank == 0 else {}
 
 
 def _choose(coord: Coordinator, folder: str, *, explicit: str | None, strict: bool, verify_checksums: bool,
             threads: int, notes: list[str], say: Callable[[str], None],
-            findings: dict[str, tuple[dict[str, Any], list[str]]]) -> tuple[str, dict[str, Any]] | None:
+            findings: Findings) -> tuple[str, dict[str, Any]] | None:
     """:func:`choose`, saying each note with ``say`` on rank 0; ``findings`` (rank 0's): checksum problems known
     already, by path, taken in place of hashing a checkpoint whose manifest is the same, and added to."""
     refusal = _refusal_hint(explicit, strict) if explicit is not None or strict else None

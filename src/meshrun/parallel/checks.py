@@ -399,16 +399,11 @@ def use_weight_copies(job: JobConfig, dims: ParallelDims, device: torch.device,
             and weight_copies_refusal(job, dims, fp32=compute_dtype in (None, torch.float32)) is None)
 
 
-def is_plain_ddp(dims: ParallelDims) -> bool:
-    """Data parallelism by DDP alone: several replicas, nothing sharded, split or pipelined."""
-    return (dims.dp_replicate > 1 and dims.dp_shard == 1 and dims.tp == 1 and dims.cp == 1 and dims.pp == 1)
-
-
 def weight_copies_refusal(job: JobConfig, dims: ParallelDims, *, fp32: bool) -> str | None:
     """Why train.weight_copies cannot serve this run (the error's text), or None where it can: one process, or
     DDP, whose buckets then hold the copies' bf16 gradients and sum them in bf16."""
     option = "train.weight_copies=true"
-    if dims.world_size > 1 and not is_plain_ddp(dims):
+    if dims.world_size > 1 and not is_local(dims):  # DDP alone holds the whole model on every rank
         fix = ("parallel.pp_cast_once gives a pipeline's stages such copies" if dims.pp > 1 else
                "FSDP2's sharding and TP's splits follow the parameters themselves")
         return (f"{option} runs in one process or under DDP, not for {layout_name(dims)} over {dims.world_size} "

@@ -159,7 +159,8 @@ class LocalEngine:
 
     ``step`` is the module that maps (inputs, targets) to the loss sum: a :class:`LossStep` over ``model``, possibly
     compiled and/or DDP-wrapped (default: a plain LossStep). With DDP the gradient all-reduce is skipped
-    (``no_sync``) on every micro-batch but the last.
+    (``no_sync``) on every micro-batch but the last; where DDP holds the linear layers' bf16 copies
+    (``step_weights.reduced_by_ddp``) every micro-batch is all-reduced and added in fp32 instead.
     """
 
     def __init__(self, model: nn.Module, *, step: nn.Module | None = None, autocast_dtype: torch.dtype | None = None,

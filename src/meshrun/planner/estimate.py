@@ -40,6 +40,9 @@ class Plan:
     """train.compile as the trainer on GPUs resolves it."""
     reduce_bf16: bool = False
     """parallel.grad_reduce_dtype as the trainer on GPUs resolves it: gradients summed across ranks in bf16."""
+    weight_copies: bool = False
+    """train.weight_copies as the trainer on GPUs resolves it: under DDP the linear layers' gradients are all-reduced
+    in bf16 (and every micro-batch is)."""
 
     def node_of(self, rank: int) -> int:
         return rank // self.gpus_per_node
@@ -79,7 +82,8 @@ def _build_plan(job: JobConfig, *, nodes: int, gpus_per_node: int, gpu_mem_gib: 
     import torch
 
     from meshrun.models.build import model_shape, model_spec
-    from meshrun.parallel.checks import compute_dtype, grad_reduce_bf16, resolve_layout, use_cast_once
+    from meshrun.parallel.checks import compute_dtype, grad_reduce_bf16, resolve_layout, use_cast_once, \
+        use_weight_copies
     from meshrun.parallel.kernels import compile_enabled
 
     model, spec = model_shape(job), model_spec(job)
@@ -97,7 +101,9 @@ def _build_plan(job: JobConfig, *, nodes: int, gpus_per_node: int, gpu_mem_gib: 
                 data_parallel=note or data_parallel_line(given, dims, params=params),
                 cast_once=use_cast_once(job, dims, gpu, compute_dtype(job, "cuda")),
                 compiled=compile_enabled(job.train.compile, gpu),
-                reduce_bf16=grad_reduce_bf16(job, dims, compute_dtype(job, "cuda"), gpu, grad_accum=batch.grad_accum))
+                reduce_bf16=grad_reduce_bf16(job, dims, compute_dtype(job, "cuda"), gpu, grad_accum=batch.grad_accum),
+                weight_copies=compute_dtype(job, "cuda") == torch.bfloat16 and use_weight_copies(
+                    job, dims, gpu, compute_dtype(job, "cuda"), grad_accum=batch.grad_accum))
     plan.memory = [stage_memory(plan, s, dtype_bytes=dtype_bytes) for s in range(dims.pp)]
     plan.comm = communication(plan, dtype_bytes=dtype_bytes)
     plan.warnings = layout_warnings(plan, gpu_mem_gib=gpu_mem_gib)
@@ -278,7 +284,17 @@ def communication(plan: Plan, *, dtype_bytes: int) -> list[dict[str, Any]]:
     if d.dp_replicate > 1:
         n, shard = d.dp_replicate, per_tp / (d.dp_shard * d.cp)
         what = "gradient all-reduce" if d.dp_shard * d.cp == 1 else "HSDP all-reduce of gradient shards"
-        rows.append(_row(plan, "dp_replicate", what, 2 * (n - 1) / n * shard * GRAD_BYTES))
+        grad_bytes = shard * GRAD_BYTES
+        if d.world_size == d.dp_replicate and plan.reduce_bf16:  # DDP's bf16 compression hook: every bucket
+            grad_bytes, what = shard * 2, what + " (bf16)"
+        elif d.world_size == d.dp_replicate and plan.weight_copies:
+            # the linear layers' bf16 copies: their gradients all-reduced in bf16, every micro-batch
+            mats, _ = plan.spec.block_params(m)
+            head = 0 if m.tie_embeddings else plan.spec.edge_params(m, tied=False)[1][0]
+            linear = mats * m.n_layers + head
+            grad_bytes = b.grad_accum * (linear * 2 + (shard - linear) * GRAD_BYTES)
+            what += f" (linear layers in bf16{', every micro-batch' if b.grad_accum > 1 else ''})"
+        rows.append(_row(plan, "dp_replicate", what, 2 * (n - 1) / n * grad_bytes))
     if d.pp > 1:
         sp = plan.job.parallel.sequence_parallel and d.tp > 1
         volume = 2 * act * d.pp_virtual_stages / (d.tp if sp else 1)  # activations forward + gradients backward

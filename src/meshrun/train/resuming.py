@@ -13,14 +13,13 @@ checkpoint resumed under a pipeline gives the output head the token embedding's 
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
 from meshrun.ckpt import loading
-from meshrun.ckpt.checkpointer import Checkpointer
+from meshrun.ckpt.checkpointer import Checkpointer, default_io_threads
 from meshrun.ckpt.collectives import Coordinator
 from meshrun.ckpt.errors import CheckpointError
 from meshrun.ckpt.preemption import announce, install_sigterm_handler
@@ -72,23 +71,25 @@ def checkpoint_folder(plan: RunPlan) -> str:
     return plan.job.checkpoint.dir or str(plan.run_dir / "checkpoints")
 
 
-def embeddings_as_saved(plan: RunPlan, env: ProcessPlacement) -> RunPlan:
+def embeddings_as_saved(plan: RunPlan, env: ProcessPlacement) -> tuple[RunPlan, loading.Findings]:
     """The plan to build the model from: with the embeddings untied when the checkpoint this run resumes trained them
     untied (under a pipeline, or with the option off) and this layout would tie them again. Before the model exists,
     from the checkpoint the load will pick: rank 0 reads the manifests of those it may pick (loading.peek: the first
     that passes the cheap checks, and with resume=auto and checkpoint.strict off the older ones it falls back to
     where the checksums find that one damaged). Where they all ask for the same model, that is the answer, with no
     checksums yet; where they differ (trained under a pipeline, then resumed tied, say), every rank verifies now as
-    the load does (loading.foresee, whose findings the load takes instead of hashing again), and the one that passes
-    decides. A checkpoint of another model shape is refused here (:func:`model_change_refusal`), on every rank.
+    the load does (loading.foresee), and the one that passes decides. A checkpoint of another model shape is refused
+    here (:func:`model_change_refusal`), on every rank. Returns the plan and what the checksums found (rank 0's;
+    empty where they did not decide), for this start's load to take instead of hashing the same files again
+    (:func:`resume`).
 
-    Collective with several ranks (a broadcast on the default process group; where the checksums decide, the gloo
-    groups they are split over are created): every rank must call it."""
+    Collective with several ranks (a broadcast on the default process group; where the checksums decide, gloo
+    groups to split them over, destroyed after): every rank must call it."""
     job = plan.job
     cfg = job.checkpoint
     resumes = cfg.resume != "none" and not (job.run.fresh and env.restart_count == 0)
     if not resumes:
-        return plan
+        return plan, {}
     folder = checkpoint_folder(plan)
     explicit = None if cfg.resume == "auto" else cfg.resume
     for location in (folder, explicit):
@@ -102,20 +103,25 @@ def embeddings_as_saved(plan: RunPlan, env: ProcessPlacement) -> RunPlan:
         box = [(answer, checksums_decide)]
         dist.broadcast_object_list(box, src=0)  # collective: every rank builds the model rank 0's answer asks for
         answer, checksums_decide = box[0]
+    known: loading.Findings = {}
     if checksums_decide:  # collective: every rank creates the groups and hashes its share, as the load does
-        chosen = loading.foresee(Coordinator(timeout_s=cfg.timeout_s), folder, explicit=explicit, strict=cfg.strict,
-                                 threads=_hash_threads(env))
+        coord = Coordinator(timeout_s=cfg.timeout_s)
+        try:
+            chosen, known = loading.foresee(coord, folder, explicit=explicit, strict=cfg.strict,
+                                            threads=default_io_threads(env.local_world_size))
+        finally:
+            coord.close()
         answer = _answer(chosen[1], plan) if chosen is not None else (None, "")  # None: the load refuses, saying why
     found, refusal = answer
     if refusal:
         raise CheckpointError(refusal, same_on_every_rank=True)
     if found is None:
-        return plan
+        return plan, known
     step, saved_pp = found
     how = f"trained under parallel.pp={saved_pp}" if saved_pp > 1 else "trained with model.tie_embeddings=false"
     log.warning("the checkpoint to resume (step %s) has untied embeddings (%s): building them untied here too, as "
                 "model.tie_embeddings=false (config.toml records it)", step, how)
-    return plan.untie_embeddings()
+    return plan.untie_embeddings(), known
 
 
 def _answer_before_checksums(plan: RunPlan, folder: str,
@@ -153,18 +159,14 @@ def _answer(manifest: dict[str, Any], plan: RunPlan) -> tuple[tuple[int, int] | 
     return found, model_change_refusal(manifest, plan.job.model)
 
 
-def _hash_threads(env: ProcessPlacement) -> int:
-    """Threads each rank hashes its share of a checkpoint's files on: the checkpointer's default (its io_threads)."""
-    return max(1, min(4, (os.cpu_count() or 1) // max(1, env.local_world_size)))
-
-
 def resume(trainer: Trainer) -> dict[str, Any] | None:
     """Load the checkpoint that checkpoint.resume names (newest valid by default), or, with run.fresh, move an
     earlier run aside and start anew (an elastic restart of a fresh run resumes it). Collective. Returns the manifest
     loaded, or None. Refused: the process gets its signal handlers back (a test or notebook goes on)."""
     try:
         fresh = trainer.folder.start_fresh(trainer.job, trainer.ckpt.coord)
-        manifest = trainer.ckpt.load(trainer.app_state, resume="none" if fresh else None)
+        known, trainer.checksums_known = trainer.checksums_known, {}  # this start's, taken once
+        manifest = trainer.ckpt.load(trainer.app_state, resume="none" if fresh else None, known=known)
         if manifest is None:
             return None
         refusal = model_change_refusal(manifest, trainer.job.model)

@@ -106,7 +106,9 @@ class Trainer:
         self.folder = RunFolder(job, self.env, path=self.run_dir)  # nothing written into it until the run proceeds
         if self.env.is_distributed and job.health.check_versions:
             check_consistency(env=self.env, strict=True, script=sys.argv[0])  # collective: every rank
-        self.plan = embeddings_as_saved(self.plan, self.env)  # collective: untied in the checkpoint stays untied
+        # collective: untied in the checkpoint stays untied
+        self.plan, self.checksums_known = embeddings_as_saved(self.plan, self.env)
+        """What the checksums of checkpoints found while choosing the model (rank 0's), for resume() to take."""
         job = self.job
         self.mesh = self.dims.build_mesh(self.device.type)  # collective: every rank
         set_mesh_timeouts(self.dims.all_meshes(), job.dist.timeout_s)
