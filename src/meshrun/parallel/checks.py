@@ -39,9 +39,9 @@ from meshrun.parallel.kernels import (bf16_by_default, compile_enabled, require_
 from meshrun.parallel.pipeline import effective_model_config
 
 
-def layout_name(dims: ParallelDims) -> str:
-    """'PP 1f1b + TP + HSDP', 'DDP', 'single process', ..."""
-    parts = [f"PP {dims.pp_schedule}"] if dims.pp > 1 else []
+def parallelisms(dims: ParallelDims) -> list[str]:
+    """What applies the degrees, outermost first: ['PP', 'TP', 'HSDP'], ['DDP'], [] in a single process, ..."""
+    parts = ["PP"] if dims.pp > 1 else []
     if dims.tp > 1:
         parts.append("TP")
     if dims.cp > 1:
@@ -51,6 +51,12 @@ def layout_name(dims: ParallelDims) -> str:
                      "FSDP" if dims.dp_shard * dims.cp > 1 else "FSDP-replicate")
     elif dims.dp_replicate > 1:
         parts.append("DDP")
+    return parts
+
+
+def layout_name(dims: ParallelDims) -> str:
+    """'PP 1f1b + TP + HSDP', 'DDP', 'single process', ..."""
+    parts = [f"PP {dims.pp_schedule}" if name == "PP" else name for name in parallelisms(dims)]
     return " + ".join(parts) or "single process"
 
 

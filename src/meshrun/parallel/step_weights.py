@@ -189,15 +189,10 @@ class StepWeights:
         self.refresh()
         self.pending.clear()  # left by a backward pass that raised before it ended
         self.keep_grads = self.grads_in_dtype and micro_batches == 1
-        for module, name, _, copy in self.slots:
-            module._parameters[name] = copy
-        try:
+        with self.registered_by():
             yield
             if self.reduced_by_ddp:
                 self.hand_over()
-        finally:
-            for module, name, param, _ in self.slots:
-                module._parameters[name] = param
 
     def hand_over(self) -> None:
         """Under DDP, once a backward pass has ended (and with it DDP's all-reduce of each bucket): each copy's
@@ -216,8 +211,9 @@ class StepWeights:
 
     @contextmanager
     def registered_by(self) -> Iterator[None]:
-        """The layers hold the copies, without a refresh or a step's settings, while DDP is built inside the block:
-        DDP takes the parameters it finds then (the copies) for its buckets and hooks."""
+        """The layers hold the copies until the block ends, without a refresh or a step's settings (:meth:`held`
+        adds those): DDP built inside the block takes the parameters it finds then (the copies) for its buckets and
+        hooks."""
         for module, name, _, copy in self.slots:
             module._parameters[name] = copy
         try:

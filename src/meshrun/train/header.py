@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from meshrun.models.spec import count_unique_params
 from meshrun.parallel.apply import describe_layout, graphs_left_off, splits_backward, use_loss_parallel
-from meshrun.parallel.checks import bf16_stream, grad_reduce_bf16, layout_name, use_comm_reorder, uses_fsdp
+from meshrun.parallel.checks import bf16_stream, grad_reduce_bf16, parallelisms, use_comm_reorder, uses_fsdp
 from meshrun.parallel.comm_overlap import CTA_VAR, P2P_VAR
 from meshrun.parallel.data_parallel import WHOLE_MODEL, describe_units
 from meshrun.parallel.kernels import describe_speed
@@ -42,9 +42,8 @@ def parallel_record(dims: ParallelDims) -> dict[str, Any]:
     or ``FSDP-replicate``; none in a single process), beside each mesh degree, the pipeline schedule and the world
     size: {"parallelisms": ["PP", "TP", "HSDP"], "pp": 2, "dp_replicate": 2, "dp_shard": 4, "cp": 1, "tp": 4,
     "pp_schedule": "1f1b", "world_size": 64}."""
-    parts = layout_name(dims).split(" + ") if dims.world_size > 1 else []  # one process: 'single process'
-    return {"parallelisms": [part.split(" ")[0] for part in parts],  # 'PP 1f1b': the schedule has its own key
-            **dims.degrees(), "pp_schedule": dims.pp_schedule, "world_size": dims.world_size}
+    return {"parallelisms": parallelisms(dims) if dims.world_size > 1 else [], **dims.degrees(), "pp_schedule": dims.pp_schedule,
+            "world_size": dims.world_size}
 
 
 def print_header(trainer: Trainer) -> None:
