@@ -8,13 +8,16 @@ they were trained, so that a resume continues exactly.
   values and optimizer state, as a single process that unties them in memory does (the reference, exactly);
 * a tied model refuses an untied checkpoint rather than keep one of the two matrices;
 * a loading refusal that only some ranks meet (a pipeline's last stage alone holds the output head) is raised on
-  every rank, and `meshrun train` prints a checkpoint error that only this rank raised from this rank.
+  every rank, and `meshrun train` prints a checkpoint error that only this rank raised from this rank;
+* where the checksums decide the model, the ranks check that the checkpoint folder is shared before they hash it
+  (node-local folders are refused as the load refuses them, nothing hashed), and the load does not check it again.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -209,6 +212,82 @@ def test_a_checkpoint_error_of_this_rank_alone_is_said_by_it(monkeypatch, tmp_pa
     assert capsys.readouterr().err == "", "every rank raises it: the node's local rank 0 says it"
     assert _run_as(0, monkeypatch, tmp_path, agreed) == 1
     assert capsys.readouterr().err == "meshrun train: error: checkpoint x is damaged\n"
+
+
+# ---- the checkpoint folder, checked before checksums decide the model -------------------------------------------
+
+def _node_local_resume(rank: int, world_size: int, root: str) -> tuple[str, list[str]]:
+    """Rank ``rank`` choosing its model with checkpoint.dir=ck, a folder of its own node at the same path (here: the
+    relative path from each rank's own working directory, ``root``/node<rank>); what it raised, and the checkpoint
+    files it hashed."""
+    from meshrun.ckpt import collectives, loading
+    from meshrun.config import load_config
+    from meshrun.train.plan import RunPlan, validated
+    from meshrun.train.resuming import embeddings_as_saved
+
+    os.chdir(Path(root) / f"node{rank}")
+    collectives.SHARED_CHECK_WAIT_S = 0.3
+    hashed: list[str] = []
+    real = loading.check_checksums
+
+    def counting(folder, manifest, names, **kwargs):
+        hashed.extend(names)
+        return real(folder, manifest, names, **kwargs)
+
+    loading.check_checksums = counting
+    env = ProcessPlacement.detect()
+    job = load_config(None, ["--run.dir=run", "--checkpoint.dir=ck", *COMMON, *DDP2])
+    try:
+        embeddings_as_saved(RunPlan.resolve(validated(job), env=env, vocab_size=256), env)
+    except CheckpointError as exc:
+        return f"{exc.same_on_every_rank} {exc}", hashed
+    return "no refusal", hashed
+
+
+def test_node_local_folders_are_refused_before_checksums_decide_the_model(tmp_path):
+    """Node 0's folder holds an untied step 4 under a tied step 8, so that the checksums decide the model; node 1's is
+    empty. The ranks refuse it as the load does, as a folder not shared by all ranks, before hashing files that rank 1
+    cannot see (each checkpoint would be reported damaged, and the load's refusal would come only after)."""
+    folder = tmp_path / "node0" / "ck"
+    ckpt = Checkpointer(ckpt_config(), folder=folder, env=ProcessPlacement.detect({}), layout={"pp": 1},
+                        config_fingerprint="fp-test")
+    for step, tied in ((4, False), (8, True)):
+        ckpt.save(step, {"weights": {"a": torch.full((64,), float(step))}},
+                  meta={"config": {"model": {"tie_embeddings": tied}}})
+    (tmp_path / "node1" / "ck").mkdir(parents=True)
+    said = run_distributed(_node_local_resume, 2, str(tmp_path), timeout=120)
+    for refusal, hashed in said:
+        assert refusal.startswith("True checkpoint.dir=ck is not on storage shared by all ranks: rank 1"), refusal
+        assert hashed == []
+
+
+def test_the_folder_is_checked_once_before_checksums_decide_the_model(tmp_path, monkeypatch):
+    """One start whose checksums decide the model (a damaged tied step 8 over an untied step 4) checks the folder
+    before hashing, and its load does not check it again."""
+    from test_resume_tie_fallback import UNTIED, _newest_damaged_over, _trainer
+
+    from meshrun.ckpt import collectives, loading
+    from meshrun.ckpt.folder import step_dir_name
+
+    run = tmp_path / "run"
+    _newest_damaged_over(run, UNTIED, "")
+    events: list[str] = []
+    real_look, real_hash = collectives._sees, loading.check_checksums
+
+    def looking(store, probe, nonce, wait_s):  # once in each check of the folder
+        events.append("folder check")
+        return real_look(store, probe, nonce, wait_s)
+
+    def hashing(folder, manifest, names, **kwargs):
+        events.append(Path(folder).name)
+        return real_hash(folder, manifest, names, **kwargs)
+
+    monkeypatch.setattr(collectives, "_sees", looking)
+    monkeypatch.setattr(loading, "check_checksums", hashing)
+    with _trainer(run, 12) as trainer:
+        assert trainer.resumed["step"] == 4 and trainer.job.model.tie_embeddings is False
+        trainer.ckpt.save(5, trainer.app_state)  # a save after the load: the folder is not checked again
+    assert events == ["folder check", step_dir_name(8), step_dir_name(4)], events
 
 
 # ---- through the trainer ---------------------------------------------------------------------------------------

@@ -375,8 +375,8 @@ class Checkpointer:
         self.store.sync(self.folder)
 
     # ------------------------------------------------------------------ load
-    def load(self, state: dict[str, Any], resume: str | None = None, *,
-             known: loading.Findings | None = None) -> dict[str, Any] | None:
+    def load(self, state: dict[str, Any], resume: str | None = None, *, known: loading.Findings | None = None,
+             folder_checked: bool = False) -> dict[str, Any] | None:
         """Resume into ``state`` (the dict given to save). Collective.
 
         ``resume`` (default: checkpoint.resume): "none" starts fresh; "auto" loads the newest checkpoint that has
@@ -384,7 +384,9 @@ class Checkpointer:
         reporting the others, or refusing when checkpoint.strict; it starts fresh where no checkpoint has COMPLETE,
         and refuses where every one that has is damaged; a path loads exactly that or raises. Returns the manifest
         loaded, or None when starting fresh. What was skipped or changed is in ``notes`` (and logged). ``known``:
-        what checksums this start already verified (loading.foresee, rank 0's), not hashed again.
+        what checksums this start already verified (loading.foresee, rank 0's), not hashed again. ``folder_checked``
+        (alike on every rank): this start already checked on these ranks that the folder is shared (before foresee's
+        checksums), not checked again.
         """
         resume = self.cfg.resume if resume is None else resume
         self.wait()
@@ -393,6 +395,7 @@ class Checkpointer:
             self._note_existing()
             return None
         explicit = None if resume == "auto" else resume
+        self._folder_checked = self._folder_checked or folder_checked
         if explicit is None:
             self._ensure_folder_checked()
         chosen = loading.choose(self.coord, self.folder, explicit=explicit, strict=self.cfg.strict,

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from meshrun.ckpt import loading
 from meshrun.ckpt.checkpointer import Checkpointer, default_io_threads
-from meshrun.ckpt.collectives import Coordinator
+from meshrun.ckpt.collectives import Coordinator, check_shared_folder
 from meshrun.ckpt.errors import CheckpointError
 from meshrun.ckpt.preemption import announce, install_sigterm_handler
 from meshrun.ckpt.run_config import config_fingerprint, saved_config, saved_embeddings_tied
@@ -71,17 +71,19 @@ def checkpoint_folder(plan: RunPlan) -> str:
     return plan.job.checkpoint.dir or str(plan.run_dir / "checkpoints")
 
 
-def embeddings_as_saved(plan: RunPlan, env: ProcessPlacement) -> tuple[RunPlan, loading.Findings]:
+def embeddings_as_saved(plan: RunPlan, env: ProcessPlacement) -> tuple[RunPlan, loading.Findings | None]:
     """The plan to build the model from: with the embeddings untied when the checkpoint this run resumes trained them
     untied (under a pipeline, or with the option off) and this layout would tie them again. Before the model exists,
     from the checkpoint the load will pick: rank 0 reads the manifests of those it may pick (loading.peek: the first
     that passes the cheap checks, and with resume=auto and checkpoint.strict off the older ones it falls back to
     where the checksums find that one damaged). Where they all ask for the same model, that is the answer, with no
     checksums yet; where they differ (trained under a pipeline, then resumed tied, say), every rank verifies now as
-    the load does (loading.foresee), and the one that passes decides. A checkpoint of another model shape is refused
-    here (:func:`model_change_refusal`), on every rank. Returns the plan and what the checksums found (rank 0's;
-    empty where they did not decide), for this start's load to take instead of hashing the same files again
-    (:func:`resume`).
+    the load does (loading.foresee), and the one that passes decides; first, as the load does, the ranks check that
+    the checkpoint folder is one they all see (on node-local folders each rank would hash files it cannot see, and
+    every checkpoint would be reported damaged before the load refused). A checkpoint of another model shape is
+    refused here (:func:`model_change_refusal`), on every rank. Returns the plan and what the checksums found (rank
+    0's, empty elsewhere; None where they did not decide, nor was the folder checked), for this start's load to take
+    instead of hashing the same files and checking the folder again (:func:`resume`).
 
     Collective with several ranks (a broadcast on the default process group; where the checksums decide, gloo
     groups to split them over, destroyed after): every rank must call it."""
@@ -89,7 +91,7 @@ def embeddings_as_saved(plan: RunPlan, env: ProcessPlacement) -> tuple[RunPlan, 
     cfg = job.checkpoint
     resumes = cfg.resume != "none" and not (job.run.fresh and env.restart_count == 0)
     if not resumes:
-        return plan, {}
+        return plan, None
     folder = checkpoint_folder(plan)
     explicit = None if cfg.resume == "auto" else cfg.resume
     for location in (folder, explicit):
@@ -103,10 +105,11 @@ def embeddings_as_saved(plan: RunPlan, env: ProcessPlacement) -> tuple[RunPlan, 
         box = [(answer, checksums_decide)]
         dist.broadcast_object_list(box, src=0)  # collective: every rank builds the model rank 0's answer asks for
         answer, checksums_decide = box[0]
-    known: loading.Findings = {}
+    known: loading.Findings | None = None
     if checksums_decide:  # collective: every rank creates the groups and hashes its share, as the load does
         coord = Coordinator(timeout_s=cfg.timeout_s)
         try:
+            check_shared_folder(coord, folder)  # as the load does first (resume=auto, as checksums_decide implies)
             chosen, known = loading.foresee(coord, folder, explicit=explicit, strict=cfg.strict,
                                             threads=default_io_threads(env.local_world_size))
         finally:
@@ -165,8 +168,9 @@ def resume(trainer: Trainer) -> dict[str, Any] | None:
     loaded, or None. Refused: the process gets its signal handlers back (a test or notebook goes on)."""
     try:
         fresh = trainer.folder.start_fresh(trainer.job, trainer.ckpt.coord)
-        known, trainer.checksums_known = trainer.checksums_known, {}  # this start's, taken once
-        manifest = trainer.ckpt.load(trainer.app_state, resume="none" if fresh else None, known=known)
+        known, trainer.checksums_known = trainer.checksums_known, None  # this start's, taken once
+        manifest = trainer.ckpt.load(trainer.app_state, resume="none" if fresh else None, known=known,
+                                     folder_checked=known is not None)  # checked before the checksums decided
         if manifest is None:
             return None
         refusal = model_change_refusal(manifest, trainer.job.model)

@@ -108,7 +108,8 @@ class Trainer:
             check_consistency(env=self.env, strict=True, script=sys.argv[0])  # collective: every rank
         # collective: untied in the checkpoint stays untied
         self.plan, self.checksums_known = embeddings_as_saved(self.plan, self.env)
-        """What the checksums of checkpoints found while choosing the model (rank 0's), for resume() to take."""
+        """What the checksums of checkpoints found while choosing the model (rank 0's), for resume() to take; None
+        where they did not decide it (nor was the checkpoint folder checked then)."""
         job = self.job
         self.mesh = self.dims.build_mesh(self.device.type)  # collective: every rank
         set_mesh_timeouts(self.dims.all_meshes(), job.dist.timeout_s)
