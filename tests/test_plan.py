@@ -63,29 +63,22 @@ def test_fsdp_traffic_counts_the_reduction_in_the_dtype_the_trainer_picks():
 
 
 def test_ddp_traffic_counts_the_linear_layers_bf16_copies_and_the_compression_hook():
-    """124m on one node of 2 GPUs: DDP with bf16 copies (train.weight_copies=auto) of the linear layers and, with the
-    stream between blocks in bf16 (the default), of the tied embedding table, so their 124M gradients travel at 2
-    bytes and the norms' at 4; with the fp32 stream the table's travel at 4 too; across 2 nodes (no copies by
+    """124m on one node of 2 GPUs: DDP with the linear layers' bf16 copies (train.weight_copies=auto), so their 85M
+    gradients travel at 2 bytes and the rest (the tied embedding, the norms) at 4; across 2 nodes (no copies by
     default) all at 4; DDP's bf16 compression hook (parallel.grad_reduce_dtype=bf16) all at 2."""
     one = make_plan("--nodes", "1", "--gpus-per-node", "2", "--model", "124m")
-    fp32_stream = planner.build_plan(load_config(None, ["--model.name=124m", "--train.residual_dtype=fp32"]),
-                                     nodes=1, gpus_per_node=2)
     two = planner.build_plan(load_config(None, ["--model.name=124m", "--parallel.dp_replicate=2"]), nodes=2,
                              gpus_per_node=1)
     hook = planner.build_plan(load_config(None, ["--model.name=124m", "--parallel.grad_reduce_dtype=bf16"]),
                               nodes=1, gpus_per_node=2)
-    assert one.weight_copies and one.table_copied and fp32_stream.weight_copies and not fp32_stream.table_copied
-    assert not two.weight_copies
-    rows = [{r["dim"]: r for r in plan.comm}["dp_replicate"] for plan in (one, fp32_stream, two, hook)]
-    assert rows[0]["what"] == "gradient all-reduce (linear layers and embedding in bf16)"
-    assert rows[1]["what"] == "gradient all-reduce (linear layers in bf16)" and rows[2]["what"] == "gradient all-reduce"
+    assert one.weight_copies and not two.weight_copies
+    rows = [{r["dim"]: r for r in plan.comm}["dp_replicate"] for plan in (one, two, hook)]
+    assert rows[0]["what"] == "gradient all-reduce (linear layers in bf16)" and rows[1]["what"] == "gradient all-reduce"
     mats, _ = one.spec.block_params(one.model)
     linear, total = mats * one.model.n_layers, one.spec.count_params(one.model)
-    table = one.model.vocab_size * one.model.dim
-    for row, bf16 in ((rows[0], linear + table), (rows[1], linear)):
-        assert row["bytes_per_step"] == pytest.approx(rows[2]["bytes_per_step"] * (bf16 * 2 + (total - bf16) * 4)
+    assert rows[0]["bytes_per_step"] == pytest.approx(rows[1]["bytes_per_step"] * (linear * 2 + (total - linear) * 4)
                                                       / (total * 4))
-    assert rows[3]["what"].endswith("(bf16)") and rows[3]["bytes_per_step"] == pytest.approx(rows[2]["bytes_per_step"] / 2)
+    assert rows[2]["what"].endswith("(bf16)") and rows[2]["bytes_per_step"] == pytest.approx(rows[1]["bytes_per_step"] / 2)
 
 
 def test_bubble_of_4_stages_and_32_microbatches(capsys):

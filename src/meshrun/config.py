@@ -155,11 +155,8 @@ class TrainConfig:
     gradient accumulation) their gradients stay bf16 (no cast of them to fp32, 2 bytes less for the optimizer to
     read; torch 2.10 and newer). The arithmetic is autocast's: the same bf16 weights in the matmuls, the gradients'
     same values. Under DDP the copies are DDP's parameters, so their gradients are all-reduced in bf16 (half the
-    bytes, each sum rounded to bf16), whatever parallel.grad_reduce_dtype says for the others. With the stream
-    between blocks in bf16 (train.residual_dtype) the token embedding's lookup reads a bf16 copy of its table too
-    (the same values the first block would cast its rows to; tied to the output head, one copy serves both), and
-    its gradient is bf16 like the linear layers'; otherwise a weight shared with an embedding keeps autocast's cast.
-    auto: on with the Triton AdamW (train.adamw_kernel) on CUDA GPUs, for
+    bytes, each sum rounded to bf16), whatever parallel.grad_reduce_dtype says for the others. A weight shared
+    with an embedding keeps autocast's cast. auto: on with the Triton AdamW (train.adamw_kernel) on CUDA GPUs, for
     one process (on one H200 the 1b step ran 1.026x and the 124m step 1.027x autocast's casts, at the same peak
     memory) and for DDP on the GPUs of one node with one micro-batch a step on torch 2.10 and newer (124m on 2
     H200s: 1.02x; losses within 0.1% of fp32 all-reduce's in a GPU test); true serves DDP with several micro-batches

@@ -124,5 +124,5 @@ def _init(model: nn.Module, device) -> None:
 
 GPT_SPEC = register_model(ModelSpec(
     arch="gpt", build=GPT, sizes=SIZES, init_weights=_init, blocks="layers", first_stage=("tok_embeddings",),
-    stream_embeddings=("tok_embeddings",), last_stage=("norm", "output"), tp_plan=gpt_tp_plan,
-    tie_weights=tie_gpt_weights, sequence_buffers=gpt_sequence_buffers, hidden_states=gpt_hidden_states, head_weight=gpt_head_weight))
+    last_stage=("norm", "output"), tp_plan=gpt_tp_plan, tie_weights=tie_gpt_weights,
+    sequence_buffers=gpt_sequence_buffers, hidden_states=gpt_hidden_states, head_weight=gpt_head_weight))

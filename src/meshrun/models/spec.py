@@ -109,11 +109,6 @@ class ModelStructure:
     """Modules only the first pipeline stage keeps (e.g. the token embedding)."""
     last_stage: tuple[str, ...] = ()
     """Modules only the last pipeline stage keeps (e.g. final norm and output head)."""
-    stream_embeddings: tuple[str, ...] = ()
-    """Embeddings (``nn.Embedding``) whose output is the first block's input as it is: not scaled, not added to
-    another. With the hidden state between blocks in bf16 (train.residual_dtype) and train.weight_copies, their
-    lookups read the bf16 copy of their table, which equals the cast of their fp32 rows at the first block; ()
-    keeps every embedding in fp32."""
     tp_plan: Callable[..., None] | Mapping[str, Any] | None = None
     """Tensor-parallel plan (dict of module globs to styles, or a function); None: the model has no TP."""
     tie_weights: Callable[[nn.Module], None] | None = None

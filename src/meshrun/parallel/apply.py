@@ -425,11 +425,8 @@ def _local_engine(job: JobConfig, spec: ModelSpec, cfg: ModelShape, dims: Parall
     if autocast_dtype is not None and use_weight_copies(job, dims, device, autocast_dtype,
                                                         grad_accum=grad_accum):
         # with one micro-batch a step the gradients stay bf16 where the Triton AdamW reads them
-        # with the stream in bf16 the embedding's lookup reads the copy too (a table tied to the head: one copy)
-        lookups = ([model.get_submodule(name) for name in spec.stream_embeddings]
-                   if options.residual_in_compute_dtype else [])
         copies = StepWeights([model], autocast_dtype, grads_in_dtype=resolve_adamw_kernel(job, device) == "triton",
-                             reduced_by_ddp=ddp, embeddings=lookups)
+                             reduced_by_ddp=ddp)
     if ddp:
         step = apply_ddp(step, dims.get_mesh("dp_replicate"), device,
                          bucket_mb=ddp_bucket_mb(job.parallel.ddp_bucket_mb, cuda_graphs=cuda_graphs),

@@ -15,8 +15,7 @@ and gradients are bitwise those without it (tests/test_step_weights.py). Outside
 parameters again: the optimizer, gradient clipping, checkpoints and state dicts never see the copies.
 
 The copies are persistent tensors updated in place, so CUDA graphs, which take parameters as fixed inputs, keep
-replaying the same addresses. Other parameters (norms, and embeddings unless given, below) are left alone: autocast
-runs those ops in fp32.
+replaying the same addresses. Other parameters (norms, embeddings) are left alone: autocast runs those ops in fp32.
 
 A copy is cast again only where its fp32 parameter changed since the copy was last made: each parameter's version
 counter (which every in-place change bumps: torch's optimizers, a checkpoint loaded) and address are compared with
@@ -26,15 +25,11 @@ bytes written where a cast reads 4 and writes 2) and says so (:meth:`StepWeights
 In one process (``train.weight_copies``, measured on the 1b model on one H200: 1.026x autocast's casts) a step of
 one micro-batch can also leave each copy's gradient in bf16 (``grads_in_dtype``; torch 2.10 and newer let an fp32
 parameter hold it, ``Tensor.grad_dtype``): no cast of it to fp32, and the optimizer reads 2 bytes of it, not 4.
-Steps of several micro-batches add their gradients in fp32 as above.
-
-An embedding whose output goes into the first block as it is, where the hidden state between blocks is bf16
-(``train.residual_dtype``), can look its rows up in a bf16 copy of its table (``embeddings``): the first block would
-cast the fp32 rows to bf16 anyway, so the values are the same. A table tied to the output head then has one copy that
-both read, which the AdamW kernel writes: no cast of the 124m model's 38.6M-parameter table for the head each step,
-and its gradient (the head's and the lookup's, summed) is bf16 like the linear layers'. The lookup's own gradient is
-summed over the tokens in fp32 by inductor's embedding backward and rounded to bf16 once. Other embeddings, and a
-weight an embedding not given shares, keep autocast's fp32 (its other use would add an fp32 gradient to a copy's).
+Steps of several micro-batches add their gradients in fp32 as above. A weight that an embedding shares (tied
+embeddings) gets no copy: its other use would add an fp32 gradient to the copy's. (A copy of a tied table that the
+lookup reads too, where the stream between blocks is bf16, was tried: 1.001x in one process and 0.985x under DDP on
+2 H200s, whose bucket of the layers' bf16 gradients then waited for the table's, complete only at the end of
+backward; docs/benchmarks.md, round 32.)
 
 Under DDP (``reduced_by_ddp``) DDP is built while the layers hold the copies (:meth:`registered_by`), so the copies
 are its parameters: their gradients land in bf16 buckets, which it divides by the world size and all-reduces as it
@@ -80,13 +75,6 @@ def compiled_adder() -> GradAdder:
     return torch.compile(add_all, dynamic=False)
 
 
-def copies_lookup(module: nn.Module) -> bool:
-    """Can ``module``, an embedding given to :class:`StepWeights`, look its rows up in a copy of its table? A plain
-    lookup (``nn.Embedding`` without ``max_norm``, which renormalises the table in place, and without sparse
-    gradients) returns the copy's rows, the table's rounded to the copy's dtype."""
-    return (isinstance(module, nn.Embedding) and module.max_norm is None and not module.sparse)
-
-
 def grad_adder(*, compiled: bool, device: torch.device) -> GradAdder | None:
     """How :class:`StepWeights` adds a micro-batch's gradients: compiled, after each backward pass, where the model
     is compiled on a GPU; None (each one as it arrives, eagerly) elsewhere, where a compilation would cost more
@@ -98,15 +86,10 @@ class StepWeights:
     """The compute-dtype copies of ``parts``' linear layers' parameters, and the swap that puts them in place.
 
     ``add``: how each micro-batch's gradients reach the fp32 ones after the first (the first is cast): None adds
-    each as its hook fires; a :data:`GradAdder` gets them all at the end of that backward pass, in one call.
-    ``embeddings``: embeddings of ``parts`` whose lookups read the copy of their table too (:func:`copies_lookup`),
-    where the caller knows their output is cast to the compute dtype as it is (train.residual_dtype=bf16 casts the
-    first block's input, and the model declares its ``stream_embeddings``): with a table tied to the output head,
-    both then read one copy."""
+    each as its hook fires; a :data:`GradAdder` gets them all at the end of that backward pass, in one call."""
 
     def __init__(self, parts: Sequence[nn.Module], dtype: torch.dtype, *, add: GradAdder | None = None,
-                 grads_in_dtype: bool = False, reduced_by_ddp: bool = False,
-                 embeddings: Sequence[nn.Module] = ()):
+                 grads_in_dtype: bool = False, reduced_by_ddp: bool = False):
         self.dtype = dtype
         self.reduced_by_ddp = reduced_by_ddp
         """DDP holds the copies as its parameters (:meth:`registered_by`): their gradients land in its bf16
@@ -129,20 +112,15 @@ class StepWeights:
         """This step's gradients stay in the copies' dtype (one micro-batch, ``grads_in_dtype``)."""
         self.casts = 0
         """Copies :meth:`refresh` has cast from their fp32 parameters (tests read it)."""
-        lookups = {id(module) for module in embeddings if copies_lookup(module)}
-
-        def copied(module: nn.Module) -> bool:
-            return isinstance(module, COPIED_MODULES) or id(module) in lookups
-
-        elsewhere = {id(p) for part in parts for module in part.modules() if not copied(module)
+        elsewhere = {id(p) for part in parts for module in part.modules() if not isinstance(module, COPIED_MODULES)
                      for p in module.parameters(recurse=False)}
         for part in parts:
             for module in part.modules():
-                if not copied(module):
+                if not isinstance(module, COPIED_MODULES):
                     continue
                 for name, param in module.named_parameters(recurse=False):
                     if not param.is_floating_point() or param.dtype == dtype or id(param) in elsewhere:
-                        continue  # a weight another module reads in fp32 (an embedding not given) keeps it
+                        continue  # a weight an embedding shares reaches autocast's cast there anyway
                     if id(param) not in self.copies:
                         copy = nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
                         if param.requires_grad:
@@ -178,9 +156,7 @@ class StepWeights:
     def describe(self, *, written: bool, micro_batches: int) -> str:
         """For the start-up speed line: who makes the copies (``written``: the optimizer's kernel), and whether a
         step of ``micro_batches`` keeps the gradients bf16."""
-        lookup = any(isinstance(module, nn.Embedding) for module, *_ in self.slots)
-        text = "bf16 weight copies " + ("(the embedding's too) " if lookup else "")
-        text += "written by the AdamW kernel" if written else "cast once per step"
+        text = "bf16 weight copies " + ("written by the AdamW kernel" if written else "cast once per step")
         text += " and bf16 weight gradients" if self.grads_in_dtype and micro_batches == 1 else ""
         return text + (", all-reduced in bf16 (DDP)" if self.reduced_by_ddp else "")
 

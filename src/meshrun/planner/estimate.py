@@ -43,9 +43,6 @@ class Plan:
     weight_copies: bool = False
     """train.weight_copies as the trainer on GPUs resolves it: under DDP the linear layers' gradients are all-reduced
     in bf16 (and every micro-batch is)."""
-    table_copied: bool = False
-    """With ``weight_copies``, the embedding's table has a copy too (the model's ``stream_embeddings``, with the
-    stream between blocks in bf16): its gradient is all-reduced in bf16 as well."""
 
     def node_of(self, rank: int) -> int:
         return rank // self.gpus_per_node
@@ -85,8 +82,8 @@ def _build_plan(job: JobConfig, *, nodes: int, gpus_per_node: int, gpu_mem_gib: 
     import torch
 
     from meshrun.models.build import model_shape, model_spec
-    from meshrun.parallel.checks import bf16_stream, compute_dtype, grad_reduce_bf16, resolve_layout, \
-        use_cast_once, use_weight_copies
+    from meshrun.parallel.checks import compute_dtype, grad_reduce_bf16, resolve_layout, use_cast_once, \
+        use_weight_copies
     from meshrun.parallel.kernels import compile_enabled
 
     model, spec = model_shape(job), model_spec(job)
@@ -107,8 +104,6 @@ def _build_plan(job: JobConfig, *, nodes: int, gpus_per_node: int, gpu_mem_gib: 
                 reduce_bf16=grad_reduce_bf16(job, dims, compute_dtype(job, "cuda"), gpu, grad_accum=batch.grad_accum),
                 weight_copies=compute_dtype(job, "cuda") == torch.bfloat16 and use_weight_copies(
                     job, dims, gpu, compute_dtype(job, "cuda"), grad_accum=batch.grad_accum))
-    plan.table_copied = (plan.weight_copies and bool(spec.stream_embeddings)
-                         and bf16_stream(job, dims, compute_dtype(job, "cuda")))
     plan.memory = [stage_memory(plan, s, dtype_bytes=dtype_bytes) for s in range(dims.pp)]
     plan.comm = communication(plan, dtype_bytes=dtype_bytes)
     plan.warnings = layout_warnings(plan, gpu_mem_gib=gpu_mem_gib)
@@ -295,12 +290,10 @@ def communication(plan: Plan, *, dtype_bytes: int) -> list[dict[str, Any]]:
         elif d.world_size == d.dp_replicate and plan.weight_copies:
             # the linear layers' bf16 copies: their gradients all-reduced in bf16, every micro-batch
             mats, _ = plan.spec.block_params(m)
-            (embed, _), (head, _) = plan.spec.edge_params(m, tied=m.tie_embeddings)
-            # with the stream between blocks in bf16, the embedding's table too (tied: the head's)
-            linear = mats * m.n_layers + head + (embed if plan.table_copied else 0)
+            head = 0 if m.tie_embeddings else plan.spec.edge_params(m, tied=False)[1][0]
+            linear = mats * m.n_layers + head
             grad_bytes = b.grad_accum * (linear * 2 + (shard - linear) * GRAD_BYTES)
-            layers = "linear layers and embedding" if plan.table_copied else "linear layers"
-            what += f" ({layers} in bf16{', every micro-batch' if b.grad_accum > 1 else ''})"
+            what += f" (linear layers in bf16{', every micro-batch' if b.grad_accum > 1 else ''})"
         rows.append(_row(plan, "dp_replicate", what, 2 * (n - 1) / n * grad_bytes))
     if d.pp > 1:
         sp = plan.job.parallel.sequence_parallel and d.tp > 1
