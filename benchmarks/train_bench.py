@@ -109,6 +109,19 @@ CE_TORCH = {"ce-torch": "--train.cross_entropy=torch"}
 # autocast's casts and fp32 all-reduce against the linear layers' bf16 copies (train.weight_copies, Triton AdamW)
 TUNE_CUDA = {"ddp": CE_TORCH | {"casts": "--train.weight_copies=false"},
              "fsdp": CE_TORCH | {"symm-mem": "--parallel.fsdp_symm_mem=true"}, "pp": CE_TORCH}
+# DDP's gradient copies batched per bucket (parallel.ddp_batched_copy), where this torch's DDP has batched_grad_copy
+BATCHED_COPY = {"batched": "--parallel.ddp_batched_copy=true"}
+
+
+def ddp_batches_copies() -> bool:
+    """Does the torch the rows run with (this process's) give DistributedDataParallel ``batched_grad_copy``?"""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    return "batched_grad_copy" in inspect.signature(DistributedDataParallel).parameters
+
+
 DEFAULTS_WITHIN = 0.03  # the defaults should be within 3% of the best setting --tune finds
 WORKLOAD_OPTIONS = ("--model.", "--train.micro_batch", "--train.grad_accum", "--train.global_batch")
 """Overrides that change what a step trains (the model or the samples per step): a variant with one of them is a
@@ -545,8 +558,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "LAYOUT/NAME adds it for that layout only")
     p.add_argument("--tune", action="store_true",
                    help="one more row per layout for each documented setting its defaults choose between (ddp "
-                        "graphs and buckets, DDP or FSDP2 for the data-parallel layout, FSDP units and resharding, TP "
-                        "sequence parallelism, PP micro-batches, schedule and cut, CUDA graphs off, torch's "
+                        "graphs, buckets and batched gradient copies where torch has them, DDP or FSDP2 for the "
+                        "data-parallel layout, FSDP units and resharding, TP sequence parallelism, PP micro-batches, schedule and cut, CUDA graphs off, torch's "
                         "cross-entropy), and say whether the defaults are within 3%% of the best")
     p.add_argument("--src", action="append", default=[], metavar="NAME:FOLDER",
                    help="meshrun rows again with the meshrun package in FOLDER (e.g. an older checkout's src), "
@@ -633,7 +646,9 @@ def make_plan(args: argparse.Namespace, device: str) -> tuple[Plan, list[str]]:
         variants += [(f"{layout}/{name}", shlex.split(overrides)) for layout in split(args.layouts)
                      for name, overrides in (TUNE.get(layout, {}) | (TUNE_COMPILED if compiled else {})
                                              | (TUNE_BF16.get(layout, {}) if bf16 else {})
-                                             | (TUNE_CUDA.get(layout, {}) if device == "cuda" else {})).items()]
+                                             | (TUNE_CUDA.get(layout, {}) if device == "cuda" else {})
+                                             | (BATCHED_COPY if layout == "ddp" and ddp_batches_copies() else {})
+                                             ).items()]
     plan = Plan(steps=args.steps, compile=compiled,
                 baseline=not args.no_baseline, peers=peers, session=tuple(SESSION[x] for x in split(args.session)),
                 layouts=split(args.layouts), variants=variants, extra=extra, repeat=args.repeat,

@@ -415,9 +415,15 @@ def test_a_layout_scoped_variant_runs_for_its_layout_only(monkeypatch):
 
 
 def test_tune_adds_each_layouts_documented_settings_and_tags_meshrun_rows(monkeypatch):
+    monkeypatch.setattr(tb, "ddp_batches_copies", lambda: False)
     plan, _ = tb.make_plan(tb.parse_args(["--layouts", "ddp,tp", "--peers", "", "--tune"]), "cpu")
     assert [name for name, _ in plan.variants] == [f"ddp/{n}" for n in tb.TUNE["ddp"]] + [
         f"tp/{n}" for n in tb.TUNE["tp"]]
+    monkeypatch.setattr(tb, "ddp_batches_copies", lambda: True)  # a torch whose DDP batches the copies: one row more
+    batched, _ = tb.make_plan(tb.parse_args(["--layouts", "ddp,tp", "--peers", "", "--tune"]), "cpu")
+    assert dict(batched.variants)["ddp/batched"] == ["--parallel.ddp_batched_copy=true"]
+    assert "tp/batched" not in dict(batched.variants)
+    monkeypatch.setattr(tb, "ddp_batches_copies", lambda: False)
     compiled, _ = tb.make_plan(tb.parse_args(["--layouts", "fsdp", "--peers", "", "--tune"]), "cuda")
     assert [name for name, _ in compiled.variants] == [f"fsdp/{n}" for n in tb.TUNE["fsdp"]] + [
         "fsdp/autotune", "fsdp/ce-torch", "fsdp/symm-mem"]

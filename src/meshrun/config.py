@@ -283,6 +283,13 @@ class ParallelConfig:
     """DDP gradient bucket size in MiB (all-reduce granularity). 0 (auto): 100 when the compiled step runs as CUDA
     graphs split at the buckets (fewer, larger buckets mean fewer graphs; measured faster than 25 on GPUs), torch's
     own 25 otherwise."""
+    ddp_batched_copy: str = "auto"
+    """DDP copies each gradient into its bucket, divided by the world size, in one kernel launch per parameter as the
+    backward pass produces it (about 75 small launches per 100 MiB bucket for the 124m model). true has torch's DDP
+    defer those copies and make them, once a bucket is full, with one ``_foreach_copy_`` and one division of the
+    flat bucket (DistributedDataParallel's ``batched_grad_copy``, in torch releases that have it; the values are
+    the same sums, divided once per bucket). auto: off, until it is measured against the per-parameter copies on
+    GPUs; true refuses a torch without it."""
     ddp_graph: DdpGraphMode = "auto"
     """With compile: split (dynamo cuts the compiled step at DDP's bucket boundaries, so each bucket's all-reduce
     overlaps the rest of backward), whole (one forward and one backward graph, DDP's all-reduces after backward:

@@ -166,6 +166,7 @@ def _check_choices(job: JobConfig) -> None:
     job.train.weight_copies = tri_state("train.weight_copies", job.train.weight_copies)
     job.parallel.comm_reorder = tri_state("parallel.comm_reorder", job.parallel.comm_reorder)
     check_choice("parallel.ddp_graph", job.parallel.ddp_graph, DDP_GRAPH_MODES)
+    job.parallel.ddp_batched_copy = tri_state("parallel.ddp_batched_copy", job.parallel.ddp_batched_copy)
     check_choice("parallel.grad_reduce_dtype", job.parallel.grad_reduce_dtype, REDUCE_DTYPES)
     job.parallel.fsdp_reshard_after_forward = tri_state("parallel.fsdp_reshard_after_forward",
                                                          job.parallel.fsdp_reshard_after_forward)

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from meshrun.config import BatchPlan, ConfigError, JobConfig, resolve_batch
+from meshrun.config_checks import tri_state
 from meshrun.comm.mesh import ParallelDims
 from meshrun.models.build import model_spec
 from meshrun.models.shape import ModelShape
@@ -430,7 +431,8 @@ def _local_engine(job: JobConfig, spec: ModelSpec, cfg: ModelShape, dims: Parall
     if ddp:
         step = apply_ddp(step, dims.get_mesh("dp_replicate"), device,
                          bucket_mb=ddp_bucket_mb(job.parallel.ddp_bucket_mb, cuda_graphs=cuda_graphs),
-                         reduce_dtype=options.reduce_dtype, copies=copies)
+                         reduce_dtype=options.reduce_dtype, copies=copies,
+                         batched_copy=tri_state("parallel.ddp_batched_copy", job.parallel.ddp_batched_copy) == "true")
     if overlap:
         step = torch.compile(step, mode=mode)  # dynamo's DDP optimizer splits the graph at bucket boundaries
     return LocalEngine(model, step=step, autocast_dtype=autocast_dtype, dp_rank=dims.dp_rank(rank),

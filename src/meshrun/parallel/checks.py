@@ -192,6 +192,15 @@ def bf16_accumulation_note(job: JobConfig, dims: ParallelDims, *, reduce_bf16: b
             "--parallel.grad_reduce_dtype=auto (or fp32) keeps that sum in fp32")
 
 
+def ddp_batches_copies() -> bool:
+    """Does this torch's DistributedDataParallel take ``batched_grad_copy`` (parallel.ddp_batched_copy)?"""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    return "batched_grad_copy" in inspect.signature(DistributedDataParallel).parameters
+
+
 def check_layout(job: JobConfig, spec: ModelSpec, shape: ModelShape, dims: ParallelDims, *, device: torch.device,
                  compute_dtype: torch.dtype | None) -> None:
     """Raise ConfigError, naming the option and the fix, when ``dims`` cannot run ``job``'s options for this model on
@@ -227,6 +236,10 @@ def check_layout(job: JobConfig, spec: ModelSpec, shape: ModelShape, dims: Paral
         refusal = symm_mem_refusal(dims, device)
         if refusal:
             raise ConfigError(refusal)
+    if tri_state("parallel.ddp_batched_copy", job.parallel.ddp_batched_copy) == "true" and not ddp_batches_copies():
+        raise ConfigError(f"parallel.ddp_batched_copy=true needs the batched_grad_copy of torch's "
+                          f"DistributedDataParallel, which torch {torch.__version__} does not have: upgrade torch, or "
+                          "drop --parallel.ddp_batched_copy")
     if tri_state("parallel.comm_reorder", job.parallel.comm_reorder) == "true" and not compiled:
         raise ConfigError(f"parallel.comm_reorder=true reorders the compiled graphs, and train.compile="
                           f"{job.train.compile} leaves compilation off on {device.type}: set --train.compile=true, "

@@ -209,7 +209,7 @@ DDP_BROADCAST_BYTES = 250 * 1024 * 1024
 
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device, *, bucket_mb: int = 25,
               sync_buffers: bool = False, reduce_dtype: torch.dtype = torch.float32,
-              copies: StepWeights | None = None) -> nn.Module:
+              copies: StepWeights | None = None, batched_copy: bool = False) -> nn.Module:
     """Wrap in DistributedDataParallel over ``dp_mesh``'s group; returns the wrapper (the model keeps its names).
 
     ``sync_buffers`` broadcasts rank 0's buffers before every forward (models with running statistics, such as
@@ -217,7 +217,10 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device, *, bu
     ``reduce_dtype=torch.bfloat16`` all-reduces each gradient bucket in bf16 (torch's ``bf16_compress_hook``:
     cast to bf16, divide by the world size, all-reduce, copy back into the fp32 bucket). ``copies``: the linear
     layers' bf16 copies of their weights (train.weight_copies, built with ``reduced_by_ddp``), which DDP takes as
-    its parameters in their place: their gradients are all-reduced in bf16 buckets.
+    its parameters in their place: their gradients are all-reduced in bf16 buckets. ``batched_copy``: DDP copies a
+    bucket's gradients into it with one ``_foreach_copy_`` and one division once the bucket is full, not one kernel
+    per parameter as each arrives (torch's ``batched_grad_copy``; parallel.ddp_batched_copy, checked by
+    meshrun.parallel.checks.check_layout).
 
     Collective: every rank of the dp group must call this (DDP broadcasts rank 0's parameters).
     """
@@ -236,10 +239,12 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device, *, bu
     no_buffer_sync = ({"forward_sync_buffers": sync_buffers}
                       if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
                       else {"broadcast_buffers": sync_buffers})
+    batched = {"batched_grad_copy": True} if batched_copy else {}
     with held:
         ddp = DistributedDataParallel(model, process_group=dp_mesh.get_group(),
                                       device_ids=[device.index] if device.type == "cuda" else None,
-                                      gradient_as_bucket_view=True, bucket_cap_mb=bucket_mb, **no_buffer_sync)
+                                      gradient_as_bucket_view=True, bucket_cap_mb=bucket_mb, **no_buffer_sync,
+                                      **batched)
     if reduce_dtype == torch.bfloat16:
         ddp.register_comm_hook(dp_mesh.get_group(), bf16_all_reduce)
     elif reduce_dtype != torch.float32:
