@@ -9,6 +9,13 @@ Used by every multi-process CPU test:
     results = run_distributed(work, 2, x)   # [rank0_result, rank1_result]
 
 A rank that raises fails the call with that rank's traceback; a rank that hangs fails it after ``timeout``.
+Several tests' runs can share one spawn through :func:`each_run` and :func:`results_of`.
+
+``threads=1`` runs each rank on one torch thread, as ``meshrun launch`` sets OMP_NUM_THREADS=1 for workers sharing a
+host: with a thread per core in every rank, 4 TP ranks on 2 cores trained several times slower (each collective
+waited on a rank whose threads were not running). Left at torch's default (a thread per core) where a test compares
+the ranks' bf16 results with the test process's own: the CPU's bf16 matmuls round differently with another thread
+count.
 """
 
 from __future__ import annotations
@@ -29,10 +36,13 @@ from meshrun.comm.process_group import shutdown
 from meshrun.launch.net import free_port  # noqa: F401 - tests import it from here
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue, init_pg: bool) -> None:
+def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue, init_pg: bool,
+           threads: int | None) -> None:
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0"})
+    if threads is not None:
+        torch.set_num_threads(threads)
     try:
         if init_pg:
             dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
@@ -47,12 +57,13 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0,
-                    init_pg: bool = True) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; return results by rank."""
+                    init_pg: bool = True, threads: int | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; return results by rank. ``threads``:
+    torch threads per rank (None: torch's default, one per core)."""
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, init_pg), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, init_pg, threads), daemon=True)
              for r in range(world_size)]
     for proc in procs:
         proc.start()
@@ -88,6 +99,36 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
         codes = {r: procs[r].exitcode for r in missing}
         raise AssertionError(f"ranks {missing} returned nothing within {timeout:.0f}s (exit codes {codes})")
     return [results[r] for r in range(world_size)]
+
+
+class Raised(str):
+    """The traceback of a run that raised, in place of its result (see :func:`each_run`)."""
+
+
+def each_run(runs: dict[Any, Callable[[], Any]]) -> dict[Any, Any]:
+    """Call each of ``runs`` in turn on this rank: {name: result}, or a :class:`Raised` traceback for a run that
+    raised, so that the later runs still report theirs.
+
+    For several tests' runs in one spawn (starting the ranks costs more than many a run); each test reads its own
+    run with :func:`results_of`, which fails it alone when that run raised."""
+    out = {}
+    for name, run in runs.items():
+        try:
+            out[name] = run()
+        except Exception:  # noqa: BLE001 - re-raised by results_of in the test that reads this run
+            out[name] = Raised(traceback.format_exc())
+    return out
+
+
+def results_of(per_rank: list[dict], name: Any) -> list[Any]:
+    """Every rank's result of the run ``name`` of :func:`each_run`; fails the test with the traceback of a rank whose
+    run raised."""
+    import pytest
+
+    for rank, results in enumerate(per_rank):
+        if isinstance(results[name], Raised):
+            pytest.fail(f"{name}: rank {rank} raised:\n{results[name]}", pytrace=False)
+    return [results[name] for results in per_rank]
 
 
 def mesh_group_timeouts(parallel: dict, timeout_s: float) -> tuple[int, int, set[timedelta]]:

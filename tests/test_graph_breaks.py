@@ -9,12 +9,14 @@ its cause. The backend is eager, so this checks tracing, not inductor's code (th
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from dist_utils import recorded_compile_modes, run_distributed
+from dist_utils import each_run, recorded_compile_modes, results_of, run_distributed
 from test_parallel_layouts import build, model_config, train
 
 pytestmark = pytest.mark.slow
@@ -52,18 +54,38 @@ def _worker(rank: int, world_size: int, name: str, bf16_stream: bool = False) ->
     return {"graphs": counter.frame_count, "losses": losses}
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_compiled_blocks_and_losses_trace_as_whole_graphs(name):
-    results = run_distributed(_worker, 2, name)
-    for rank, result in enumerate(results):
+CASES = {"whole": list(LAYOUTS), "bf16_stream": ["ddp2", "tp2", "pp2"], "max_autotune": ["ddp2", "fsdp2"]}
+"""The layouts each test below checks, by kind of run."""
+
+
+def _every_case(rank: int, world_size: int) -> dict:
+    """Every run of this file, one after another on the same 2 ranks: starting 2 ranks took longer than most runs.
+    Each starts from ``torch._dynamo.reset()`` and builds its own mesh; one that raises (both ranks meet in the
+    workers' closing barrier) fails its own test."""
+    runs = {}
+    for kind, names in CASES.items():
+        for name in names:
+            runs[kind, name] = (functools.partial(_mode_worker, rank, world_size, name) if kind == "max_autotune"
+                                else functools.partial(_worker, rank, world_size, name, kind == "bf16_stream"))
+    return each_run(runs)
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[dict]:
+    return run_distributed(_every_case, 2, timeout=600, threads=1)
+
+
+@pytest.mark.parametrize("name", CASES["whole"])
+def test_compiled_blocks_and_losses_trace_as_whole_graphs(name, runs):
+    for rank, result in enumerate(results_of(runs, ("whole", name))):
         # at least one graph per rank: something was compiled (fullgraph=True would have raised on a break)
         assert result["graphs"] >= 1, (name, rank, result)
         assert all(torch.isfinite(torch.tensor(result["losses"]))), (name, rank, result)
 
 
-@pytest.mark.parametrize("name", ["ddp2", "tp2", "pp2"])
-def test_the_bf16_residual_streams_cast_traces_into_the_same_whole_graphs(name):
-    for rank, result in enumerate(run_distributed(_worker, 2, name, True)):
+@pytest.mark.parametrize("name", CASES["bf16_stream"])
+def test_the_bf16_residual_streams_cast_traces_into_the_same_whole_graphs(name, runs):
+    for rank, result in enumerate(results_of(runs, ("bf16_stream", name))):
         assert result["graphs"] >= 1, (name, rank, result)
         assert all(torch.isfinite(torch.tensor(result["losses"]))), (name, rank, result)
 
@@ -81,10 +103,10 @@ def _mode_worker(rank: int, world_size: int, name: str) -> dict:
 
 
 @pytest.mark.parametrize("name, autotuned", [("ddp2", 1), ("fsdp2", 2)])
-def test_compile_mode_max_autotune_reaches_every_compile_of_the_step_or_blocks(name, autotuned):
+def test_compile_mode_max_autotune_reaches_every_compile_of_the_step_or_blocks(name, autotuned, runs):
     """train.compile_mode=max-autotune: the whole DDP step (one compile) or each of FSDP2's 2 blocks is compiled in
     torch's max-autotune mode (without CUDA graphs on CPU); only the separately compiled loss keeps the default."""
-    for rank, result in enumerate(run_distributed(_mode_worker, 2, name)):
+    for rank, result in enumerate(results_of(runs, ("max_autotune", name))):
         modes = result["modes"]
         assert modes.count("max-autotune-no-cudagraphs") == autotuned, (name, rank, modes)
         assert set(modes) <= {"max-autotune-no-cudagraphs", None}, (name, rank, modes)

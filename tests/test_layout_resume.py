@@ -17,10 +17,12 @@ DDP2 = ("--parallel.dp_replicate=2", "--parallel.dp_shard=1", "--train.micro_bat
 
 @pytest.mark.slow
 def test_fsdp_checkpoint_resumes_under_tp_dp_and_ddp(tmp_path):
-    full = run_distributed(_worker, 4, tmp_path / "fsdp", 12, (*COMMON, *FSDP4))[0][0]
+    full = run_distributed(_worker, 4, tmp_path / "fsdp", 12, (*COMMON, *FSDP4), threads=1)[0][0]
     step6 = tmp_path / "fsdp" / "checkpoints" / "step_0000006"
     step9 = tmp_path / "fsdp" / "checkpoints" / "step_0000009"
-    tp = run_distributed(_worker, 4, tmp_path / "tp", 12, (*COMMON, *TP2_DP2, f"--checkpoint.resume={step6}"))
+    tp = run_distributed(_worker, 4, tmp_path / "tp", 12, (*COMMON, *TP2_DP2, f"--checkpoint.resume={step6}"),
+                         threads=1)
     torch.testing.assert_close(torch.tensor(tp[0][0]), torch.tensor(full[6:]), rtol=1e-4, atol=0)
-    ddp = run_distributed(_worker, 2, tmp_path / "ddp", 12, (*COMMON, *DDP2, f"--checkpoint.resume={step9}"))
+    ddp = run_distributed(_worker, 2, tmp_path / "ddp", 12, (*COMMON, *DDP2, f"--checkpoint.resume={step9}"),
+                          threads=1)
     torch.testing.assert_close(torch.tensor(ddp[0][0]), torch.tensor(full[9:]), rtol=1e-4, atol=0)

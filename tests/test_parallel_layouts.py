@@ -245,7 +245,8 @@ def two_rank_results(references, checkpoint_dir, four_rank_results):
 
 def _spawn(worker, layouts: dict[str, Layout], world: int, references, ckpt: str) -> dict:
     initials = {model: ref["initial"] for model, ref in references.items()}
-    per_rank = run_distributed(worker, world, layouts, initials, ckpt, timeout=420)
+    # one torch thread per rank (dist_utils): with one per core the 4-rank TP layouts trained several times slower
+    per_rank = run_distributed(worker, world, layouts, initials, ckpt, timeout=420, threads=1)
     results = {name: [per_rank[r]["layouts"][name] for r in range(world)] for name in layouts}
     return results | {"checkpoint": [per_rank[r]["checkpoint"] for r in range(world)],
                       "hsdp_mesh_timeouts": [per_rank[r].get("hsdp_mesh_timeouts") for r in range(world)]}

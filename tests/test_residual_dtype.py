@@ -154,7 +154,7 @@ def test_ddp_tp_and_a_pipeline_track_one_process_with_a_bf16_stream():
         initials[tied] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     refs = {(tied, residual): _reference(tied, residual, initials[tied])
             for tied in (True, False) for residual in ("fp32", "bf16")}
-    results = run_distributed(_worker, 2, initials, timeout=600)
+    results = run_distributed(_worker, 2, initials, timeout=600, threads=1)
     for name, (tied, _) in LAYOUTS.items():
         for residual in ("fp32", "bf16"):
             ref = refs[(tied, residual)]

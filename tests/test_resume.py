@@ -105,9 +105,9 @@ def _restore_logging(logger, handlers, propagate, level):
 
 @pytest.mark.slow
 def test_same_world_size_resume_is_bitwise_with_dropout(tmp_path):
-    full = run_distributed(_worker, 2, tmp_path / "full", 8, DROPOUT)
-    run_distributed(_worker, 2, tmp_path / "cut", 8, DROPOUT, 5)  # dies during step 6; newest checkpoint: 4
-    resumed = run_distributed(_worker, 2, tmp_path / "cut", 8, DROPOUT)
+    full = run_distributed(_worker, 2, tmp_path / "full", 8, DROPOUT, threads=1)
+    run_distributed(_worker, 2, tmp_path / "cut", 8, DROPOUT, 5, threads=1)  # dies during step 6; newest checkpoint: 4
+    resumed = run_distributed(_worker, 2, tmp_path / "cut", 8, DROPOUT, threads=1)
     assert (tmp_path / "cut" / "checkpoints" / "step_0000004" / "COMPLETE").exists()
     assert resumed[0][0] == full[0][0][4:], "losses after the resume must equal the uninterrupted run's"
     for name, tensor in full[0][1].items():
@@ -121,8 +121,8 @@ def test_resharded_resume_continues_the_global_order(tmp_path, before, after):
             f"--model.vocab_size={SAMPLES + 8}", "--train.global_batch=12")
     micro = lambda world: f"--train.micro_batch={12 // world}"  # noqa: E731 - one accumulation step
     steps = SAMPLES // 12  # exactly one epoch
-    first = run_distributed(_worker, before, tmp_path / "run", steps, (*data, micro(before)), 4)
-    second = run_distributed(_worker, after, tmp_path / "run", steps, (*data, micro(after)))
+    first = run_distributed(_worker, before, tmp_path / "run", steps, (*data, micro(before)), 4, threads=1)
+    second = run_distributed(_worker, after, tmp_path / "run", steps, (*data, micro(after)), threads=1)
     seen = Counter(i for rank in first for i in rank[2][: 4 * 12 // before])  # steps 1-4, saved at step 4
     seen.update(i for rank in second for i in rank[2])
     assert sorted(seen) == list(range(SAMPLES)) and set(seen.values()) == {1}, "each sample exactly once"

@@ -188,14 +188,14 @@ def two_ranks(tmp_path_factory):
     ckpt = str(tmp_path_factory.mktemp("session_ckpt"))
     # DDP for a user's model is covered by tests/test_examples.py
     layouts = [("fsdp", {}), ("tp", {})] + [(label, {**kw, "model": tied_lm}) for label, kw in TIED_TWO_RANKS]
-    return run_distributed(run_layouts, 2, layouts, ckpt, init_pg=False)[0], ckpt
+    return run_distributed(run_layouts, 2, layouts, ckpt, init_pg=False, threads=1)[0], ckpt
 
 
 @pytest.fixture(scope="module")
 def four_ranks():
     layouts = [("hsdp", {"dp_replicate": 2}), ("tp+fsdp", {"tp": 2}),
                ("hsdp/tied", {"dp_replicate": 2, "model": tied_lm}), ("tp+fsdp/tied", {"tp": 2, "model": tied_lm})]
-    return run_distributed(run_layouts, 4, layouts, None, init_pg=False)[0]
+    return run_distributed(run_layouts, 4, layouts, None, init_pg=False, threads=1)[0]
 
 
 def assert_matches(result, ref) -> None:
@@ -265,7 +265,7 @@ def test_fsdp_checkpoint_resumes_at_another_world_size(two_ranks, world_size, mi
     if world_size == 1:
         resumed = resume_at(0, 1, ckpt, micro_batch)
     else:
-        resumed = run_distributed(resume_at, world_size, ckpt, micro_batch, init_pg=False)[0]
+        resumed = run_distributed(resume_at, world_size, ckpt, micro_batch, init_pg=False, threads=1)[0]
     assert resumed["step"] == 3
     # the same next samples as the 2-rank run saw after saving; none of them was seen before the save
     assert resumed["after"] == saved["after"]

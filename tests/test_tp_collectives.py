@@ -16,7 +16,7 @@ from dataclasses import replace
 import pytest
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dist_utils import run_distributed
+from dist_utils import each_run, results_of, run_distributed
 
 
 def _tp_steps(world_size: int, sequence_parallel: bool, make_mode, read, bf16: bool = False) -> dict:
@@ -61,8 +61,8 @@ def _count_worker(rank: int, world_size: int, sequence_parallel: bool) -> dict[i
     (False, {"all_reduce": 4}),
     (True, {"all_gather_into_tensor": 4, "reduce_scatter_tensor": 4}),
 ], ids=["tp", "tp_sequence_parallel"])
-def test_one_block_adds_exactly_megatrons_collectives(sequence_parallel, per_block):
-    counts = run_distributed(_count_worker, 2, sequence_parallel, timeout=180)[0]
+def test_one_block_adds_exactly_megatrons_collectives(sequence_parallel, per_block, spawned):
+    counts = results_of(spawned, "sequence_parallel" if sequence_parallel else "tp")[0]
     one, two = counts[1], counts[2]
     added = {op: two.get(op, 0) - one.get(op, 0) for op in {*one, *two}}
     assert {op: n for op, n in added.items() if n} == per_block, counts
@@ -85,11 +85,11 @@ def _dtype_worker(rank: int, world_size: int) -> dict[int, list[str]]:
     return _tp_steps(world_size, False, _AllReduceDtypes, lambda mode: mode.dtypes, bf16=True)
 
 
-def test_under_bf16_autocast_a_blocks_all_reduces_move_bf16_both_ways():
+def test_under_bf16_autocast_a_blocks_all_reduces_move_bf16_both_ways(spawned):
     """RMSNorm returns its output in the autocast dtype, so the gradient of each sub-layer's input, which TP
     all-reduces over the column-parallel projections that read it, is bf16 like the forward's all-reduces: half the
     bytes of the fp32 it was (the norm computes in fp32 under autocast, and the projections cast its output anyway)."""
-    dtypes = run_distributed(_dtype_worker, 2, timeout=180)[0]
+    dtypes = results_of(spawned, "bf16")[0]
     one, two = dtypes[1], dtypes[2]
     added = list(two)
     for d in one:  # what the second block adds: the 2-block run's all-reduces less the 1-block run's
@@ -121,12 +121,31 @@ def _hf_count_worker(rank: int, world_size: int) -> dict[int, dict[str, int]]:
     return counts
 
 
-def test_a_hugging_face_plan_all_reduces_each_sub_layers_input_gradient_once():
+def _every_worker(rank: int, world_size: int) -> dict:
+    """The runs of every test in this file, one after another on the same 2 ranks (starting the ranks took longer
+    than the counting; each run builds its own models on the one TP mesh). Hugging Face's only where transformers is
+    installed."""
+    import importlib.util
+
+    runs = {"tp": lambda: _count_worker(rank, world_size, False),
+            "sequence_parallel": lambda: _count_worker(rank, world_size, True),
+            "bf16": lambda: _dtype_worker(rank, world_size)}
+    if importlib.util.find_spec("transformers") is not None:
+        runs["hugging_face"] = lambda: _hf_count_worker(rank, world_size)
+    return each_run(runs)
+
+
+@pytest.fixture(scope="module")
+def spawned() -> list[dict]:
+    return run_distributed(_every_worker, 2, timeout=300, threads=1)
+
+
+def test_a_hugging_face_plan_all_reduces_each_sub_layers_input_gradient_once(spawned):
     """Qwen2's own ``base_model_tp_plan`` (q/k/v and gate/up "colwise", o and down "rowwise"): the column-parallel
     siblings share one DTensor of their input (parallel/tp.share_column_inputs), so a decoder layer costs 2
     all-reduces forward and 2 backward, not 2 + 5."""
     pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
-    counts = run_distributed(_hf_count_worker, 2, timeout=180)[0]
+    counts = results_of(spawned, "hugging_face")[0]
     one, two = counts[1], counts[2]
     added = {op: two.get(op, 0) - one.get(op, 0) for op in {*one, *two}}
     assert {op: n for op, n in added.items() if n} == {"all_reduce": 4}, counts

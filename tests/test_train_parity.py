@@ -5,10 +5,12 @@ floating-point sums (gradient all-reduce vs local accumulation), which stays far
 shard, a missing gradient sync or a wrong loss scaling moves losses by >1e-3 within a few steps.
 """
 
+import functools
+
 import pytest
 import torch
 
-from dist_utils import run_distributed
+from dist_utils import each_run, results_of, run_distributed
 from meshrun.config import load_config
 from meshrun.train.trainer import Trainer
 
@@ -30,8 +32,16 @@ def train(tmp, micro_batch, grad_accum):
     return result.losses, result.val_loss, state
 
 
-def _ddp_worker(rank, world_size, tmp, micro_batch, grad_accum):
-    return train(tmp, micro_batch, grad_accum)
+def _ddp_worker(rank, world_size, tmp):
+    """Both tests' DDP runs, (micro-batch, accumulation) (8, 1) and (4, 2), one after another on the same 2 ranks
+    (starting them took about as long as a run), each in its own folder."""
+    return each_run({(mb, accum): functools.partial(train, tmp / f"ddp_{mb}x{accum}", mb, accum)
+                     for mb, accum in ((8, 1), (4, 2))})
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory) -> list[dict]:
+    return run_distributed(_ddp_worker, 2, tmp_path_factory.mktemp("ddp"), threads=1)
 
 
 def assert_same_run(reference, other):
@@ -45,11 +55,11 @@ def assert_same_run(reference, other):
 
 
 @pytest.mark.slow
-def test_ddp_two_ranks_equals_single_process_with_accumulation(tmp_path):
+def test_ddp_two_ranks_equals_single_process_with_accumulation(tmp_path, ddp_runs):
     # global batch 16 both ways: 1 process x 8 x 2 accumulation == 2 ranks x 8 x 1
     reference = train(tmp_path / "single", 8, 2)
     assert reference[0][-1] < reference[0][0] - 0.5, "the model should learn something in 20 steps"
-    results = run_distributed(_ddp_worker, 2, tmp_path / "ddp", 8, 1)
+    results = results_of(ddp_runs, (8, 1))
     assert_same_run(reference, results[0])
     # every rank ends with identical weights (DDP keeps replicas in sync)
     for name, tensor in results[0][2].items():
@@ -57,8 +67,8 @@ def test_ddp_two_ranks_equals_single_process_with_accumulation(tmp_path):
 
 
 @pytest.mark.slow
-def test_ddp_with_accumulation_equals_single_process(tmp_path):
+def test_ddp_with_accumulation_equals_single_process(tmp_path, ddp_runs):
     # global batch 16: 1 x 4 x 4 accumulation == 2 ranks x 4 x 2 accumulation (no_sync on the first micro-batch)
     reference = train(tmp_path / "single", 4, 4)
-    results = run_distributed(_ddp_worker, 2, tmp_path / "ddp", 4, 2)
+    results = results_of(ddp_runs, (4, 2))
     assert_same_run(reference, results[0])
