@@ -10,8 +10,8 @@ For each case (model size x number of GPUs x gradient-clipping value) it runs, a
     layout only); with --src, all of
     those again from another copy of meshrun (an older checkout's src), to compare two versions of the code;
   - with --tune, one more meshrun row per layout for each documented setting its defaults choose between (TUNE,
-    TUNE_COMPILED when compiling, TUNE_BF16 with bf16 compute, TUNE_CUDA on GPUs), and a line per layout saying
-    whether the defaults are within 3% of the fastest of them;
+    TUNE_COMPILED when compiling, TUNE_BF16 with bf16 compute, TUNE_CUDA on GPUs, BATCHED_COPY for DDP where torch has
+    it), and a line per layout saying whether the defaults are within 3% of the fastest of them;
   - with --session, the baseline's GPT through meshrun's `Session.prepare_model` (benchmarks/session_gpt.py, as
     docs/api.md shows: a user's own model) per layout given (ddp, fsdp).
 Every row reports tokens/s per GPU, MFU, peak memory, vs_baseline (its tokens/s over the faster baseline row of its
