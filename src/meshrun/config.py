@@ -289,7 +289,7 @@ class ParallelConfig:
     defer those copies and make them, once a bucket is full, with one ``_foreach_copy_`` and one division of the
     flat bucket (DistributedDataParallel's ``batched_grad_copy``, in torch releases that have it; the values are
     the same sums, divided once per bucket). auto: off, until it is measured against the per-parameter copies on
-    GPUs; true refuses a torch without it."""
+    GPUs (torch 2.13 has it, 2.11 does not); true refuses a torch without it."""
     ddp_graph: DdpGraphMode = "auto"
     """With compile: split (dynamo cuts the compiled step at DDP's bucket boundaries, so each bucket's all-reduce
     overlaps the rest of backward), whole (one forward and one backward graph, DDP's all-reduces after backward:
